@@ -1,0 +1,40 @@
+//! Data: the tokenizer, Qwen3 chat prompts and prompt templates, JSONL task
+//! datasets and the seeded, resumable batch sampler.
+//!
+//! - [`tokenizer`]: Hugging Face `tokenizer.json` with Qwen3's special ids.
+//! - [`chat`]: the Qwen3 chat template reproduced exactly, and the prompt
+//!   templates that add the paper's `\boxed{}` instruction.
+//! - [`dataset`]: `{"problem","answer",...}` JSONL files, bad-line policy, and
+//!   the epoch sampler whose state goes into checkpoints.
+
+pub mod chat;
+pub mod dataset;
+pub mod tokenizer;
+
+pub use chat::{render_chat, Message, PromptTemplate, BOXED_SUFFIX, SUFFIX_SEPARATOR};
+pub use dataset::{BadLinePolicy, Dataset, DatasetOptions, Example, Sampler, SamplerState};
+pub use tokenizer::Tokenizer;
+
+/// Shared helpers for this module's unit tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::path::PathBuf;
+
+    /// The repository root: `CARGO_MANIFEST_DIR/..` in the real crate, else
+    /// `/work/main` (when compiled from a scratch crate elsewhere).
+    pub fn repo_root() -> PathBuf {
+        let up = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        if up.join("models/qwen3-tokenizer").is_dir() {
+            up
+        } else {
+            PathBuf::from("/work/main")
+        }
+    }
+
+    /// The Hugging Face reference renderings (made with `transformers`).
+    pub fn chat_fixture() -> serde_json::Value {
+        let p = repo_root().join("host/tests/fixtures/chat/qwen3_chat.json");
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+}

@@ -1,0 +1,302 @@
+//! Qwen3 model configuration, read from a Hugging Face `config.json`.
+//!
+//! Mirrors `transformers.Qwen3Config` field for field (the subset that shapes the
+//! network). Unknown fields are ignored; a missing or invalid required field is an
+//! error that names the field and the file.
+
+use std::path::Path;
+
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::{Error, Result};
+
+/// The architecture hyper-parameters of a Qwen3 causal language model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    /// The dtype the weights were saved in (`"float32"`, `"bfloat16"`, `"float16"`).
+    pub torch_dtype: String,
+}
+
+impl Config {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates a `config.json` text; `file` names it in errors.
+    pub fn from_json_str(text: &str, file: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|e| Error::Parse {
+            path: file.into(),
+            line: e.line(),
+            msg: e.to_string(),
+        })?;
+        let obj = value.as_object().ok_or_else(|| Error::Config {
+            file: file.into(),
+            field: "<root>".into(),
+            msg: "expected a JSON object".into(),
+        })?;
+        let f = Fields { obj, file };
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        let hidden_size = f.usize("hidden_size")?;
+        let cfg = Config {
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
+            num_attention_heads,
+            // HF defaults: kv heads = attention heads, head_dim = hidden / heads.
+            num_key_value_heads: f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads),
+            head_dim: f.opt_usize("head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1)),
+            rope_theta: f.opt_f64("rope_theta")?.unwrap_or(10_000.0),
+            rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32_768),
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
+            bos_token_id: f.opt_token_id("bos_token_id")?,
+            eos_token_id: f.opt_token_id("eos_token_id")?,
+            torch_dtype: f.opt_str("torch_dtype")?.unwrap_or_else(|| "float32".into()),
+        };
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    /// Checks the invariants the model relies on, once, with a clear message.
+    pub fn validate(&self, file: &str) -> Result<()> {
+        let bad = |field: &str, msg: String| Error::Config { file: file.into(), field: field.into(), msg };
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(bad(name, "must be positive, found 0".into()));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(bad(
+                "num_key_value_heads",
+                format!(
+                    "must divide num_attention_heads ({}), found {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(bad("head_dim", format!("must be even for rotary embeddings, found {}", self.head_dim)));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(bad("rope_theta", format!("must be a positive number, found {}", self.rope_theta)));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(bad("rms_norm_eps", format!("must be a positive number, found {}", self.rms_norm_eps)));
+        }
+        parse_dtype(&self.torch_dtype).map_err(|_| {
+            bad("torch_dtype", format!("expected float32, bfloat16 or float16, found {:?}", self.torch_dtype))
+        })?;
+        Ok(())
+    }
+
+    /// The Hugging Face `config.json` text for this configuration.
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        if let Some(obj) = v.as_object_mut() {
+            obj.insert("architectures".into(), Value::from(vec!["Qwen3ForCausalLM"]));
+            obj.insert("model_type".into(), Value::from("qwen3"));
+            obj.insert("hidden_act".into(), Value::from("silu"));
+            obj.insert("attention_dropout".into(), Value::from(0.0));
+            obj.insert("initializer_range".into(), Value::from(0.02));
+            obj.insert("use_cache".into(), Value::from(true));
+            obj.insert("use_sliding_window".into(), Value::from(false));
+            obj.insert("sliding_window".into(), Value::Null);
+            obj.insert("max_window_layers".into(), Value::from(self.num_hidden_layers));
+            obj.insert("rope_scaling".into(), Value::Null);
+            obj.insert("transformers_version".into(), Value::from("4.51.0"));
+        }
+        v
+    }
+
+    /// Number of parameters (embedding counted once when tied).
+    pub fn num_params(&self) -> usize {
+        let (h, i, d) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (nq, nkv) = (self.num_attention_heads, self.num_key_value_heads);
+        let attn = h * nq * d + 2 * h * nkv * d + nq * d * h + 2 * d;
+        let bias = if self.attention_bias { nq * d + 2 * nkv * d + h } else { 0 };
+        let layer = attn + bias + 3 * h * i + 2 * h;
+        let emb = self.vocab_size * h;
+        let head = if self.tie_word_embeddings { 0 } else { emb };
+        emb + head + self.num_hidden_layers * layer + h
+    }
+}
+
+/// Maps a Hugging Face dtype name to a candle dtype.
+pub fn parse_dtype(name: &str) -> Result<DType> {
+    match name {
+        "float32" | "f32" | "fp32" => Ok(DType::F32),
+        "bfloat16" | "bf16" => Ok(DType::BF16),
+        "float16" | "f16" | "fp16" | "half" => Ok(DType::F16),
+        other => Err(Error::invalid(format!("unknown dtype {other:?}: expected float32, bfloat16 or float16"))),
+    }
+}
+
+/// The Hugging Face name of a candle float dtype.
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+/// Typed access to the fields of a JSON object, with errors naming the field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    file: &'a str,
+}
+
+impl Fields<'_> {
+    fn err(&self, field: &str, msg: impl Into<String>) -> Error {
+        Error::Config { file: self.file.into(), field: field.into(), msg: msg.into() }
+    }
+
+    fn get(&self, field: &str) -> Option<&Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.opt_usize(field)?.ok_or_else(|| self.err(field, "missing required field"))
+    }
+
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}"))),
+        }
+    }
+
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+        }
+    }
+
+    fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    fn opt_str(&self, field: &str) -> Result<Option<String>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
+        }
+    }
+
+    /// A token id, or the first of a list of ids (HF allows both for eos).
+    fn opt_token_id(&self, field: &str) -> Result<Option<u32>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Array(a)) if a.is_empty() => Ok(None),
+            Some(Value::Array(a)) => a[0]
+                .as_u64()
+                .map(|n| Some(n as u32))
+                .ok_or_else(|| self.err(field, format!("expected a token id, found {}", a[0]))),
+            Some(v) => v.as_u64().map(|n| Some(n as u32)).ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: &str = r#"{"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "tie_word_embeddings": true, "torch_dtype": "float32", "some_future_field": [1, 2]}"#;
+
+    #[test]
+    fn parses_and_ignores_unknown_fields() {
+        let c = Config::from_json_str(TINY, "config.json").unwrap();
+        assert_eq!(c.vocab_size, 384);
+        assert_eq!(c.num_key_value_heads, 2);
+        assert!(c.tie_word_embeddings);
+        assert!(!c.attention_bias);
+    }
+
+    #[test]
+    fn missing_field_is_named() {
+        let text = TINY.replace("\"vocab_size\": 384,", "");
+        let err = Config::from_json_str(&text, "m/config.json").unwrap_err().to_string();
+        assert!(err.contains("m/config.json") && err.contains("vocab_size") && err.contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn invalid_field_is_named() {
+        let text = TINY.replace("\"hidden_size\": 64", "\"hidden_size\": \"wide\"");
+        let err = Config::from_json_str(&text, "c.json").unwrap_err().to_string();
+        assert!(err.contains("hidden_size") && err.contains("integer"), "{err}");
+        let text = TINY.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3");
+        let err = Config::from_json_str(&text, "c.json").unwrap_err().to_string();
+        assert!(err.contains("num_key_value_heads") && err.contains("divide"), "{err}");
+        let text = TINY.replace("\"float32\"", "\"int8\"");
+        let err = Config::from_json_str(&text, "c.json").unwrap_err().to_string();
+        assert!(err.contains("torch_dtype"), "{err}");
+    }
+
+    #[test]
+    fn eos_may_be_a_list() {
+        let text = TINY.replace("\"torch_dtype\"", "\"eos_token_id\": [7, 9], \"torch_dtype\"");
+        let c = Config::from_json_str(&text, "c.json").unwrap();
+        assert_eq!(c.eos_token_id, Some(7));
+    }
+
+    #[test]
+    fn hf_json_round_trips() {
+        let c = Config::from_json_str(TINY, "c.json").unwrap();
+        let text = serde_json::to_string(&c.to_hf_json()).unwrap();
+        assert_eq!(Config::from_json_str(&text, "c.json").unwrap(), c);
+    }
+
+    #[test]
+    fn counts_parameters_of_the_16m_shape() {
+        let c = Config::from_json_str(
+            r#"{"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": true}"#,
+            "c.json",
+        )
+        .unwrap();
+        // 8192*512 + 4*(512*512 + 2*512*256 + 512*512 + 128 + 3*512*1536 + 1024) + 512
+        assert_eq!(c.num_params(), 16_781_824);
+    }
+}

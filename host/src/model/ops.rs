@@ -1,0 +1,104 @@
+//! Differentiable building blocks of the Qwen3 forward pass.
+//!
+//! Each op matches its PyTorch counterpart in `modeling_qwen3.py`: RMSNorm in
+//! f32 then cast back, rotate-half rotary embeddings, eager attention with an
+//! additive mask and softmax in f32. All are composed of candle ops that have a
+//! backward, so gradients reach every parameter.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::Result;
+
+/// Additive bias for a masked attention score. Finite, so that a query whose
+/// keys are all masked (left padding) yields finite garbage instead of NaN.
+pub const MASKED: f32 = -1e9;
+
+/// The dtype reductions run in: f32 for half types, else the input's own.
+pub fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// `x @ w^T + b` over the last dimension; `x` is `(.., in)`, `w` is `(out, in)`.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims();
+    let (n_in, n_out) = (dims[dims.len() - 1], w.dim(0)?);
+    let rows = x.elem_count() / n_in.max(1);
+    let y = x.reshape((rows, n_in))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap_or(&mut 0) = n_out;
+    Ok(y.reshape(out_dims)?)
+}
+
+/// RMSNorm over the last dimension, computed in f32: `w * (x / sqrt(mean(x^2) + eps))`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(compute_dtype(dtype))?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = xf.broadcast_div(&(var + eps)?.sqrt()?)?;
+    Ok(normed.to_dtype(dtype)?.broadcast_mul(w)?)
+}
+
+/// Rotary embedding, rotate-half form: for `x = [x1, x2]` along the last dim,
+/// `[x1 cos - x2 sin, x2 cos + x1 sin]`. `x` is `(B, H, L, D)`, `cos`/`sin` are
+/// `(B, 1, L, D/2)`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Ok(Tensor::cat(&[a, b], D::Minus1)?)
+}
+
+/// Additive causal bias `(1, 1, L, S)` for `L` queries at global positions
+/// `offset..offset+L` over `S` keys: 0 where key `j <= offset + i`, else [`MASKED`].
+pub fn causal_bias(l: usize, s: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let bias: Vec<f32> =
+        (0..l).flat_map(|i| (0..s).map(move |j| if j <= offset + i { 0.0 } else { MASKED })).collect();
+    Ok(Tensor::from_vec(bias, (1, 1, l, s), device)?)
+}
+
+/// Grouped-query attention. `q` is `(B, Hq, L, D)`, `k`/`v` are `(B, Hkv, S, D)`,
+/// `mask` is an additive `(B, 1, L, S)` bias. Returns `(B, L, Hq * D)`.
+///
+/// Query head `h` reads key/value head `h / (Hq / Hkv)` (HF's `repeat_kv`); instead
+/// of repeating k and v, the queries of one group are stacked along L.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_kv: usize) -> Result<Tensor> {
+    let (b, nq, l, d) = q.dims4()?;
+    let s = k.dim(2)?;
+    let g = nq / n_kv;
+    let dtype = q.dtype();
+    let q = q.contiguous()?.reshape((b, n_kv, g * l, d))?;
+    let k = k.contiguous()?;
+    let v = v.contiguous()?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.reshape((b, nq, l, s))?;
+    let scores = scores.to_dtype(compute_dtype(dtype))?.broadcast_add(&mask.to_dtype(compute_dtype(dtype))?)?;
+    let probs = softmax(&scores)?.to_dtype(dtype)?;
+    let ctx = probs.reshape((b, n_kv, g * l, s))?.matmul(&v)?; // (B, Hkv, G*L, D)
+    Ok(ctx.reshape((b, nq, l, d))?.transpose(1, 2)?.reshape((b, l, nq * d))?)
+}
+
+/// Softmax over the last dimension. The max is subtracted for stability but
+/// detached: softmax is shift-invariant, and candle's `max` backward sends the
+/// full gradient to every tied maximum, which would make gradients wrong on
+/// rows with ties (e.g. identical padding keys).
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Log-softmax over the last dimension, with the same detached max as [`softmax`].
+pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let diff = x.broadcast_sub(&max)?;
+    let lse = diff.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(diff.broadcast_sub(&lse)?)
+}

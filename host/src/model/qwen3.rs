@@ -1,0 +1,448 @@
+//! A differentiable Qwen3 causal language model on the Hugging Face tensor names.
+//!
+//! Follows `transformers/models/qwen3/modeling_qwen3.py` (eager attention):
+//! pre-norm decoder layers with grouped-query attention, per-head RMSNorm on q
+//! and k, rotary position embeddings (rotate-half form), SwiGLU MLP, final
+//! RMSNorm, and an LM head that may be tied to the embedding.
+//!
+//! Unlike candle-transformers' Qwen3 (inference only: its rms_norm, softmax,
+//! rope and KV cache have no backward), every op here has a gradient, the
+//! forward takes an attention mask (left padding) and position ids, and it
+//! returns hidden states for every position. The KV cache lives outside the
+//! weights ([`KvCache`]) so one model serves many batches of sequences.
+//!
+//! Parameters are candle [`Var`]s so the optimizer can update them in place.
+//! A forward with `Grad::Track` records the graph for backprop; `Grad::Off`
+//! uses detached views of the same storage, so inference keeps no graph alive.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::config::Config;
+use super::ops;
+use crate::{Error, Result};
+
+/// Whether a forward pass records the autograd graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grad {
+    /// Record operations so that `loss.backward()` reaches the parameters.
+    Track,
+    /// Inference: compute on detached views of the weights.
+    Off,
+}
+
+/// The weights of one decoder layer.
+struct Layer {
+    q_proj: Var,
+    k_proj: Var,
+    v_proj: Var,
+    o_proj: Var,
+    /// q, k, v, o biases when `attention_bias` is set.
+    biases: Option<[Var; 4]>,
+    q_norm: Var,
+    k_norm: Var,
+    input_layernorm: Var,
+    post_attention_layernorm: Var,
+    gate_proj: Var,
+    up_proj: Var,
+    down_proj: Var,
+}
+
+/// Keys and values of the positions seen so far, for incremental decoding.
+///
+/// Preallocated per layer as `(B, H_kv, capacity, D)`; `len` positions are
+/// filled. `key_bias` holds the additive mask over cached keys (0 for a real
+/// token, a large negative number for left padding), `next_pos` each row's
+/// next position id.
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+    batch: usize,
+    key_bias: Vec<f32>,
+    next_pos: Vec<u32>,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` sequences of up to `capacity` positions.
+    pub fn new(model: &Qwen3, batch: usize, capacity: usize) -> Result<Self> {
+        let c = &model.cfg;
+        let shape = (batch, c.num_key_value_heads, capacity, c.head_dim);
+        let mut k = Vec::with_capacity(c.num_hidden_layers);
+        let mut v = Vec::with_capacity(c.num_hidden_layers);
+        for _ in 0..c.num_hidden_layers {
+            k.push(Tensor::zeros(shape, model.dtype, &model.device)?);
+            v.push(Tensor::zeros(shape, model.dtype, &model.device)?);
+        }
+        Ok(Self {
+            k,
+            v,
+            len: 0,
+            capacity,
+            batch,
+            key_bias: vec![ops::MASKED; batch * capacity],
+            next_pos: vec![0; batch],
+        })
+    }
+
+    /// Number of positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no position has been added.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Maximum number of positions.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Keeps only the rows in `keep` (e.g. to drop finished sequences).
+    pub fn select_rows(&mut self, keep: &[usize]) -> Result<()> {
+        let idx = Tensor::from_vec(keep.iter().map(|&i| i as u32).collect::<Vec<_>>(), keep.len(), self.k[0].device())?;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.index_select(&idx, 0)?.contiguous()?;
+        }
+        let cap = self.capacity;
+        self.key_bias = keep.iter().flat_map(|&i| self.key_bias[i * cap..(i + 1) * cap].to_vec()).collect();
+        self.next_pos = keep.iter().map(|&i| self.next_pos[i]).collect();
+        self.batch = keep.len();
+        Ok(())
+    }
+}
+
+/// A batch of token rows, left-padded to one length, with the attention mask
+/// and position ids Hugging Face would use (`cumsum(mask) - 1`, 0 on padding).
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    /// `(B, L)` u32 token ids.
+    pub ids: Tensor,
+    /// `(B, L)` 1 for real tokens, 0 for padding (host copy).
+    pub mask: Vec<Vec<u8>>,
+    /// `(B, L)` u32 position ids.
+    pub positions: Tensor,
+}
+
+impl TokenBatch {
+    /// Left-pads `rows` with `pad_id` to the longest row.
+    pub fn left_padded(rows: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        let len = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(rows.len() * len);
+        let mut mask = Vec::with_capacity(rows.len());
+        for r in rows {
+            let pad = len - r.len();
+            ids.extend(std::iter::repeat_n(pad_id, pad).chain(r.iter().copied()));
+            mask.push(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, r.len())).collect());
+        }
+        Self::from_parts(ids, mask, device)
+    }
+
+    /// Builds a batch from flat ids and a per-row mask (any padding layout).
+    pub fn from_parts(ids: Vec<u32>, mask: Vec<Vec<u8>>, device: &Device) -> Result<Self> {
+        let b = mask.len();
+        let l = mask.first().map_or(0, Vec::len);
+        if ids.len() != b * l || mask.iter().any(|m| m.len() != l) {
+            return Err(Error::invalid(format!("token batch: {} ids do not fill {b} rows of {l}", ids.len())));
+        }
+        let positions: Vec<u32> = mask
+            .iter()
+            .flat_map(|m| {
+                let mut c = 0u32;
+                m.iter()
+                    .map(move |&x| {
+                        c += x as u32;
+                        c.saturating_sub(1)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        Ok(Self {
+            ids: Tensor::from_vec(ids, (b, l), device)?,
+            positions: Tensor::from_vec(positions, (b, l), device)?,
+            mask,
+        })
+    }
+
+    /// `(batch, length)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.mask.len(), self.mask.first().map_or(0, Vec::len))
+    }
+}
+
+/// The Qwen3 model: configuration, parameters, device and compute dtype.
+pub struct Qwen3 {
+    cfg: Config,
+    dtype: DType,
+    device: Device,
+    embed_tokens: Var,
+    layers: Vec<Layer>,
+    norm: Var,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<Var>,
+    inv_freq: Tensor,
+}
+
+/// Where the model reads its named weights from when it is built.
+pub trait WeightSource {
+    /// The tensor called `name`, with exactly `shape`, in the model dtype and device.
+    fn get(&mut self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// True if the source has a tensor called `name`.
+    fn contains(&self, name: &str) -> bool;
+}
+
+impl Qwen3 {
+    /// Builds the model, taking every weight from `src` by its Hugging Face name.
+    pub fn new(cfg: &Config, src: &mut dyn WeightSource, dtype: DType, device: &Device) -> Result<Self> {
+        cfg.validate("config")?;
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q_dim, kv_dim, d) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim);
+        let mut var = |name: &str, shape: &[usize]| -> Result<Var> {
+            let t = src.get(name, shape)?;
+            Ok(Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?)
+        };
+        let embed_tokens = var("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let biases = if cfg.attention_bias {
+                Some([
+                    var(&p("self_attn.q_proj.bias"), &[q_dim])?,
+                    var(&p("self_attn.k_proj.bias"), &[kv_dim])?,
+                    var(&p("self_attn.v_proj.bias"), &[kv_dim])?,
+                    var(&p("self_attn.o_proj.bias"), &[h])?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                q_proj: var(&p("self_attn.q_proj.weight"), &[q_dim, h])?,
+                k_proj: var(&p("self_attn.k_proj.weight"), &[kv_dim, h])?,
+                v_proj: var(&p("self_attn.v_proj.weight"), &[kv_dim, h])?,
+                o_proj: var(&p("self_attn.o_proj.weight"), &[h, q_dim])?,
+                biases,
+                q_norm: var(&p("self_attn.q_norm.weight"), &[d])?,
+                k_norm: var(&p("self_attn.k_norm.weight"), &[d])?,
+                input_layernorm: var(&p("input_layernorm.weight"), &[h])?,
+                post_attention_layernorm: var(&p("post_attention_layernorm.weight"), &[h])?,
+                gate_proj: var(&p("mlp.gate_proj.weight"), &[i, h])?,
+                up_proj: var(&p("mlp.up_proj.weight"), &[i, h])?,
+                down_proj: var(&p("mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let norm = var("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(var("lm_head.weight", &[cfg.vocab_size, h])?) };
+        // inv_freq_j = theta^(-2j/D), as HF's default rope init (computed in f32 there).
+        let inv_freq: Vec<f32> =
+            (0..d / 2).map(|j| (1.0 / cfg.rope_theta.powf((2 * j) as f64 / d as f64)) as f32).collect();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, 1, d / 2), device)?;
+        Ok(Self { cfg: cfg.clone(), dtype, device: device.clone(), embed_tokens, layers, norm, lm_head, inv_freq })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The compute dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device holding the weights.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Every trainable parameter with its Hugging Face name, in a fixed order.
+    pub fn params(&self) -> Vec<(String, Var)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            let mut push = |name: &str, v: &Var| out.push((p(name), v.clone()));
+            push("self_attn.q_proj.weight", &layer.q_proj);
+            push("self_attn.k_proj.weight", &layer.k_proj);
+            push("self_attn.v_proj.weight", &layer.v_proj);
+            push("self_attn.o_proj.weight", &layer.o_proj);
+            if let Some([qb, kb, vb, ob]) = &layer.biases {
+                push("self_attn.q_proj.bias", qb);
+                push("self_attn.k_proj.bias", kb);
+                push("self_attn.v_proj.bias", vb);
+                push("self_attn.o_proj.bias", ob);
+            }
+            push("self_attn.q_norm.weight", &layer.q_norm);
+            push("self_attn.k_norm.weight", &layer.k_norm);
+            push("input_layernorm.weight", &layer.input_layernorm);
+            push("post_attention_layernorm.weight", &layer.post_attention_layernorm);
+            push("mlp.gate_proj.weight", &layer.gate_proj);
+            push("mlp.up_proj.weight", &layer.up_proj);
+            push("mlp.down_proj.weight", &layer.down_proj);
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.clone()));
+        if let Some(head) = &self.lm_head {
+            out.push(("lm_head.weight".to_string(), head.clone()));
+        }
+        out
+    }
+
+    /// Hidden states after the final norm, `(B, L, hidden)`, for a whole batch
+    /// (training and scoring). Padding positions produce finite garbage that
+    /// callers mask out.
+    pub fn forward_hidden(&self, batch: &TokenBatch, grad: Grad) -> Result<Tensor> {
+        let (b, _) = batch.dims();
+        let pad_bias: Vec<f32> =
+            batch.mask.iter().flat_map(|m| m.iter().map(|&x| if x == 1 { 0.0 } else { ops::MASKED })).collect();
+        let pad_bias = Tensor::from_vec(pad_bias, (b, 1, 1, batch.dims().1), &self.device)?;
+        self.run(&batch.ids, &batch.positions, &pad_bias, 0, None, grad)
+    }
+
+    /// Logits for every position, `(B, L, vocab)`, with the graph recorded.
+    pub fn forward(&self, batch: &TokenBatch) -> Result<Tensor> {
+        let h = self.forward_hidden(batch, Grad::Track)?;
+        self.lm_head(&h, Grad::Track)
+    }
+
+    /// Projects hidden states `(.., hidden)` to vocabulary logits `(.., vocab)`.
+    pub fn lm_head(&self, hidden: &Tensor, grad: Grad) -> Result<Tensor> {
+        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), grad);
+        ops::linear(hidden, &w, None)
+    }
+
+    /// Appends `ids` (`(B, T)`, e.g. the left-padded prompts, then one token at a
+    /// time) to `cache` and returns the logits at the last new position, `(B, vocab)`.
+    /// `mask` marks the real tokens of this chunk (None = all real).
+    pub fn decode(&self, ids: &Tensor, mask: Option<&[Vec<u8>]>, cache: &mut KvCache) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if b != cache.batch {
+            return Err(Error::invalid(format!("decode: batch of {b} rows, cache holds {}", cache.batch)));
+        }
+        if cache.len + t > cache.capacity {
+            return Err(Error::invalid(format!(
+                "decode: cache capacity {} exceeded ({} cached + {t} new)",
+                cache.capacity, cache.len
+            )));
+        }
+        // Positions continue each row's count of real tokens; padding gets 0
+        // (its output is never used and its key is masked).
+        let mut positions = Vec::with_capacity(b * t);
+        for r in 0..b {
+            for j in 0..t {
+                let real = mask.is_none_or(|m| m[r][j] == 1);
+                cache.key_bias[r * cache.capacity + cache.len + j] = if real { 0.0 } else { ops::MASKED };
+                positions.push(if real { cache.next_pos[r] } else { 0 });
+                cache.next_pos[r] += u32::from(real);
+            }
+        }
+        let positions = Tensor::from_vec(positions, (b, t), &self.device)?;
+        let s = cache.len + t;
+        let bias: Vec<f32> = (0..b).flat_map(|r| cache.key_bias[r * cache.capacity..r * cache.capacity + s].to_vec()).collect();
+        let bias = Tensor::from_vec(bias, (b, 1, 1, s), &self.device)?;
+        let offset = cache.len;
+        let h = self.run(ids, &positions, &bias, offset, Some(cache), Grad::Off)?;
+        cache.len = s;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
+        self.lm_head(&last, Grad::Off)
+    }
+
+    fn w(&self, v: &Var, grad: Grad) -> Tensor {
+        match grad {
+            Grad::Track => v.as_tensor().clone(),
+            Grad::Off => v.as_tensor().detach(),
+        }
+    }
+
+    /// The decoder stack. `pad_bias` is `(B, 1, 1, S)` over all keys (cached and
+    /// new); `offset` is the number of cached keys before this chunk.
+    fn run(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        pad_bias: &Tensor,
+        offset: usize,
+        mut cache: Option<&mut KvCache>,
+        grad: Grad,
+    ) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        let s = offset + l;
+        // (B, L) -> (B, L, hidden)
+        let mut x = self.w(&self.embed_tokens, grad).index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?;
+        // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
+        let freqs = positions.to_dtype(DType::F32)?.unsqueeze(2)?.broadcast_mul(&self.inv_freq)?.to_dtype(ops::compute_dtype(self.dtype))?;
+        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        // Additive mask (B, 1, L, S): causal within the chunk plus key padding.
+        let mask = ops::causal_bias(l, s, offset, &self.device)?.broadcast_add(pad_bias)?.to_dtype(ops::compute_dtype(self.dtype))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
+            x = self.layer(layer, &x, &cos, &sin, &mask, offset, kv, grad)?;
+        }
+        ops::rms_norm(&x, &self.w(&self.norm, grad), self.cfg.rms_norm_eps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        offset: usize,
+        cache: Option<(&Tensor, &Tensor)>,
+        grad: Grad,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, l, _) = x.dims3()?;
+        let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let w = |v: &Var| self.w(v, grad);
+        let bias = |i: usize| layer.biases.as_ref().map(|bs| self.w(&bs[i], grad));
+
+        // Attention block.
+        let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
+        let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?.reshape((b, l, nq, d))?;
+        let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?.reshape((b, l, nkv, d))?;
+        let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
+        // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
+        let q = ops::rms_norm(&q, &w(&layer.q_norm), c.rms_norm_eps)?.transpose(1, 2)?;
+        let k = ops::rms_norm(&k, &w(&layer.k_norm), c.rms_norm_eps)?.transpose(1, 2)?;
+        let q = ops::rope(&q, cos, sin)?;
+        let k = ops::rope(&k, cos, sin)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let (k, v) = match cache {
+            Some((ck, cv)) => {
+                ck.slice_set(&k, 2, offset)?;
+                cv.slice_set(&v, 2, offset)?;
+                (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
+            }
+            None => (k, v),
+        };
+        let ctx = ops::attention(&q, &k, &v, mask, nkv)?; // (B, L, H*D)
+        let attn = ops::linear(&ctx, &w(&layer.o_proj), bias(3).as_ref())?;
+        let x = (x + attn)?;
+
+        // MLP block: down(silu(gate(h)) * up(h)).
+        let h = ops::rms_norm(&x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
+        let gate = ops::linear(&h, &w(&layer.gate_proj), None)?.silu()?;
+        let up = ops::linear(&h, &w(&layer.up_proj), None)?;
+        let mlp = ops::linear(&(gate * up)?, &w(&layer.down_proj), None)?;
+        Ok((x + mlp)?)
+    }
+}
+
+/// Log-probabilities of `targets` and full-vocabulary entropies from logits
+/// `(.., V)`: returns `(logp, entropy)`, each shaped like `targets`. Computed in
+/// f32 (f64 for f64 logits).
+pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let logits = logits.to_dtype(ops::compute_dtype(logits.dtype()))?;
+    let logp_all = ops::log_softmax(&logits)?;
+    let logp = logp_all.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
+    Ok((logp, entropy))
+}

@@ -1,0 +1,39 @@
+//! Fixtures shared by the integration tests: tiny random models built in milliseconds.
+
+use candle_core::{DType, Device, Tensor};
+use stapo::model::{self, Config, Qwen3};
+
+/// A 2-layer, 64-wide Qwen3 configuration.
+pub fn tiny_config(tied: bool) -> Config {
+    let text = format!(
+        r#"{{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": {tied},
+            "eos_token_id": 1, "torch_dtype": "float32"}}"#
+    );
+    Config::from_json_str(&text, "tiny").expect("tiny config")
+}
+
+/// A random tiny model; `std` large enough that logits are far from uniform.
+pub fn tiny_model(tied: bool, dtype: DType, seed: u64) -> Qwen3 {
+    model::init(&tiny_config(tied), seed, 0.2, dtype, &Device::Cpu).expect("init")
+}
+
+/// Largest absolute difference between two tensors of the same shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// A fresh temporary directory removed on drop.
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}

@@ -1,0 +1,4 @@
+//! The integration test binary: one process, one module per concern.
+
+mod common;
+mod model;
