@@ -4,6 +4,7 @@
 //! Dependencies point one way: `model` ← `rollout` ← `algo`/`train` ← `script`.
 
 pub mod error;
+pub mod data;
 pub mod model;
 
 pub use error::{Error, Result};

@@ -1,1 +1,26 @@
-fn main() {}
+//! The `stapo` command line. Each subcommand lives in `commands/`; this file is
+//! the table of contents.
+
+mod commands;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use commands::{Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Init(a) => commands::model::init(a),
+        Command::Generate(a) => commands::model::generate(a),
+        Command::Score(a) => commands::model::score(a),
+        Command::Bench(a) => commands::bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -439,3 +439,395 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     };
     Ok(LossOutput { loss, metrics })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::preset::ObjectiveConfig;
+    use candle_core::{Device, Var};
+
+    const TOL: f32 = 1e-6;
+
+    fn t2(v: &[f32], b: usize, l: usize) -> Tensor {
+        Tensor::from_slice(v, (b, l), &Device::Cpu).unwrap()
+    }
+    fn t1(v: &[f32]) -> Tensor {
+        Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()
+    }
+    fn var(v: &[f32], b: usize, l: usize) -> Var {
+        Var::from_tensor(&t2(v, b, l)).unwrap()
+    }
+    fn vec(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+    fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
+        }
+    }
+    fn cfg(kind: ObjectiveKind, agg: AggMode) -> ObjectiveConfig {
+        ObjectiveConfig { kind, agg, eps_low: 0.2, eps_high: 0.28, ..ObjectiveConfig::default() }
+    }
+    fn ln(x: f32) -> f32 {
+        x.ln()
+    }
+    /// Loss value and d loss / d logp for `logp` given as a Var.
+    fn run(c: &ObjectiveConfig, logp: &Var, old: &Tensor, adv: &Tensor, mask: &Tensor) -> (f32, Vec<f32>, LossMetrics) {
+        let inp = LossInputs { logp: logp.as_tensor(), old_logp: old, advantages: adv, mask, ref_logp: None, entropy: None };
+        let norm = Normaliser::from_masks(&[mask], None).unwrap();
+        let out = compute_loss(c, &inp, &norm).unwrap();
+        let g = out.loss.backward().unwrap();
+        let grad = g.get(logp.as_tensor()).map(vec).unwrap_or_else(|| vec![0.0; logp.elem_count()]);
+        (out.loss.to_scalar::<f32>().unwrap(), grad, out.metrics)
+    }
+
+    #[test]
+    fn ppo_clip_higher_by_hand() {
+        // old = 0, logp = ln r. A = [+1, -1] per sequence, eps 0.2 / 0.28 → clip range [0.8, 1.28].
+        // (0,0) A=+1 r=1.5: pg1=-1.5, pg2=-1.28, max=-1.28 (clipped high), grad 0.
+        // (0,1) A=+1 r=0.9: pg1=pg2=-0.9, grad -r = -0.9.
+        // (1,0) A=-1 r=0.5: pg1=0.5, pg2=0.8, max=0.8 (clipped low), grad 0.
+        // (1,1) A=-1 r=1.2: pg1=pg2=1.2, grad +r = 1.2.
+        // token-mean over 4: loss = (-1.28 - 0.9 + 0.8 + 1.2)/4 = -0.045,
+        // grads = [0, -0.9/4, 0, 1.2/4] = [0, -0.225, 0, 0.3].
+        let logp = var(&[ln(1.5), ln(0.9), ln(0.5), ln(1.2)], 2, 2);
+        let old = t2(&[0.; 4], 2, 2);
+        let adv = t1(&[1., -1.]);
+        let mask = t2(&[1.; 4], 2, 2);
+        let c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
+        let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
+        assert!((loss + 0.045).abs() < TOL, "{loss}");
+        close(&g, &[0., -0.225, 0., 0.3], TOL, "grad");
+        assert_eq!(m.n_tokens, 4);
+        assert_eq!(m.n_seqs, 2);
+        assert!((m.clip_frac_low - 0.25).abs() < TOL && (m.clip_frac_high - 0.25).abs() < TOL);
+        assert!((m.clip_frac - 0.5).abs() < TOL && m.dual_clip_frac == 0.0);
+        // approx_kl (k3) = mean(r - 1 - ln r):
+        // 0.0945349 + 0.0053605 + 0.1931472 + 0.0176784 = 0.3107211 → /4 = 0.0776803.
+        assert!((m.approx_kl - 0.0776803).abs() < 1e-5, "{}", m.approx_kl);
+        // ppo_kl (k1) = mean(-ln r) = (-0.4054651 + 0.1053605 + 0.6931472 - 0.1823216)/4 = 0.0526803.
+        assert!((m.ppo_kl - 0.0526803).abs() < 1e-5, "{}", m.ppo_kl);
+        assert!((m.ratio_mean - 1.025).abs() < TOL); // (1.5 + 0.9 + 0.5 + 1.2)/4
+        assert!((m.pg_loss + 0.045).abs() < TOL);
+    }
+
+    #[test]
+    fn ppo_dual_clip_by_hand() {
+        // c = 3. A = [-1, -1, +1], r = [5, 2, 5], token-mean over 3.
+        // t0: pg1 = 5, pg2 = 1.28, c1 = 5; pg3 = 3 → min(3, 5) = 3 (dual clip), grad 0.
+        // t1: pg1 = 2, pg2 = 1.28, c1 = 2; min(3, 2) = 2, grad +r = 2.
+        // t2: A > 0: c1 = max(-5, -1.28) = -1.28 (clipped high), grad 0.
+        // loss = (3 + 2 - 1.28)/3 = 1.24; grads = [0, 2/3, 0].
+        let logp = var(&[ln(5.), ln(2.), ln(5.)], 3, 1);
+        let old = t2(&[0.; 3], 3, 1);
+        let adv = t1(&[-1., -1., 1.]);
+        let mask = t2(&[1.; 3], 3, 1);
+        let mut c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
+        c.dual_clip = Some(3.0);
+        let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
+        assert!((loss - 1.24).abs() < 1e-5, "{loss}");
+        close(&g, &[0., 2. / 3., 0.], 1e-5, "grad");
+        assert!((m.dual_clip_frac - 1. / 3.).abs() < TOL);
+        assert!((m.clip_frac_high - 1. / 3.).abs() < TOL && m.clip_frac_low == 0.0);
+        // Without dual clip t0 keeps c1 = 5 and its gradient r = 5:
+        // loss = (5 + 2 - 1.28)/3 = 1.9066667, grads [5/3, 2/3, 0].
+        c.dual_clip = None;
+        let (loss, g, _) = run(&c, &logp, &old, &adv, &mask);
+        assert!((loss - 1.9066667).abs() < 1e-5, "{loss}");
+        close(&g, &[5. / 3., 2. / 3., 0.], 1e-5, "grad");
+    }
+
+    #[test]
+    fn gspo_by_hand() {
+        // eps 3e-4 / 4e-4 → clip range [0.9997, 1.0004]; old = 0; third token of each row masked
+        // (its logp 5.0 must not enter the sequence ratio). seq-mean-token-mean over 3 sequences.
+        // row 0: A = 2,  logp [0.0002, 0]: log s = 0.0001, s = 1.0001000 (inside): loss -2s;
+        //        grad per kept token = -A·s / 2 tokens / 3 seqs = -s/3 = -0.3333667.
+        // row 1: A = -1, logp [0.002, 0]: s = e^0.001 = 1.0010005 > 1.0004, but A < 0 so
+        //        max(pg1 = s, pg2 = 1.0004) = s (unclipped): loss +s, grad +s/6 = 0.1668334.
+        // row 2: A = 1,  logp [0.002, 0]: s = 1.0010005 → max(-s, -1.0004) = -1.0004 (clipped), grad 0.
+        // loss = (-2·1.0001 + 1.0010005 - 1.0004)/3 = -0.6665332.
+        let logp = var(&[0.0002, 0., 5.0, 0.002, 0., 5.0, 0.002, 0., 5.0], 3, 3);
+        let old = t2(&[0.; 9], 3, 3);
+        let adv = t1(&[2., -1., 1.]);
+        let mask = t2(&[1., 1., 0., 1., 1., 0., 1., 1., 0.], 3, 3);
+        let mut c = ObjectiveConfig::preset("gspo").unwrap();
+        c.agg = AggMode::SeqMeanTokenMean;
+        let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
+        assert!((loss + 0.6665332).abs() < 2e-6, "{loss}");
+        close(&g, &[-0.3333667, -0.3333667, 0., 0.1668334, 0.1668334, 0., 0., 0., 0.], 2e-6, "grad");
+        // Clip metrics use the sequence ratio: row 2's two tokens are clipped high (2 of 6).
+        assert!((m.clip_frac_high - 2. / 6.).abs() < TOL && m.clip_frac_low == 0.0);
+    }
+
+    #[test]
+    fn sapo_by_hand() {
+        // old = 0, A = [+1, -1], logp = [0, 0.5], token-mean over 2.
+        // t0: r = 1, tau_pos = 1: σ(0) = 0.5, f = 0.5·4/1 = 2, loss -A·f = -2;
+        //     grad = -4·A·σ(1-σ)·r = -4·0.25 = -1 (= on-policy PG).
+        // t1: r = e^0.5 = 1.6487213, tau_neg = 1.05: x = 1.05·0.6487213 = 0.6811573,
+        //     σ = 0.6639970, f = σ·4/1.05 = 2.5295122, loss = +f;
+        //     grad = -4·A·σ(1-σ)·r = 4·0.6639970·0.3360030·1.6487213 = 1.4713518.
+        // loss = (-2 + 2.5295122)/2 = 0.2647561; grads = [-0.5, 0.7356759].
+        let logp = var(&[0., 0.5], 2, 1);
+        let old = t2(&[0.; 2], 2, 1);
+        let adv = t1(&[1., -1.]);
+        let mask = t2(&[1.; 2], 2, 1);
+        let c = ObjectiveConfig { agg: AggMode::TokenMean, ..ObjectiveConfig::preset("sapo").unwrap() };
+        let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
+        assert!((loss - 0.2647561).abs() < 2e-6, "{loss}");
+        close(&g, &[-0.5, 0.7356759], 2e-6, "grad");
+        assert_eq!(m.clip_frac, 0.0);
+    }
+
+    #[test]
+    fn pg_and_renormalisation_by_hand() {
+        // Per-token A = [1, 4, 3]; logp = [0.1, 0.2, -0.3], old = [0.1, 0, 0] → r = [1, e^0.2, e^-0.3].
+        // Mask [1, 0, 1], token-mean over 2: loss = (-1·1 - 3·e^-0.3)/2 = -1.6112273;
+        // grads = [-A·r/2] = [-0.5, 0 (masked), -1.5·e^-0.3 = -1.1112273].
+        let logp = var(&[0.1, 0.2, -0.3], 1, 3);
+        let old = t2(&[0.1, 0., 0.], 1, 3);
+        let adv = t2(&[1., 4., 3.], 1, 3);
+        let c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        let (loss, g, _) = run(&c, &logp, &old, &adv, &t2(&[1., 0., 1.], 1, 3));
+        assert!((loss + 1.6112273).abs() < 2e-6, "{loss}");
+        close(&g, &[-0.5, 0., -1.1112273], 2e-6, "grad");
+
+        // Renormalisation: at old = logp (r = 1) the loss is -mean(A) over kept tokens.
+        // All kept: -(1 + 4 + 3)/3 = -8/3, grads -A/3 = [-1/3, -4/3, -1].
+        // Middle masked: the denominator drops to 2: -(1 + 3)/2 = -2, grads [-0.5, 0, -1.5].
+        let logp = var(&[0.; 3], 1, 3);
+        let old = t2(&[0.; 3], 1, 3);
+        let (loss, g, _) = run(&c, &logp, &old, &adv, &t2(&[1.; 3], 1, 3));
+        assert!((loss + 8. / 3.).abs() < TOL);
+        close(&g, &[-1. / 3., -4. / 3., -1.], TOL, "grad all kept");
+        let (loss, g, m) = run(&c, &logp, &old, &adv, &t2(&[1., 0., 1.], 1, 3));
+        assert!((loss + 2.).abs() < TOL);
+        close(&g, &[-0.5, 0., -1.5], TOL, "grad renormalised");
+        assert_eq!(m.n_tokens, 2);
+    }
+
+    #[test]
+    fn kl_estimators_by_hand() {
+        // A = 0 so only beta·KL remains; d = logp - ref = [0.5, -0.2]; beta 0.1; token-mean over 2.
+        // k1: loss = 0.1·(0.5 - 0.2)/2 = 0.015; grads 0.1/2 = 0.05.
+        // k2: loss = 0.1·(0.125 + 0.02)/2 = 0.00725; grads 0.1·d/2 = [0.025, -0.01].
+        // k3: e^-d + d - 1 = [0.6065307 - 0.5, 1.2214028 - 1.2] = [0.1065307, 0.0214028];
+        //     loss = 0.1·0.1279335/2 = 0.0063967; grads 0.05·(1 - e^-d) = [0.0196735, -0.0110701].
+        let cases = [
+            (KlKind::K1, 0.015, [0.05, 0.05]),
+            (KlKind::K2, 0.00725, [0.025, -0.01]),
+            (KlKind::K3, 0.0063967, [0.0196735, -0.0110701]),
+        ];
+        for (kind, want_loss, want_g) in cases {
+            let logp = var(&[0.5, -0.2], 1, 2);
+            let zeros = t2(&[0., 0.], 1, 2);
+            let mask = t2(&[1., 1.], 1, 2);
+            let adv = t1(&[0.]);
+            let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+            c.kl = Some(KlConfig { kind, beta: 0.1 });
+            let old = logp.as_tensor().detach();
+            let inp = LossInputs { logp: logp.as_tensor(), old_logp: &old, advantages: &adv, mask: &mask, ref_logp: Some(&zeros), entropy: None };
+            let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+            let out = compute_loss(&c, &inp, &norm).unwrap();
+            let loss = out.loss.to_scalar::<f32>().unwrap();
+            assert!((loss - want_loss).abs() < 1e-6, "{kind:?}: {loss}");
+            assert!((out.metrics.kl_loss * 0.1 - want_loss).abs() < 1e-6);
+            let g = out.loss.backward().unwrap();
+            close(&vec(g.get(logp.as_tensor()).unwrap()), &want_g, 1e-6, "kl grad");
+            // KL configured without a reference is an error.
+            let inp = LossInputs { ref_logp: None, ..inp };
+            assert!(compute_loss(&c, &inp, &norm).is_err());
+        }
+    }
+
+    #[test]
+    fn entropy_bonus_by_hand() {
+        // coef 0.01, H = [1, 2], A = 0, token-mean over 2: loss = -0.01·1.5 = -0.015;
+        // d loss / dH = -0.01/2 = -0.005 each; logp gets no gradient from it.
+        let logp = var(&[0., 0.], 1, 2);
+        let h = var(&[1., 2.], 1, 2);
+        let old = t2(&[0., 0.], 1, 2);
+        let mask = t2(&[1., 1.], 1, 2);
+        let adv = t1(&[0.]);
+        let mut c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
+        c.entropy_coef = 0.01;
+        let inp = LossInputs { logp: logp.as_tensor(), old_logp: &old, advantages: &adv, mask: &mask, ref_logp: None, entropy: Some(h.as_tensor()) };
+        let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+        let out = compute_loss(&c, &inp, &norm).unwrap();
+        assert!((out.loss.to_scalar::<f32>().unwrap() + 0.015).abs() < TOL);
+        assert!((out.metrics.entropy_loss - 1.5).abs() < TOL);
+        let g = out.loss.backward().unwrap();
+        close(&vec(g.get(h.as_tensor()).unwrap()), &[-0.005, -0.005], TOL, "dH");
+        let gl = g.get(logp.as_tensor()).map(vec).unwrap_or(vec![0., 0.]);
+        close(&gl, &[0., 0.], TOL, "dlogp");
+        let inp = LossInputs { entropy: None, ..inp };
+        assert!(compute_loss(&c, &inp, &norm).is_err());
+    }
+
+    #[test]
+    fn aggregation_modes_by_hand() {
+        // x = [[1, 2, 3], [4, 5, 6]], mask [[1, 1, 0], [1, 0, 0]]; 3 tokens, 2 seqs, norm_len 4.
+        // token-mean: (1 + 2 + 4)/3 = 7/3. seq-mean-token-mean: ((1+2)/2 + 4/1)/2 = 2.75.
+        // seq-mean-token-sum: (3 + 4)/2 = 3.5. seq-mean-token-sum-norm: (3 + 4)/(2·4) = 0.875.
+        let x = t2(&[1., 2., 3., 4., 5., 6.], 2, 3);
+        let m = t2(&[1., 1., 0., 1., 0., 0.], 2, 3);
+        let n = Normaliser::from_masks(&[&m], Some(4)).unwrap();
+        assert_eq!(n, Normaliser { tokens: 3., seqs: 2., norm_len: 4. });
+        let want = [7. / 3., 2.75, 3.5, 0.875];
+        for (mode, w) in AggMode::ALL.into_iter().zip(want) {
+            let v = aggregate(&x, &m, mode, &n).unwrap().to_scalar::<f32>().unwrap();
+            assert!((v - w).abs() < TOL, "{}: {v} vs {w}", mode.name());
+        }
+        // norm_len defaults to the widest mask.
+        assert_eq!(Normaliser::from_masks(&[&m], None).unwrap().norm_len, 3.);
+        assert_eq!(AggMode::parse("seq_mean_token_sum_norm"), Some(AggMode::SeqMeanTokenSumNorm));
+    }
+
+    /// A deterministic mini-batch: B = 4, T = 5, one fully masked row, varied ratios.
+    fn batch() -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let n = 20;
+        let logp: Vec<f32> = (0..n).map(|i| -0.5 - 0.3 * (i as f32).sin()).collect();
+        let old: Vec<f32> = (0..n).map(|i| logp[i] + 0.25 * (1.7 * i as f32).cos()).collect();
+        let rf: Vec<f32> = (0..n).map(|i| logp[i] + 0.1 * (2.3 * i as f32).sin()).collect();
+        let h: Vec<f32> = (0..n).map(|i| 1.0 + 0.5 * (0.7 * i as f32).sin()).collect();
+        let adv = vec![1.0, -0.5, 0.7, -1.2];
+        let mask = vec![
+            1., 1., 1., 1., 1., //
+            1., 1., 1., 0., 0., //
+            0., 0., 0., 0., 0., //
+            1., 0., 1., 1., 0.,
+        ];
+        (logp, old, rf, h, adv, mask)
+    }
+
+    fn all_configs() -> Vec<ObjectiveConfig> {
+        let mut out = Vec::new();
+        for kind in [ObjectiveKind::Ppo, ObjectiveKind::Gspo, ObjectiveKind::Sapo, ObjectiveKind::Pg] {
+            for agg in AggMode::ALL {
+                let mut c = cfg(kind, agg);
+                if kind == ObjectiveKind::Gspo {
+                    (c.eps_low, c.eps_high) = (3e-4, 4e-4);
+                }
+                c.dual_clip = Some(1.5);
+                c.kl = Some(KlConfig { kind: KlKind::K3, beta: 0.1 });
+                c.entropy_coef = 0.01;
+                c.norm_len = Some(8);
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn micro_batches_sum_to_the_mini_batch() {
+        let (logp, old, rf, h, adv, mask) = batch();
+        let splits = [(0usize, 1usize), (1, 3), (3, 4)];
+        let t = 5;
+        for c in all_configs() {
+            let what = format!("{:?}/{}", c.kind, c.agg.name());
+            // Full mini-batch.
+            let lv = var(&logp, 4, t);
+            let hv = var(&h, 4, t);
+            let (o, r, m, a) = (t2(&old, 4, t), t2(&rf, 4, t), t2(&mask, 4, t), t1(&adv));
+            let norm = Normaliser::from_masks(&[&m], c.norm_len).unwrap();
+            let inp = LossInputs { logp: lv.as_tensor(), old_logp: &o, advantages: &a, mask: &m, ref_logp: Some(&r), entropy: Some(hv.as_tensor()) };
+            let full = compute_loss(&c, &inp, &norm).unwrap();
+            let g = full.loss.backward().unwrap();
+            let full_loss = full.loss.to_scalar::<f32>().unwrap();
+            let full_gl = vec(g.get(lv.as_tensor()).unwrap());
+            let full_gh = vec(g.get(hv.as_tensor()).unwrap());
+            assert!(full_loss.is_finite() && full_loss != 0.0, "{what}");
+            // Micro-batches, the normaliser counted over all of them.
+            let sl = |v: &[f32], (s, e): (usize, usize)| v[s * t..e * t].to_vec();
+            let masks: Vec<Tensor> = splits.iter().map(|&p| t2(&sl(&mask, p), p.1 - p.0, t)).collect();
+            let mrefs: Vec<&Tensor> = masks.iter().collect();
+            let mnorm = Normaliser::from_masks(&mrefs, c.norm_len).unwrap();
+            assert_eq!(mnorm, norm, "{what}");
+            let (mut loss_sum, mut gl, mut gh) = (0f32, Vec::new(), Vec::new());
+            let mut metrics = LossMetrics::default();
+            for (k, &p) in splits.iter().enumerate() {
+                let b = p.1 - p.0;
+                let lv = var(&sl(&logp, p), b, t);
+                let hv = var(&sl(&h, p), b, t);
+                let (o, r, a) = (t2(&sl(&old, p), b, t), t2(&sl(&rf, p), b, t), t1(&adv[p.0..p.1]));
+                let inp = LossInputs { logp: lv.as_tensor(), old_logp: &o, advantages: &a, mask: &masks[k], ref_logp: Some(&r), entropy: Some(hv.as_tensor()) };
+                let out = compute_loss(&c, &inp, &mnorm).unwrap();
+                let g = out.loss.backward().unwrap();
+                loss_sum += out.loss.to_scalar::<f32>().unwrap();
+                gl.extend(g.get(lv.as_tensor()).map(vec).unwrap_or(vec![0.; b * t]));
+                gh.extend(g.get(hv.as_tensor()).map(vec).unwrap_or(vec![0.; b * t]));
+                metrics.merge(&out.metrics);
+            }
+            assert!((loss_sum - full_loss).abs() < 1e-6, "{what}: {loss_sum} vs {full_loss}");
+            close(&gl, &full_gl, 1e-6, &format!("{what} dlogp"));
+            close(&gh, &full_gh, 1e-6, &format!("{what} dH"));
+            // Merged metrics equal the full batch's.
+            let f = &full.metrics;
+            assert_eq!((metrics.n_tokens, metrics.n_seqs), (f.n_tokens, f.n_seqs), "{what}");
+            assert_eq!((f.n_tokens, f.n_seqs), (11, 3));
+            for (x, y) in [
+                (metrics.pg_loss, f.pg_loss),
+                (metrics.kl_loss, f.kl_loss),
+                (metrics.entropy_loss, f.entropy_loss),
+                (metrics.clip_frac_low, f.clip_frac_low),
+                (metrics.clip_frac_high, f.clip_frac_high),
+                (metrics.dual_clip_frac, f.dual_clip_frac),
+                (metrics.approx_kl, f.approx_kl),
+                (metrics.ratio_mean, f.ratio_mean),
+            ] {
+                assert!((x - y).abs() < 1e-5, "{what}: metric {x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn all_masked_batch_is_zero_and_finite() {
+        // Padding holds -inf / NaN log-probs: masked positions must not leak into loss or grads.
+        for c in all_configs() {
+            let lv = var(&[f32::NEG_INFINITY, 0.0, -1.0, f32::NAN], 2, 2);
+            let hv = var(&[f32::NAN, 1.0, 2.0, 3.0], 2, 2);
+            let old = t2(&[f32::NEG_INFINITY, f32::NAN, 0.0, 1.0], 2, 2);
+            let rf = t2(&[f32::NAN; 4], 2, 2);
+            let mask = t2(&[0.; 4], 2, 2);
+            let adv = t1(&[1., -1.]);
+            let inp = LossInputs { logp: lv.as_tensor(), old_logp: &old, advantages: &adv, mask: &mask, ref_logp: Some(&rf), entropy: Some(hv.as_tensor()) };
+            let norm = Normaliser::from_masks(&[&mask], c.norm_len).unwrap();
+            let out = compute_loss(&c, &inp, &norm).unwrap();
+            assert_eq!(out.loss.to_scalar::<f32>().unwrap(), 0.0);
+            let g = out.loss.backward().unwrap();
+            for v in [&lv, &hv] {
+                let gv = g.get(v.as_tensor()).map(vec).unwrap_or(vec![0.; 4]);
+                assert!(gv.iter().all(|x| *x == 0.0), "{:?}: {gv:?}", c.kind);
+            }
+            let m = out.metrics;
+            assert_eq!((m.n_tokens, m.n_seqs), (0, 0));
+            assert!(m.approx_kl == 0.0 && m.ratio_mean == 0.0 && m.pg_loss == 0.0);
+        }
+        // Partly masked with -inf padding: finite loss, zero grads at the padding.
+        let c = ObjectiveConfig::preset("stapo").unwrap();
+        let lv = var(&[-0.5, f32::NEG_INFINITY], 1, 2);
+        let old = t2(&[-0.4, f32::NEG_INFINITY], 1, 2);
+        let (loss, g, _) = run(&c, &lv, &old, &t1(&[1.]), &t2(&[1., 0.], 1, 2));
+        assert!(loss.is_finite());
+        assert!(g[0].is_finite() && g[1] == 0.0, "{g:?}");
+    }
+
+    #[test]
+    fn shape_errors_name_the_tensor() {
+        let c = ObjectiveConfig::default();
+        let lv = var(&[0.; 4], 2, 2);
+        let old = t2(&[0.; 3], 1, 3);
+        let mask = t2(&[1.; 4], 2, 2);
+        let adv = t1(&[1., 1.]);
+        let inp = LossInputs { logp: lv.as_tensor(), old_logp: &old, advantages: &adv, mask: &mask, ref_logp: None, entropy: None };
+        let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+        let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
+        assert!(e.contains("old_logp") && e.contains("[1, 3]"), "{e}");
+        let bad_adv = t1(&[1., 1., 1.]);
+        let inp = LossInputs { old_logp: &mask, advantages: &bad_adv, ..inp };
+        let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
+        assert!(e.contains("advantages"), "{e}");
+    }
+}

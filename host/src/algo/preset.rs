@@ -100,7 +100,7 @@ pub const SET_KEYS: [(&str, &str); 25] = [
     ("rho", "number in (0, 1] (mask=top_entropy)"),
     ("dynamic_sampling", "true|false"),
     ("overlong", "none|on"),
-    ("overlong_max_len", "positive integer (turns overlong on if it was off)"),
+    ("overlong_max_len", "positive integer (turns overlong on if it was off; rescales cache_len to keep its fraction)"),
     ("overlong_cache_len", "positive integer (turns overlong on if it was off)"),
     ("overlong_factor", "number >= 0 (turns overlong on if it was off)"),
     ("reward_scale", "zero_one|plus_minus_one"),
@@ -143,8 +143,8 @@ impl Default for ObjectiveConfig {
 }
 
 impl ObjectiveConfig {
-    /// A named preset (case-insensitive; `-`/`_` ignored, so `20-entropy` is not, but
-    /// `entropy-20` is, accepted):
+    /// A named preset (case-insensitive, `-` and `_` ignored; `20entropy` is an alias of
+    /// `entropy20`):
     ///
     /// | name | settings |
     /// |---|---|
@@ -171,7 +171,7 @@ impl ObjectiveConfig {
             "dapo" => dapo,
             "gspo" => ObjectiveConfig { kind: ObjectiveKind::Gspo, eps_low: 3e-4, eps_high: 4e-4, ..grpo },
             "sapo" => ObjectiveConfig { kind: ObjectiveKind::Sapo, ..grpo },
-            "entropy20" => ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo },
+            "entropy20" | "20entropy" => ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo },
             "justrl" => ObjectiveConfig { eps_high: 0.28, agg: AggMode::TokenMean, ..grpo },
             "stapo" => ObjectiveConfig { mask: S2T_DEFAULT, ..dapo },
             _ => {
@@ -363,7 +363,14 @@ impl ObjectiveConfig {
             "overlong_max_len" | "overlong_cache_len" | "overlong_factor" => {
                 let mut o = self.overlong.unwrap_or(DAPO_OVERLONG);
                 match key {
-                    "overlong_max_len" => o.max_len = int(key)?,
+                    "overlong_max_len" => {
+                        // Keep the buffer's fraction of L_max (DAPO: 4096 / 20480), so that
+                        // shrinking L_max for a small run stays valid; set the cache after.
+                        let new_max = int(key)?;
+                        let frac = o.cache_len as f64 / o.max_len.max(1) as f64;
+                        o.cache_len = ((new_max as f64 * frac).round() as usize).max(1);
+                        o.max_len = new_max;
+                    }
                     "overlong_cache_len" => o.cache_len = int(key)?,
                     _ => o.factor = num(key)?,
                 }
@@ -452,6 +459,8 @@ mod tests {
         c.set("mask", "s2t").unwrap();
         c.set("tau_h_quantile", "0.5").unwrap();
         c.set_pair("overlong_max_len=1024").unwrap();
+        // DAPO buffer 4096/20480 = 0.2 of L_max → round(0.2 · 1024) = 205.
+        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 205, factor: 1.0 }));
         c.set("overlong_cache_len", "256").unwrap();
         assert_eq!(c.eps_high, 0.28);
         assert_eq!(c.agg, AggMode::TokenMean);

@@ -42,7 +42,10 @@ pub struct Message {
 impl Message {
     /// A message with any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Message { role: role.into(), content: content.into() }
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
     }
     /// A `system` message.
     pub fn system(content: impl Into<String>) -> Self {
@@ -99,7 +102,11 @@ fn split_reasoning(text: &str) -> (&str, &str) {
 /// let s = render_chat(&[Message::user("2+2?")], true, true);
 /// assert_eq!(s, "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n");
 /// ```
-pub fn render_chat(messages: &[Message], add_generation_prompt: bool, enable_thinking: bool) -> String {
+pub fn render_chat(
+    messages: &[Message],
+    add_generation_prompt: bool,
+    enable_thinking: bool,
+) -> String {
     let mut out = String::new();
     if let Some(first) = messages.first() {
         if first.role == "system" {
@@ -224,12 +231,18 @@ impl Default for PromptTemplate {
 impl PromptTemplate {
     /// `Raw` with the paper's suffix ([`BOXED_SUFFIX`]).
     pub fn raw() -> Self {
-        PromptTemplate::Raw { suffix: BOXED_SUFFIX.to_string() }
+        PromptTemplate::Raw {
+            suffix: BOXED_SUFFIX.to_string(),
+        }
     }
 
     /// `Chat` with no system message, the paper's suffix, and the given thinking mode.
     pub fn chat(enable_thinking: bool) -> Self {
-        PromptTemplate::Chat { system: None, suffix: Some(BOXED_SUFFIX.to_string()), enable_thinking }
+        PromptTemplate::Chat {
+            system: None,
+            suffix: Some(BOXED_SUFFIX.to_string()),
+            enable_thinking,
+        }
     }
 
     /// The user text: problem, separator, suffix (separator only if the suffix is non-empty).
@@ -249,7 +262,11 @@ impl PromptTemplate {
     pub fn render(&self, problem: &str) -> String {
         match self {
             PromptTemplate::Raw { suffix } => Self::user_text(problem, Some(suffix)),
-            PromptTemplate::Chat { system, suffix, enable_thinking } => {
+            PromptTemplate::Chat {
+                system,
+                suffix,
+                enable_thinking,
+            } => {
                 let mut msgs = Vec::with_capacity(2);
                 if let Some(s) = system {
                     msgs.push(Message::system(s.clone()));
@@ -274,7 +291,8 @@ mod tests {
         assert!(cases.len() >= 6);
         for c in cases {
             let name = c["name"].as_str().expect("name");
-            let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).expect("messages");
+            let msgs: Vec<Message> =
+                serde_json::from_value(c["messages"].clone()).expect("messages");
             let gen = c["add_generation_prompt"].as_bool().expect("flag");
             let think = c["enable_thinking"].as_bool().expect("flag");
             let got = render_chat(&msgs, gen, think);
@@ -289,16 +307,25 @@ mod tests {
         let fx = chat_fixture();
         for c in fx["chat"].as_array().expect("cases") {
             let name = c["name"].as_str().expect("name");
-            let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).expect("messages");
+            let msgs: Vec<Message> =
+                serde_json::from_value(c["messages"].clone()).expect("messages");
             let text = render_chat(
                 &msgs,
                 c["add_generation_prompt"].as_bool().expect("flag"),
                 c["enable_thinking"].as_bool().expect("flag"),
             );
             let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).expect("ids");
-            assert_eq!(tok.encode(&text, false).expect("encode"), want, "case {name}");
+            assert_eq!(
+                tok.encode(&text, false).expect("encode"),
+                want,
+                "case {name}"
+            );
             // Chat markup round-trips when special tokens are kept.
-            assert_eq!(tok.decode(&want, false).expect("decode"), text, "case {name}");
+            assert_eq!(
+                tok.decode(&want, false).expect("decode"),
+                text,
+                "case {name}"
+            );
         }
     }
 
@@ -306,15 +333,24 @@ mod tests {
     fn reasoning_split_follows_python_split_semantics() {
         assert_eq!(split_reasoning("no think here"), ("", "no think here"));
         assert_eq!(split_reasoning("<think>\nr\n</think>\n\nans"), ("r", "ans"));
-        assert_eq!(split_reasoning("a <think>x</think> b <think>y</think>\nc"), ("x", "c"));
+        assert_eq!(
+            split_reasoning("a <think>x</think> b <think>y</think>\nc"),
+            ("x", "c")
+        );
         assert_eq!(split_reasoning("</think>only answer"), ("", "only answer"));
     }
 
     #[test]
     fn thinking_off_adds_empty_think_block_only_with_generation_prompt() {
         let m = [Message::user("hi")];
-        assert_eq!(render_chat(&m, true, false), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
-        assert_eq!(render_chat(&m, false, false), "<|im_start|>user\nhi<|im_end|>\n");
+        assert_eq!(
+            render_chat(&m, true, false),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        );
+        assert_eq!(
+            render_chat(&m, false, false),
+            "<|im_start|>user\nhi<|im_end|>\n"
+        );
         assert_eq!(render_chat(&[], true, true), "<|im_start|>assistant\n");
     }
 
@@ -323,10 +359,17 @@ mod tests {
         let raw = PromptTemplate::raw().render("What is 1+1?");
         assert_eq!(raw, format!("What is 1+1?\n{BOXED_SUFFIX}"));
         assert!(raw.ends_with("within \\boxed{}."));
-        let bare = PromptTemplate::Raw { suffix: String::new() }.render("Q");
+        let bare = PromptTemplate::Raw {
+            suffix: String::new(),
+        }
+        .render("Q");
         assert_eq!(bare, "Q");
 
-        let chat = PromptTemplate::Chat { system: Some("S".into()), suffix: None, enable_thinking: false };
+        let chat = PromptTemplate::Chat {
+            system: Some("S".into()),
+            suffix: None,
+            enable_thinking: false,
+        };
         assert_eq!(
             chat.render("Q"),
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -337,16 +380,21 @@ mod tests {
             .as_array()
             .and_then(|cs| cs.iter().find(|c| c["name"] == "user_only_no_thinking"))
             .expect("case present");
-        assert_eq!(PromptTemplate::chat(false).render("Compute 17 * 23."), case["text"].as_str().expect("text"));
+        assert_eq!(
+            PromptTemplate::chat(false).render("Compute 17 * 23."),
+            case["text"].as_str().expect("text")
+        );
     }
 
     #[test]
     fn prompt_template_serde_defaults() {
         let t: PromptTemplate = serde_json::from_str(r#"{"kind":"raw"}"#).expect("raw");
         assert_eq!(t, PromptTemplate::raw());
-        let t: PromptTemplate = serde_json::from_str(r#"{"kind":"chat","enable_thinking":false}"#).expect("chat");
+        let t: PromptTemplate =
+            serde_json::from_str(r#"{"kind":"chat","enable_thinking":false}"#).expect("chat");
         assert_eq!(t, PromptTemplate::chat(false));
-        let back: PromptTemplate = serde_json::from_str(&serde_json::to_string(&t).expect("ser")).expect("de");
+        let back: PromptTemplate =
+            serde_json::from_str(&serde_json::to_string(&t).expect("ser")).expect("de");
         assert_eq!(back, t);
     }
 }

@@ -62,22 +62,22 @@ impl C {
     fn as_real(self) -> Option<f64> {
         (self.im.abs() <= 1e-12 * self.re.abs().max(1.0)).then_some(self.re)
     }
-    fn add(self, o: C) -> C {
+    pub fn add(self, o: C) -> C {
         C { re: self.re + o.re, im: self.im + o.im }
     }
-    fn sub(self, o: C) -> C {
+    pub fn sub(self, o: C) -> C {
         C { re: self.re - o.re, im: self.im - o.im }
     }
     fn neg(self) -> C {
         C { re: -self.re, im: -self.im }
     }
-    fn mul(self, o: C) -> C {
+    pub fn mul(self, o: C) -> C {
         if self.is_real() && o.is_real() {
             return C::real(self.re * o.re);
         }
         C { re: self.re * o.re - self.im * o.im, im: self.re * o.im + self.im * o.re }
     }
-    fn div(self, o: C) -> C {
+    pub fn div(self, o: C) -> C {
         if self.is_real() && o.is_real() {
             return C::real(self.re / o.re);
         }
@@ -304,14 +304,6 @@ impl Expr {
     /// Evaluates with the variables bound by `env`; unbound variables are NaN.
     pub fn eval(&self, env: &HashMap<String, C>) -> C {
         eval(&self.root, env)
-    }
-
-    /// The value of a literal integer expression such as `12` or `-3`.
-    pub fn as_integer(&self) -> Option<f64> {
-        match &self.root {
-            Node::Num(v) if v.fract() == 0.0 => Some(*v),
-            _ => None,
-        }
     }
 }
 

@@ -1,0 +1,69 @@
+//! Command-line definitions (clap) and the code behind each subcommand.
+
+pub mod bench;
+pub mod model;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use clap::{Args, Parser, Subcommand};
+
+/// RL fine-tuning of Qwen3 models with STAPO and the GRPO family, driven by Rhai scripts.
+#[derive(Parser, Debug)]
+#[command(name = "stapo", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Write a randomly initialised model folder of any shape.
+    Init(model::InitArgs),
+    /// Sample a continuation of a prompt.
+    Generate(model::GenerateArgs),
+    /// Per-token log-probabilities and entropies of a text under a model.
+    Score(model::ScoreArgs),
+    /// Time model pieces (forward, generation, update, optimizer) for a given shape.
+    Bench(bench::BenchArgs),
+}
+
+/// Where and in which precision a model runs.
+#[derive(Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Compute device: `cpu`, or `cuda` / `cuda:N` (needs the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight dtype in memory: float32, bfloat16 or float16.
+    #[arg(long, default_value = "float32")]
+    pub dtype: String,
+}
+
+impl DeviceArgs {
+    /// The candle device and dtype these flags name.
+    pub fn resolve(&self) -> anyhow::Result<(Device, DType)> {
+        let device = parse_device(&self.device)?;
+        let dtype = stapo::model::parse_dtype(&self.dtype).context("--dtype")?;
+        Ok((device, dtype))
+    }
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(name: &str) -> anyhow::Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0).context("--device cuda (was stapo built with --features cuda?)")?),
+        s if s.starts_with("cuda:") => {
+            let n: usize = s[5..].parse().with_context(|| format!("--device {s}: expected cuda:N"))?;
+            Ok(Device::new_cuda(n).with_context(|| format!("--device {s} (was stapo built with --features cuda?)"))?)
+        }
+        other => anyhow::bail!("--device: expected cpu, cuda or cuda:N, found {other:?}"),
+    }
+}
+
+/// A model folder argument with a readable error when it is missing.
+pub fn model_dir(p: &PathBuf) -> anyhow::Result<&PathBuf> {
+    anyhow::ensure!(p.is_dir(), "--model {}: not a folder", p.display());
+    Ok(p)
+}

@@ -1,0 +1,178 @@
+//! `stapo init`, `stapo generate` and `stapo score`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use stapo::data::Tokenizer;
+use stapo::model::{self, Config, Grad, TokenBatch};
+
+use super::{model_dir, DeviceArgs};
+
+#[derive(Args, Debug)]
+pub struct InitArgs {
+    /// A Hugging Face config.json giving the shape.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// tokenizer.json to copy into the folder (tokenizer_config.json next to it is copied too).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Output model folder.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Standard deviation of the normal init (HF's initializer_range).
+    #[arg(long, default_value_t = 0.02)]
+    pub init_std: f64,
+}
+
+pub fn init(a: InitArgs) -> anyhow::Result<()> {
+    let cfg = Config::from_file(&a.config)?;
+    let save_dtype = model::parse_dtype(&cfg.torch_dtype)?;
+    let m = model::init(&cfg, a.seed, a.init_std, DType::F32, &Device::Cpu)?;
+    let tok_dir = match &a.tokenizer {
+        Some(t) => {
+            anyhow::ensure!(t.is_file(), "--tokenizer {}: no such file", t.display());
+            Some(t.parent().map(PathBuf::from).unwrap_or_default())
+        }
+        None => None,
+    };
+    model::save(&m, &a.out, save_dtype, tok_dir.as_deref())?;
+    if let (Some(t), Some(name)) = (&a.tokenizer, a.tokenizer.as_ref().and_then(|t| t.file_name())) {
+        if name != "tokenizer.json" {
+            std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+        }
+    }
+    println!(
+        "wrote {} ({:.2}M parameters, {} layers, hidden {}, vocab {}, {})",
+        a.out.display(),
+        cfg.num_params() as f64 / 1e6,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.torch_dtype
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Model folder (config.json, model.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt in the Qwen3 chat template (user turn, thinking off).
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Number of samples.
+    #[arg(long, default_value_t = 1)]
+    pub n: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let _ = a;
+    anyhow::bail!("generate: not wired yet")
+}
+
+#[derive(Args, Debug)]
+pub struct ScoreArgs {
+    /// Model folder.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Text to score (tokenized with the folder's tokenizer.json).
+    #[arg(long, conflicts_with = "ids", required_unless_present = "ids")]
+    pub text: Option<String>,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Option<Vec<u32>>,
+    /// One JSON object per token instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+/// One scored position: the token there, its log-probability given the prefix
+/// and the entropy of the distribution that predicted it (none for the first).
+#[derive(serde::Serialize)]
+struct Scored {
+    pos: usize,
+    id: u32,
+    token: String,
+    logprob: Option<f32>,
+    entropy: Option<f32>,
+}
+
+pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
+    let dir = model_dir(&a.model)?;
+    let (device, dtype) = a.device.resolve()?;
+    let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let tok_path = dir.join("tokenizer.json");
+    let tok = if tok_path.is_file() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
+    let ids = match (&a.ids, &a.text) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) => {
+            let tok = tok.as_ref().with_context(|| format!("--text needs {}", tok_path.display()))?;
+            tok.encode(text, false)?
+        }
+        (None, None) => anyhow::bail!("give --text or --ids"),
+    };
+    anyhow::ensure!(!ids.is_empty(), "nothing to score: no tokens");
+    let vocab = m.config().vocab_size as u32;
+    if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
+        anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
+    }
+    let batch = TokenBatch::left_padded(std::slice::from_ref(&ids), 0, &device)?;
+    let logits = m.lm_head(&m.forward_hidden(&batch, Grad::Off)?, Grad::Off)?.squeeze(0)?;
+    let n = ids.len();
+    let (logp, entropy) = if n > 1 {
+        let targets = Tensor::new(&ids[1..], &device)?;
+        let (lp, h) = model::logprob_entropy(&logits.narrow(0, 0, n - 1)?, &targets)?;
+        (lp.to_dtype(DType::F32)?.to_vec1::<f32>()?, h.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    } else {
+        (vec![], vec![])
+    };
+    let rows: Vec<Scored> = ids
+        .iter()
+        .enumerate()
+        .map(|(pos, &id)| Scored {
+            pos,
+            id,
+            token: tok.as_ref().map(|t| t.token_str(id)).unwrap_or_default(),
+            logprob: pos.checked_sub(1).map(|p| logp[p]),
+            entropy: pos.checked_sub(1).map(|p| entropy[p]),
+        })
+        .collect();
+    if a.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    } else {
+        println!("{:>5}  {:>7}  {:<20}  {:>10}  {:>8}", "pos", "id", "token", "logprob", "entropy");
+        for r in &rows {
+            let f = |x: Option<f32>| x.map_or("-".to_string(), |v| format!("{v:.4}"));
+            println!("{:>5}  {:>7}  {:<20}  {:>10}  {:>8}", r.pos, r.id, format!("{:?}", r.token), f(r.logprob), f(r.entropy));
+        }
+        let total: f32 = logp.iter().sum();
+        println!("total logprob {total:.4} over {} predicted tokens (perplexity {:.3})", logp.len(), (-total / logp.len().max(1) as f32).exp());
+    }
+    Ok(())
+}
