@@ -1,10 +1,13 @@
 //! stapo: reinforcement-learning fine-tuning of Qwen3 models with STAPO and the
 //! GRPO family, driven by Rhai scripts.
 //!
-//! Dependencies point one way: `model` ← `rollout` ← `algo`/`train` ← `script`.
+//! Dependencies point one way: `model` ← `rollout` ← `algo`/`train` ← `script`;
+//! `reward` and `data` stand alone.
 
-pub mod error;
+pub mod algo;
 pub mod data;
+pub mod error;
 pub mod model;
+pub mod train;
 
 pub use error::{Error, Result};

@@ -26,10 +26,10 @@ pub use mask::{
     compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TauH, TopEntropyStats,
 };
 pub use objective::{
-    compute_loss, AggMode, KlConfig, KlKind, LossInputs, LossMetrics, LossOutput, Normaliser,
-    ObjectiveKind,
+    aggregate, compute_loss, AggMode, KlConfig, KlKind, LossInputs, LossMetrics, LossOutput,
+    Normaliser, ObjectiveKind,
 };
-pub use preset::{MaskConfig, ObjectiveConfig, PRESETS};
+pub use preset::{MaskConfig, ObjectiveConfig, PRESETS, SET_KEYS};
 
 use candle_core::Tensor;
 
@@ -39,7 +39,9 @@ use crate::{Error, Result};
 pub(crate) fn dims_bt(t: &Tensor, name: &str) -> Result<(usize, usize)> {
     match t.dims() {
         &[b, l] => Ok((b, l)),
-        d => Err(Error::invalid(format!("{name}: expected shape (B, T), found {d:?}"))),
+        d => Err(Error::invalid(format!(
+            "{name}: expected shape (B, T), found {d:?}"
+        ))),
     }
 }
 

@@ -204,12 +204,6 @@ impl Func {
         }
     }
 
-    /// Functions that only make sense on integers; their presence makes the
-    /// identity test sample integer points.
-    fn is_discrete(self) -> bool {
-        matches!(self, Func::Floor | Func::Ceil | Func::Factorial)
-    }
-
     fn apply(self, z: C) -> C {
         let real = |f: fn(f64) -> f64| z.as_real().map_or(C::NAN, |x| C::real(f(x)));
         match self {
@@ -272,6 +266,9 @@ pub(crate) struct Expr {
     /// True when floor, ceiling, factorial or binomials appear: such answers
     /// are tested at integer points.
     pub discrete: bool,
+    /// True when `\infty` is written: only then is an infinite value an
+    /// answer (an interval end) rather than an overflow.
+    pub infinite: bool,
 }
 
 impl Expr {
@@ -284,12 +281,13 @@ impl Expr {
         if toks.is_empty() {
             return None;
         }
-        let mut p = Parser { toks, pos: 0, depth: 0, abs_depth: 0, vars: BTreeSet::new(), discrete: false };
+        let mut p =
+            Parser { toks, pos: 0, depth: 0, abs_depth: 0, vars: BTreeSet::new(), discrete: false, infinite: false };
         let root = p.sum()?;
         if p.pos != p.toks.len() {
             return None;
         }
-        Some(Expr { root, vars: p.vars, discrete: p.discrete })
+        Some(Expr { root, vars: p.vars, discrete: p.discrete, infinite: p.infinite })
     }
 
     /// `self - other`, used to compare equations `l = r` as `l - r = 0`.
@@ -298,6 +296,7 @@ impl Expr {
             root: Node::Sum(vec![(false, self.root.clone()), (true, other.root.clone())]),
             vars: self.vars.union(&other.vars).cloned().collect(),
             discrete: self.discrete || other.discrete,
+            infinite: self.infinite || other.infinite,
         }
     }
 
@@ -540,6 +539,7 @@ struct Parser {
     abs_depth: usize,
     vars: BTreeSet<String>,
     discrete: bool,
+    infinite: bool,
 }
 
 impl Parser {
@@ -865,7 +865,10 @@ impl Parser {
                 Some(Node::Binom(Box::new(a), Box::new(b)))
             }
             "pi" => Some(Node::Num(PI)),
-            "infty" | "infin" => Some(Node::Num(f64::INFINITY)),
+            "infty" | "infin" => {
+                self.infinite = true;
+                Some(Node::Num(f64::INFINITY))
+            }
             "lfloor" | "lceil" => {
                 self.discrete = true;
                 let (close, f) = if name == "lfloor" { ("rfloor", Func::Floor) } else { ("rceil", Func::Ceil) };

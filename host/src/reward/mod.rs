@@ -1,1 +1,281 @@
-//! placeholder
+//! Rule-based rewards for math answers: final-answer extraction and
+//! mathematical equivalence against a reference.
+//!
+//! This is the verifier behind the binary correctness reward of DAPO/GRPO
+//! math RL (R = 1 when the last `\boxed{}` equals the reference). It aims at
+//! the behaviour of the Python tools researchers use — Hendrycks MATH
+//! `is_equiv`, the Minerva/DAPO normalisers and Hugging Face math-verify —
+//! without Python: extraction in [`extract`], normalisation in [`normalize`],
+//! a LaTeX expression evaluator in [`expr`] and structural/numeric comparison
+//! in [`equiv`]. Every verdict is bounded work: no panics, no unbounded
+//! recursion, long inputs fall back to plain string comparison.
+
+mod equiv;
+mod expr;
+mod extract;
+mod normalize;
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+pub use extract::has_boxed;
+
+/// Boxed answers nested inside each other that are unwrapped (`\boxed{\boxed{5}}`).
+const MAX_UNBOX: usize = 3;
+
+/// How the final answer is found in a response.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExtractMode {
+    /// Only the last `\boxed{...}` counts (the STAPO/DAPO setting).
+    #[default]
+    Strict,
+    /// The last `\boxed{...}`, else "the answer is X" / "Answer: X" / "#### X",
+    /// else the last number in the response.
+    Flexible,
+}
+
+impl FromStr for ExtractMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "strict" => Ok(ExtractMode::Strict),
+            "flexible" => Ok(ExtractMode::Flexible),
+            other => Err(Error::invalid(format!("extract mode: expected `strict` or `flexible`, found `{other}`"))),
+        }
+    }
+}
+
+impl fmt::Display for ExtractMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ExtractMode::Strict => "strict",
+            ExtractMode::Flexible => "flexible",
+        })
+    }
+}
+
+/// The final answer of `response`, or `None` when there is none under `mode`.
+///
+/// ```
+/// # use stapo::reward::{extract_answer, ExtractMode};
+/// assert_eq!(extract_answer("so $\\boxed{\\frac{1}{2}}$.", ExtractMode::Strict).as_deref(), Some("\\frac{1}{2}"));
+/// assert_eq!(extract_answer("The answer is 7.", ExtractMode::Strict), None);
+/// assert_eq!(extract_answer("The answer is 7.", ExtractMode::Flexible).as_deref(), Some("7"));
+/// ```
+pub fn extract_answer(response: &str, mode: ExtractMode) -> Option<String> {
+    match mode {
+        ExtractMode::Strict => extract::last_boxed(response),
+        ExtractMode::Flexible => extract::flexible(response),
+    }
+}
+
+/// Whether `answer` is mathematically equivalent to the reference `gold`.
+/// A `\boxed{}` around either is tolerated.
+///
+/// ```
+/// # use stapo::reward::is_equivalent;
+/// assert!(is_equivalent("\\frac{1}{2}", "0.5"));
+/// assert!(is_equivalent("(-\\infty, 2) \\cup (3, \\infty)", "(3,\\infty)\\cup(-\\infty,2)"));
+/// assert!(!is_equivalent("[2, 4]", "(2, 4)"));
+/// ```
+pub fn is_equivalent(gold: &str, answer: &str) -> bool {
+    equiv::equivalent(&unbox(gold), &unbox(answer))
+}
+
+/// Strips enclosing `\boxed{...}` layers.
+fn unbox(s: &str) -> String {
+    let mut s = s.trim().to_string();
+    for _ in 0..MAX_UNBOX {
+        if !(s.contains("\\boxed") || s.contains("\\fbox")) {
+            break;
+        }
+        match extract::last_boxed(&s) {
+            Some(inner) => s = inner,
+            None => break,
+        }
+    }
+    s
+}
+
+/// The outcome of checking one response.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Verdict {
+    /// The extracted answer equals the reference.
+    pub correct: bool,
+    /// The final answer found in the response, if any.
+    pub extracted: Option<String>,
+}
+
+impl Verdict {
+    /// The scalar reward: `right` when correct, else `wrong` (1/0 or 1/-1).
+    pub fn reward(&self, right: f64, wrong: f64) -> f64 {
+        if self.correct {
+            right
+        } else {
+            wrong
+        }
+    }
+}
+
+/// Extracts the final answer of `response` and compares it with `gold`.
+pub fn verify(gold: &str, response: &str, mode: ExtractMode) -> Verdict {
+    let extracted = extract_answer(response, mode);
+    let correct = extracted.as_deref().is_some_and(|a| is_equivalent(gold, a));
+    Verdict { correct, extracted }
+}
+
+/// One output line of [`verify_jsonl`].
+#[derive(Serialize)]
+struct Row<'a> {
+    gold: &'a str,
+    pred: &'a str,
+    extracted: Option<&'a str>,
+    correct: bool,
+}
+
+/// Reads a JSONL file with fields `gold` and `pred` (a JSON string, or a
+/// number for `gold`), writes one JSON line `{"gold","pred","extracted","correct"}`
+/// per input line to `out`, and returns `(n_correct, n_total)`. Blank lines
+/// are skipped; bad JSON or a missing field is an error naming `file:line`.
+pub fn verify_jsonl(input: &Path, mode: ExtractMode, out: &mut dyn Write) -> Result<(usize, usize)> {
+    let file = std::fs::File::open(input).map_err(|e| Error::io(input, e))?;
+    let parse_err = |line: usize, msg: String| Error::Parse { path: input.to_path_buf(), line, msg };
+    let out_err = |e: std::io::Error| Error::io("<verify output>", e);
+    let (mut n_correct, mut n_total) = (0, 0);
+    for (idx, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| Error::io(input, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| parse_err(idx + 1, format!("invalid JSON: {e}")))?;
+        let field = |name: &str| match value.get(name) {
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            Some(serde_json::Value::Number(n)) if name == "gold" => Ok(n.to_string()),
+            Some(other) => Err(parse_err(idx + 1, format!("field `{name}`: expected a string, found {other}"))),
+            None => Err(parse_err(idx + 1, format!("missing field `{name}`"))),
+        };
+        let (gold, pred) = (field("gold")?, field("pred")?);
+        let verdict = verify(&gold, &pred, mode);
+        let row = Row { gold: &gold, pred: &pred, extracted: verdict.extracted.as_deref(), correct: verdict.correct };
+        serde_json::to_writer(&mut *out, &row).map_err(|e| out_err(e.into()))?;
+        out.write_all(b"\n").map_err(out_err)?;
+        n_total += 1;
+        n_correct += usize::from(verdict.correct);
+    }
+    Ok((n_correct, n_total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("stapo-reward-{}-{name}", std::process::id()));
+        std::fs::write(&path, contents).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        path
+    }
+
+    #[test]
+    fn extract_mode_parses_and_prints() {
+        assert_eq!("strict".parse::<ExtractMode>().ok(), Some(ExtractMode::Strict));
+        assert_eq!(" Flexible ".parse::<ExtractMode>().ok(), Some(ExtractMode::Flexible));
+        assert!("loose".parse::<ExtractMode>().is_err());
+        assert_eq!(ExtractMode::default(), ExtractMode::Strict);
+        assert_eq!(ExtractMode::Flexible.to_string(), "flexible");
+        let json = serde_json::to_string(&ExtractMode::Flexible).unwrap_or_default();
+        assert_eq!(json, "\"flexible\"");
+        assert_eq!(serde_json::from_str::<ExtractMode>("\"strict\"").ok(), Some(ExtractMode::Strict));
+    }
+
+    #[test]
+    fn verify_strict_and_flexible() {
+        let response = "We compute 2+2. The answer is 4.";
+        assert_eq!(verify("4", response, ExtractMode::Strict), Verdict { correct: false, extracted: None });
+        assert_eq!(verify("4", response, ExtractMode::Flexible), Verdict { correct: true, extracted: Some("4".into()) });
+        let boxed = "First \\boxed{3}, corrected: $\\boxed{\\dfrac{1}{2}}$";
+        let v = verify("0.5", boxed, ExtractMode::Strict);
+        assert!(v.correct);
+        assert_eq!(v.extracted.as_deref(), Some("\\dfrac{1}{2}"));
+        assert!(!verify("3", boxed, ExtractMode::Strict).correct);
+        assert!(verify("\\boxed{10}", "\\boxed{10}", ExtractMode::Strict).correct);
+        assert_eq!(v.reward(1.0, -1.0), 1.0);
+        assert_eq!(verify("3", boxed, ExtractMode::Strict).reward(1.0, -1.0), -1.0);
+    }
+
+    #[test]
+    fn is_equivalent_unboxes() {
+        assert!(is_equivalent("\\boxed{\\frac{1}{2}}", "0.5"));
+        assert!(is_equivalent("5", "\\boxed{\\boxed{5}}"));
+        assert!(!is_equivalent("5", "\\boxed{6}"));
+        assert!(has_boxed("\\boxed{5}") && !has_boxed("\\boxed{5"));
+    }
+
+    #[test]
+    fn verify_jsonl_writes_rows() {
+        let path = temp_file(
+            "ok.jsonl",
+            "{\"gold\": \"\\\\frac{1}{2}\", \"pred\": \"so \\\\boxed{0.5}\"}\n\n{\"gold\": 18, \"pred\": \"#### 18\"}\n{\"gold\": \"3\", \"pred\": \"\\\\boxed{4}\"}\n",
+        );
+        let mut out = Vec::new();
+        let counts = verify_jsonl(&path, ExtractMode::Strict, &mut out);
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(counts.ok(), Some((1, 3)));
+        let text = String::from_utf8(out).unwrap_or_default();
+        let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0]["extracted"], "0.5");
+        assert_eq!(rows[0]["correct"], true);
+        assert_eq!(rows[1]["gold"], "18");
+        assert!(rows[1]["extracted"].is_null());
+        assert_eq!(rows[2]["correct"], false);
+        assert!(text.starts_with("{\"gold\":"));
+    }
+
+    #[test]
+    fn verify_jsonl_errors_name_file_and_line() {
+        let path = temp_file("bad.jsonl", "{\"gold\": \"1\", \"pred\": \"1\"}\n{not json}\n");
+        let err = verify_jsonl(&path, ExtractMode::Flexible, &mut Vec::new()).err();
+        assert!(matches!(err, Some(Error::Parse { line: 2, .. })), "{err:?}");
+        let msg = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("bad.jsonl:2:"), "{msg}");
+        let _ = std::fs::remove_file(&path);
+
+        let path = temp_file("missing.jsonl", "{\"gold\": \"1\"}\n");
+        let err = verify_jsonl(&path, ExtractMode::Flexible, &mut Vec::new()).err();
+        let _ = std::fs::remove_file(&path);
+        assert!(matches!(&err, Some(Error::Parse { line: 1, msg, .. }) if msg.contains("`pred`")), "{err:?}");
+
+        let err = verify_jsonl(Path::new("/nonexistent/x.jsonl"), ExtractMode::Strict, &mut Vec::new()).err();
+        assert!(matches!(err, Some(Error::Io { .. })));
+    }
+
+    #[test]
+    fn adversarial_responses_return() {
+        // 10k nested braces inside a box.
+        let deep = format!("\\boxed{{{}1{}}}", "{".repeat(10_000), "}".repeat(10_000));
+        let v = verify("1", &deep, ExtractMode::Strict);
+        assert!(v.extracted.is_some() && !v.correct);
+        // Huge exponent: not comparable, so not equal to a finite number.
+        assert!(!verify("1", "\\boxed{2^{99999999}}", ExtractMode::Strict).correct);
+        assert!(verify("2^{99999999}", "\\boxed{2^{99999999}}", ExtractMode::Strict).correct);
+        // 100 kB of text with the answer at the end, and 100 kB of opening boxes.
+        let long = "blah 1 + 1 = 2. ".repeat(6_500) + "\\boxed{42}";
+        assert!(long.len() > 100_000);
+        assert!(verify("42", &long, ExtractMode::Strict).correct);
+        assert!(verify("2", &"x 2 ".repeat(25_000), ExtractMode::Flexible).correct);
+        let boxes = "\\boxed{".repeat(15_000);
+        assert_eq!(verify("1", &boxes, ExtractMode::Flexible), Verdict { correct: false, extracted: None });
+        let garbage: String = (0..100_000u32).map(|i| ['(', ')', '{', '^', '\\', '1', 'x', ','][(i * 7 % 8) as usize]).collect();
+        let v = verify("1", &format!("\\boxed {garbage}"), ExtractMode::Flexible);
+        assert!(!v.correct);
+    }
+}

@@ -147,7 +147,7 @@ fn rewrite_text(s: &str, end: usize, depth: usize, out: &mut String) -> usize {
         out.push(',');
         close + 1
     } else if after_number && is_unit(inner) {
-        skip_exponent(s, close + 1)
+        skip_unit_tail(s, skip_exponent(s, close + 1))
     } else if depth < MAX_TEXT_DEPTH {
         out.push_str(&rewrite_commands(content, depth + 1));
         close + 1
@@ -161,6 +161,29 @@ fn rewrite_text(s: &str, end: usize, depth: usize, out: &mut String) -> usize {
 fn is_unit(t: &str) -> bool {
     t.starts_with(|c: char| c.is_ascii_alphabetic())
         && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, ' ' | '~' | '/' | '^' | '.' | '-' | '{' | '}'))
+}
+
+/// Skips the rest of a compound unit after a dropped one: `/ \mathrm{s}`,
+/// `\cdot \text{m}^{-2}`, each part only when it is itself a unit.
+fn skip_unit_tail(s: &str, mut i: usize) -> usize {
+    loop {
+        let rest = s[i..].trim_start();
+        let Some(after_op) = rest.strip_prefix('/').or_else(|| rest.strip_prefix("\\cdot")) else {
+            return i;
+        };
+        let after_op = after_op.trim_start();
+        let Some(cmd) = ["\\text", "\\mathrm", "\\mbox"].iter().find(|c| after_op.starts_with(**c)) else {
+            return i;
+        };
+        let open = s.len() - after_op.len() + cmd.len();
+        let Some(close) = matching_brace(s, open) else {
+            return i;
+        };
+        if !is_unit(s[open + 1..close].trim_matches(|c: char| c.is_whitespace() || c == '~')) {
+            return i;
+        }
+        i = skip_exponent(s, close + 1);
+    }
 }
 
 /// Skips `^2`, `^{2}` after a dropped unit.
@@ -314,6 +337,9 @@ mod tests {
             ("864 \\mbox{ inches}^2", "864"),
             ("\\frac{270}7\\text{ degrees}", "\\frac{270}7"),
             ("6.5 \\mathrm{~m}", "6.5"),
+            ("4.5 \\times 10^{33} \\mathrm{~erg} / \\mathrm{s}", "4.5 \\times 10^{33}"),
+            ("9.8 \\text{m} \\cdot \\text{s}^{-2}", "9.8"),
+            ("3 \\text{ cm} / 2", "3 / 2"),
             ("18 dollars", "18"),
             ("27 miles.", "27"),
             ("\\text{(B)}", "B"),

@@ -1,1 +1,51 @@
-//! placeholder
+//! Batched sampling of responses from a Qwen3 policy: the rollout phase of GRPO.
+//!
+//! [`generate`] prefills every prompt once (left-padded, one batch), replicates
+//! each prompt's KV cache `n` times to form a GRPO group (Shao et al. 2024,
+//! "DeepSeekMath", §4.1), then decodes one token per step with temperature,
+//! top-k and top-p (nucleus, Holtzman et al. 2020) sampling, dropping finished
+//! rows from the cache as it goes. Every sampled token records the log-prob
+//! under the sampling distribution, the log-prob under the untempered policy
+//! (pi_old, what the PPO ratio divides by) and the full-vocabulary entropy
+//! (what STAPO's S2T mask thresholds). A [`RolloutBatch`] saves to and loads
+//! from JSONL so a batch can be replayed offline.
+
+pub mod batch;
+pub mod generate;
+pub mod params;
+pub mod sampler;
+
+pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
+pub use generate::{bench_generate, generate, generate_with, GenerateHooks};
+pub use params::SamplingParams;
+pub use sampler::{row_seed, Sampler, TokenDraw};
+
+/// Fixtures for the unit tests of this module: tiny random models.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use candle_core::{DType, Device};
+
+    use crate::model::{self, Config, Qwen3};
+
+    /// A 2-layer, 64-wide Qwen3 configuration with the given EOS id.
+    pub fn tiny_config(eos: Option<u32>) -> Config {
+        let eos = eos.map_or("null".to_string(), |e| e.to_string());
+        let text = format!(
+            r#"{{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": true,
+                "eos_token_id": {eos}, "torch_dtype": "float32"}}"#
+        );
+        Config::from_json_str(&text, "tiny").expect("tiny config")
+    }
+
+    /// A random tiny model; `std` large enough that logits are far from uniform.
+    pub fn tiny_model(eos: Option<u32>, seed: u64) -> Qwen3 {
+        model::init(&tiny_config(eos), seed, 0.2, DType::F32, &Device::Cpu).expect("init")
+    }
+
+    /// Decodes token `t` as `<t>`, so stop strings can span token boundaries.
+    pub fn angle_decode(ids: &[u32]) -> String {
+        ids.iter().map(|t| format!("<{t}>")).collect()
+    }
+}
