@@ -8,6 +8,7 @@ pub mod algo;
 pub mod data;
 pub mod error;
 pub mod model;
+pub mod reward;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -64,14 +64,26 @@ impl Config {
             // HF defaults: kv heads = attention heads, head_dim = hidden / heads.
             num_key_value_heads: f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads),
             head_dim: f.opt_usize("head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1)),
-            rope_theta: f.opt_f64("rope_theta")?.unwrap_or(10_000.0),
+            // transformers >= 5 nests rope_theta under rope_parameters.
+            rope_theta: match f.opt_f64("rope_theta")? {
+                Some(t) => t,
+                None => obj
+                    .get("rope_parameters")
+                    .and_then(|r| r.get("rope_theta"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10_000.0),
+            },
             rms_norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32_768),
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
             bos_token_id: f.opt_token_id("bos_token_id")?,
             eos_token_id: f.opt_token_id("eos_token_id")?,
-            torch_dtype: f.opt_str("torch_dtype")?.unwrap_or_else(|| "float32".into()),
+            // transformers >= 4.56 writes `dtype` instead of `torch_dtype`.
+            torch_dtype: match f.opt_str("torch_dtype")? {
+                Some(d) => d,
+                None => f.opt_str("dtype")?.unwrap_or_else(|| "float32".into()),
+            },
         };
         cfg.validate(file)?;
         Ok(cfg)
@@ -275,6 +287,16 @@ mod tests {
     }
 
     #[test]
+    fn newer_transformers_spellings_are_read() {
+        let text = TINY
+            .replace("\"torch_dtype\": \"float32\"", "\"dtype\": \"bfloat16\"")
+            .replace("\"rope_theta\": 10000.0,", "\"rope_parameters\": {\"rope_theta\": 5000.0, \"rope_type\": \"default\"},");
+        let c = Config::from_json_str(&text, "c.json").unwrap();
+        assert_eq!(c.torch_dtype, "bfloat16");
+        assert_eq!(c.rope_theta, 5000.0);
+    }
+
+    #[test]
     fn eos_may_be_a_list() {
         let text = TINY.replace("\"torch_dtype\"", "\"eos_token_id\": [7, 9], \"torch_dtype\"");
         let c = Config::from_json_str(&text, "c.json").unwrap();
@@ -296,7 +318,7 @@ mod tests {
             "c.json",
         )
         .unwrap();
-        // 8192*512 + 4*(512*512 + 2*512*256 + 512*512 + 128 + 3*512*1536 + 1024) + 512
-        assert_eq!(c.num_params(), 16_781_824);
+        // 8192*512 + 4*(512*512 + 2*512*256 + 512*512 + 128 + 3*512*1536 + 1024) + 512 (final norm)
+        assert_eq!(c.num_params(), 16_782_336);
     }
 }

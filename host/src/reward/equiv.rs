@@ -58,7 +58,11 @@ enum Ans {
     /// `lhs = rhs`.
     Eq(String, String),
     /// `(a, b)`, `[a, b)`, ...: ordered, bracket types significant.
-    Tuple { open: char, close: char, items: Vec<Ans> },
+    Tuple {
+        open: char,
+        close: char,
+        items: Vec<Ans>,
+    },
     /// `\{a, b\}` or the two values of `a \pm b`: unordered.
     Set(Vec<Ans>),
     /// A bare comma list `3, 5, 7`: unordered, as math-verify treats it.
@@ -193,11 +197,8 @@ fn matrix_rows(s: &str) -> Option<Vec<Vec<&str>>> {
         return None;
     }
     let body = rest.strip_suffix(&format!("\\end{{{env}}}"))?;
-    let rows: Vec<Vec<&str>> = split_top(body, "\\\\")
-        .into_iter()
-        .filter(|r| !r.trim().is_empty())
-        .map(|r| split_top(r, "&"))
-        .collect();
+    let rows: Vec<Vec<&str>> =
+        split_top(body, "\\\\").into_iter().filter(|r| !r.trim().is_empty()).map(|r| split_top(r, "&")).collect();
     (!rows.is_empty()).then_some(rows)
 }
 
@@ -249,7 +250,9 @@ fn compare(g: &Ans, p: &Ans) -> bool {
     use Ans::*;
     match (g, p) {
         (Expr(a), Expr(b)) => expr_equiv(a, b),
-        (Text(a), Text(b)) | (Text(a), Expr(b)) | (Expr(a), Text(b)) => canonical(a).eq_ignore_ascii_case(&canonical(b)),
+        (Text(a), Text(b)) | (Text(a), Expr(b)) | (Expr(a), Text(b)) => {
+            canonical(a).eq_ignore_ascii_case(&canonical(b))
+        }
         (Eq(gl, gr), Eq(pl, pr)) => eq_equiv(gl, gr, pl, pr),
         (Eq(l, r), other) | (other, Eq(l, r)) => is_simple_lhs(l) && compare(&Ans::parse(r, 1), other),
         (Tuple { open: go, close: gc, items: gi }, Tuple { open: po, close: pc, items: pi }) => {
@@ -261,11 +264,10 @@ fn compare(g: &Ans, p: &Ans) -> bool {
         }
         (Set(a) | List(a), Set(b) | List(b)) | (Union(a), Union(b)) => unordered(a, b),
         (Set(a), other) | (other, Set(a)) if a.len() == 1 => compare(&a[0], other),
-        (Matrix(a), Matrix(b)) => {
-            a.len() == b.len() && a.iter().zip(b).all(|(ra, rb)| ordered(ra, rb))
-        }
+        (Matrix(a), Matrix(b)) => a.len() == b.len() && a.iter().zip(b).all(|(ra, rb)| ordered(ra, rb)),
         // A column or row vector answered as a tuple.
-        (Matrix(m), Tuple { open: '(', close: ')', items: t }) | (Tuple { open: '(', close: ')', items: t }, Matrix(m)) => {
+        (Matrix(m), Tuple { open: '(', close: ')', items: t })
+        | (Tuple { open: '(', close: ')', items: t }, Matrix(m)) => {
             let vector: Option<Vec<Ans>> = match m.as_slice() {
                 [row] => Some(row.clone()),
                 rows => rows.iter().map(|r| (r.len() == 1).then(|| r[0].clone())).collect(),
@@ -357,7 +359,8 @@ fn sample_points(x: &Expr, y: &Expr) -> Vec<HashMap<String, C>> {
         .map(|_| {
             vars.iter()
                 .map(|v| {
-                    let val = if discrete { f64::from(rng.random_range(1u32..=25)) } else { rng.random_range(0.3..2.7) };
+                    let val =
+                        if discrete { f64::from(rng.random_range(1u32..=25)) } else { rng.random_range(0.3..2.7) };
                     ((*v).clone(), C::real(val))
                 })
                 .collect()
@@ -372,7 +375,8 @@ fn same_function(x: &Expr, y: &Expr) -> bool {
         let (a, b) = (x.eval(&env), y.eval(&env));
         // `-\infty` as an interval end equals itself; an overflow (`2^{10^9}`)
         // is not comparable.
-        let same_infinity = x.infinite && y.infinite && a.im == 0.0 && b.im == 0.0 && a.re.is_infinite() && a.re == b.re;
+        let same_infinity =
+            x.infinite && y.infinite && a.im == 0.0 && b.im == 0.0 && a.re.is_infinite() && a.re == b.re;
         return same_infinity || close(a, b);
     }
     let mut valid = 0;
@@ -532,7 +536,10 @@ mod tests {
         ("3 \\text{ and } 5", "3, 5"),
         // matrices
         ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{bmatrix} -1 & 0 \\\\ 0 & -1 \\end{bmatrix}"),
-        ("\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", "\\begin{pmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{pmatrix}"),
+        (
+            "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}",
+            "\\begin{pmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{pmatrix}",
+        ),
         ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", "(-1/3, 2/3, 5/3)"),
         // complex numbers
         ("-2 + 7i", "7i - 2"),
@@ -661,6 +668,52 @@ mod tests {
         ("x_{0} \\cos (\\omega t)", "x_{1} \\cos (\\omega t)"),
         ("I(0) e^{-\\frac{t}{R C}}", "I(0) e^{-\\frac{t}{R}}"),
         ("R(1-\\cos\\theta)", "R - \\cos\\theta"),
+        // more near misses, one per category
+        ("100", "1000"),
+        ("0.5", "5"),
+        ("1.5", "15"),
+        ("58,500", "58.5"),
+        ("11,\\! 111,\\! 111,\\! 100", "11111111101"),
+        ("\\frac{14}{3}", "\\frac{3}{14}"),
+        ("\\frac{1}{2}", "\\frac{2}{4}x"),
+        ("\\tfrac12", "12"),
+        ("2\\frac{1}{2}", "1"),
+        ("12.5\\%", "0.25"),
+        ("1e-5", "1e5"),
+        ("\\sqrt[3]{8}", "\\sqrt{8}"),
+        ("\\sqrt{x}", "x^{1/3}"),
+        ("18+2\\pi", "20\\pi"),
+        ("2^{10}", "2 \\cdot 10"),
+        ("e^{2}", "2e"),
+        ("\\pi", "3.14"),
+        ("864 \\mbox{ inches}^2", "864^2"),
+        ("30^\\circ", "60^\\circ"),
+        ("\\text{(C)}", "\\text{(E)}"),
+        ("\\text{ellipse}", "\\text{parabola}"),
+        ("k = 3", "k = 4"),
+        ("y = 2x + 3", "x = 2y + 3"),
+        ("f(x)=\\frac{1}{x}", "f(x)=x"),
+        ("x = 5", "y = 6"),
+        ("(8,-2)", "(-2,8)"),
+        ("[0.5, 3)", "(0.5, 3]"),
+        ("(2,\\infty)", "(2, 100)"),
+        ("(0,9) \\cup (9,36)", "(0,9) \\cup (9,37)"),
+        ("(1,2,3)", "\\{1,2,3\\}x"),
+        ("1, 2", "1, 2, 3"),
+        ("-2,1", "2, -1"),
+        ("3 \\pm 2 \\sqrt{2}", "3 + 2\\sqrt{2}, 3 - \\sqrt{2}"),
+        ("\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", "\\begin{pmatrix} -18/5 \\\\ 1/5 \\end{pmatrix}"),
+        ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}"),
+        ("6 - 5i", "6 + 5i"),
+        ("i", "-i"),
+        ("\\frac{11+9a}{20}", "\\frac{11+9a}{2}"),
+        ("a^2", "2a"),
+        ("(x+1)^2", "x^2+1"),
+        ("\\sin^2 x", "\\sin x^2"),
+        ("\\ln 2", "\\log_2 2"),
+        ("\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", "\\sinh(a t)"),
+        ("2\\alpha + \\beta", "2\\beta + \\alpha"),
+        ("n!", "n^n"),
         // empty and garbage
         ("5", ""),
         ("5", "\\boxed{"),
@@ -669,19 +722,13 @@ mod tests {
 
     #[test]
     fn equal_pairs_are_equivalent_both_ways() {
-        let failures: Vec<_> = EQUAL
-            .iter()
-            .filter(|(g, p)| !equivalent(g, p) || !equivalent(p, g))
-            .collect();
+        let failures: Vec<_> = EQUAL.iter().filter(|(g, p)| !equivalent(g, p) || !equivalent(p, g)).collect();
         assert!(failures.is_empty(), "judged different: {failures:#?}");
     }
 
     #[test]
     fn different_pairs_are_not_equivalent_both_ways() {
-        let failures: Vec<_> = DIFFERENT
-            .iter()
-            .filter(|(g, p)| equivalent(g, p) || equivalent(p, g))
-            .collect();
+        let failures: Vec<_> = DIFFERENT.iter().filter(|(g, p)| equivalent(g, p) || equivalent(p, g)).collect();
         assert!(failures.is_empty(), "judged equal: {failures:#?}");
     }
 

@@ -411,8 +411,8 @@ enum Tok {
 
 /// Bare words read as commands, longest first so `sinh` beats `sin`.
 const BARE_WORDS: &[&str] = &[
-    "arcsin", "arccos", "arctan", "cosec", "sqrt", "sinh", "cosh", "tanh", "asin", "acos", "atan", "sin",
-    "cos", "tan", "sec", "csc", "cot", "exp", "log", "ln", "pi",
+    "arcsin", "arccos", "arctan", "cosec", "sqrt", "sinh", "cosh", "tanh", "asin", "acos", "atan", "sin", "cos", "tan",
+    "sec", "csc", "cot", "exp", "log", "ln", "pi",
 ];
 
 fn tokenize(s: &str) -> Option<Vec<Tok>> {
@@ -510,10 +510,44 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
 /// Greek letters and other commands that name a variable.
 fn is_greek(name: &str) -> bool {
     const GREEK: &[&str] = &[
-        "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta",
-        "iota", "kappa", "lambda", "mu", "nu", "xi", "rho", "varrho", "sigma", "tau", "upsilon", "phi",
-        "varphi", "chi", "psi", "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Pi", "Sigma", "Phi",
-        "Psi", "Omega", "ell", "hbar",
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "varepsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "vartheta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+        "nu",
+        "xi",
+        "rho",
+        "varrho",
+        "sigma",
+        "tau",
+        "upsilon",
+        "phi",
+        "varphi",
+        "chi",
+        "psi",
+        "omega",
+        "Gamma",
+        "Delta",
+        "Theta",
+        "Lambda",
+        "Xi",
+        "Pi",
+        "Sigma",
+        "Phi",
+        "Psi",
+        "Omega",
+        "ell",
+        "hbar",
     ];
     GREEK.contains(&name)
 }
@@ -684,10 +718,7 @@ impl Parser {
                 is_greek(c)
                     || is_text_cmd(c)
                     || is_accent(c)
-                    || matches!(
-                        c.as_str(),
-                        "frac" | "sqrt" | "binom" | "pi" | "infty" | "lfloor" | "lceil" | "lvert"
-                    )
+                    || matches!(c.as_str(), "frac" | "sqrt" | "binom" | "pi" | "infty" | "lfloor" | "lceil" | "lvert")
             }
             _ => false,
         }
@@ -1038,7 +1069,10 @@ mod tests {
         for (s, want) in cases {
             let env = HashMap::from([("x".to_string(), C::real(0.7))]);
             let got = Expr::parse(s).unwrap_or_else(|| panic!("parse failed: {s}")).eval(&env);
-            assert!((got.re - want).abs() <= 1e-9 * want.abs().max(1.0) && got.im.abs() < 1e-9, "{s}: {got:?} != {want}");
+            assert!(
+                (got.re - want).abs() <= 1e-9 * want.abs().max(1.0) && got.im.abs() < 1e-9,
+                "{s}: {got:?} != {want}"
+            );
         }
     }
 

@@ -5,9 +5,9 @@
 //! math RL (R = 1 when the last `\boxed{}` equals the reference). It aims at
 //! the behaviour of the Python tools researchers use — Hendrycks MATH
 //! `is_equiv`, the Minerva/DAPO normalisers and Hugging Face math-verify —
-//! without Python: extraction in [`extract`], normalisation in [`normalize`],
-//! a LaTeX expression evaluator in [`expr`] and structural/numeric comparison
-//! in [`equiv`]. Every verdict is bounded work: no panics, no unbounded
+//! without Python: extraction in `extract`, normalisation in `normalize`,
+//! a LaTeX expression evaluator in `expr` and structural/numeric comparison
+//! in `equiv`. Every verdict is bounded work: no panics, no unbounded
 //! recursion, long inputs fall back to plain string comparison.
 
 mod equiv;
@@ -200,7 +200,10 @@ mod tests {
     fn verify_strict_and_flexible() {
         let response = "We compute 2+2. The answer is 4.";
         assert_eq!(verify("4", response, ExtractMode::Strict), Verdict { correct: false, extracted: None });
-        assert_eq!(verify("4", response, ExtractMode::Flexible), Verdict { correct: true, extracted: Some("4".into()) });
+        assert_eq!(
+            verify("4", response, ExtractMode::Flexible),
+            Verdict { correct: true, extracted: Some("4".into()) }
+        );
         let boxed = "First \\boxed{3}, corrected: $\\boxed{\\dfrac{1}{2}}$";
         let v = verify("0.5", boxed, ExtractMode::Strict);
         assert!(v.correct);
@@ -223,7 +226,14 @@ mod tests {
     fn verify_jsonl_writes_rows() {
         let path = temp_file(
             "ok.jsonl",
-            "{\"gold\": \"\\\\frac{1}{2}\", \"pred\": \"so \\\\boxed{0.5}\"}\n\n{\"gold\": 18, \"pred\": \"#### 18\"}\n{\"gold\": \"3\", \"pred\": \"\\\\boxed{4}\"}\n",
+            concat!(
+                r#"{"gold": "\\frac{1}{2}", "pred": "so \\boxed{0.5}"}"#,
+                "\n\n",
+                "{\"gold\": 18, \"pred\": \"#### 18\"}",
+                "\n",
+                r#"{"gold": "3", "pred": "\\boxed{4}"}"#,
+                "\n",
+            ),
         );
         let mut out = Vec::new();
         let counts = verify_jsonl(&path, ExtractMode::Strict, &mut out);
@@ -274,7 +284,8 @@ mod tests {
         assert!(verify("2", &"x 2 ".repeat(25_000), ExtractMode::Flexible).correct);
         let boxes = "\\boxed{".repeat(15_000);
         assert_eq!(verify("1", &boxes, ExtractMode::Flexible), Verdict { correct: false, extracted: None });
-        let garbage: String = (0..100_000u32).map(|i| ['(', ')', '{', '^', '\\', '1', 'x', ','][(i * 7 % 8) as usize]).collect();
+        let alphabet = ['(', ')', '{', '^', '\\', '1', 'x', ','];
+        let garbage: String = (0..100_000usize).map(|i| alphabet[i * 7 % alphabet.len()]).collect();
         let v = verify("1", &format!("\\boxed {garbage}"), ExtractMode::Flexible);
         assert!(!v.correct);
     }
