@@ -7,8 +7,11 @@
 pub mod algo;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod model;
 pub mod reward;
+pub mod rollout;
 pub mod train;
+pub mod util;
 
 pub use error::{Error, Result};

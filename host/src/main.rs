@@ -11,9 +11,12 @@ use commands::{Cli, Command};
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => commands::run::run(a),
+        Command::Repl(a) => commands::repl::run(a),
         Command::Init(a) => commands::model::init(a),
         Command::Generate(a) => commands::model::generate(a),
         Command::Score(a) => commands::model::score(a),
+        Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
     };
     match result {

@@ -3,9 +3,10 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
-use stapo::model::{self, Config, Grad, TokenBatch};
+use stapo::model::{self, Config, Grad, Qwen3, TokenBatch};
+use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig};
 
 use super::DeviceArgs;
 
@@ -13,6 +14,13 @@ use super::DeviceArgs;
 pub enum What {
     /// Forward pass over a batch (hidden states and logits), no graph.
     Forward,
+    /// The pieces of one RL update: old-policy forward, forward + loss,
+    /// backward, optimizer, and the full `train::update` step.
+    Train,
+    /// Batched sampling with a KV cache.
+    Generate,
+    /// candle CPU matmul for this shape's products in the layouts the step uses.
+    Matmul,
     /// Everything.
     All,
 }
@@ -30,6 +38,15 @@ pub struct BenchArgs {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
+    /// Response tokens per sequence for `train` (the rest is prompt); default seq / 2.
+    #[arg(long)]
+    pub response: Option<usize>,
+    /// Prompt tokens for `generate`.
+    #[arg(long, default_value_t = 16)]
+    pub prompt: usize,
+    /// New tokens per sequence for `generate`.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -84,6 +101,24 @@ pub fn forward_flops(cfg: &Config, batch: usize, seq: usize) -> f64 {
     cfg.num_hidden_layers as f64 * (proj + attn) + head
 }
 
+/// Matmul FLOPs of the forward pass that an update runs: the decoder over all
+/// `seq` positions, the LM head over the `resp` response positions only.
+pub fn update_forward_flops(cfg: &Config, batch: usize, seq: usize, resp: usize) -> f64 {
+    let head = |n: usize| 2.0 * (batch * n) as f64 * cfg.hidden_size as f64 * cfg.vocab_size as f64;
+    forward_flops(cfg, batch, seq) - head(seq) + head(resp)
+}
+
+/// User + system CPU seconds used by this process so far (Linux `/proc/self/stat`,
+/// assuming the usual 100 clock ticks per second).
+pub fn cpu_seconds() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
 /// Peak resident memory of this process, in bytes (Linux `VmHWM`).
 pub fn peak_rss() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -124,6 +159,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let rows: Vec<Vec<u32>> =
         (0..a.batch).map(|b| (0..a.seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect()).collect();
     let batch = TokenBatch::left_padded(&rows, 0, &device)?;
+    if a.what == What::Matmul {
+        return bench_matmul(&cfg, &a, &device);
+    }
     if matches!(a.what, What::Forward | What::All) {
         let secs = time(a.reps, || {
             let h = m.forward_hidden(&batch, Grad::Off)?;
@@ -133,16 +171,155 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         })?;
         report("forward (no grad)", secs, Some(forward_flops(&cfg, a.batch, a.seq)), a.batch * a.seq);
     }
+    if matches!(a.what, What::Train | What::All) {
+        bench_train(&m, &cfg, &a)?;
+    }
+    if matches!(a.what, What::Generate | What::All) {
+        bench_generate(&m, &a)?;
+    }
     if let Some(p) = peak_rss() {
         println!("peak memory (RSS): {:.2} GB", p as f64 / 1e9);
     }
     Ok(())
 }
 
+/// Synthetic RL batch: `batch` sequences of `seq - resp` prompt and `resp`
+/// response tokens, in groups of 4 with mixed rewards (so advantages are nonzero).
+fn synthetic_sequences(cfg: &Config, batch: usize, seq: usize, resp: usize) -> Vec<Sequence> {
+    let v = cfg.vocab_size;
+    let tok = |b: usize, t: usize| ((b * 7919 + t * 104_729 + 1) % v) as u32;
+    (0..batch)
+        .map(|b| Sequence {
+            prompt_ids: (0..seq - resp).map(|t| tok(b / 4, t)).collect(),
+            response_ids: (seq - resp..seq).map(|t| tok(b, t)).collect(),
+            rollout_logprobs: None,
+            reward: (b % 2) as f32,
+            group: b / 4,
+            truncated: false,
+        })
+        .collect()
+}
+
+/// Times the pieces of one update; see [`What::Train`].
+fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
+    let device = m.device().clone();
+    let resp = a.response.unwrap_or(a.seq / 2).clamp(1, a.seq.saturating_sub(1).max(1));
+    let (b, p) = (a.batch, a.seq - resp);
+    let seqs = synthetic_sequences(cfg, b, a.seq, resp);
+    let rows: Vec<Vec<u32>> = seqs.iter().map(|s| [s.prompt_ids.clone(), s.response_ids.clone()].concat()).collect();
+    let tokens = TokenBatch::left_padded(&rows, 0, &device)?;
+    let targets = Tensor::from_vec(seqs.iter().flat_map(|s| s.response_ids.clone()).collect::<Vec<_>>(), (b, resp), &device)?;
+    let adv = Tensor::from_vec((0..b).map(|i| if i % 2 == 0 { -1f32 } else { 1.0 }).collect::<Vec<_>>(), (b, 1), &device)?;
+    let fwd = update_forward_flops(cfg, b, a.seq, resp);
+    let logp_of = |grad: Grad| -> anyhow::Result<(Tensor, Tensor)> {
+        let h = m.forward_hidden(&tokens, grad)?.narrow(1, p - 1, resp)?;
+        let logits = m.lm_head(&h, grad)?;
+        Ok(model::logprob_entropy(&logits, &targets)?)
+    };
+    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
+    let (mut t_old, mut t_fwd, mut t_bwd, mut t_opt) = (0f64, 0f64, 0f64, 0f64);
+    let reps = a.reps.max(1);
+    let cpu0 = cpu_seconds();
+    for rep in 0..=reps {
+        let s = Instant::now();
+        let (old, _) = logp_of(Grad::Off)?;
+        old.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let d_old = s.elapsed().as_secs_f64();
+        let s = Instant::now();
+        // Token-mean policy gradient over the response: -sum(adv * logp) / tokens.
+        let (logp, _) = logp_of(Grad::Track)?;
+        let loss = (logp.to_dtype(DType::F32)?.broadcast_mul(&adv)?.sum_all()? * (-1.0 / (b * resp) as f64))?;
+        loss.to_scalar::<f32>()?;
+        let d_fwd = s.elapsed().as_secs_f64();
+        let s = Instant::now();
+        let grads = loss.backward()?;
+        let d_bwd = s.elapsed().as_secs_f64();
+        let s = Instant::now();
+        opt.step(&grads, 1e-7)?;
+        let d_opt = s.elapsed().as_secs_f64();
+        drop(grads);
+        if rep > 0 {
+            t_old += d_old;
+            t_fwd += d_fwd;
+            t_bwd += d_bwd;
+            t_opt += d_opt;
+        }
+    }
+    let r = reps as f64;
+    let n = b * a.seq;
+    println!("update pieces: {b} x {} tokens ({p} prompt + {resp} response), mean of {reps} after a warm-up", a.seq);
+    report("old-policy forward (no grad)", t_old / r, Some(fwd), n);
+    report("forward + loss", t_fwd / r, Some(fwd), n);
+    report("backward", t_bwd / r, Some(2.0 * fwd), n);
+    report("optimizer (AdamW)", t_opt / r, None, n);
+    report("sum of pieces", (t_old + t_fwd + t_bwd + t_opt) / r, Some(4.0 * fwd), n);
+    let cpu1 = cpu_seconds();
+
+    // The real thing: one `train::update` (recomputed old log-probs, one mini-batch).
+    let ucfg = UpdateConfig::default();
+    let secs = time(a.reps, || {
+        stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
+        Ok(())
+    })?;
+    report("full update step", secs, Some(4.0 * fwd), n);
+    if let (Some(c0), Some(c1), Some(c2)) = (cpu0, cpu1, cpu_seconds()) {
+        println!(
+            "cpu time: pieces {:.2} s/rep, update {:.2} s/rep ({} threads available)",
+            (c1 - c0) / (r + 1.0),
+            (c2 - c1) / (r + 1.0),
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+    }
+    Ok(())
+}
+
+/// Times `a @ b` for the shapes of the step, with `b` contiguous or a transposed view.
+fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<()> {
+    let n = a.batch * a.seq;
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let r = |s: &[usize]| Tensor::randn(0f32, 1.0, s, device);
+    for (name, m, k, nn) in [
+        ("x @ W^T  gate/up", n, h, i),
+        ("dy @ W   (dx of down)", n, h, i),
+        ("x^T @ dy (dW of gate)", h, n, i),
+        ("lm head", n, h, cfg.vocab_size),
+    ] {
+        let x = r(&[m, k])?;
+        let w = r(&[nn, k])?;
+        let wt = w.t()?.contiguous()?;
+        let xt = r(&[k, m])?;
+        let flops = 2.0 * (m * k * nn) as f64;
+        let t1 = time(a.reps, || Ok(drop(x.matmul(&w.t()?)?)))?;
+        let t2 = time(a.reps, || Ok(drop(x.matmul(&wt)?)))?;
+        let t3 = time(a.reps, || Ok(drop(xt.t()?.matmul(&wt)?)))?;
+        report(&format!("{name} {m}x{k}x{nn} rhs^T view"), t1, Some(flops), n);
+        report(&format!("{name} rhs contiguous"), t2, Some(flops), n);
+        report(&format!("{name} lhs^T view"), t3, Some(flops), n);
+    }
+    let (nkv, g, d, l) = (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, a.seq);
+    let q = r(&[a.batch, nkv, g * l, d])?;
+    let k = r(&[a.batch, nkv, l, d])?;
+    let flops = 2.0 * (a.batch * nkv * g * l * l * d) as f64;
+    let t = time(a.reps, || Ok(drop(q.matmul(&k.t()?)?)))?;
+    report("attn scores q @ k^T (batched)", t, Some(flops), n);
+    Ok(())
+}
+
+/// Times batched generation; see [`What::Generate`].
+fn bench_generate(_m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
+    // `stapo::rollout::bench_generate(model, batch, prompt_len, new_tokens)` once
+    // the rollout module is exported from lib.rs.
+    println!(
+        "generate (batch {}, prompt {}, {} new tokens): rollout module not in lib.rs yet",
+        a.batch, a.prompt, a.new_tokens
+    );
+    Ok(())
+}
+
 /// Prints one timing line: seconds, tokens/s and GFLOP/s when FLOPs are known.
 pub fn report(name: &str, secs: f64, flops: Option<f64>, tokens: usize) {
     let gf = flops.map(|f| format!("  {:>7.1} GFLOP/s", f / secs / 1e9)).unwrap_or_default();
-    println!("{name:<28} {:>9.1} ms  {:>9.0} tok/s{gf}", secs * 1e3, tokens as f64 / secs);
+    println!("{name:<30} {:>9.1} ms  {:>9.0} tok/s{gf}", secs * 1e3, tokens as f64 / secs);
 }
 
 fn device_name(d: &Device) -> &'static str {

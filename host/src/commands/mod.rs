@@ -2,6 +2,9 @@
 
 pub mod bench;
 pub mod model;
+pub mod repl;
+pub mod run;
+pub mod verify;
 
 use std::path::PathBuf;
 
@@ -19,12 +22,18 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Run one or more Rhai experiment scripts (training runs), each into its own run folder.
+    Run(run::RunArgs),
+    /// Interactive Rhai shell with the stapo bindings.
+    Repl(repl::ReplArgs),
     /// Write a randomly initialised model folder of any shape.
     Init(model::InitArgs),
     /// Sample a continuation of a prompt.
     Generate(model::GenerateArgs),
     /// Per-token log-probabilities and entropies of a text under a model.
     Score(model::ScoreArgs),
+    /// Check answers against references with the math-equivalence checker.
+    Verify(verify::VerifyArgs),
     /// Time model pieces (forward, generation, update, optimizer) for a given shape.
     Bench(bench::BenchArgs),
 }

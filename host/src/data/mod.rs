@@ -6,13 +6,20 @@
 //!   templates that add the paper's `\boxed{}` instruction.
 //! - [`dataset`]: `{"problem","answer",...}` JSONL files, bad-line policy, and
 //!   the epoch sampler whose state goes into checkpoints.
+//! - [`task`]: the generated multi-step arithmetic task and its small BPE
+//!   tokenizer (for `data/arith` and `models/tiny-qwen3`).
 
 pub mod chat;
 pub mod dataset;
+pub mod task;
 pub mod tokenizer;
 
 pub use chat::{render_chat, Message, PromptTemplate, BOXED_SUFFIX, SUFFIX_SEPARATOR};
 pub use dataset::{BadLinePolicy, Dataset, DatasetOptions, Example, Sampler, SamplerState};
+pub use task::{
+    generate, generate_split, read_jsonl, save_tokenizer, tokenizer_corpus, train_tokenizer, write_jsonl, Problem, TaskConfig,
+    TokenizerConfig,
+};
 pub use tokenizer::Tokenizer;
 
 /// Shared helpers for this module's unit tests.

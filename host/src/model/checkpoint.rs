@@ -186,31 +186,36 @@ pub fn init(cfg: &Config, seed: u64, std: f64, dtype: DType, device: &Device) ->
 /// copying the tokenizer files found in `tokenizer_dir` (if any). Atomic: the
 /// folder is written under a temporary name, then renamed over `dir`.
 pub fn save(model: &Qwen3, dir: &Path, save_dtype: DType, tokenizer_dir: Option<&Path>) -> Result<()> {
-    write_atomically(dir, |tmp| {
-        let mut cfg = model.config().clone();
-        cfg.torch_dtype = dtype_name(save_dtype).into();
-        let cfg_text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| Error::invalid(e.to_string()))?;
-        std::fs::write(tmp.join("config.json"), cfg_text).map_err(|e| Error::io(tmp.join("config.json"), e))?;
-        let mut tensors = HashMap::new();
-        for (name, var) in model.params() {
-            tensors.insert(name, var.as_tensor().detach().to_dtype(save_dtype)?.to_device(&Device::Cpu)?);
-        }
-        let st_path = tmp.join("model.safetensors");
-        candle_core::safetensors::save(&tensors, &st_path).map_err(|e| Error::Config {
-            file: st_path.display().to_string(),
-            field: "<safetensors>".into(),
-            msg: format!("cannot write: {e}"),
-        })?;
-        if let Some(src) = tokenizer_dir {
-            for f in TOKENIZER_FILES {
-                let from = src.join(f);
-                if from.is_file() && from != tmp.join(f) {
-                    std::fs::copy(&from, tmp.join(f)).map_err(|e| Error::io(&from, e))?;
-                }
+    write_atomically(dir, |tmp| write_model_files(model, tmp, save_dtype, tokenizer_dir))
+}
+
+/// Writes `config.json`, `model.safetensors` and the tokenizer files of
+/// `tokenizer_dir` into the existing folder `dir` (not atomic on its own: use
+/// inside [`write_atomically`]).
+pub fn write_model_files(model: &Qwen3, dir: &Path, save_dtype: DType, tokenizer_dir: Option<&Path>) -> Result<()> {
+    let mut cfg = model.config().clone();
+    cfg.torch_dtype = dtype_name(save_dtype).into();
+    let cfg_text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| Error::invalid(e.to_string()))?;
+    std::fs::write(dir.join("config.json"), cfg_text).map_err(|e| Error::io(dir.join("config.json"), e))?;
+    let mut tensors = HashMap::new();
+    for (name, var) in model.params() {
+        tensors.insert(name, var.as_tensor().detach().to_dtype(save_dtype)?.to_device(&Device::Cpu)?);
+    }
+    let st_path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &st_path).map_err(|e| Error::Config {
+        file: st_path.display().to_string(),
+        field: "<safetensors>".into(),
+        msg: format!("cannot write: {e}"),
+    })?;
+    if let Some(src) = tokenizer_dir {
+        for f in TOKENIZER_FILES {
+            let from = src.join(f);
+            if from.is_file() && from != dir.join(f) {
+                std::fs::copy(&from, dir.join(f)).map_err(|e| Error::io(&from, e))?;
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// Writes a folder through `fill(tmp)` and renames it over `dir` once complete.

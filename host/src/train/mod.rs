@@ -1,7 +1,12 @@
-//! Training: the optimizer, the update step, checkpoints and metrics.
+//! Training: the optimizer, the update step, supervised fine-tuning,
+//! checkpoints and metrics.
 
 pub mod optim;
+pub mod sft;
 pub mod step;
+pub mod trainer;
 
 pub use optim::{bench_adamw, is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
+pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
 pub use step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
+pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};

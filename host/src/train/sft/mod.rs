@@ -1,0 +1,227 @@
+//! Supervised fine-tuning: next-token cross-entropy on response tokens only.
+//!
+//! The standard SFT objective of instruction tuning (Ouyang et al. 2022,
+//! "Training language models to follow instructions", §3.5; TRL's
+//! `SFTTrainer` with completion-only loss): prompt positions are masked, and
+//! the loss is the mean negative log-likelihood over all response tokens of the
+//! batch (token-mean, so long and short responses weigh by their tokens).
+//!
+//! The layout is the RL update's ([`crate::train::step`]):
+//! `[left pad | prompt | response | right pad]`, prompts left-padded to the
+//! batch's longest prompt `P`, responses right-padded to its longest response
+//! `T`; response token `j` sits at `P + j` and is predicted by the hidden state
+//! at `P + j - 1`, so only `T` positions go through the LM head.
+//!
+//! [`tiny`] builds the committed `models/tiny-qwen3` from scratch with this step.
+
+pub mod tiny;
+
+use candle_core::{DType, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+use crate::model::{ops, Grad, Qwen3, TokenBatch};
+use crate::train::optim::AdamW;
+use crate::{Error, Result};
+
+pub use tiny::{evaluate, pretrain_tiny, EvalReport, TinyConfig, TinyReport};
+
+/// What one SFT step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SftMetrics {
+    /// Mean negative log-likelihood per response token (before the update).
+    pub loss: f32,
+    /// Response tokens the loss averaged over.
+    pub tokens: usize,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// True when the loss or gradient was not finite and the weights were left alone.
+    pub skipped: bool,
+}
+
+/// The layout of a batch of `(prompt, response)` pairs: tokens, `(B, T)` targets
+/// and `(B, T)` response mask, and the longest prompt `P` and response `T`.
+struct Layout {
+    tokens: TokenBatch,
+    targets: Tensor,
+    mask: Tensor,
+    p: usize,
+    t: usize,
+    n_tokens: usize,
+}
+
+fn layout(batch: &[(Vec<u32>, Vec<u32>)], pad_id: u32, model: &Qwen3) -> Result<Layout> {
+    if batch.is_empty() {
+        return Err(Error::invalid("sft: empty batch"));
+    }
+    let vocab = model.config().vocab_size;
+    let p = batch.iter().map(|(pr, _)| pr.len()).max().unwrap_or(0);
+    let t = batch.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    if t == 0 {
+        return Err(Error::invalid("sft: every response in the batch is empty"));
+    }
+    let b = batch.len();
+    let mut ids = Vec::with_capacity(b * (p + t));
+    let mut mask = Vec::with_capacity(b);
+    let mut targets = Vec::with_capacity(b * t);
+    let mut resp = Vec::with_capacity(b * t);
+    for (i, (prompt, response)) in batch.iter().enumerate() {
+        if prompt.is_empty() {
+            return Err(Error::invalid(format!("sft: example {i} has an empty prompt (the first response token needs a context)")));
+        }
+        if let Some(bad) = prompt.iter().chain(response).find(|&&id| id as usize >= vocab) {
+            return Err(Error::invalid(format!("sft: example {i} has token id {bad}, outside the model's vocabulary of {vocab}")));
+        }
+        let (pl, rl) = (prompt.len(), response.len());
+        ids.extend(std::iter::repeat_n(pad_id, p - pl));
+        ids.extend(prompt);
+        ids.extend(response);
+        ids.extend(std::iter::repeat_n(pad_id, t - rl));
+        let mut row = vec![0u8; p - pl];
+        row.extend(std::iter::repeat_n(1u8, pl + rl));
+        row.extend(std::iter::repeat_n(0u8, t - rl));
+        mask.push(row);
+        targets.extend(response);
+        targets.extend(std::iter::repeat_n(0u32, t - rl));
+        resp.extend(std::iter::repeat_n(1f32, rl));
+        resp.extend(std::iter::repeat_n(0f32, t - rl));
+    }
+    let device = model.device();
+    Ok(Layout {
+        tokens: TokenBatch::from_parts(ids, mask, device)?,
+        targets: Tensor::from_vec(targets, (b, t), device)?,
+        mask: Tensor::from_vec(resp, (b, t), device)?,
+        p,
+        t,
+        n_tokens: batch.iter().map(|(_, r)| r.len()).sum(),
+    })
+}
+
+/// The token-mean cross-entropy (a scalar f32 tensor) of the response tokens
+/// of `batch`, and the number of response tokens.
+pub fn sft_loss(model: &Qwen3, batch: &[(Vec<u32>, Vec<u32>)], pad_id: u32, grad: Grad) -> Result<(Tensor, usize)> {
+    let l = layout(batch, pad_id, model)?;
+    // (B, P+T, hidden) -> the T positions that predict response tokens.
+    let hidden = model.forward_hidden(&l.tokens, grad)?;
+    let h = hidden.narrow(1, l.p - 1, l.t)?;
+    let logits = model.lm_head(&h, grad)?.to_dtype(DType::F32)?; // (B, T, V)
+    let logp = ops::log_softmax(&logits)?.gather(&l.targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+    let nll = (logp * &l.mask)?.sum_all()?.neg()?;
+    let loss = (nll / l.n_tokens as f64)?;
+    Ok((loss, l.n_tokens))
+}
+
+/// One SFT step: cross-entropy on the response tokens of `batch` (prompt
+/// masked, token-mean over the batch), backward, and an AdamW step at `lr`
+/// (gradient clipping as configured in `opt`; the caller applies the LR
+/// schedule). A non-finite loss or gradient skips the update.
+pub fn sft_step(model: &Qwen3, opt: &mut AdamW, batch: &[(Vec<u32>, Vec<u32>)], lr: f64, pad_id: u32) -> Result<SftMetrics> {
+    let (loss, tokens) = sft_loss(model, batch, pad_id, Grad::Track)?;
+    let value = loss.to_scalar::<f32>()?;
+    if !value.is_finite() {
+        eprintln!("warning: sft: non-finite loss {value}; step skipped, weights unchanged");
+        return Ok(SftMetrics { loss: value, tokens, grad_norm: f32::NAN, skipped: true });
+    }
+    let grads = loss.backward()?;
+    let report = opt.step(&grads, lr)?;
+    Ok(SftMetrics { loss: value, tokens, grad_norm: report.grad_norm as f32, skipped: report.skipped })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{self, Config};
+    use crate::train::optim::AdamWConfig;
+    use candle_core::Device;
+
+    fn tiny(seed: u64) -> Qwen3 {
+        let cfg = Config::from_json_str(
+            r#"{"vocab_size": 50, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "max_position_embeddings": 128, "tie_word_embeddings": true, "torch_dtype": "float32"}"#,
+            "tiny",
+        )
+        .expect("config");
+        model::init(&cfg, seed, 0.1, DType::F32, &Device::Cpu).expect("init")
+    }
+
+    fn batch() -> Vec<(Vec<u32>, Vec<u32>)> {
+        vec![(vec![3, 4, 5, 6], vec![7, 8, 9, 1]), (vec![10, 11], vec![12, 13, 14, 15, 16, 1]), (vec![20, 21, 22], vec![23, 1])]
+    }
+
+    /// The loss recomputed by hand from full-sequence logits of each example
+    /// alone: sum over response positions only, divided by all response tokens.
+    fn reference_loss(model: &Qwen3, batch: &[(Vec<u32>, Vec<u32>)]) -> f64 {
+        let (mut nll, mut n) = (0f64, 0usize);
+        for (p, r) in batch {
+            let ids: Vec<u32> = p.iter().chain(r).copied().collect();
+            let tb = TokenBatch::left_padded(&[ids.clone()], 0, &Device::Cpu).expect("batch");
+            let logits = model.forward(&tb).expect("forward").squeeze(0).expect("squeeze");
+            let logp = ops::log_softmax(&logits).expect("lsm").to_vec2::<f32>().expect("vec");
+            for j in 0..r.len() {
+                let pos = p.len() + j - 1;
+                nll -= logp[pos][ids[pos + 1] as usize] as f64;
+                n += 1;
+            }
+        }
+        nll / n as f64
+    }
+
+    #[test]
+    fn loss_is_the_token_mean_over_response_tokens_only() {
+        let m = tiny(1);
+        let b = batch();
+        let (loss, n) = sft_loss(&m, &b, 0, Grad::Off).expect("loss");
+        assert_eq!(n, 12);
+        let got = loss.to_scalar::<f32>().expect("scalar") as f64;
+        let want = reference_loss(&m, &b);
+        assert!((got - want).abs() < 1e-4, "batched {got} vs per-example {want}");
+        // Same loss whatever the padding id (pad positions carry no loss or attention).
+        let (loss2, _) = sft_loss(&m, &b, 42, Grad::Off).expect("loss");
+        assert!((loss2.to_scalar::<f32>().expect("scalar") as f64 - got).abs() < 1e-5);
+    }
+
+    #[test]
+    fn prompt_tokens_are_not_targets() {
+        // Moving tokens from the response to the prompt removes exactly their terms:
+        // with prompt [3,4,5,6,7] the token 7 is context, not a target.
+        let m = tiny(2);
+        let full = vec![(vec![3, 4, 5, 6], vec![7, 8, 9])];
+        let short = vec![(vec![3, 4, 5, 6, 7], vec![8, 9])];
+        let lf = sft_loss(&m, &full, 0, Grad::Off).expect("loss").0.to_scalar::<f32>().expect("s") as f64;
+        let ls = sft_loss(&m, &short, 0, Grad::Off).expect("loss").0.to_scalar::<f32>().expect("s") as f64;
+        assert!((ls - reference_loss(&m, &short)).abs() < 1e-4);
+        // NLL(7 | 3..6) = 3 * lf - 2 * ls, computed independently:
+        let tb = TokenBatch::left_padded(&[vec![3, 4, 5, 6]], 0, &Device::Cpu).expect("batch");
+        let logits = m.forward(&tb).expect("fwd").squeeze(0).expect("sq");
+        let lp = ops::log_softmax(&logits).expect("lsm").to_vec2::<f32>().expect("v");
+        let nll7 = -(lp[3][7] as f64);
+        assert!((3.0 * lf - 2.0 * ls - nll7).abs() < 1e-4, "{} vs {nll7}", 3.0 * lf - 2.0 * ls);
+    }
+
+    #[test]
+    fn steps_decrease_the_loss() {
+        let m = tiny(3);
+        let cfg = AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..AdamWConfig::default() };
+        let mut opt = AdamW::new(m.params(), cfg).expect("adamw");
+        let b = batch();
+        let first = sft_step(&m, &mut opt, &b, 1e-2, 0).expect("step");
+        assert_eq!(first.tokens, 12);
+        assert!(first.grad_norm > 0.0 && !first.skipped);
+        let mut last = first;
+        for _ in 0..20 {
+            last = sft_step(&m, &mut opt, &b, 1e-2, 0).expect("step");
+        }
+        assert!(last.loss < 0.5 * first.loss, "loss {} -> {}", first.loss, last.loss);
+        assert_eq!(opt.step_count(), 21);
+    }
+
+    #[test]
+    fn bad_batches_are_rejected() {
+        let m = tiny(4);
+        assert!(sft_loss(&m, &[], 0, Grad::Off).is_err());
+        assert!(sft_loss(&m, &[(vec![], vec![1, 2])], 0, Grad::Off).is_err());
+        assert!(sft_loss(&m, &[(vec![1], vec![])], 0, Grad::Off).is_err());
+        let err = sft_loss(&m, &[(vec![1], vec![500])], 0, Grad::Off).expect_err("id out of range");
+        assert!(err.to_string().contains("500"), "{err}");
+    }
+}

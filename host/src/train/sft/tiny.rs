@@ -1,0 +1,642 @@
+//! `models/tiny-qwen3` from scratch: generate the arithmetic task
+//! ([`crate::data::task`]), train its BPE tokenizer, initialise a
+//! few-million-parameter Qwen3, supervised-train it on worked solutions, and
+//! stop early once it is *imperfect by design*: sampling at temperature 1.0 it
+//! should solve a fraction of the problems (the target), so that GRPO/STAPO
+//! groups of 8 have mixed rewards and RL has room to improve it within minutes
+//! on a laptop CPU.
+//!
+//! Accuracy is measured with a small batched sampler built on
+//! [`KvCache`] + [`Qwen3::decode`] (temperature sampling or greedy, stop at an
+//! end-of-sequence id); a response is correct when its last `\boxed{...}`
+//! equals the reference integer exactly. The full rollout engine lives in
+//! `crate::rollout`; this one is kept separate so that making the model needs
+//! nothing beyond `model`, `data` and `train`.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::sft_step;
+use crate::data::task::{self, Problem, TaskConfig, TokenizerConfig};
+use crate::data::{PromptTemplate, Tokenizer};
+use crate::model::{self, Config, KvCache, Qwen3, TokenBatch};
+use crate::train::optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule};
+use crate::{Error, Result};
+
+/// Everything that determines the tiny model. Defaults made `models/tiny-qwen3`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TinyConfig {
+    /// Where the model folder is written (atomically).
+    pub model_dir: PathBuf,
+    /// Where `train.jsonl`, `test.jsonl` and `README.md` are written (`None`: not written).
+    pub data_dir: Option<PathBuf>,
+    /// The task's difficulty.
+    pub task: TaskConfig,
+    /// Seed of the RL training set; the test set uses `data_seed + 1`.
+    pub data_seed: u64,
+    /// Problems in `train.jsonl` (the RL prompts).
+    pub n_train: usize,
+    /// Problems in `test.jsonl` (held out from everything).
+    pub n_test: usize,
+    /// The tokenizer's vocabulary budget.
+    pub tokenizer: TokenizerConfig,
+    /// Architecture (see `config.json`).
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Random init: seed and standard deviation.
+    pub init_seed: u64,
+    pub init_std: f64,
+    /// Seed of the SFT problems (drawn fresh, disjoint from train and test).
+    pub sft_seed: u64,
+    /// Examples per SFT step.
+    pub batch_size: usize,
+    /// Most SFT steps (the run usually stops earlier at `target_accuracy`).
+    pub max_steps: usize,
+    /// Peak learning rate, linear warm-up, then cosine to 10% at `max_steps`.
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    /// Measure accuracy every this many steps on the first `eval_problems` of
+    /// the training set, `eval_samples` samples each at temperature 1.0.
+    pub eval_every: usize,
+    pub eval_problems: usize,
+    pub eval_samples: usize,
+    /// Response budget when sampling (a worked 4-operand solution is ~35 tokens).
+    pub max_new_tokens: usize,
+    /// Stop once the periodic avg@k reaches this.
+    pub target_accuracy: f32,
+    /// Stop after this much wall-clock training time (seconds).
+    pub max_seconds: f64,
+    /// Seed of the evaluation sampler.
+    pub eval_seed: u64,
+    /// Measure the saved model on the whole test set (avg@k at T = 1 and greedy)
+    /// and put the numbers in the model card.
+    pub final_eval: bool,
+}
+
+impl Default for TinyConfig {
+    fn default() -> Self {
+        Self {
+            model_dir: PathBuf::from("models/tiny-qwen3"),
+            data_dir: Some(PathBuf::from("data/arith")),
+            task: TaskConfig::default(),
+            data_seed: 2024,
+            n_train: 20_000,
+            n_test: 500,
+            tokenizer: TokenizerConfig::default(),
+            hidden_size: 192,
+            intermediate_size: 512,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 48,
+            init_seed: 0,
+            init_std: 0.02,
+            sft_seed: 7,
+            batch_size: 64,
+            max_steps: 3000,
+            lr: 2e-3,
+            warmup_steps: 50,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+            eval_every: 50,
+            eval_problems: 128,
+            eval_samples: 8,
+            max_new_tokens: 64,
+            target_accuracy: 0.40,
+            max_seconds: 900.0,
+            eval_seed: 1,
+            final_eval: true,
+        }
+    }
+}
+
+/// Accuracy of a model on a set of problems.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalReport {
+    pub problems: usize,
+    /// Samples per problem.
+    pub samples: usize,
+    /// Mean correctness over all samples (avg@k).
+    pub avg_at_k: f32,
+    /// Fraction of problems with at least one correct sample (pass@k).
+    pub pass_at_k: f32,
+    /// Fraction of problems whose samples are neither all right nor all wrong
+    /// (the groups that give GRPO a learning signal).
+    pub mixed_groups: f32,
+    pub mean_response_tokens: f32,
+    /// Fraction of samples that hit `max_new_tokens` without an end-of-sequence id.
+    pub truncation_rate: f32,
+}
+
+/// What [`pretrain_tiny`] did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TinyReport {
+    pub params: usize,
+    pub vocab_size: usize,
+    pub steps: usize,
+    pub train_seconds: f64,
+    pub final_loss: f32,
+    /// `(step, loss, periodic avg@k)` at every evaluation.
+    pub evals: Vec<(usize, f32, f32)>,
+    /// On the whole test set at temperature 1.0 (when `final_eval`).
+    pub test_sampled: Option<EvalReport>,
+    /// On the whole test set, greedy (when `final_eval`).
+    pub test_greedy: Option<EvalReport>,
+}
+
+/// The content of the last `\boxed{...}` in `text` (braces balanced), if any.
+fn last_boxed(text: &str) -> Option<&str> {
+    let start = text.rfind("\\boxed{")? + "\\boxed{".len();
+    let mut depth = 1usize;
+    for (i, c) in text[start..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(&text[start..start + i]);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// True when the last `\boxed{}` of `response` is exactly `answer` (spaces trimmed).
+pub fn is_correct(response: &str, answer: &str) -> bool {
+    last_boxed(response).is_some_and(|b| b.trim() == answer.trim())
+}
+
+/// Draws a token from `logits` at `temperature` (0 = argmax).
+fn pick(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a }).0;
+    if temperature <= 0.0 {
+        return argmax() as u32;
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f64> = logits.iter().map(|&l| (((l - max) / temperature) as f64).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    for (i, &wi) in w.iter().enumerate() {
+        if u < wi {
+            return i as u32;
+        }
+        u -= wi;
+    }
+    argmax() as u32
+}
+
+/// Samples one response per prompt row (batched, KV-cached); returns each
+/// row's ids (the end-of-sequence id included when reached) and whether it was cut off.
+fn sample_rows(
+    model: &Qwen3,
+    prompts: &[Vec<u32>],
+    temperature: f32,
+    max_new: usize,
+    eos: &[u32],
+    pad: u32,
+    rng: &mut impl Rng,
+) -> Result<Vec<(Vec<u32>, bool)>> {
+    let device = model.device().clone();
+    let b = prompts.len();
+    let tb = TokenBatch::left_padded(prompts, pad, &device)?;
+    let (_, p) = tb.dims();
+    let mut cache = KvCache::new(model, b, p + max_new)?;
+    let mut logits = model.decode(&tb.ids, Some(&tb.mask), &mut cache)?;
+    let mut out: Vec<(Vec<u32>, bool)> = vec![(Vec::new(), true); b];
+    // `active[k]` is the original row of cache row k; finished rows are dropped.
+    let mut active: Vec<usize> = (0..b).collect();
+    for _ in 0..max_new {
+        let l = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut keep = Vec::with_capacity(active.len());
+        let mut next = Vec::with_capacity(active.len());
+        for (k, &row) in active.iter().enumerate() {
+            let t = pick(&l[k], temperature, rng);
+            out[row].0.push(t);
+            if eos.contains(&t) {
+                out[row].1 = false;
+            } else {
+                keep.push(k);
+                next.push(t);
+            }
+        }
+        if keep.is_empty() || out[active[keep[0]]].0.len() >= max_new {
+            break;
+        }
+        if keep.len() < active.len() {
+            cache.select_rows(&keep)?;
+            active = keep.iter().map(|&k| active[k]).collect();
+        }
+        let ids = Tensor::from_vec(next, (active.len(), 1), &device)?;
+        logits = model.decode(&ids, None, &mut cache)?;
+    }
+    Ok(out)
+}
+
+/// Samples `samples` responses per problem at `temperature` (0 = greedy) and
+/// scores them against the answers. Deterministic for a seed.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    model: &Qwen3,
+    tok: &Tokenizer,
+    template: &PromptTemplate,
+    problems: &[Problem],
+    samples: usize,
+    temperature: f32,
+    max_new_tokens: usize,
+    seed: u64,
+) -> Result<EvalReport> {
+    if problems.is_empty() || samples == 0 {
+        return Err(Error::invalid("evaluate: need at least one problem and one sample"));
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let eos = tok.eos_ids().to_vec();
+    let mut rows = Vec::with_capacity(problems.len() * samples);
+    for p in problems {
+        let ids = tok.encode(&template.render(&p.problem), false)?;
+        rows.extend(std::iter::repeat_n(ids, samples));
+    }
+    let mut correct = vec![0usize; problems.len()];
+    let (mut tokens, mut truncated) = (0usize, 0usize);
+    const CHUNK: usize = 512;
+    for (c, chunk) in rows.chunks(CHUNK).enumerate() {
+        for (j, (ids, cut)) in sample_rows(model, chunk, temperature, max_new_tokens, &eos, tok.pad_id(), &mut rng)?.into_iter().enumerate() {
+            let i = (c * CHUNK + j) / samples;
+            tokens += ids.len();
+            truncated += usize::from(cut);
+            let text = tok.decode(&ids, true)?;
+            correct[i] += usize::from(is_correct(&text, &problems[i].answer));
+        }
+    }
+    let n = problems.len() as f32;
+    Ok(EvalReport {
+        problems: problems.len(),
+        samples,
+        avg_at_k: correct.iter().sum::<usize>() as f32 / (n * samples as f32),
+        pass_at_k: correct.iter().filter(|&&c| c > 0).count() as f32 / n,
+        mixed_groups: correct.iter().filter(|&&c| c > 0 && c < samples).count() as f32 / n,
+        mean_response_tokens: tokens as f32 / rows.len() as f32,
+        truncation_rate: truncated as f32 / rows.len() as f32,
+    })
+}
+
+/// The prompt template of the tiny model: [`PromptTemplate::raw`] (problem,
+/// newline, the paper's `\boxed{}` instruction; the response follows directly).
+pub fn tiny_template() -> PromptTemplate {
+    PromptTemplate::raw()
+}
+
+/// Builds the tiny model as described in the module docs, writes the data
+/// files and the model folder, and reports. `log` receives progress lines.
+pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<TinyReport> {
+    for (name, v) in [("batch_size", cfg.batch_size), ("eval_every", cfg.eval_every), ("eval_samples", cfg.eval_samples), ("max_new_tokens", cfg.max_new_tokens)] {
+        if v == 0 {
+            return Err(Error::Config { file: "tiny config".into(), field: name.into(), msg: "must be positive, found 0".into() });
+        }
+    }
+    let template = tiny_template();
+    let device = Device::Cpu;
+
+    // 1. Data: RL train / held-out test files, and a fresh stream of SFT problems.
+    let (train, test) = task::generate_split(cfg.n_train, cfg.n_test, cfg.data_seed, &cfg.task)?;
+    if let Some(dir) = &cfg.data_dir {
+        task::write_jsonl(&dir.join("train.jsonl"), &train)?;
+        task::write_jsonl(&dir.join("test.jsonl"), &test)?;
+        write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
+        log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
+    }
+    let seen: HashSet<String> = train.iter().chain(&test).map(|p| p.problem.clone()).collect();
+    let n_sft = cfg.max_steps * cfg.batch_size;
+    let sft = task::generate_excluding(n_sft, cfg.sft_seed, &cfg.task, "sft", &seen, false)?;
+
+    // 2. Tokenizer, trained on the RL training prompts and solutions.
+    let tok = task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?;
+    let eos = tok.id_of(crate::data::tokenizer::END_OF_TEXT).ok_or_else(|| Error::invalid("tiny: tokenizer lacks <|endoftext|>"))?;
+    log(&format!("tokenizer: {} tokens", tok.vocab_size()));
+
+    // 3. Model.
+    let mcfg = Config {
+        vocab_size: tok.vocab_size(),
+        hidden_size: cfg.hidden_size,
+        intermediate_size: cfg.intermediate_size,
+        num_hidden_layers: cfg.num_hidden_layers,
+        num_attention_heads: cfg.num_attention_heads,
+        num_key_value_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 512,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        bos_token_id: None,
+        eos_token_id: Some(eos),
+        torch_dtype: "float32".into(),
+    };
+    let model = model::init(&mcfg, cfg.init_seed, cfg.init_std, DType::F32, &device)?;
+    let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, max_grad_norm: Some(cfg.max_grad_norm), ..AdamWConfig::default() };
+    let mut opt = AdamW::new(model.params(), adam)?.with_no_decay(is_norm_or_bias);
+    let schedule = LrSchedule::Cosine { warmup_steps: cfg.warmup_steps, total_steps: cfg.max_steps as u64, min_lr_ratio: 0.1 };
+    schedule.validate()?;
+    let mut report = TinyReport { params: mcfg.num_params(), vocab_size: mcfg.vocab_size, ..TinyReport::default() };
+    log(&format!("model: {} parameters", report.params));
+
+    // 4. SFT until the periodic accuracy reaches the target.
+    let encode = |p: &Problem| -> Result<(Vec<u32>, Vec<u32>)> {
+        let mut r = tok.encode(&p.solution, false)?;
+        r.push(eos);
+        Ok((tok.encode(&template.render(&p.problem), false)?, r))
+    };
+    let val = &train[..cfg.eval_problems.min(train.len())];
+    let start = Instant::now();
+    let mut loss_ema = f32::NAN;
+    for (step, chunk) in sft.chunks(cfg.batch_size).enumerate() {
+        let batch: Vec<(Vec<u32>, Vec<u32>)> = chunk.iter().map(encode).collect::<Result<_>>()?;
+        let m = sft_step(&model, &mut opt, &batch, schedule.lr_at(cfg.lr, step as u64), tok.pad_id())?;
+        loss_ema = if loss_ema.is_nan() { m.loss } else { 0.95 * loss_ema + 0.05 * m.loss };
+        report.steps = step + 1;
+        report.final_loss = loss_ema;
+        let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
+        let last = report.steps == cfg.max_steps || out_of_time;
+        if report.steps % cfg.eval_every == 0 || last {
+            let e = evaluate(&model, &tok, &template, val, cfg.eval_samples, 1.0, cfg.max_new_tokens, cfg.eval_seed)?;
+            report.evals.push((report.steps, loss_ema, e.avg_at_k));
+            log(&format!(
+                "step {:5}  loss {:.4}  avg@{} {:.3}  mixed {:.2}  len {:.1}  {:.0}s",
+                report.steps,
+                loss_ema,
+                cfg.eval_samples,
+                e.avg_at_k,
+                e.mixed_groups,
+                e.mean_response_tokens,
+                start.elapsed().as_secs_f64()
+            ));
+            if e.avg_at_k >= cfg.target_accuracy {
+                log(&format!("target accuracy {} reached", cfg.target_accuracy));
+                break;
+            }
+        }
+        if last {
+            break;
+        }
+    }
+    report.train_seconds = start.elapsed().as_secs_f64();
+
+    // 5. Final measurement on the held-out test set, model card, atomic save.
+    if cfg.final_eval {
+        let t0 = Instant::now();
+        report.test_sampled = Some(evaluate(&model, &tok, &template, &test, cfg.eval_samples, 1.0, cfg.max_new_tokens, cfg.eval_seed)?);
+        report.test_greedy = Some(evaluate(&model, &tok, &template, &test, 1, 0.0, cfg.max_new_tokens, cfg.eval_seed)?);
+        log(&format!(
+            "test: avg@{} (T=1.0) {:.3}, greedy {:.3} ({:.0}s)",
+            cfg.eval_samples,
+            report.test_sampled.as_ref().map_or(0.0, |e| e.avg_at_k),
+            report.test_greedy.as_ref().map_or(0.0, |e| e.avg_at_k),
+            t0.elapsed().as_secs_f64()
+        ));
+    }
+    let staging = std::env::temp_dir().join(format!("stapo-tiny-staging-{}", std::process::id()));
+    task::save_tokenizer(&tok, &staging)?;
+    write_text(&staging.join("README.md"), &model_card(cfg, &mcfg, &report)?)?;
+    let saved = model::save(&model, &cfg.model_dir, DType::F32, Some(&staging));
+    let _ = std::fs::remove_dir_all(&staging);
+    saved?;
+    log(&format!("saved {}", cfg.model_dir.display()));
+    Ok(report)
+}
+
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    std::fs::write(path, text).map_err(|e| Error::io(path, e))
+}
+
+fn json(v: &impl Serialize) -> Result<String> {
+    serde_json::to_string_pretty(v).map_err(|e| Error::invalid(e.to_string()))
+}
+
+fn data_readme(cfg: &TinyConfig) -> Result<String> {
+    Ok(format!(
+        r#"# arith: multi-step integer arithmetic with worked solutions
+
+Generated by `stapo::data::task::generate_split({n_train}, {n_test}, {seed}, &task)`
+(called from `stapo::train::sft::pretrain_tiny`, driver
+`cargo run --release --example pretrain_tiny`). Deterministic: the same seed and
+task config give the same files byte for byte.
+
+- `train.jsonl`: {n_train} problems (seed {seed}); the RL prompts. Problems may repeat.
+- `test.jsonl`: {n_test} distinct problems (seed {seed} + 1), none of which is in `train.jsonl`.
+
+Each line: `{{"id","problem","answer","source","solution"}}`, e.g.
+
+```json
+{{"id":"train-0","problem":"Compute 17+25-9.","answer":"33","source":"arith","solution":"17+25=42\n42-9=33\n\\boxed{{33}}"}}
+```
+
+The problem is evaluated left to right, one operation per line of the
+solution, ending in `\boxed{{answer}}`. Task config (`stapo::data::TaskConfig`):
+
+```json
+{task}
+```
+"#,
+        n_train = cfg.n_train,
+        n_test = cfg.n_test,
+        seed = cfg.data_seed,
+        task = json(&cfg.task)?,
+    ))
+}
+
+fn fmt_eval(e: &Option<EvalReport>) -> String {
+    match e {
+        Some(e) => format!(
+            "{:.1}% (pass@{} {:.1}%, mixed groups {:.1}%, mean length {:.1} tokens, truncated {:.1}%)",
+            100.0 * e.avg_at_k,
+            e.samples,
+            100.0 * e.pass_at_k,
+            100.0 * e.mixed_groups,
+            e.mean_response_tokens,
+            100.0 * e.truncation_rate
+        ),
+        None => "not measured".into(),
+    }
+}
+
+fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport) -> Result<String> {
+    let evals: String = r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
+    Ok(format!(
+        r#"# tiny-qwen3
+
+A {params}-parameter Qwen3 (`Qwen3ForCausalLM`: {layers} layers, hidden {hidden},
+{heads} heads / {kv} KV heads of {hd}, MLP {inter}, tied embeddings, vocabulary
+{vocab}) trained from scratch by supervised fine-tuning on worked multi-step
+arithmetic (`data/arith`). It is deliberately imperfect: SFT stopped once
+sampling at temperature 1.0 solved about {target:.0}% of held-in problems, so
+that STAPO/GRPO groups have mixed rewards and RL can visibly improve it on a
+laptop CPU.
+
+## Prompt format (use the same for RL and evaluation)
+
+`PromptTemplate::raw()`: the problem, a newline, and the paper's instruction;
+the response follows immediately and ends with `<|endoftext|>` (id {eos}).
+
+```text
+Compute 17+25-9.
+Please reason step by step, and put your final answer within \boxed{{}}.
+```
+
+Expected response: `17+25=42\n42-9=33\n\boxed{{33}}<|endoftext|>`.
+
+## Accuracy on `data/arith/test.jsonl` ({n_test} held-out problems, max {max_new} new tokens)
+
+- avg@{k} at temperature 1.0, top-p 1.0: {sampled}
+- greedy: {greedy}
+
+A response is correct when its last `\boxed{{...}}` equals the reference integer.
+
+## How it was made
+
+`stapo::train::sft::pretrain_tiny(&TinyConfig::default(), ..)`, driver
+`cargo run --release --example pretrain_tiny` (CPU, f32). {steps} SFT steps of
+{bs} examples ({secs:.0} s), AdamW (lr {lr}, {warm} warm-up steps, cosine to 10%
+over {max_steps}, weight decay {wd} except norms, grad clip {clip}), loss on
+response tokens only. SFT problems are drawn fresh (seed {sft_seed}) and are
+disjoint from both `train.jsonl` and `test.jsonl`. Init: N(0, {std}) with seed
+{init_seed}. Final training loss (EMA) {loss:.4}.
+
+Tokenizer: byte-level BPE trained on the `train.jsonl` prompts and solutions
+(`stapo::data::train_tokenizer`), digits split one per token, Qwen3's special
+tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, `<think>`, `</think>` as
+ids 0..5.
+
+Periodic accuracy during SFT (avg@{k}, T = 1.0, first {n_val} problems of `train.jsonl`):
+
+| step | loss | avg@{k} |
+|---|---|---|
+{evals}
+Full configuration (`stapo::train::sft::TinyConfig`):
+
+```json
+{full}
+```
+"#,
+        params = mcfg.num_params(),
+        layers = mcfg.num_hidden_layers,
+        hidden = mcfg.hidden_size,
+        heads = mcfg.num_attention_heads,
+        kv = mcfg.num_key_value_heads,
+        hd = mcfg.head_dim,
+        inter = mcfg.intermediate_size,
+        vocab = mcfg.vocab_size,
+        target = 100.0 * cfg.target_accuracy,
+        eos = mcfg.eos_token_id.unwrap_or(0),
+        n_test = cfg.n_test,
+        max_new = cfg.max_new_tokens,
+        k = cfg.eval_samples,
+        sampled = fmt_eval(&r.test_sampled),
+        greedy = fmt_eval(&r.test_greedy),
+        steps = r.steps,
+        bs = cfg.batch_size,
+        secs = r.train_seconds,
+        lr = cfg.lr,
+        warm = cfg.warmup_steps,
+        max_steps = cfg.max_steps,
+        wd = cfg.weight_decay,
+        clip = cfg.max_grad_norm,
+        sft_seed = cfg.sft_seed,
+        std = cfg.init_std,
+        init_seed = cfg.init_seed,
+        loss = r.final_loss,
+        n_val = cfg.eval_problems,
+        full = json(cfg)?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boxed_answers_are_extracted_and_compared_exactly() {
+        assert!(is_correct("17+25=42\n42-9=33\n\\boxed{33}", "33"));
+        assert!(is_correct("\\boxed{1} then \\boxed{ 33 }", "33"));
+        assert!(!is_correct("\\boxed{33", "33"));
+        assert!(!is_correct("33", "33"));
+        assert!(!is_correct("\\boxed{330}", "33"));
+        assert_eq!(last_boxed("\\boxed{\\frac{1}{2}}"), Some("\\frac{1}{2}"));
+    }
+
+    #[test]
+    fn pick_follows_the_distribution() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let logits = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
+        assert_eq!(pick(&logits, 0.0, &mut rng), 1);
+        let n = 20_000;
+        let ones = (0..n).filter(|_| pick(&logits, 1.0, &mut rng) == 1).count();
+        let frac = ones as f64 / n as f64;
+        assert!((frac - 0.75).abs() < 0.02, "{frac}");
+    }
+
+    /// A small end-to-end run: data, tokenizer, a few SFT steps, evaluation, and
+    /// a saved folder that loads back with the same logits.
+    #[test]
+    fn pretrain_tiny_smoke() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = TinyConfig {
+            model_dir: dir.path().join("m"),
+            data_dir: Some(dir.path().join("d")),
+            n_train: 200,
+            n_test: 8,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 16,
+            batch_size: 8,
+            max_steps: 4,
+            eval_every: 2,
+            eval_problems: 4,
+            eval_samples: 2,
+            max_new_tokens: 12,
+            ..TinyConfig::default()
+        };
+        let mut lines = Vec::new();
+        let r = pretrain_tiny(&cfg, &mut |l| lines.push(l.to_string())).expect("pretrain");
+        assert_eq!(r.steps, 4);
+        assert_eq!(r.evals.len(), 2);
+        assert!(r.final_loss.is_finite() && r.final_loss > 0.0);
+        let ts = r.test_sampled.as_ref().expect("measured");
+        assert_eq!((ts.problems, ts.samples), (8, 2));
+        assert!(ts.mean_response_tokens > 0.0 && ts.mean_response_tokens <= 12.0);
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"] {
+            assert!(cfg.model_dir.join(f).is_file(), "{f} missing");
+        }
+        let (train, test) = (task::read_jsonl(&dir.path().join("d/train.jsonl")).expect("train"), task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test"));
+        assert_eq!((train.len(), test.len()), (200, 8));
+        let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
+        assert!(card.contains("PromptTemplate::raw()") && card.contains("avg@2"), "{card}");
+        let m = model::load(&cfg.model_dir, DType::F32, &Device::Cpu).expect("load");
+        assert_eq!(m.config().vocab_size, r.vocab_size);
+        let tok = Tokenizer::from_file(cfg.model_dir.join("tokenizer.json")).expect("tokenizer");
+        assert_eq!(m.config().eos_token_id, tok.id_of("<|endoftext|>"));
+        // Loading is exact and sampling is deterministic for a seed.
+        let e1 = evaluate(&m, &tok, &tiny_template(), &test, 2, 1.0, 12, 5).expect("eval");
+        let e2 = evaluate(&m, &tok, &tiny_template(), &test, 2, 1.0, 12, 5).expect("eval");
+        assert_eq!(e1, e2);
+        assert!(lines.iter().any(|l| l.starts_with("step")), "{lines:?}");
+    }
+}

@@ -1,0 +1,504 @@
+//! The RL training loop's state and one step of it: sample prompts, roll out
+//! groups, score them with the math checker, update the policy, log metrics,
+//! checkpoint. Scripts (or the CLI) drive it step by step and decide sampling,
+//! thresholds and learning rate per step; everything that must survive a hot
+//! reload or a crash (model, optimizer moments, data order, step counter)
+//! lives here.
+//!
+//! A run folder holds `run_config.json` (the resolved configuration),
+//! `metrics.jsonl` (one line per step), `checkpoints/step-NNNNNN/` (HF model
+//! folder + `optimizer.safetensors` + `trainer_state.json`, each written
+//! atomically) and `checkpoints/latest`. Every random choice is seeded from
+//! `(seed, step)`, so a resumed run reproduces the uninterrupted one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use serde::{Deserialize, Serialize};
+
+use crate::algo::{MaskConfig, ObjectiveConfig, TauH};
+use crate::data::{Dataset, DatasetOptions, Example, PromptTemplate, Sampler, SamplerState, Tokenizer};
+use crate::eval::{self, EvalReport};
+use crate::model::{self, checkpoint, Qwen3};
+use crate::reward::{self, ExtractMode};
+use crate::rollout::{self, GenerateHooks, RolloutBatch, PromptInfo, SamplingParams};
+use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
+use crate::util::{append_line, write_file_atomically};
+use crate::{Error, Result};
+
+/// Everything a run needs, as a script map or JSON gives it. Missing fields
+/// take their defaults (the STAPO paper's, scaled to a CPU where noted).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Model folder (HF layout with tokenizer.json).
+    pub model: PathBuf,
+    /// Training problems (JSONL).
+    pub data: PathBuf,
+    /// Held-out problems for periodic evaluation.
+    pub test_data: Option<PathBuf>,
+    /// Field names and bad-line policy of the data files.
+    pub data_options: DatasetOptions,
+    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+    pub objective: String,
+    /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
+    pub set: BTreeMap<String, String>,
+    /// Prompts per step (paper: 256).
+    pub prompts_per_step: usize,
+    /// Rollout sampling (paper: n 8, temperature 1.0, top-p 1.0).
+    pub sampling: SamplingParams,
+    pub template: PromptTemplate,
+    /// Answer extraction of the reward.
+    pub extract: ExtractMode,
+    /// Base learning rate (paper: 1e-6) and schedule.
+    pub lr: f64,
+    pub schedule: LrSchedule,
+    pub adamw: AdamWConfig,
+    /// PPO epochs, sequences per optimizer step (0 = all), per forward (0 = mini-batch).
+    pub epochs: usize,
+    pub mini_batch: usize,
+    pub micro_batch: usize,
+    pub old_logp: OldLogp,
+    pub seed: u64,
+    /// Evaluate on `test_data` every this many steps (0 = never).
+    pub eval_every: usize,
+    /// Samples per test problem and how many problems (None = all).
+    pub eval_n: usize,
+    pub eval_limit: Option<usize>,
+    pub eval_temperature: f64,
+    pub eval_top_p: f64,
+    /// Checkpoint every this many steps (0 = only when asked).
+    pub save_every: usize,
+    /// Checkpoints kept (older ones are removed).
+    pub keep_checkpoints: usize,
+    /// Weights in memory: float32, bfloat16, float16; device: cpu, cuda, cuda:N.
+    pub dtype: String,
+    pub device: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from("models/tiny-qwen3"),
+            data: PathBuf::from("data/arith/train.jsonl"),
+            test_data: None,
+            data_options: DatasetOptions::default(),
+            objective: "stapo".into(),
+            set: BTreeMap::new(),
+            prompts_per_step: 16,
+            sampling: SamplingParams::default(),
+            template: PromptTemplate::raw(),
+            extract: ExtractMode::Strict,
+            lr: 1e-6,
+            schedule: LrSchedule::Constant { warmup_steps: 10 },
+            adamw: AdamWConfig::default(),
+            epochs: 1,
+            mini_batch: 0,
+            micro_batch: 0,
+            old_logp: OldLogp::Recompute,
+            seed: 0,
+            eval_every: 0,
+            eval_n: 8,
+            eval_limit: None,
+            eval_temperature: 1.0,
+            eval_top_p: 1.0,
+            save_every: 0,
+            keep_checkpoints: 2,
+            dtype: "float32".into(),
+            device: "cpu".into(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// The objective: preset plus overrides, validated.
+    pub fn objective_config(&self) -> Result<ObjectiveConfig> {
+        let mut o = ObjectiveConfig::preset(&self.objective)?;
+        for (k, v) in &self.set {
+            o.set(k, v)?;
+        }
+        o.validate()?;
+        Ok(o)
+    }
+}
+
+/// What a step may change relative to the configuration (hooks decide it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    pub sampling: SamplingParams,
+    pub lr: f64,
+    pub objective: ObjectiveConfig,
+}
+
+/// Per-step metrics: the update's, plus rollout and timing figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub lr: f64,
+    #[serde(flatten)]
+    pub update: UpdateMetrics,
+    /// Most frequently silenced tokens this step, as text.
+    pub silenced_tokens_text: Vec<(String, usize)>,
+    pub rollout_secs: f64,
+    pub update_secs: f64,
+    pub rollout_tokens_per_sec: f64,
+    /// Held-out avg@n when this step evaluated.
+    pub eval_avg: Option<f64>,
+    pub eval_pass: Option<f64>,
+}
+
+/// Saved with each checkpoint: where the run stood.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TrainerState {
+    step: u64,
+    sampler: SamplerState,
+    silenced_totals: Vec<(String, usize)>,
+}
+
+/// A training run in progress.
+pub struct Trainer {
+    cfg: RunConfig,
+    objective: ObjectiveConfig,
+    model: Qwen3,
+    reference: Option<Qwen3>,
+    opt: AdamW,
+    tokenizer: Tokenizer,
+    train: Dataset,
+    test: Option<Dataset>,
+    sampler: Sampler,
+    step: u64,
+    run_dir: PathBuf,
+    silenced_totals: HashMap<String, usize>,
+    last_rollout: Option<RolloutBatch>,
+    last_eval: Option<EvalReport>,
+    dtype: DType,
+}
+
+fn resolve_device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        s if s.starts_with("cuda:") => {
+            let n = s[5..].parse().map_err(|_| Error::invalid(format!("device {s:?}: expected cuda:N")))?;
+            Ok(Device::new_cuda(n)?)
+        }
+        other => Err(Error::Config { file: "run config".into(), field: "device".into(), msg: format!("expected cpu, cuda or cuda:N, found {other:?}") }),
+    }
+}
+
+impl Trainer {
+    /// Starts a run writing into `run_dir` (created; must not hold a run yet).
+    pub fn new(cfg: RunConfig, run_dir: &Path) -> Result<Self> {
+        if run_dir.join("run_config.json").exists() {
+            return Err(Error::invalid(format!("{} already holds a run; resume it or pick another folder", run_dir.display())));
+        }
+        std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
+        let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
+        write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())?;
+        let device = resolve_device(&cfg.device)?;
+        let dtype = model::parse_dtype(&cfg.dtype)?;
+        let m = model::load(&cfg.model, dtype, &device)?;
+        Self::assemble(cfg, m, run_dir, None)
+    }
+
+    /// Continues the run in `run_dir` from its latest checkpoint.
+    pub fn resume(run_dir: &Path) -> Result<Self> {
+        let cfg_path = run_dir.join("run_config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let cfg: RunConfig =
+            serde_json::from_str(&text).map_err(|e| Error::Parse { path: cfg_path.clone(), line: e.line(), msg: e.to_string() })?;
+        let latest = run_dir.join("checkpoints/latest");
+        let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
+        let ckpt = run_dir.join("checkpoints").join(name.trim());
+        let device = resolve_device(&cfg.device)?;
+        let dtype = model::parse_dtype(&cfg.dtype)?;
+        let m = model::load(&ckpt, dtype, &device)?;
+        let state_path = ckpt.join("trainer_state.json");
+        let state_text = std::fs::read_to_string(&state_path).map_err(|e| Error::io(&state_path, e))?;
+        let state: TrainerState = serde_json::from_str(&state_text)
+            .map_err(|e| Error::Parse { path: state_path.clone(), line: e.line(), msg: e.to_string() })?;
+        let mut t = Self::assemble(cfg, m, run_dir, Some(&state))?;
+        let opt_path = ckpt.join("optimizer.safetensors");
+        let tensors = candle_core::safetensors::load(&opt_path, &device).map_err(|e| Error::Config {
+            file: opt_path.display().to_string(),
+            field: "<safetensors>".into(),
+            msg: format!("unreadable optimizer state: {e}"),
+        })?;
+        t.opt.load_state(&tensors, state.step, &opt_path.display().to_string())?;
+        // Metrics logged after the checkpoint belong to steps that will run again.
+        let metrics = run_dir.join("metrics.jsonl");
+        if let Ok(text) = std::fs::read_to_string(&metrics) {
+            let kept: String = text
+                .lines()
+                .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s < state.step))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            write_file_atomically(&metrics, kept.as_bytes())?;
+        }
+        Ok(t)
+    }
+
+    fn assemble(cfg: RunConfig, m: Qwen3, run_dir: &Path, state: Option<&TrainerState>) -> Result<Self> {
+        let objective = cfg.objective_config()?;
+        let tok_path = cfg.model.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path)?;
+        let (train, warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+        let test = match &cfg.test_data {
+            Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
+            None => None,
+        };
+        let sampler = match state {
+            Some(s) => Sampler::restore(s.sampler.clone(), train.len())?,
+            None => Sampler::new(train.len(), cfg.seed)?,
+        };
+        let reference = match &objective.kl {
+            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, m.dtype(), m.device())?),
+            _ => None,
+        };
+        let opt = AdamW::new(m.params(), cfg.adamw.clone())?;
+        Ok(Self {
+            dtype: m.dtype(),
+            objective,
+            reference,
+            opt,
+            tokenizer,
+            train,
+            test,
+            sampler,
+            step: state.map_or(0, |s| s.step),
+            run_dir: run_dir.to_path_buf(),
+            silenced_totals: state.map(|s| s.silenced_totals.iter().cloned().collect()).unwrap_or_default(),
+            last_rollout: None,
+            last_eval: None,
+            model: m,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &RunConfig {
+        &self.cfg
+    }
+    pub fn model(&self) -> &Qwen3 {
+        &self.model
+    }
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    /// Steps completed.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+    pub fn last_rollout(&self) -> Option<&RolloutBatch> {
+        self.last_rollout.as_ref()
+    }
+    pub fn last_eval(&self) -> Option<&EvalReport> {
+        self.last_eval.as_ref()
+    }
+    /// Silenced tokens over the whole run, most frequent first.
+    pub fn silenced_totals(&self) -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = self.silenced_totals.iter().map(|(k, c)| (k.clone(), *c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+
+    /// The configuration's plan for the next step (schedules applied).
+    pub fn default_plan(&self) -> StepPlan {
+        StepPlan {
+            sampling: self.cfg.sampling.clone(),
+            lr: self.cfg.schedule.lr_at(self.cfg.lr, self.step),
+            objective: self.objective.clone(),
+        }
+    }
+
+    /// Sets the S2T thresholds of the objective used by later default plans.
+    pub fn set_thresholds(&mut self, tau_p: f32, tau_h: TauH) {
+        self.objective.mask = MaskConfig::S2t { tau_p, tau_h };
+    }
+
+    /// One RL step under `plan`. `progress` receives rollout tokens so far.
+    pub fn step(&mut self, plan: &StepPlan, progress: Option<&dyn Fn(usize)>, cancel: Option<&std::sync::atomic::AtomicBool>) -> Result<StepMetrics> {
+        let step = self.step;
+        let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
+        let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
+        let prompt_texts: Vec<String> = examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
+        let prompts: Vec<Vec<u32>> =
+            prompt_texts.iter().map(|t| self.tokenizer.encode(t, false)).collect::<Result<_>>()?;
+        let mut sampling = plan.sampling.clone();
+        sampling.seed = mix(self.cfg.seed, step);
+        add_stop_ids(&mut sampling, self.tokenizer.eos_ids());
+
+        let t0 = Instant::now();
+        let tok = &self.tokenizer;
+        let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+        let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
+        let mut samples = rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
+        let rollout_secs = t0.elapsed().as_secs_f64();
+        let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
+        for s in &mut samples {
+            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
+            s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+        }
+        let seqs: Vec<Sequence> = samples
+            .iter()
+            .map(|s| Sequence {
+                prompt_ids: s.prompt_ids.clone(),
+                response_ids: s.response_ids.clone(),
+                rollout_logprobs: Some(s.old_logprobs.clone()),
+                reward: s.reward.unwrap_or(0.0),
+                group: s.group,
+                truncated: s.truncated,
+            })
+            .collect();
+
+        let t1 = Instant::now();
+        let ucfg = UpdateConfig {
+            objective: plan.objective.clone(),
+            epochs: self.cfg.epochs,
+            mini_batch: self.cfg.mini_batch,
+            micro_batch: self.cfg.micro_batch,
+            old_logp: self.cfg.old_logp,
+            shuffle: self.cfg.epochs > 1,
+            seed: mix(self.cfg.seed ^ 0x5eed, step),
+        };
+        let um = update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        let update_secs = t1.elapsed().as_secs_f64();
+        let silenced_tokens_text: Vec<(String, usize)> =
+            um.silenced_token_ids.iter().map(|&(id, c)| (self.tokenizer.token_str(id), c)).collect();
+        for (t, c) in &silenced_tokens_text {
+            *self.silenced_totals.entry(t.clone()).or_default() += c;
+        }
+        let prompts_info = examples
+            .iter()
+            .zip(&prompt_texts)
+            .map(|(e, t)| PromptInfo { id: e.id.clone(), text: t.clone(), answer: Some(e.answer.clone()) })
+            .collect();
+        self.last_rollout = Some(RolloutBatch::new(samples, prompts_info));
+        self.step += 1;
+
+        let mut m = StepMetrics {
+            step,
+            lr: plan.lr,
+            update: um,
+            silenced_tokens_text,
+            rollout_secs,
+            update_secs,
+            rollout_tokens_per_sec: n_tokens as f64 / rollout_secs.max(1e-9),
+            eval_avg: None,
+            eval_pass: None,
+        };
+        if self.cfg.eval_every > 0 && self.step % self.cfg.eval_every as u64 == 0 && self.test.is_some() {
+            let r = self.evaluate(None)?;
+            m.eval_avg = Some(r.overall.avg);
+            m.eval_pass = Some(r.overall.pass);
+        }
+        append_line(&self.run_dir.join("metrics.jsonl"), &serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?)?;
+        if self.cfg.save_every > 0 && self.step % self.cfg.save_every as u64 == 0 {
+            self.checkpoint()?;
+        }
+        Ok(m)
+    }
+
+    /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
+    pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
+        let owned: Vec<Example>;
+        let ex: &[Example] = match (examples, &self.test) {
+            (Some(e), _) => e,
+            (None, Some(t)) => {
+                let n = self.cfg.eval_limit.unwrap_or(t.len()).min(t.len());
+                owned = t.examples()[..n].to_vec();
+                &owned
+            }
+            (None, None) => return Err(Error::invalid("evaluate: the run has no test_data")),
+        };
+        let mut params = self.cfg.sampling.clone();
+        params.n = self.cfg.eval_n;
+        params.temperature = self.cfg.eval_temperature;
+        params.top_p = self.cfg.eval_top_p;
+        params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
+        add_stop_ids(&mut params, self.tokenizer.eos_ids());
+        let report = eval::evaluate(&self.model, &self.tokenizer, ex, &self.cfg.template, &params, self.cfg.extract, 64, &|_| {})?;
+        let dir = self.run_dir.join("eval");
+        eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
+        let summary = serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
+        append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
+        self.last_eval = Some(report.clone());
+        Ok(report)
+    }
+
+    /// Writes a checkpoint of model, optimizer and trainer state; returns its folder.
+    pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        let dir = self.run_dir.join("checkpoints");
+        let name = format!("step-{:06}", self.step);
+        let path = dir.join(&name);
+        let save_dtype = model::parse_dtype(&self.model.config().torch_dtype).unwrap_or(DType::F32);
+        let state = TrainerState { step: self.step, sampler: self.sampler.state(), silenced_totals: self.silenced_totals() };
+        checkpoint::write_atomically(&path, |tmp| {
+            checkpoint::write_model_files(&self.model, tmp, save_dtype.max_precision(self.dtype), Some(&self.cfg.model))?;
+            let opt: HashMap<String, candle_core::Tensor> = self.opt.state_tensors()?.into_iter().collect();
+            candle_core::safetensors::save(&opt, tmp.join("optimizer.safetensors"))?;
+            let text = serde_json::to_string_pretty(&state).map_err(|e| Error::invalid(e.to_string()))?;
+            std::fs::write(tmp.join("trainer_state.json"), text).map_err(|e| Error::io(tmp.join("trainer_state.json"), e))
+        })?;
+        write_file_atomically(&dir.join("latest"), name.as_bytes())?;
+        // Keep the newest `keep_checkpoints` folders.
+        let mut all: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io(&dir, e))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+            .collect();
+        all.sort();
+        let keep = self.cfg.keep_checkpoints.max(1);
+        if all.len() > keep {
+            for old in &all[..all.len() - keep] {
+                let _ = std::fs::remove_dir_all(old);
+            }
+        }
+        write_file_atomically(
+            &self.run_dir.join("silenced_tokens.tsv"),
+            self.silenced_totals().iter().map(|(t, c)| format!("{t:?}\t{c}\n")).collect::<String>().as_bytes(),
+        )?;
+        Ok(path)
+    }
+}
+
+/// Keeps full precision when the weights in memory are wider than on disk.
+trait MaxPrecision {
+    fn max_precision(self, other: DType) -> DType;
+}
+
+impl MaxPrecision for DType {
+    fn max_precision(self, other: DType) -> DType {
+        if self.size_in_bytes() >= other.size_in_bytes() {
+            self
+        } else {
+            other
+        }
+    }
+}
+
+/// A 64-bit mix of a seed and a step (splitmix64), for per-step seeds.
+fn mix(seed: u64, step: u64) -> u64 {
+    let mut z = seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Adds the tokenizer's end-of-turn ids to the stop tokens (once each).
+fn add_stop_ids(params: &mut SamplingParams, ids: &[u32]) {
+    for &id in ids {
+        if !params.stop_token_ids.contains(&id) {
+            params.stop_token_ids.push(id);
+        }
+    }
+}
