@@ -16,6 +16,8 @@ fn main() -> ExitCode {
         Command::Init(a) => commands::model::init(a),
         Command::Generate(a) => commands::model::generate(a),
         Command::Score(a) => commands::model::score(a),
+        Command::Eval(a) => commands::eval::run(a),
+        Command::Update(a) => commands::update::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
     };

@@ -1,9 +1,11 @@
 //! Command-line definitions (clap) and the code behind each subcommand.
 
 pub mod bench;
+pub mod eval;
 pub mod model;
 pub mod repl;
 pub mod run;
+pub mod update;
 pub mod verify;
 
 use std::path::PathBuf;
@@ -32,6 +34,10 @@ pub enum Command {
     Generate(model::GenerateArgs),
     /// Per-token log-probabilities and entropies of a text under a model.
     Score(model::ScoreArgs),
+    /// Evaluate avg@n / pass@n over benchmark files.
+    Eval(eval::EvalArgs),
+    /// One offline RL update from saved rollouts.
+    Update(update::UpdateArgs),
     /// Check answers against references with the math-equivalence checker.
     Verify(verify::VerifyArgs),
     /// Time model pieces (forward, generation, update, optimizer) for a given shape.

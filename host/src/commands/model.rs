@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
-use stapo::data::Tokenizer;
+use stapo::data::{render_chat, Message, Tokenizer};
+use stapo::rollout::{self, SamplingParams};
 use stapo::model::{self, Config, Grad, TokenBatch};
 
 use super::{model_dir, DeviceArgs};
@@ -88,8 +89,40 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let _ = a;
-    anyhow::bail!("generate: not wired yet")
+    let dir = model_dir(&a.model)?;
+    let (device, dtype) = a.device.resolve()?;
+    let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+    let text = if a.chat {
+        render_chat(&[Message::user(a.prompt.clone())], true, false)
+    } else {
+        a.prompt.clone()
+    };
+    let ids = tok.encode(&text, false)?;
+    anyhow::ensure!(!ids.is_empty(), "the prompt encodes to no tokens");
+    let params = SamplingParams {
+        n: a.n,
+        temperature: a.temperature as f64,
+        top_p: a.top_p as f64,
+        top_k: a.top_k,
+        max_new_tokens: a.max_tokens,
+        stop_token_ids: tok.eos_ids().to_vec(),
+        seed: a.seed,
+        ..SamplingParams::default()
+    };
+    let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+    let start = std::time::Instant::now();
+    let samples = rollout::generate(&m, &[ids], &params, tok.pad_id(), &decode, None)?;
+    let secs = start.elapsed().as_secs_f64();
+    let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
+    for s in &samples {
+        if samples.len() > 1 {
+            println!("--- sample {} ({:?}, {} tokens)", s.sample_index, s.finish, s.response_ids.len());
+        }
+        println!("{}{}", if a.chat { "" } else { &a.prompt }, s.text);
+    }
+    eprintln!("{n_tokens} tokens in {secs:.2} s ({:.0} tokens/s)", n_tokens as f64 / secs.max(1e-9));
+    Ok(())
 }
 
 #[derive(Args, Debug)]

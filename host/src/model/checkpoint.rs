@@ -19,7 +19,7 @@ use crate::{Error, Result};
 
 /// Files copied alongside the weights when a folder is saved, if present.
 pub const TOKENIZER_FILES: &[&str] =
-    &["tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "README.md"];
+    &["tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"];
 
 /// Weights read lazily from one or more safetensors files.
 pub struct SafetensorsSource {

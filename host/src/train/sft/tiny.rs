@@ -608,6 +608,7 @@ mod tests {
             head_dim: 16,
             batch_size: 8,
             max_steps: 4,
+            warmup_steps: 2,
             eval_every: 2,
             eval_problems: 4,
             eval_samples: 2,

@@ -1,0 +1,99 @@
+//! `stapo update`: one offline RL update from saved rollouts.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::DType;
+use clap::Args;
+use stapo::algo::ObjectiveConfig;
+use stapo::model;
+use stapo::rollout::RolloutBatch;
+use stapo::train::{self, AdamW, AdamWConfig, OldLogp, Sequence, UpdateConfig};
+
+use super::{model_dir, DeviceArgs};
+
+#[derive(Args, Debug)]
+pub struct UpdateArgs {
+    /// Model folder to update.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Rollouts JSONL (as written by a run or the REPL), with rewards.
+    #[arg(long)]
+    pub rollouts: PathBuf,
+    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+    #[arg(long, default_value = "stapo")]
+    pub objective: String,
+    /// Objective overrides, e.g. --set tau_p=0.01 --set eps_high=0.3.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[arg(long, default_value_t = 1e-6)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Sequences per optimizer step (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub minibatch: usize,
+    /// Sequences per forward/backward (0 = the mini-batch).
+    #[arg(long, default_value_t = 0)]
+    pub microbatch: usize,
+    /// Take old log-probs from the rollouts instead of recomputing them.
+    #[arg(long)]
+    pub rollout_logprobs: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
+    let dir = model_dir(&a.model)?;
+    let (device, dtype) = a.device.resolve()?;
+    let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let mut objective = ObjectiveConfig::preset(&a.objective)?;
+    for kv in &a.set {
+        objective.set_pair(kv)?;
+    }
+    let batch = RolloutBatch::load_jsonl(&a.rollouts)?;
+    anyhow::ensure!(!batch.samples.is_empty(), "{}: no samples", a.rollouts.display());
+    let seqs: Vec<Sequence> = batch
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let reward = s.reward.with_context(|| format!("{}: sample {i} has no reward", a.rollouts.display()))?;
+            Ok(Sequence {
+                prompt_ids: s.prompt_ids.clone(),
+                response_ids: s.response_ids.clone(),
+                rollout_logprobs: Some(s.old_logprobs.clone()),
+                reward,
+                group: s.group,
+                truncated: s.truncated,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let pad_id = m.config().eos_token_id.unwrap_or(0);
+    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: a.lr, ..AdamWConfig::default() })?;
+    let cfg = UpdateConfig {
+        objective,
+        epochs: a.epochs,
+        mini_batch: a.minibatch,
+        micro_batch: a.microbatch,
+        old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
+        shuffle: a.epochs > 1,
+        seed: a.seed,
+    };
+    let metrics = train::update(&m, &mut opt, None, &seqs, &cfg, a.lr, pad_id)?;
+    let save_dtype = model::parse_dtype(&m.config().torch_dtype).unwrap_or(DType::F32);
+    model::checkpoint::write_atomically(&a.out, |tmp| {
+        model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?;
+        let text = serde_json::to_string_pretty(&serde_json::json!({"config": cfg, "metrics": metrics}))
+            .map_err(|e| stapo::Error::invalid(e.to_string()))?;
+        std::fs::write(tmp.join("update_metrics.json"), text).map_err(|e| stapo::Error::io(tmp.join("update_metrics.json"), e))
+    })?;
+    println!("{}", serde_json::to_string_pretty(&metrics)?);
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
