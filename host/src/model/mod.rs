@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod fused;
 pub mod ops;
 pub mod qwen3;
 

@@ -2,11 +2,17 @@
 //!
 //! Each op matches its PyTorch counterpart in `modeling_qwen3.py`: RMSNorm in
 //! f32 then cast back, rotate-half rotary embeddings, eager attention with an
-//! additive mask and softmax in f32. All are composed of candle ops that have a
-//! backward, so gradients reach every parameter.
+//! additive mask and softmax in f32.
+//!
+//! Each op dispatches: CPU tensors in f32/f64 go to the fused kernels of
+//! [`super::fused`] (one pass per row, hand-written backward); every other
+//! device or dtype (CUDA, bf16) goes to the `*_composed` versions, built from
+//! candle ops that have a backward. The composed versions are also the
+//! reference the fused kernels are tested against.
 
 use candle_core::{DType, Device, Tensor, D};
 
+use super::fused;
 use crate::Result;
 
 /// Additive bias for a masked attention score. Finite, so that a query whose
@@ -38,6 +44,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 
 /// RMSNorm over the last dimension, computed in f32: `w * (x / sqrt(mean(x^2) + eps))`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused::supported(x) {
+        return fused::rms_norm(x, w, eps);
+    }
+    rms_norm_composed(x, w, eps)
+}
+
+/// [`rms_norm`] from candle ops.
+pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let xf = x.to_dtype(compute_dtype(dtype))?;
     let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
@@ -57,6 +71,23 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&[a, b], D::Minus1)?)
 }
 
+/// Per-head RMSNorm then rotary embedding, for q and k: `x` is `(B, L, H, D)`,
+/// `w` is `(D)`, `cos`/`sin` are `(B, 1, L, D/2)`; returns `(B, H, L, D)`.
+pub fn norm_rope(x: &Tensor, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused::supported(x) {
+        return fused::norm_rope(x, w, cos, sin, eps);
+    }
+    rope(&rms_norm_composed(x, w, eps)?.transpose(1, 2)?, cos, sin)
+}
+
+/// SwiGLU's gating: `silu(gate) * up`.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if fused::supported(gate) {
+        return fused::swiglu(gate, up);
+    }
+    Ok((gate.silu()? * up)?)
+}
+
 /// Additive causal bias `(1, 1, L, S)` for `L` queries at global positions
 /// `offset..offset+L` over `S` keys: 0 where key `j <= offset + i`, else [`MASKED`].
 pub fn causal_bias(l: usize, s: usize, offset: usize, device: &Device) -> Result<Tensor> {
@@ -71,6 +102,14 @@ pub fn causal_bias(l: usize, s: usize, offset: usize, device: &Device) -> Result
 /// Query head `h` reads key/value head `h / (Hq / Hkv)` (HF's `repeat_kv`); instead
 /// of repeating k and v, the queries of one group are stacked along L.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_kv: usize) -> Result<Tensor> {
+    if fused::supported(q) {
+        return fused::attention(q, k, v, mask);
+    }
+    attention_composed(q, k, v, mask, n_kv)
+}
+
+/// [`attention`] from candle ops.
+pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_kv: usize) -> Result<Tensor> {
     let (b, nq, l, d) = q.dims4()?;
     let s = k.dim(2)?;
     let g = nq / n_kv;
@@ -101,4 +140,14 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
     let diff = x.broadcast_sub(&max)?;
     let lse = diff.exp()?.sum_keepdim(D::Minus1)?.log()?;
     Ok(diff.broadcast_sub(&lse)?)
+}
+
+/// Log-probabilities of `targets` and full-vocabulary entropies from logits
+/// `(.., V)` in their compute dtype, from candle ops (the reference for
+/// [`fused::logprob_entropy`]).
+pub fn logprob_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let logp_all = log_softmax(logits)?;
+    let logp = logp_all.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
+    Ok((logp, entropy))
 }

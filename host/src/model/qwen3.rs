@@ -15,7 +15,7 @@
 //! A forward with `Grad::Track` records the graph for backprop; `Grad::Off`
 //! uses detached views of the same storage, so inference keeps no graph alive.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::Config;
 use super::ops;
@@ -410,15 +410,14 @@ impl Qwen3 {
         let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?.reshape((b, l, nkv, d))?;
         let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
         // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
-        let q = ops::rms_norm(&q, &w(&layer.q_norm), c.rms_norm_eps)?.transpose(1, 2)?;
-        let k = ops::rms_norm(&k, &w(&layer.k_norm), c.rms_norm_eps)?.transpose(1, 2)?;
-        let q = ops::rope(&q, cos, sin)?;
-        let k = ops::rope(&k, cos, sin)?;
-        let v = v.transpose(1, 2)?.contiguous()?;
+        let q = ops::norm_rope(&q, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
+        let k = ops::norm_rope(&k, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
+        // (B, H, L, D) view; attention reads it strided.
+        let v = v.transpose(1, 2)?;
         let (k, v) = match cache {
             Some((ck, cv)) => {
-                ck.slice_set(&k, 2, offset)?;
-                cv.slice_set(&v, 2, offset)?;
+                ck.slice_set(&k.contiguous()?, 2, offset)?;
+                cv.slice_set(&v.contiguous()?, 2, offset)?;
                 (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
             }
             None => (k, v),
@@ -429,9 +428,9 @@ impl Qwen3 {
 
         // MLP block: down(silu(gate(h)) * up(h)).
         let h = ops::rms_norm(&x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-        let gate = ops::linear(&h, &w(&layer.gate_proj), None)?.silu()?;
+        let gate = ops::linear(&h, &w(&layer.gate_proj), None)?;
         let up = ops::linear(&h, &w(&layer.up_proj), None)?;
-        let mlp = ops::linear(&(gate * up)?, &w(&layer.down_proj), None)?;
+        let mlp = ops::linear(&ops::swiglu(&gate, &up)?, &w(&layer.down_proj), None)?;
         Ok((x + mlp)?)
     }
 }
@@ -441,8 +440,8 @@ impl Qwen3 {
 /// f32 (f64 for f64 logits).
 pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let logits = logits.to_dtype(ops::compute_dtype(logits.dtype()))?;
-    let logp_all = ops::log_softmax(&logits)?;
-    let logp = logp_all.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
-    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
-    Ok((logp, entropy))
+    if super::fused::supported(&logits) {
+        return super::fused::logprob_entropy(&logits, targets);
+    }
+    ops::logprob_entropy_composed(&logits, targets)
 }

@@ -2,6 +2,7 @@
 //! checkpoints and metrics.
 
 pub mod optim;
+pub mod plot;
 pub mod sft;
 pub mod step;
 pub mod trainer;
