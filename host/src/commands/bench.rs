@@ -218,31 +218,45 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let (mut t_old, mut t_fwd, mut t_bwd, mut t_opt) = (0f64, 0f64, 0f64, 0f64);
+    let mut best = [f64::INFINITY; 5];
+    let mut cpu = [0f64; 4];
+    let cpu_now = || cpu_seconds().unwrap_or(0.0);
     let reps = a.reps.max(1);
     let cpu0 = cpu_seconds();
     for rep in 0..=reps {
+        let c0 = cpu_now();
         let s = Instant::now();
         let (old, _) = logp_of(Grad::Off)?;
         old.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let d_old = s.elapsed().as_secs_f64();
+        let c1 = cpu_now();
         let s = Instant::now();
         // Token-mean policy gradient over the response: -sum(adv * logp) / tokens.
         let (logp, _) = logp_of(Grad::Track)?;
         let loss = (logp.to_dtype(DType::F32)?.broadcast_mul(&adv)?.sum_all()? * (-1.0 / (b * resp) as f64))?;
         loss.to_scalar::<f32>()?;
         let d_fwd = s.elapsed().as_secs_f64();
+        let c2 = cpu_now();
         let s = Instant::now();
         let grads = loss.backward()?;
         let d_bwd = s.elapsed().as_secs_f64();
+        let c3 = cpu_now();
         let s = Instant::now();
         opt.step(&grads, 1e-7)?;
         let d_opt = s.elapsed().as_secs_f64();
         drop(grads);
+        let c4 = cpu_now();
         if rep > 0 {
+            for (acc, d) in cpu.iter_mut().zip([c1 - c0, c2 - c1, c3 - c2, c4 - c3]) {
+                *acc += d;
+            }
             t_old += d_old;
             t_fwd += d_fwd;
             t_bwd += d_bwd;
             t_opt += d_opt;
+            for (b, d) in best.iter_mut().zip([d_old, d_fwd, d_bwd, d_opt, d_old + d_fwd + d_bwd + d_opt]) {
+                *b = b.min(d);
+            }
         }
     }
     let r = reps as f64;
@@ -253,15 +267,34 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     report("backward", t_bwd / r, Some(2.0 * fwd), n);
     report("optimizer (AdamW)", t_opt / r, None, n);
     report("sum of pieces", (t_old + t_fwd + t_bwd + t_opt) / r, Some(4.0 * fwd), n);
+    println!(
+        "best of {reps} (ms): old-policy {:.0}, forward {:.0}, backward {:.0}, optimizer {:.0}, sum {:.0}",
+        best[0] * 1e3,
+        best[1] * 1e3,
+        best[2] * 1e3,
+        best[3] * 1e3,
+        best[4] * 1e3
+    );
+    println!(
+        "process cpu s/rep: old-policy {:.2}, forward {:.2}, backward {:.2}, optimizer {:.2}",
+        cpu[0] / r,
+        cpu[1] / r,
+        cpu[2] / r,
+        cpu[3] / r
+    );
     let cpu1 = cpu_seconds();
 
     // The real thing: one `train::update` (recomputed old log-probs, one mini-batch).
     let ucfg = UpdateConfig::default();
+    let mut best_update = f64::INFINITY;
     let secs = time(a.reps, || {
+        let s = Instant::now();
         stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
+        best_update = best_update.min(s.elapsed().as_secs_f64());
         Ok(())
     })?;
     report("full update step", secs, Some(4.0 * fwd), n);
+    report("full update step (best)", best_update, Some(4.0 * fwd), n);
     if let (Some(c0), Some(c1), Some(c2)) = (cpu0, cpu1, cpu_seconds()) {
         println!(
             "cpu time: pieces {:.2} s/rep, update {:.2} s/rep ({} threads available)",
@@ -306,12 +339,23 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<
 }
 
 /// Times batched generation; see [`What::Generate`].
-fn bench_generate(_m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
-    // `stapo::rollout::bench_generate(model, batch, prompt_len, new_tokens)` once
-    // the rollout module is exported from lib.rs.
+fn bench_generate(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
+    stapo::rollout::bench_generate(m, a.batch, a.prompt, a.new_tokens)?; // warm-up
+    let mut best = 0f64;
+    let mut sum = 0f64;
+    for _ in 0..a.reps.max(1) {
+        let tps = stapo::rollout::bench_generate(m, a.batch, a.prompt, a.new_tokens)?;
+        best = best.max(tps);
+        sum += tps;
+    }
     println!(
-        "generate (batch {}, prompt {}, {} new tokens): rollout module not in lib.rs yet",
-        a.batch, a.prompt, a.new_tokens
+        "generate (batch {}, prompt {}, {} new tokens): {:.0} tok/s mean, {:.0} best of {}",
+        a.batch,
+        a.prompt,
+        a.new_tokens,
+        sum / a.reps.max(1) as f64,
+        best,
+        a.reps.max(1)
     );
     Ok(())
 }

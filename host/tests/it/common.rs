@@ -37,3 +37,24 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
+
+/// A tiny model folder for the arithmetic task: a BPE tokenizer trained on a
+/// few generated problems, a random 2-layer Qwen3 sized to it, and train/test
+/// JSONL files. Returns (model dir, train file, test file).
+pub fn arith_fixture(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    use stapo::data::{task, PromptTemplate};
+    let (train, test) = task::generate_split(200, 20, 7, &task::TaskConfig::default()).unwrap();
+    let tpl = PromptTemplate::raw();
+    let tok = task::train_tokenizer(task::tokenizer_corpus(&train, |p| tpl.render(p)), &task::TokenizerConfig::default()).unwrap();
+    let model_dir = dir.join("model");
+    let mut cfg = tiny_config(true);
+    cfg.vocab_size = tok.vocab_size();
+    cfg.eos_token_id = tok.id_of("<|endoftext|>");
+    let m = stapo::model::init(&cfg, 3, 0.2, DType::F32, &Device::Cpu).unwrap();
+    stapo::model::save(&m, &model_dir, DType::F32, None).unwrap();
+    task::save_tokenizer(&tok, &model_dir).unwrap();
+    let (tr, te) = (dir.join("train.jsonl"), dir.join("test.jsonl"));
+    task::write_jsonl(&tr, &train).unwrap();
+    task::write_jsonl(&te, &test).unwrap();
+    (model_dir, tr, te)
+}

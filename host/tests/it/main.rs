@@ -4,3 +4,4 @@ mod common;
 mod hf;
 mod model;
 mod train;
+mod trainer;

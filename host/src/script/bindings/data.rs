@@ -1,0 +1,98 @@
+//! Bindings for data: datasets, prompt sampling and templates, the arithmetic
+//! task generator, and building `models/tiny-qwen3`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rhai::{Array, Dynamic, Engine, Map};
+
+use super::{func, getter, DatasetHandle};
+use crate::data::{task, Dataset, DatasetOptions, Example, PromptTemplate, Sampler, TaskConfig};
+use crate::script::convert::{from_json, overlay, to_dynamic, to_json, usize_arg};
+use crate::script::error::{bad_arg, host, RhaiResult};
+use crate::script::host::Host;
+use crate::train::TinyConfig;
+
+/// An example as a script map: `#{id, problem, answer, source}`.
+pub fn example_map(e: &Example) -> Dynamic {
+    let mut m = Map::new();
+    m.insert("id".into(), e.id.clone().into());
+    m.insert("problem".into(), e.problem.clone().into());
+    m.insert("answer".into(), e.answer.clone().into());
+    m.insert("source".into(), e.source.clone().into());
+    Dynamic::from_map(m)
+}
+
+/// A prompt template by name: `raw` (problem + the paper's `\boxed{}` suffix),
+/// `chat` (Qwen3 chat, thinking off), `chat-think`, or `none` (the text as is).
+pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
+    Ok(match name {
+        "raw" => Some(PromptTemplate::raw()),
+        "chat" => Some(PromptTemplate::chat(false)),
+        "chat-think" | "chat_think" => Some(PromptTemplate::chat(true)),
+        "none" => None,
+        other => return Err(bad_arg("template", format!("expected raw, chat, chat-think or none, found {other:?}"))),
+    })
+}
+
+fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
+    let n = usize_arg("n", n)?;
+    let mut s = Sampler::new(ds.0.len(), seed as u64).map_err(host)?;
+    let idx = s.next_batch(n).map_err(host)?;
+    Ok(ds.0.select(&idx).map_err(host)?.into_iter().map(example_map).collect())
+}
+
+fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
+    let tc: TaskConfig = overlay("task", &TaskConfig::default(), to_json("task", &Dynamic::from_map(cfg.clone()))?)?;
+    let probs = task::generate(usize_arg("n", n)?, seed as u64, &tc).map_err(host)?;
+    probs.iter().map(to_dynamic).collect()
+}
+
+pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    func(engine, "load_data", "load_data(path) -> Dataset\nLoads a JSONL task file ({\"problem\", \"answer\", ...} per line; bad lines are skipped with a warning).\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| -> RhaiResult<DatasetHandle> {
+        let (ds, _warnings) = Dataset::load(path, &DatasetOptions::default()).map_err(host)?;
+        Ok(DatasetHandle(Arc::new(ds)))
+    });
+    getter(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len() as i64);
+    func(engine, "get", "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`", |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
+        let e = usize::try_from(i).ok().and_then(|i| d.0.get(i)).ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
+        Ok(example_map(e))
+    });
+    func(engine, "sample_prompts", "sample_prompts(dataset, n, seed) -> array of map\n`n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.\nExample: `let ps = sample_prompts(ds, 4, 0);`", |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed));
+    func(engine, "sample", "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.", |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed));
+    func(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len()));
+    func(engine, "render_prompt", "render_prompt(problem, template) -> string\nThe prompt text for a problem: template raw | chat | chat-think | none.\nExample: `render_prompt(\"Compute 1+2.\", \"raw\")`", |problem: &str, name: &str| -> RhaiResult<String> {
+        Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
+    });
+    func(engine, "arith_problems", "arith_problems(n, seed) -> array of map\n`n` generated arithmetic problems #{id, problem, answer, source, solution}.\nExample: `let ps = arith_problems(8, 0);`", |n: i64, seed: i64| arith(n, seed, &Map::new()));
+    func(engine, "arith_problems", "arith_problems(n, seed, task) -> array of map\ntask: #{min_operands, max_operands, min_value, max_value, max_factor, ops: \"+-*\", allow_negative}.\nExample: `arith_problems(8, 0, #{ops: \"+-*\"})`", |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg));
+    func(engine, "write_jsonl", "write_jsonl(path, rows) -> int\nWrites an array of maps as JSON lines (atomically); returns the row count.\nExample: `write_jsonl(\"data/mine.jsonl\", arith_problems(100, 1));`", |path: &str, rows: Array| -> RhaiResult<i64> {
+        let mut text = String::new();
+        for r in &rows {
+            text.push_str(&to_json("rows", r)?.to_string());
+            text.push('\n');
+        }
+        crate::util::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
+        Ok(rows.len() as i64)
+    });
+    let h = host_.clone();
+    func(engine, "pretrain_tiny", "pretrain_tiny(cfg) -> map\nBuilds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy); cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...). Returns the report.\nExample: `pretrain_tiny(#{model_dir: \"models/tiny-qwen3\", max_steps: 200})`", move |cfg: Map| -> RhaiResult<Dynamic> {
+        let mut c: TinyConfig = overlay("pretrain_tiny", &TinyConfig::default(), to_json("pretrain_tiny", &Dynamic::from_map(cfg))?)?;
+        if h.opts.smoke {
+            c.max_steps = c.max_steps.min(2);
+            c.n_train = c.n_train.min(32);
+            c.n_test = c.n_test.min(8);
+            c.eval_problems = c.eval_problems.min(4);
+            c.eval_samples = c.eval_samples.min(2);
+            c.batch_size = c.batch_size.min(4);
+            c.final_eval = false;
+            // Never overwrite a real model folder from a smoke run.
+            let base = h.run_dir().unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
+            c.model_dir = base.join("tiny-model");
+            c.data_dir = Some(base.join("tiny-data"));
+        }
+        let hh = h.clone();
+        let report = crate::train::pretrain_tiny(&c, &mut |line: &str| hh.println(line)).map_err(host)?;
+        Ok(from_json(&serde_json::to_value(&report).map_err(host)?))
+    });
+}

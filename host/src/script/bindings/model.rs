@@ -1,0 +1,158 @@
+//! Bindings for models and tokenizers: load, random init, save, inspect,
+//! encode/decode.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device};
+use rhai::{Array, Dynamic, Engine, Map};
+
+use super::{func, getter, lock, ModelHandle, ModelSlot, TokenizerHandle};
+use crate::data::Tokenizer;
+use crate::model::{self, Config};
+use crate::script::convert::{from_json, get_num, get_str, merge_json, to_json};
+use crate::script::error::{bad_arg, host, RhaiResult};
+use crate::script::host::Host;
+
+/// The device a script names: `cpu`, `cuda` or `cuda:N`.
+pub fn device(name: &str) -> RhaiResult<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0).map_err(host),
+        s if s.starts_with("cuda:") => {
+            let n: usize = s[5..].parse().map_err(|_| bad_arg("device", format!("expected cuda:N, found {s:?}")))?;
+            Device::new_cuda(n).map_err(host)
+        }
+        other => Err(bad_arg("device", format!("expected cpu, cuda or cuda:N, found {other:?}"))),
+    }
+}
+
+/// `(dtype, device)` from an options map (`dtype`, `device`; float32 on cpu by default).
+pub fn dtype_device(opts: &Map) -> RhaiResult<(DType, Device)> {
+    let dtype = model::parse_dtype(&get_str(opts, "dtype")?.unwrap_or_else(|| "float32".into())).map_err(host)?;
+    let dev = device(&get_str(opts, "device")?.unwrap_or_else(|| "cpu".into()))?;
+    Ok((dtype, dev))
+}
+
+fn load(dir: &str, opts: &Map) -> RhaiResult<ModelHandle> {
+    let (dtype, dev) = dtype_device(opts)?;
+    let dir = PathBuf::from(dir);
+    let m = model::load(&dir, dtype, &dev).map_err(host)?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = if tok_path.is_file() { Some(Tokenizer::from_file(&tok_path).map_err(host)?) } else { None };
+    Ok(ModelHandle(Arc::new(Mutex::new(ModelSlot { model: m, tokenizer, dir: Some(dir), opt: None }))))
+}
+
+/// A tiny Qwen3 configuration (2 layers, 64 wide), the base of `init_model`.
+fn tiny_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": true,
+        "torch_dtype": "float32"
+    })
+}
+
+fn init(cfg: &Map, opts: &Map) -> RhaiResult<ModelHandle> {
+    let (dtype, dev) = dtype_device(opts)?;
+    let tokenizer = match get_str(opts, "tokenizer")? {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            let file = if p.is_dir() { p.join("tokenizer.json") } else { p };
+            Some(Tokenizer::from_file(&file).map_err(host)?)
+        }
+        None => None,
+    };
+    let mut j = tiny_config_json();
+    if let Some(t) = &tokenizer {
+        merge_json(&mut j, serde_json::json!({"vocab_size": t.vocab_size()}));
+        if let Some(&eos) = t.eos_ids().last() {
+            merge_json(&mut j, serde_json::json!({"eos_token_id": eos}));
+        }
+    }
+    merge_json(&mut j, to_json("config", &Dynamic::from_map(cfg.clone()))?);
+    let c = Config::from_json_str(&j.to_string(), "init_model config").map_err(host)?;
+    let seed = get_num(opts, "seed")?.unwrap_or(0.0) as u64;
+    let std = get_num(opts, "std")?.unwrap_or(0.02);
+    let m = model::init(&c, seed, std, dtype, &dev).map_err(host)?;
+    let dir = match get_str(opts, "tokenizer")? {
+        Some(p) if Path::new(&p).is_dir() => Some(PathBuf::from(p)),
+        Some(p) => Path::new(&p).parent().map(Path::to_path_buf),
+        None => None,
+    };
+    Ok(ModelHandle(Arc::new(Mutex::new(ModelSlot { model: m, tokenizer, dir, opt: None }))))
+}
+
+fn save(m: &ModelHandle, dir: &str) -> RhaiResult<String> {
+    let slot = lock(&m.0, "model")?;
+    let out = PathBuf::from(dir);
+    let save_dtype = model::parse_dtype(&slot.model.config().torch_dtype).unwrap_or(DType::F32);
+    model::save(&slot.model, &out, save_dtype, slot.dir.as_deref()).map_err(host)?;
+    if slot.dir.is_none() {
+        if let Some(t) = &slot.tokenizer {
+            crate::data::save_tokenizer(t, &out).map_err(host)?;
+        }
+    }
+    Ok(out.display().to_string())
+}
+
+fn describe(m: &ModelHandle) -> String {
+    match m.0.lock() {
+        Ok(s) => {
+            let c = s.model.config();
+            format!(
+                "Model({}: {} layers, hidden {}, vocab {}, {:.2}M params, {:?})",
+                s.dir.as_ref().map(|d| d.display().to_string()).unwrap_or_else(|| "in memory".into()),
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.vocab_size,
+                c.num_params() as f64 / 1e6,
+                s.model.dtype()
+            )
+        }
+        Err(_) => "Model(<unusable>)".into(),
+    }
+}
+
+fn tokenizer_of(m: &ModelHandle) -> RhaiResult<TokenizerHandle> {
+    let s = lock(&m.0, "model")?;
+    s.tokenizer.clone().map(|t| TokenizerHandle(Arc::new(t))).ok_or_else(|| host("this model has no tokenizer (no tokenizer.json in its folder)"))
+}
+
+pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
+    func(engine, "load_model", "load_model(dir) -> Model\nLoads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in float32.\nExample: `let m = load_model(\"models/tiny-qwen3\");`", |dir: &str| load(dir, &Map::new()));
+    func(engine, "load_model", "load_model(dir, opts) -> Model\nopts: #{dtype: \"float32\"|\"bfloat16\"|\"float16\", device: \"cpu\"|\"cuda\"|\"cuda:N\"}.\nExample: `let m = load_model(\"models/tiny-qwen3\", #{dtype: \"bfloat16\"});`", |dir: &str, opts: Map| load(dir, &opts));
+    func(engine, "init_model", "init_model(config) -> Model\nA randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json keys).\nExample: `let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});`", |cfg: Map| init(&cfg, &Map::new()));
+    func(engine, "init_model", "init_model(config, opts) -> Model\nopts: #{seed, std, dtype, device, tokenizer: \"dir or tokenizer.json\"} (vocab_size and eos follow the tokenizer).\nExample: `let m = init_model(#{}, #{tokenizer: \"models/tiny-qwen3\", seed: 1});`", |cfg: Map, opts: Map| init(&cfg, &opts));
+    func(engine, "save_model", "save_model(model, dir) -> string\nWrites the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.\nExample: `save_model(m, \"models/my-run\");`", |m: ModelHandle, dir: &str| save(&m, dir));
+    func(engine, "save", "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`", |m: &mut ModelHandle, dir: &str| save(m, dir));
+    getter(engine, "config", "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`", |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
+        let s = lock(&m.0, "model")?;
+        Ok(from_json(&s.model.config().to_hf_json()))
+    });
+    getter(engine, "num_params", "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`", |m: &mut ModelHandle| -> RhaiResult<i64> {
+        Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
+    });
+    getter(engine, "tokenizer", "model.tokenizer -> Tokenizer\nThe model's tokenizer.\nExample: `let t = m.tokenizer; print(t.encode(\"1+1\"));`", |m: &mut ModelHandle| tokenizer_of(m));
+    func(engine, "to_string", "to_string(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
+    func(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
+
+    func(engine, "load_tokenizer", "load_tokenizer(path) -> Tokenizer\nLoads a tokenizer.json (or the one in a folder).\nExample: `let t = load_tokenizer(\"models/qwen3-tokenizer\");`", |p: &str| -> RhaiResult<TokenizerHandle> {
+        let p = PathBuf::from(p);
+        let file = if p.is_dir() { p.join("tokenizer.json") } else { p };
+        Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(&file).map_err(host)?)))
+    });
+    func(engine, "encode", "tokenizer.encode(text) -> array of int\nToken ids of `text` (special-token strings become their ids).\nExample: `t.encode(\"12+7\")`", |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
+        Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
+    });
+    func(engine, "decode", "tokenizer.decode(ids) -> string\nText of token ids (special tokens kept).\nExample: `t.decode([1, 2, 3])`", |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
+        let ids: Vec<u32> = ids.iter().map(|d| d.as_int().ok().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| bad_arg("decode", "expected an array of token ids"))).collect::<RhaiResult<_>>()?;
+        t.0.decode(&ids, false).map_err(host)
+    });
+    func(engine, "token", "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`", |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
+        let id = u32::try_from(id).map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
+        Ok(t.0.token_str(id))
+    });
+    getter(engine, "vocab_size", "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.", |t: &mut TokenizerHandle| t.0.vocab_size() as i64);
+    func(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size()));
+}

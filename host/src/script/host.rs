@@ -1,0 +1,309 @@
+//! The host side of a script session: what the bindings share (output,
+//! cancellation flag, options such as smoke mode and `--set` values, the run
+//! folder, the current hook code, reload requests). One [`Host`] backs one
+//! engine; `stapo run` makes one per script, the REPL one per session.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use indicatif::ProgressBar;
+use rhai::{Dynamic, Map};
+
+use super::convert::parse_cli_value;
+use super::hooks::HookSet;
+
+/// Where `print` and the host's messages go.
+#[derive(Clone)]
+pub enum Console {
+    /// The process's stdout (above the progress bar when one is drawn).
+    Stdout,
+    /// A shared buffer, drained by whoever owns it (the REPL driven by a test).
+    Buffer(Arc<Mutex<String>>),
+}
+
+/// What a session is allowed and asked to do.
+#[derive(Clone, Debug, Default)]
+pub struct HostOptions {
+    /// Smoke mode: scripts see `SMOKE == true`, and `train` clamps every run to
+    /// a couple of tiny steps (see `train_loop`).
+    pub smoke: bool,
+    /// `--set key=value` pairs, visible to scripts as the constant map `ARGS`.
+    pub args: BTreeMap<String, String>,
+    /// The run folder of this script (`runs/<stem>-<time>/` or `--out`); `None`
+    /// makes one under `runs/` on the first `train`.
+    pub run_dir: Option<PathBuf>,
+    /// Continue the run in `run_dir` instead of starting one.
+    pub resume: bool,
+    /// Draw a progress bar during `train` (only on a terminal).
+    pub progress: bool,
+    /// Watch the script and its imports and swap hooks when they change.
+    pub watch: bool,
+    /// Folders searched by `import` after the script's own folder.
+    pub stdlib_dirs: Vec<PathBuf>,
+}
+
+/// Shared state of one script session; cheap to clone through `Arc`.
+pub struct Host {
+    pub opts: HostOptions,
+    console: Console,
+    cancel: &'static AtomicBool,
+    /// The script file being run (hooks are recompiled from it on reload).
+    script: RwLock<Option<PathBuf>>,
+    /// The code hooks are called from; swapped by reloads.
+    hooks: RwLock<Arc<HookSet>>,
+    /// Set by the file watcher; consumed at the next step boundary.
+    reload_requested: AtomicBool,
+    /// Files read by `import` (watched for hot reload).
+    imported: Mutex<Vec<PathBuf>>,
+    /// `train` calls made so far (each after the first gets a sub-folder).
+    trains: AtomicUsize,
+    /// Summaries of finished `train` calls (for the batch table).
+    results: Mutex<Vec<Map>>,
+    progress: Mutex<Option<ProgressBar>>,
+}
+
+impl Host {
+    /// A session with its own cancellation flag.
+    pub fn new(opts: HostOptions, console: Console) -> Arc<Self> {
+        Self::with_cancel(opts, console, Box::leak(Box::new(AtomicBool::new(false))))
+    }
+
+    /// A session whose cancellation flag is `cancel` (the process-wide Ctrl-C flag for the CLI).
+    pub fn with_cancel(opts: HostOptions, console: Console, cancel: &'static AtomicBool) -> Arc<Self> {
+        Arc::new(Host {
+            opts,
+            console,
+            cancel,
+            script: RwLock::new(None),
+            hooks: RwLock::new(Arc::new(HookSet::empty())),
+            reload_requested: AtomicBool::new(false),
+            imported: Mutex::new(Vec::new()),
+            trains: AtomicUsize::new(0),
+            results: Mutex::new(Vec::new()),
+            progress: Mutex::new(None),
+        })
+    }
+
+    /// Writes one line of output (script `print`, host notices).
+    pub fn println(&self, s: &str) {
+        match &self.console {
+            Console::Stdout => {
+                let pb = self.progress.lock().ok().and_then(|p| p.clone());
+                match pb {
+                    Some(pb) => pb.suspend(|| println!("{s}")),
+                    None => {
+                        let mut out = std::io::stdout().lock();
+                        let _ = writeln!(out, "{s}");
+                    }
+                }
+            }
+            Console::Buffer(b) => {
+                if let Ok(mut b) = b.lock() {
+                    b.push_str(s);
+                    b.push('\n');
+                }
+            }
+        }
+    }
+
+    /// A notice for stderr (reloads, warnings); buffered consoles get it too.
+    pub fn notice(&self, s: &str) {
+        match &self.console {
+            Console::Stdout => {
+                let pb = self.progress.lock().ok().and_then(|p| p.clone());
+                match pb {
+                    Some(pb) => pb.suspend(|| eprintln!("{s}")),
+                    None => eprintln!("{s}"),
+                }
+            }
+            Console::Buffer(_) => self.println(s),
+        }
+    }
+
+    /// The cancellation flag (Ctrl-C), checked by the engine and by long host calls.
+    pub fn cancel_flag(&self) -> &'static AtomicBool {
+        self.cancel
+    }
+
+    /// True once cancellation was requested.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Clears the cancellation flag (before each REPL line).
+    pub fn reset_cancel(&self) {
+        self.cancel.store(false, Ordering::Relaxed);
+    }
+
+    /// Records the script file of this session.
+    pub fn set_script(&self, path: Option<PathBuf>) {
+        if let Ok(mut s) = self.script.write() {
+            *s = path;
+        }
+    }
+
+    /// The script file of this session.
+    pub fn script(&self) -> Option<PathBuf> {
+        self.script.read().ok().and_then(|s| s.clone())
+    }
+
+    /// The current hooks.
+    pub fn hooks(&self) -> Arc<HookSet> {
+        self.hooks.read().map(|h| h.clone()).unwrap_or_else(|_| Arc::new(HookSet::empty()))
+    }
+
+    /// Replaces the hooks.
+    pub fn set_hooks(&self, h: HookSet) {
+        if let Ok(mut slot) = self.hooks.write() {
+            *slot = Arc::new(h);
+        }
+    }
+
+    /// Asks for a reload at the next step boundary (called by the watcher).
+    pub fn request_reload(&self) {
+        self.reload_requested.store(true, Ordering::SeqCst);
+    }
+
+    /// Takes a pending reload request.
+    pub fn take_reload_request(&self) -> bool {
+        self.reload_requested.swap(false, Ordering::SeqCst)
+    }
+
+    /// Notes a file read by `import`.
+    pub fn note_import(&self, p: &Path) {
+        if let Ok(mut v) = self.imported.lock() {
+            if !v.iter().any(|x| x == p) {
+                v.push(p.to_path_buf());
+            }
+        }
+    }
+
+    /// Files read by `import` so far.
+    pub fn imported(&self) -> Vec<PathBuf> {
+        self.imported.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    /// The folder of the next `train` call: the session's run folder for the
+    /// first call (or when `name` is given, `<run folder>/<name>`), then
+    /// `<run folder>/run-<k>`; and whether it resumes a run there.
+    pub fn next_run_dir(&self, name: Option<&str>) -> (PathBuf, bool) {
+        let k = self.trains.fetch_add(1, Ordering::SeqCst);
+        let base = self.opts.run_dir.clone().unwrap_or_else(|| default_run_dir(self.script().as_deref(), Path::new("runs")));
+        let resume_here = self.opts.resume;
+        match name {
+            Some(n) => {
+                let d = base.join(sanitize(n));
+                let resume = resume_here && d.join("run_config.json").exists();
+                (d, resume)
+            }
+            None if k == 0 => (base, resume_here),
+            None => {
+                let d = base.join(format!("run-{}", k + 1));
+                let resume = resume_here && d.join("run_config.json").exists();
+                (d, resume)
+            }
+        }
+    }
+
+    /// The session's base run folder, when known.
+    pub fn run_dir(&self) -> Option<PathBuf> {
+        self.opts.run_dir.clone()
+    }
+
+    /// Records the summary of a finished `train`.
+    pub fn push_result(&self, m: Map) {
+        if let Ok(mut r) = self.results.lock() {
+            r.push(m);
+        }
+    }
+
+    /// Summaries of the finished `train` calls.
+    pub fn results(&self) -> Vec<Map> {
+        self.results.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Installs (or removes) the progress bar that `println` prints above.
+    pub fn set_progress(&self, pb: Option<ProgressBar>) {
+        if let Ok(mut p) = self.progress.lock() {
+            *p = pb;
+        }
+    }
+
+    /// `ARGS` as a Rhai map (values parsed as int, float, bool or string).
+    pub fn args_map(&self) -> Map {
+        self.opts.args.iter().map(|(k, v)| (k.as_str().into(), parse_cli_value(v))).collect()
+    }
+
+    /// `SMOKE` as a Rhai value.
+    pub fn smoke_value(&self) -> Dynamic {
+        self.opts.smoke.into()
+    }
+}
+
+/// Keeps folder names to letters, digits, `-`, `_` and `.`.
+fn sanitize(s: &str) -> String {
+    let t: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    if t.is_empty() || t == "." || t == ".." {
+        "run".into()
+    } else {
+        t
+    }
+}
+
+/// `<parent>/<script stem>-<YYYYmmdd-HHMMSS>` (UTC), with `-2`, `-3` ... when taken.
+pub fn default_run_dir(script: Option<&Path>, parent: &Path) -> PathBuf {
+    let stem = script.and_then(|p| p.file_stem()).map(|s| sanitize(&s.to_string_lossy())).unwrap_or_else(|| "repl".into());
+    let base = format!("{stem}-{}", timestamp());
+    let mut d = parent.join(&base);
+    let mut k = 2;
+    while d.exists() {
+        d = parent.join(format!("{base}-{k}"));
+        k += 1;
+    }
+    d
+}
+
+/// The current UTC time as `YYYYmmdd-HHMMSS`.
+pub fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, (rem % 3600) / 60, rem % 60)
+}
+
+/// Days since 1970-01-01 to (year, month, day) (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(19_782), (2024, 2, 29));
+    }
+
+    #[test]
+    fn run_dirs_follow_the_calls() {
+        let h = Host::new(HostOptions { run_dir: Some("/tmp/x".into()), ..Default::default() }, Console::Buffer(Default::default()));
+        assert_eq!(h.next_run_dir(None).0, PathBuf::from("/tmp/x"));
+        assert_eq!(h.next_run_dir(None).0, PathBuf::from("/tmp/x/run-2"));
+        assert_eq!(h.next_run_dir(Some("grpo a")).0, PathBuf::from("/tmp/x/grpo_a"));
+    }
+}

@@ -1,0 +1,84 @@
+//! Plain-text tables for the REPL and logs: the per-token table of a sampled
+//! response (token, p, H, advantage, silenced?) that shows why STAPO's S2T
+//! mask silenced a token, and one-line metric summaries.
+
+use std::fmt::Write;
+
+use crate::data::Tokenizer;
+use crate::rollout::Sample;
+
+/// One row of a token table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenRow {
+    pub pos: usize,
+    pub id: u32,
+    pub token: String,
+    /// Probability of the sampled token under the untempered policy at sampling time.
+    pub p: f32,
+    /// Full-vocabulary entropy (nats) at this position.
+    pub h: f32,
+    pub advantage: Option<f32>,
+    pub silenced: Option<bool>,
+}
+
+/// The rows of sample `s`.
+pub fn token_rows(s: &Sample, tok: Option<&Tokenizer>, advantage: Option<f32>, silenced: Option<&[bool]>) -> Vec<TokenRow> {
+    s.response_ids
+        .iter()
+        .enumerate()
+        .map(|(t, &id)| TokenRow {
+            pos: t,
+            id,
+            token: tok.map(|k| k.token_str(id)).unwrap_or_else(|| format!("<{id}>")),
+            p: s.old_logprobs.get(t).map_or(f32::NAN, |l| l.exp()),
+            h: s.entropies.get(t).copied().unwrap_or(f32::NAN),
+            advantage,
+            silenced: silenced.and_then(|v| v.get(t).copied()),
+        })
+        .collect()
+}
+
+/// A token as a table cell: escaped, at most 14 characters.
+fn cell(token: &str) -> String {
+    let esc: String = token.escape_debug().collect();
+    if esc.chars().count() > 14 {
+        format!("{}…", esc.chars().take(13).collect::<String>())
+    } else {
+        esc
+    }
+}
+
+/// The table of one sample, with a header line.
+pub fn format_sample(index: usize, s: &Sample, rows: &[TokenRow]) -> String {
+    let mut out = String::new();
+    let reward = s.reward.map_or("-".to_string(), |r| format!("{r}"));
+    let adv = rows.first().and_then(|r| r.advantage).map_or("-".to_string(), |a| format!("{a:+.3}"));
+    let _ = writeln!(
+        out,
+        "sample {index} (group {}, reward {reward}, A {adv}, {} tokens, {:?}{})",
+        s.group,
+        s.response_ids.len(),
+        s.finish,
+        if s.truncated { ", truncated" } else { "" }
+    );
+    let _ = writeln!(out, "  {:>4}  {:<16} {:>8} {:>7} {:>7}  {}", "pos", "token", "p", "H", "A", "S2T");
+    for r in rows {
+        let a = r.advantage.map_or("-".to_string(), |a| format!("{a:+.3}"));
+        let s2t = match r.silenced {
+            Some(true) => "SILENCED",
+            Some(false) => "",
+            None => "?",
+        };
+        let _ = writeln!(out, "  {:>4}  {:<16} {:>8.4} {:>7.3} {:>7}  {}", r.pos, format!("\"{}\"", cell(&r.token)), r.p, r.h, a, s2t);
+    }
+    out
+}
+
+/// `key=value` pairs of the usual step metrics, in a fixed order.
+pub fn metrics_line(step: u64, pairs: &[(&str, f64)]) -> String {
+    let mut s = format!("step {step:>5}");
+    for (k, v) in pairs {
+        let _ = write!(s, "  {k}={v:.4}");
+    }
+    s
+}
