@@ -7,7 +7,8 @@
 //! ```
 //!
 //! `--config` reads a JSON `TinyConfig` (missing fields take the defaults);
-//! `--out`, `--data`, `--max-steps`, `--target`, `--max-seconds` override it;
+//! `--out`, `--data`, `--max-steps`, `--target`, `--max-seconds`,
+//! `--stop-at-step`, `--init-from`, `--sft-seed`, `--warmup`, `--eval-every` override it;
 //! `--no-data` skips writing the data files, `--no-final-eval` the test-set measurement.
 
 use std::path::PathBuf;
@@ -33,6 +34,11 @@ fn main() -> Result<()> {
             "--target" => cfg.target_accuracy = value()?.parse().context("--target: expected a number")?,
             "--max-seconds" => cfg.max_seconds = value()?.parse().context("--max-seconds: expected a number")?,
             "--no-final-eval" => cfg.final_eval = false,
+            "--stop-at-step" => cfg.stop_at_step = value()?.parse().context("--stop-at-step: expected an integer")?,
+            "--init-from" => cfg.init_from = Some(PathBuf::from(value()?)),
+            "--sft-seed" => cfg.sft_seed = value()?.parse().context("--sft-seed: expected an integer")?,
+            "--warmup" => cfg.warmup_steps = value()?.parse().context("--warmup: expected an integer")?,
+            "--eval-every" => cfg.eval_every = value()?.parse().context("--eval-every: expected an integer")?,
             other => bail!("unknown flag {other:?} (see the header of host/examples/pretrain_tiny.rs)"),
         }
     }

@@ -9,8 +9,10 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod model;
+pub mod repl;
 pub mod reward;
 pub mod rollout;
+pub mod script;
 pub mod train;
 pub mod util;
 

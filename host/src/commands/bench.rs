@@ -329,6 +329,22 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<
         report(&format!("{name} rhs contiguous"), t2, Some(flops), n);
         report(&format!("{name} lhs^T view"), t3, Some(flops), n);
     }
+    // Elementwise: what each node of candle's backward costs (zeros_like + add).
+    for len in [n * h, n * i] {
+        let (x, y) = (r(&[len])?, r(&[len])?);
+        let t1 = time(a.reps, || Ok(drop((&x + &y)?)))?;
+        let t2 = time(a.reps, || Ok(drop((x.zeros_like()? + &y)?)))?;
+        println!("add of {len} f32: {:.2} ms; zeros_like + add {:.2} ms", t1 * 1e3, t2 * 1e3);
+    }
+    // Weight gradient dW = dy^T x (out x in), with dy^T as a view or copied first.
+    let (dy, x) = (r(&[n, i])?, r(&[n, h])?);
+    let flops = 2.0 * (n * h * i) as f64;
+    let t1 = time(a.reps, || Ok(drop(dy.t()?.matmul(&x)?)))?;
+    let t2 = time(a.reps, || Ok(drop(dy.t()?.contiguous()?.matmul(&x)?)))?;
+    let t3 = time(a.reps, || Ok(drop(x.t()?.matmul(&dy)?.t()?.contiguous()?)))?;
+    report(&format!("dW {i}x{n}x{h}: dy^T view @ x"), t1, Some(flops), n);
+    report("dW: copy dy^T then @ x", t2, Some(flops), n);
+    report("dW: (x^T @ dy)^T", t3, Some(flops), n);
     let (nkv, g, d, l) = (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, a.seq);
     let q = r(&[a.batch, nkv, g * l, d])?;
     let k = r(&[a.batch, nkv, l, d])?;

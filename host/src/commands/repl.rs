@@ -1,10 +1,47 @@
-//! `stapo repl`: the interactive shell (placeholder until the script engine lands).
+//! `stapo repl`: the interactive shell. On a terminal it uses rustyline
+//! (history in ~/.stapo_history, tab completion, Ctrl-C cancels a running
+//! step); with piped input it reads lines from stdin and writes answers to
+//! stdout, so it can be scripted.
+
+use std::io::IsTerminal;
 
 use clap::Args;
+use stapo::repl;
+use stapo::script::{self, HostOptions};
 
 #[derive(Args, Debug)]
-pub struct ReplArgs {}
+pub struct ReplArgs {
+    /// Smoke mode: SMOKE = true and every train() / run.step() is tiny.
+    #[arg(long)]
+    pub smoke: bool,
+    /// KEY=VALUE pairs visible as ARGS.KEY (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Where train() and trainer() write runs (default runs/repl-<time>/).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
 
-pub fn run(_a: ReplArgs) -> anyhow::Result<()> {
-    anyhow::bail!("repl: the script engine is not wired yet")
+pub fn run(a: ReplArgs) -> anyhow::Result<()> {
+    let mut args = std::collections::BTreeMap::new();
+    for p in &a.set {
+        let (k, v) = p.split_once('=').ok_or_else(|| anyhow::anyhow!("--set {p:?}: expected KEY=VALUE"))?;
+        args.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let opts = HostOptions {
+        smoke: a.smoke || std::env::var("STAPO_SMOKE").is_ok_and(|v| !v.is_empty() && v != "0"),
+        args,
+        run_dir: a.out,
+        resume: false,
+        progress: std::io::stderr().is_terminal(),
+        watch: false,
+        stdlib_dirs: script::runner::stdlib_dirs(None),
+    };
+    if std::io::stdin().is_terminal() {
+        let cancel = script::signal::install();
+        repl::run_interactive(opts, cancel)?;
+    } else {
+        repl::run_repl(std::io::stdin().lock(), std::io::stdout().lock(), opts)?;
+    }
+    Ok(())
 }

@@ -1,15 +1,115 @@
-//! `stapo run`: run Rhai scripts (placeholder until the script engine lands).
+//! `stapo run`: run Rhai experiment scripts, each into its own run folder,
+//! then print a summary table. A failing script does not stop the others;
+//! the exit status is non-zero if any failed.
 
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::Args;
+use stapo::script::{self, Console, Host, HostOptions, RunOutcome};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Scripts to run, each into its own run folder.
+    /// Scripts to run in turn, each into its own run folder (runs/<stem>-<YYYYmmdd-HHMMSS>/).
     pub scripts: Vec<PathBuf>,
+    /// Watch each script and the files it imports; on a change, swap its hook functions at the
+    /// next step (model, optimizer and step counter untouched). A broken edit keeps the old hooks.
+    #[arg(long)]
+    pub watch: bool,
+    /// KEY=VALUE, repeatable. Scripts see it as ARGS.KEY (int, float, bool or string). A KEY
+    /// naming a train() config field (lr, prompts_per_step, sampling.n, ...) or an objective
+    /// override (tau_p, eps_high, ...) is also applied to every train() config.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// The run folder (one script only).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue the run in this folder from its latest checkpoint; the script is the given one,
+    /// or the copy saved in the folder (script.rhai). The step counter continues.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Smoke mode (also STAPO_SMOKE=1): scripts see SMOKE = true and every train() is clamped to
+    /// 2 tiny steps.
+    #[arg(long)]
+    pub smoke: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    pairs
+        .iter()
+        .map(|p| {
+            let (k, v) = p.split_once('=').ok_or_else(|| anyhow::anyhow!("--set {p:?}: expected KEY=VALUE"))?;
+            anyhow::ensure!(!k.trim().is_empty(), "--set {p:?}: empty key");
+            Ok((k.trim().to_string(), v.trim().to_string()))
+        })
+        .collect()
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    anyhow::bail!("run: the script engine is not wired yet ({} scripts given)", a.scripts.len())
+    let mut scripts = a.scripts.clone();
+    if let Some(dir) = &a.resume {
+        anyhow::ensure!(dir.join("run_config.json").is_file(), "--resume {}: not a run folder (no run_config.json)", dir.display());
+        if scripts.is_empty() {
+            scripts.push(dir.join("script.rhai"));
+        }
+        anyhow::ensure!(scripts.len() == 1, "--resume continues one run: give at most one script");
+    }
+    anyhow::ensure!(!scripts.is_empty(), "give one or more scripts to run (e.g. stapo run scripts/stapo_basic.rhai)");
+    anyhow::ensure!(a.out.is_none() || scripts.len() == 1, "--out names the run folder of a single script");
+    let args = parse_set(&a.set)?;
+    let smoke = a.smoke || std::env::var("STAPO_SMOKE").is_ok_and(|v| !v.is_empty() && v != "0");
+    let cancel = script::signal::install();
+    let mut outcomes = Vec::new();
+    for path in &scripts {
+        let opts = HostOptions {
+            smoke,
+            args: args.clone(),
+            run_dir: a.resume.clone().or_else(|| a.out.clone()).or_else(|| Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs")))),
+            resume: a.resume.is_some(),
+            progress: !a.quiet && std::io::stderr().is_terminal(),
+            watch: a.watch,
+            stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
+        };
+        script::signal::clear();
+        let host = Host::with_cancel(opts, Console::Stdout, cancel);
+        eprintln!("== {}", path.display());
+        let out = script::run_file(&host, path);
+        if let Some(e) = &out.error {
+            eprintln!("error in {}: {e}", path.display());
+        }
+        outcomes.push(out);
+    }
+    print_summary(&outcomes);
+    let failed = outcomes.iter().filter(|o| !o.ok()).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} scripts failed", outcomes.len());
+    Ok(())
+}
+
+fn fmt_opt(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.3}"))
+}
+
+/// script, status, steps, final reward/accuracy, wall time, run folder.
+fn print_summary(outcomes: &[RunOutcome]) {
+    let w = outcomes.iter().map(|o| o.script.display().to_string().chars().count()).max().unwrap_or(6).max(6);
+    println!("\n{:<w$} {:<7} {:>6} {:>8} {:>8} {:>9}  run folder", "script", "status", "steps", "reward", "acc", "time");
+    for o in outcomes {
+        let name = o.script.display().to_string();
+        let status = if o.ok() { "ok" } else { "FAILED" };
+        let last = o.trains.last();
+        println!(
+            "{:<w$} {:<7} {:>6} {:>8} {:>8} {:>8.1}s  {}",
+            name,
+            status,
+            o.trains.iter().map(|t| t.steps).sum::<u64>(),
+            fmt_opt(last.and_then(|t| t.reward)),
+            fmt_opt(last.and_then(|t| t.accuracy)),
+            o.seconds,
+            if o.trains.is_empty() { "-".to_string() } else { o.trains.iter().map(|t| t.run_dir.clone()).collect::<Vec<_>>().join(", ") }
+        );
+    }
 }

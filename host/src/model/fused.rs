@@ -22,9 +22,12 @@ use rayon::prelude::*;
 
 use crate::Result;
 
-/// True when the fused kernels serve `t`: a CPU tensor in f32 or f64.
+/// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, unless
+/// the environment sets `STAPO_NO_FUSED=1` (for A/B benchmarks and debugging).
 pub fn supported(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let disabled = *DISABLED.get_or_init(|| std::env::var("STAPO_NO_FUSED").is_ok_and(|v| v == "1"));
+    !disabled && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// The float types the kernels are written for.
@@ -104,12 +107,31 @@ unsafe impl<T> Sync for SendPtr<T> {}
 
 /// `dst (m×n) = beta * lhs (m×k) · rhs (k×n) [+ dst]`, single-threaded (callers
 /// parallelise over heads). Strides are (row, column) in elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm<T: Real>(
+    dims: (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const T,
+    lhs_st: (usize, usize),
+    rhs: *const T,
+    rhs_st: (usize, usize),
+    beta: T,
+) {
+    mm_par(dims, dst, dst_rs, accumulate, lhs, lhs_st, rhs, rhs_st, beta, Parallelism::None)
+}
+
+/// [`mm`] with a choice of parallelism (rayon for the big projections).
 ///
 /// # Safety
 /// Every pointer must address the full strided matrix it describes, and `dst`
 /// must not overlap `lhs` or `rhs` nor be written concurrently by anyone else.
+///
+/// # Safety
+/// As for [`mm`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn mm<T: Real>(
+unsafe fn mm_par<T: Real>(
     (m, n, k): (usize, usize, usize),
     dst: *mut T,
     dst_rs: usize,
@@ -119,6 +141,7 @@ unsafe fn mm<T: Real>(
     rhs: *const T,
     (rhs_rs, rhs_cs): (usize, usize),
     beta: T,
+    par: Parallelism,
 ) {
     let alpha = if accumulate { T::from_f64(1.0) } else { zero() };
     gemm::gemm(
@@ -140,13 +163,107 @@ unsafe fn mm<T: Real>(
         false,
         false,
         false,
-        Parallelism::None,
+        par,
     )
+}
+
+/// All of rayon's threads, for one big product.
+fn all_threads() -> Parallelism {
+    match rayon::current_num_threads() {
+        0 | 1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
 }
 
 /// Rows per rayon task for row-wise kernels of width `n`: about 32K elements.
 fn rows_per_task(n: usize) -> usize {
     (32 * 1024 / n.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------------------
+// Linear
+// ---------------------------------------------------------------------------
+
+/// `y = x w^T` for contiguous `x (.., in)` and `w (out, in)`: one gemm call
+/// forward and two backward, with `dw` produced directly in `w`'s layout
+/// (candle's `x.matmul(&w.t())` adds a transpose node and a strided
+/// accumulation of the weight gradient).
+struct Linear;
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (o, k) = l2.shape().dims2()?;
+        let dims = l1.dims();
+        if dims.last() != Some(&k) {
+            bail!("fused linear: x of shape {dims:?} does not end in the {k} features w expects")
+        }
+        let n = l1.shape().elem_count() / k.max(1);
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("checked above") = o;
+        by_dtype!(s1, "linear", |T| {
+            let x = slice::<T>(s1, l1, "linear")?;
+            let w = slice::<T>(s2, l2, "linear")?;
+            let mut y = vec![zero::<T>(); n * o];
+            // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
+            unsafe {
+                mm_par((n, o, k), y.as_mut_ptr(), o, false, x.as_ptr(), (k, 1), w.as_ptr(), (1, k), T::from_f64(1.0), all_threads());
+            }
+            Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)))
+        })
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LinearBwd)?;
+        let (nx, nw) = (x.elem_count(), w.elem_count());
+        Ok((Some(both.narrow(0, 0, nx)?.reshape(x.shape())?), Some(both.narrow(0, nx, nw)?.reshape(w.shape())?)))
+    }
+}
+
+/// Backward of [`Linear`] over `(x, w, dy)`: `[dx = dy w | dw = dy^T x]`.
+struct LinearBwd;
+
+impl CustomOp3 for LinearBwd {
+    fn name(&self) -> &'static str {
+        "fused-linear-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (o, k) = l2.shape().dims2()?;
+        let n = l1.shape().elem_count() / k.max(1);
+        by_dtype!(s1, "linear", |T| {
+            let x = slice::<T>(s1, l1, "linear")?;
+            let w = slice::<T>(s2, l2, "linear")?;
+            let dy = slice::<T>(s3, l3, "linear")?;
+            let mut out = vec![zero::<T>(); n * k + o * k];
+            let (dx, dw) = out.split_at_mut(n * k);
+            let one = T::from_f64(1.0);
+            // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
+            unsafe {
+                mm_par((n, k, o), dx.as_mut_ptr(), k, false, dy.as_ptr(), (o, 1), w.as_ptr(), (k, 1), one, all_threads());
+                mm_par((o, k, n), dw.as_mut_ptr(), k, false, dy.as_ptr(), (1, o), x.as_ptr(), (k, 1), one, all_threads());
+            }
+            let len = out.len();
+            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
+        })
+    }
+}
+
+/// Fused `x @ w^T` for `x (.., in)`, `w (out, in)`; returns `(.., out)` with no
+/// reshape nodes in the graph.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Linear)?)
 }
 
 // ---------------------------------------------------------------------------
@@ -329,7 +446,7 @@ impl CustomOp2 for NormRope {
         let (b, l, nh, d) = self.dims;
         let op = NormRopeBwd { eps: self.eps, cs: self.cs.clone(), dims: self.dims };
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &op)?;
-        let dx = both.narrow(0, 0, b * l * nh * d)?.reshape((b, l, nh, d))?;
+        let dx = both.narrow(0, 0, b * l * nh * d)?.reshape(x.shape())?;
         let dw = both.narrow(0, b * l * nh * d, d)?.reshape(w.shape())?;
         Ok((Some(dx), Some(dw)))
     }
@@ -406,10 +523,19 @@ impl CustomOp3 for NormRopeBwd {
     }
 }
 
-/// Per-head RMSNorm then rotary embedding, transposing `(B, L, H, D)` to
-/// `(B, H, L, D)`; `cos`/`sin` are `(B, 1, L, D/2)` (see [`super::ops::norm_rope`]).
-pub fn norm_rope(x: &Tensor, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
-    let dims = x.dims4()?;
+/// Per-head RMSNorm then rotary embedding, from `(B, L, H * D)` (heads side by
+/// side, as the projection leaves them) to `(B, H, L, D)`; `cos`/`sin` are
+/// `(B, 1, L, D/2)` (see [`super::ops::norm_rope`]).
+pub fn norm_rope(x: &Tensor, n_heads: usize, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
+    let (b, l, hd) = x.dims3()?;
+    let dims = (b, l, n_heads, hd / n_heads.max(1));
+    if dims.2 * dims.3 != hd || w.elem_count() != dims.3 {
+        return Err(crate::Error::invalid(format!(
+            "norm_rope: x of shape {:?} does not split into {n_heads} heads of {}",
+            x.dims(),
+            w.elem_count()
+        )));
+    }
     let cs = Tensor::cat(&[cos, sin], D::Minus1)?.to_dtype(x.dtype())?.contiguous()?.detach();
     if cs.dims() != [dims.0, 1, dims.1, dims.3] {
         return Err(crate::Error::invalid(format!(
@@ -749,8 +875,12 @@ impl CustomOp2 for LogpEntropy {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, vocab) = l1.shape().dims2()?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
+        let n = l1.shape().elem_count() / vocab.max(1);
         let targets = slice::<u32>(s2, l2, "logprob_entropy")?;
+        if targets.len() != n {
+            bail!("fused logprob_entropy: {} targets for {n} rows of logits", targets.len())
+        }
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
             bail!("fused logprob_entropy: target {t} outside a vocabulary of {vocab}")
         }
@@ -794,7 +924,7 @@ impl CustomOp3 for LogpEntropyBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (_, vocab) = l1.shape().dims2()?;
+        let vocab = *l1.dims().last().unwrap_or(&1);
         by_dtype!(s1, "logprob_entropy", |T| {
             let x = slice::<T>(s1, l1, "logprob_entropy")?;
             let res = slice::<T>(s2, l2, "logprob_entropy")?;
@@ -820,8 +950,7 @@ impl CustomOp3 for LogpEntropyBwd {
 
 /// Fused log-prob of `targets` and entropy from logits `(.., V)` in f32/f64.
 pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    let vocab = logits.dim(D::Minus1)?;
-    let x = logits.reshape(((), vocab))?.contiguous()?;
+    let x = logits.contiguous()?;
     let t = targets.flatten_all()?.to_dtype(DType::U32)?.contiguous()?.detach();
     let out = x.apply_op2(&t, LogpEntropy)?;
     let logp = out.narrow(1, 0, 1)?.reshape(targets.shape())?;
@@ -887,6 +1016,21 @@ mod tests {
     }
 
     #[test]
+    fn linear_matches_composed() {
+        for dtype in [DType::F64, DType::F32] {
+            let x = randn(&[2, 7, 12], dtype, 12);
+            let w = randn(&[5, 12], dtype, 13);
+            check(
+                &[&x, &w],
+                &|| linear(x.as_tensor(), w.as_tensor()).unwrap(),
+                &|| x.as_tensor().broadcast_matmul(&w.as_tensor().t().unwrap()).unwrap(),
+                tol(dtype),
+                "linear",
+            );
+        }
+    }
+
+    #[test]
     fn rms_norm_matches_composed() {
         for dtype in [DType::F64, DType::F32] {
             let x = randn(&[3, 5, 16], dtype, 1);
@@ -911,7 +1055,7 @@ mod tests {
             let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
             check(
                 &[&x, &w],
-                &|| norm_rope(x.as_tensor(), w.as_tensor(), &cos, &sin, 1e-6).unwrap(),
+                &|| norm_rope(&x.as_tensor().reshape((b, l, h * d)).unwrap(), h, w.as_tensor(), &cos, &sin, 1e-6).unwrap(),
                 &|| {
                     let n = ops::rms_norm_composed(x.as_tensor(), w.as_tensor(), 1e-6).unwrap().transpose(1, 2).unwrap();
                     ops::rope(&n, &cos, &sin).unwrap()

@@ -29,6 +29,13 @@ pub fn compute_dtype(dtype: DType) -> DType {
 
 /// `x @ w^T + b` over the last dimension; `x` is `(.., in)`, `w` is `(out, in)`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if fused::supported(x) {
+        let y = fused::linear(x, w)?;
+        return Ok(match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        });
+    }
     let dims = x.dims();
     let (n_in, n_out) = (dims[dims.len() - 1], w.dim(0)?);
     let rows = x.elem_count() / n_in.max(1);
@@ -71,13 +78,16 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&[a, b], D::Minus1)?)
 }
 
-/// Per-head RMSNorm then rotary embedding, for q and k: `x` is `(B, L, H, D)`,
-/// `w` is `(D)`, `cos`/`sin` are `(B, 1, L, D/2)`; returns `(B, H, L, D)`.
-pub fn norm_rope(x: &Tensor, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
+/// Per-head RMSNorm then rotary embedding, for q and k: `x` is `(B, L, H * D)`
+/// (the projection's output), `w` is `(D)`, `cos`/`sin` are `(B, 1, L, D/2)`;
+/// returns `(B, H, L, D)`.
+pub fn norm_rope(x: &Tensor, n_heads: usize, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
     if fused::supported(x) {
-        return fused::norm_rope(x, w, cos, sin, eps);
+        return fused::norm_rope(x, n_heads, w, cos, sin, eps);
     }
-    rope(&rms_norm_composed(x, w, eps)?.transpose(1, 2)?, cos, sin)
+    let (b, l, hd) = x.dims3()?;
+    let x = x.reshape((b, l, n_heads, hd / n_heads.max(1)))?;
+    rope(&rms_norm_composed(&x, w, eps)?.transpose(1, 2)?, cos, sin)
 }
 
 /// SwiGLU's gating: `silu(gate) * up`.

@@ -406,12 +406,12 @@ impl Qwen3 {
 
         // Attention block.
         let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-        let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?.reshape((b, l, nq, d))?;
-        let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?.reshape((b, l, nkv, d))?;
+        let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?; // (B, L, Hq * D)
+        let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?; // (B, L, Hkv * D)
         let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
         // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
-        let q = ops::norm_rope(&q, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
-        let k = ops::norm_rope(&k, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
+        let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
+        let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
         // (B, H, L, D) view; attention reads it strided.
         let v = v.transpose(1, 2)?;
         let (k, v) = match cache {

@@ -375,7 +375,7 @@ mod tests {
 
     #[test]
     fn pathological_text_is_bounded() {
-        let nested = "\\text{".repeat(5000) + &"}".repeat(5000);
+        let nested = "\\text{".repeat(5000) + "}".repeat(5000).as_str();
         let n = normalize(&nested);
         assert!(n.len() <= nested.len());
         let unclosed = "\\text{".repeat(2000);

@@ -332,7 +332,7 @@ mod tests {
                     text: format!("line \"{i}\"\n\tunicode: é ∑ 😀"),
                     finish: [Finish::Eos, Finish::Stop, Finish::StopString, Finish::Length][i % 4],
                     truncated: i % 4 == 3,
-                    reward: (i % 3 != 0).then(|| f()),
+                    reward: (i % 3 != 0).then(&mut f),
                 }
             })
             .collect();
@@ -415,7 +415,7 @@ mod tests {
     #[test]
     fn summaries_and_groups() {
         let batch = random_batch(3);
-        assert_eq!(batch.num_response_tokens(), 3 * (0 + 1 + 2 + 3 + 4 + 5));
+        assert_eq!(batch.num_response_tokens(), 3 * (1 + 2 + 3 + 4 + 5));
         assert!((batch.mean_response_len() - 7.5).abs() < 1e-12);
         assert_eq!(batch.max_response_len(), 15);
         assert!((batch.truncation_rate() - 1.0 / 6.0).abs() < 1e-12);

@@ -365,11 +365,7 @@ mod tests {
             let ent: Vec<f32> = ent.flatten_all().and_then(|t| t.to_vec1()).expect("ent");
             assert_close(&s.old_logprobs, &logp, 1e-4, "old_logprobs vs forward");
             assert_close(&s.entropies, &ent, 1e-4, "entropies vs forward");
-            // Tempering at 0.8 and cutting the tail both raise the chosen token's probability.
-            for (lp, raw) in s.logprobs.iter().zip(&s.old_logprobs) {
-                assert!(*lp <= 1e-6 && lp.is_finite(), "{lp}");
-                let _ = raw;
-            }
+            assert!(s.logprobs.iter().all(|lp| lp.is_finite() && *lp <= 1e-6), "{:?}", s.logprobs);
             assert_eq!(s.truncated, s.finish == Finish::Length);
             assert_eq!(s.text, angle_decode(&s.response_ids));
         }

@@ -106,6 +106,11 @@ pub fn sampling_json(mut v: Value) -> Value {
     v
 }
 
+/// An `f32` as the `f64` with the same shortest decimal form (0.01f32 → 0.01, not 0.009999999776).
+pub fn clean_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// A number argument (int or float).
 pub fn num(d: &Dynamic) -> Option<f64> {
     d.as_float().ok().or_else(|| d.as_int().ok().map(|i| i as f64))

@@ -24,6 +24,8 @@ pub mod hooks;
 pub mod host;
 pub mod resolver;
 pub mod runner;
+pub mod session;
+pub mod signal;
 pub mod table;
 pub mod train_loop;
 pub mod watch;

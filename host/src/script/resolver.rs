@@ -12,14 +12,18 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::SystemTime;
 
-use rhai::{Engine, EvalAltResult, Module, ModuleResolver, Position, Scope, SharedModule};
+use rhai::{Engine, EvalAltResult, Module, ModuleResolver, Position, Scope};
+
+/// A compiled module, shared (`rhai::SharedModule` under the `sync` feature).
+type SharedModule = Arc<Module>;
 
 use super::host::Host;
 
 /// The module resolver of [`super::build_engine`].
 pub struct Resolver {
     host: Weak<Host>,
-    cache: Mutex<HashMap<PathBuf, (SystemTime, SharedModule)>>,
+    /// path → (mtime of the loaded version, module, mtime of a version that failed).
+    cache: Mutex<HashMap<PathBuf, (SystemTime, SharedModule, Option<SystemTime>)>>,
 }
 
 impl Resolver {
@@ -75,8 +79,8 @@ impl ModuleResolver for Resolver {
             h.note_import(&file);
         }
         if let Ok(c) = self.cache.lock() {
-            if let Some((t, m)) = c.get(&file) {
-                if *t == mtime {
+            if let Some((t, m, failed)) = c.get(&file) {
+                if *t == mtime || *failed == Some(mtime) {
                     return Ok(m.clone());
                 }
             }
@@ -84,15 +88,40 @@ impl ModuleResolver for Resolver {
         // Not holding the cache lock here: the module may import others.
         let label = file.display().to_string();
         let text = std::fs::read_to_string(&file).map_err(|_| not_found(path, pos))?;
-        let mut ast = engine.compile(&text).map_err(|e| {
-            Box::new(EvalAltResult::ErrorInModule(label.clone(), EvalAltResult::ErrorParsing(*e.0, e.1).into(), pos))
-        })?;
-        ast.set_source(label.as_str());
-        let module: SharedModule = Module::eval_ast_as_new(Scope::new(), &ast, engine)
-            .map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), e, pos)))?
-            .into();
+        let built = engine
+            .compile(&text)
+            .map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), EvalAltResult::ErrorParsing(*e.0, e.1).into(), pos)))
+            .and_then(|mut ast| {
+                ast.set_source(label.as_str());
+                Module::eval_ast_as_new(Scope::new(), &ast, engine).map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), e, pos)))
+            });
+        let module: SharedModule = match built {
+            Ok(m) => m.into(),
+            Err(e) => {
+                // A broken edit of a module that loaded before keeps the old
+                // version (hot reload must not kill a run); said once per edit.
+                let old = self.cache.lock().ok().and_then(|mut c| {
+                    let entry = c.get_mut(&file)?;
+                    let first = entry.2 != Some(mtime);
+                    entry.2 = Some(mtime);
+                    Some((entry.1.clone(), first))
+                });
+                match old {
+                    Some((m, first)) => {
+                        if first {
+                            if let Some(h) = self.host.upgrade() {
+                                let err = super::error::from_eval(&label, e);
+                                h.notice(&format!("{label} no longer compiles, keeping its previous version: {err}"));
+                            }
+                        }
+                        return Ok(m);
+                    }
+                    None => return Err(e),
+                }
+            }
+        };
         if let Ok(mut c) = self.cache.lock() {
-            c.insert(file, (mtime, module.clone()));
+            c.insert(file, (mtime, module.clone(), None));
         }
         Ok(module)
     }

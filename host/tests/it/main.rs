@@ -3,5 +3,6 @@
 mod common;
 mod hf;
 mod model;
+mod script;
 mod train;
 mod trainer;

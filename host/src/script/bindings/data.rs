@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rhai::{Array, Dynamic, Engine, Map};
 
-use super::{func, getter, DatasetHandle};
+use super::DatasetHandle;
 use crate::data::{task, Dataset, DatasetOptions, Example, PromptTemplate, Sampler, TaskConfig};
 use crate::script::convert::{from_json, overlay, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
@@ -49,24 +49,24 @@ fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
 }
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    func(engine, "load_data", "load_data(path) -> Dataset\nLoads a JSONL task file ({\"problem\", \"answer\", ...} per line; bad lines are skipped with a warning).\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| -> RhaiResult<DatasetHandle> {
+    func!(engine, "load_data", "load_data(path) -> Dataset\nLoads a JSONL task file ({\"problem\", \"answer\", ...} per line; bad lines are skipped with a warning).\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| -> RhaiResult<DatasetHandle> {
         let (ds, _warnings) = Dataset::load(path, &DatasetOptions::default()).map_err(host)?;
         Ok(DatasetHandle(Arc::new(ds)))
     });
-    getter(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len() as i64);
-    func(engine, "get", "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`", |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
+    getter!(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len() as i64);
+    func!(engine, "get", "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`", |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
         let e = usize::try_from(i).ok().and_then(|i| d.0.get(i)).ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
         Ok(example_map(e))
     });
-    func(engine, "sample_prompts", "sample_prompts(dataset, n, seed) -> array of map\n`n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.\nExample: `let ps = sample_prompts(ds, 4, 0);`", |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed));
-    func(engine, "sample", "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.", |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed));
-    func(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len()));
-    func(engine, "render_prompt", "render_prompt(problem, template) -> string\nThe prompt text for a problem: template raw | chat | chat-think | none.\nExample: `render_prompt(\"Compute 1+2.\", \"raw\")`", |problem: &str, name: &str| -> RhaiResult<String> {
+    func!(engine, "sample_prompts", "sample_prompts(dataset, n, seed) -> array of map\n`n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.\nExample: `let ps = sample_prompts(ds, 4, 0);`", |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed));
+    func!(engine, "sample", "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.", |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed));
+    func!(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len()));
+    func!(engine, "render_prompt", "render_prompt(problem, template) -> string\nThe prompt text for a problem: template raw | chat | chat-think | none.\nExample: `render_prompt(\"Compute 1+2.\", \"raw\")`", |problem: &str, name: &str| -> RhaiResult<String> {
         Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
     });
-    func(engine, "arith_problems", "arith_problems(n, seed) -> array of map\n`n` generated arithmetic problems #{id, problem, answer, source, solution}.\nExample: `let ps = arith_problems(8, 0);`", |n: i64, seed: i64| arith(n, seed, &Map::new()));
-    func(engine, "arith_problems", "arith_problems(n, seed, task) -> array of map\ntask: #{min_operands, max_operands, min_value, max_value, max_factor, ops: \"+-*\", allow_negative}.\nExample: `arith_problems(8, 0, #{ops: \"+-*\"})`", |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg));
-    func(engine, "write_jsonl", "write_jsonl(path, rows) -> int\nWrites an array of maps as JSON lines (atomically); returns the row count.\nExample: `write_jsonl(\"data/mine.jsonl\", arith_problems(100, 1));`", |path: &str, rows: Array| -> RhaiResult<i64> {
+    func!(engine, "arith_problems", "arith_problems(n, seed) -> array of map\n`n` generated arithmetic problems #{id, problem, answer, source, solution}.\nExample: `let ps = arith_problems(8, 0);`", |n: i64, seed: i64| arith(n, seed, &Map::new()));
+    func!(engine, "arith_problems", "arith_problems(n, seed, task) -> array of map\ntask: #{min_operands, max_operands, min_value, max_value, max_factor, ops: \"+-*\", allow_negative}.\nExample: `arith_problems(8, 0, #{ops: \"+-*\"})`", |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg));
+    func!(engine, "write_jsonl", "write_jsonl(path, rows) -> int\nWrites an array of maps as JSON lines (atomically); returns the row count.\nExample: `write_jsonl(\"data/mine.jsonl\", arith_problems(100, 1));`", |path: &str, rows: Array| -> RhaiResult<i64> {
         let mut text = String::new();
         for r in &rows {
             text.push_str(&to_json("rows", r)?.to_string());
@@ -76,10 +76,12 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         Ok(rows.len() as i64)
     });
     let h = host_.clone();
-    func(engine, "pretrain_tiny", "pretrain_tiny(cfg) -> map\nBuilds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy); cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...). Returns the report.\nExample: `pretrain_tiny(#{model_dir: \"models/tiny-qwen3\", max_steps: 200})`", move |cfg: Map| -> RhaiResult<Dynamic> {
+    func!(engine, "pretrain_tiny", "pretrain_tiny(cfg) -> map\nBuilds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy); cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...). Returns the report.\nExample: `pretrain_tiny(#{model_dir: \"models/tiny-qwen3\", max_steps: 200})`", move |cfg: Map| -> RhaiResult<Dynamic> {
         let mut c: TinyConfig = overlay("pretrain_tiny", &TinyConfig::default(), to_json("pretrain_tiny", &Dynamic::from_map(cfg))?)?;
         if h.opts.smoke {
             c.max_steps = c.max_steps.min(2);
+            c.warmup_steps = c.warmup_steps.min(1);
+            c.eval_every = c.eval_every.min(1);
             c.n_train = c.n_train.min(32);
             c.n_test = c.n_test.min(8);
             c.eval_problems = c.eval_problems.min(4);

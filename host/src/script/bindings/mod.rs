@@ -6,18 +6,11 @@
 //! never handles. Every function is registered through [`func`] with a doc
 //! comment whose first line is its usage, so the REPL's `:help` shows it.
 
-pub mod algo;
-pub mod data;
-pub mod eval;
-pub mod model;
-pub mod reward;
-pub mod rollout;
-pub mod train;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use rhai::{Engine, FuncRegistration, RhaiNativeFunc, Variant};
+use rhai::Engine;
 
 use super::error::{host, RhaiResult};
 use super::host::Host;
@@ -71,33 +64,39 @@ pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> RhaiResult<MutexGuard<'a, T>>
     m.lock().map_err(|_| host(format!("{what} is unusable after an earlier failure")))
 }
 
-/// Registers `f` as `name` with a doc comment (`doc`'s first line is the usage).
-/// Functions are marked volatile: they touch models and files, so the
+/// `doc` as Rhai doc-comment lines (`/// ...`).
+pub(crate) fn doc_comment(doc: &str) -> String {
+    doc.trim().lines().map(|l| format!("/// {}", l.trim_end())).collect::<Vec<_>>().join("\n")
+}
+
+/// Registers a function `name` with a doc comment (`doc`'s first line is the
+/// usage). Functions are marked volatile: they touch models and files, so the
 /// optimizer must never fold them at compile time.
-pub(crate) fn func<A: 'static, const N: usize, const X: bool, R: Variant + Clone, const F: bool, FN>(
-    engine: &mut Engine,
-    name: &str,
-    doc: &str,
-    f: FN,
-) where
-    FN: RhaiNativeFunc<A, N, X, R, F> + Send + Sync + 'static,
-{
-    let comment = doc.trim().lines().map(|l| format!("/// {}", l.trim_end())).collect::<Vec<_>>().join("\n");
-    FuncRegistration::new(name).with_volatility(true).with_comments([comment]).register_into_engine(engine, f);
+macro_rules! func {
+    ($engine:expr, $name:expr, $doc:expr, $f:expr) => {
+        rhai::FuncRegistration::new($name)
+            .with_volatility(true)
+            .with_comments([$crate::script::bindings::doc_comment($doc)])
+            .register_into_engine($engine, $f)
+    };
 }
 
 /// Registers a property getter `obj.name` with a doc comment.
-pub(crate) fn getter<A: 'static, const N: usize, const X: bool, R: Variant + Clone, const F: bool, FN>(
-    engine: &mut Engine,
-    name: &str,
-    doc: &str,
-    f: FN,
-) where
-    FN: RhaiNativeFunc<A, N, X, R, F> + Send + Sync + 'static,
-{
-    let comment = doc.trim().lines().map(|l| format!("/// {}", l.trim_end())).collect::<Vec<_>>().join("\n");
-    FuncRegistration::new_getter(name).with_comments([comment]).register_into_engine(engine, f);
+macro_rules! getter {
+    ($engine:expr, $name:expr, $doc:expr, $f:expr) => {
+        rhai::FuncRegistration::new_getter($name)
+            .with_comments([$crate::script::bindings::doc_comment($doc)])
+            .register_into_engine($engine, $f)
+    };
 }
+
+pub mod algo;
+pub mod data;
+pub mod eval;
+pub mod model;
+pub mod reward;
+pub mod rollout;
+pub mod train;
 
 /// Registers every domain.
 pub fn register_all(engine: &mut Engine, host: &Arc<Host>) {

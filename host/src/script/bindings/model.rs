@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device};
 use rhai::{Array, Dynamic, Engine, Map};
 
-use super::{func, getter, lock, ModelHandle, ModelSlot, TokenizerHandle};
+use super::{lock, ModelHandle, ModelSlot, TokenizerHandle};
 use crate::data::Tokenizer;
 use crate::model::{self, Config};
 use crate::script::convert::{from_json, get_num, get_str, merge_json, to_json};
@@ -120,39 +120,39 @@ fn tokenizer_of(m: &ModelHandle) -> RhaiResult<TokenizerHandle> {
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func(engine, "load_model", "load_model(dir) -> Model\nLoads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in float32.\nExample: `let m = load_model(\"models/tiny-qwen3\");`", |dir: &str| load(dir, &Map::new()));
-    func(engine, "load_model", "load_model(dir, opts) -> Model\nopts: #{dtype: \"float32\"|\"bfloat16\"|\"float16\", device: \"cpu\"|\"cuda\"|\"cuda:N\"}.\nExample: `let m = load_model(\"models/tiny-qwen3\", #{dtype: \"bfloat16\"});`", |dir: &str, opts: Map| load(dir, &opts));
-    func(engine, "init_model", "init_model(config) -> Model\nA randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json keys).\nExample: `let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});`", |cfg: Map| init(&cfg, &Map::new()));
-    func(engine, "init_model", "init_model(config, opts) -> Model\nopts: #{seed, std, dtype, device, tokenizer: \"dir or tokenizer.json\"} (vocab_size and eos follow the tokenizer).\nExample: `let m = init_model(#{}, #{tokenizer: \"models/tiny-qwen3\", seed: 1});`", |cfg: Map, opts: Map| init(&cfg, &opts));
-    func(engine, "save_model", "save_model(model, dir) -> string\nWrites the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.\nExample: `save_model(m, \"models/my-run\");`", |m: ModelHandle, dir: &str| save(&m, dir));
-    func(engine, "save", "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`", |m: &mut ModelHandle, dir: &str| save(m, dir));
-    getter(engine, "config", "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`", |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
+    func!(engine, "load_model", "load_model(dir) -> Model\nLoads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in float32.\nExample: `let m = load_model(\"models/tiny-qwen3\");`", |dir: &str| load(dir, &Map::new()));
+    func!(engine, "load_model", "load_model(dir, opts) -> Model\nopts: #{dtype: \"float32\"|\"bfloat16\"|\"float16\", device: \"cpu\"|\"cuda\"|\"cuda:N\"}.\nExample: `let m = load_model(\"models/tiny-qwen3\", #{dtype: \"bfloat16\"});`", |dir: &str, opts: Map| load(dir, &opts));
+    func!(engine, "init_model", "init_model(config) -> Model\nA randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json keys).\nExample: `let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});`", |cfg: Map| init(&cfg, &Map::new()));
+    func!(engine, "init_model", "init_model(config, opts) -> Model\nopts: #{seed, std, dtype, device, tokenizer: \"dir or tokenizer.json\"} (vocab_size and eos follow the tokenizer).\nExample: `let m = init_model(#{}, #{tokenizer: \"models/tiny-qwen3\", seed: 1});`", |cfg: Map, opts: Map| init(&cfg, &opts));
+    func!(engine, "save_model", "save_model(model, dir) -> string\nWrites the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.\nExample: `save_model(m, \"models/my-run\");`", |m: ModelHandle, dir: &str| save(&m, dir));
+    func!(engine, "save", "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`", |m: &mut ModelHandle, dir: &str| save(m, dir));
+    getter!(engine, "config", "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`", |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
         let s = lock(&m.0, "model")?;
         Ok(from_json(&s.model.config().to_hf_json()))
     });
-    getter(engine, "num_params", "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`", |m: &mut ModelHandle| -> RhaiResult<i64> {
+    getter!(engine, "num_params", "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`", |m: &mut ModelHandle| -> RhaiResult<i64> {
         Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
     });
-    getter(engine, "tokenizer", "model.tokenizer -> Tokenizer\nThe model's tokenizer.\nExample: `let t = m.tokenizer; print(t.encode(\"1+1\"));`", |m: &mut ModelHandle| tokenizer_of(m));
-    func(engine, "to_string", "to_string(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
-    func(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
+    getter!(engine, "tokenizer", "model.tokenizer -> Tokenizer\nThe model's tokenizer.\nExample: `let t = m.tokenizer; print(t.encode(\"1+1\"));`", |m: &mut ModelHandle| tokenizer_of(m));
+    func!(engine, "to_string", "to_string(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
+    func!(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
 
-    func(engine, "load_tokenizer", "load_tokenizer(path) -> Tokenizer\nLoads a tokenizer.json (or the one in a folder).\nExample: `let t = load_tokenizer(\"models/qwen3-tokenizer\");`", |p: &str| -> RhaiResult<TokenizerHandle> {
+    func!(engine, "load_tokenizer", "load_tokenizer(path) -> Tokenizer\nLoads a tokenizer.json (or the one in a folder).\nExample: `let t = load_tokenizer(\"models/qwen3-tokenizer\");`", |p: &str| -> RhaiResult<TokenizerHandle> {
         let p = PathBuf::from(p);
         let file = if p.is_dir() { p.join("tokenizer.json") } else { p };
         Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(&file).map_err(host)?)))
     });
-    func(engine, "encode", "tokenizer.encode(text) -> array of int\nToken ids of `text` (special-token strings become their ids).\nExample: `t.encode(\"12+7\")`", |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
+    func!(engine, "encode", "tokenizer.encode(text) -> array of int\nToken ids of `text` (special-token strings become their ids).\nExample: `t.encode(\"12+7\")`", |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
         Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
     });
-    func(engine, "decode", "tokenizer.decode(ids) -> string\nText of token ids (special tokens kept).\nExample: `t.decode([1, 2, 3])`", |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
+    func!(engine, "decode", "tokenizer.decode(ids) -> string\nText of token ids (special tokens kept).\nExample: `t.decode([1, 2, 3])`", |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
         let ids: Vec<u32> = ids.iter().map(|d| d.as_int().ok().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| bad_arg("decode", "expected an array of token ids"))).collect::<RhaiResult<_>>()?;
         t.0.decode(&ids, false).map_err(host)
     });
-    func(engine, "token", "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`", |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
+    func!(engine, "token", "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`", |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
         let id = u32::try_from(id).map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
         Ok(t.0.token_str(id))
     });
-    getter(engine, "vocab_size", "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.", |t: &mut TokenizerHandle| t.0.vocab_size() as i64);
-    func(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size()));
+    getter!(engine, "vocab_size", "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.", |t: &mut TokenizerHandle| t.0.vocab_size() as i64);
+    func!(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size()));
 }

@@ -83,6 +83,14 @@ pub struct TinyConfig {
     /// Measure the saved model on the whole test set (avg@k at T = 1 and greedy)
     /// and put the numbers in the model card.
     pub final_eval: bool,
+    /// Continue from this model folder (weights and tokenizer) instead of a
+    /// random init and a new tokenizer: a second SFT stage. Use a different
+    /// `sft_seed` so that the stage sees new problems.
+    pub init_from: Option<PathBuf>,
+    /// Stop after this many steps (0: no limit besides `max_steps`), without
+    /// changing the schedule, which always spans `max_steps`. Makes a run that
+    /// was stopped by `max_seconds` reproducible.
+    pub stop_at_step: usize,
 }
 
 impl Default for TinyConfig {
@@ -110,14 +118,16 @@ impl Default for TinyConfig {
             warmup_steps: 50,
             weight_decay: 0.01,
             max_grad_norm: 1.0,
-            eval_every: 50,
-            eval_problems: 128,
+            eval_every: 100,
+            eval_problems: 64,
             eval_samples: 8,
             max_new_tokens: 64,
             target_accuracy: 0.40,
             max_seconds: 900.0,
             eval_seed: 1,
             final_eval: true,
+            init_from: None,
+            stop_at_step: 0,
         }
     }
 }
@@ -293,10 +303,13 @@ pub fn evaluate(
     })
 }
 
-/// The prompt template of the tiny model: [`PromptTemplate::raw`] (problem,
-/// newline, the paper's `\boxed{}` instruction; the response follows directly).
+/// The prompt template of the tiny model: the bare problem text
+/// (`PromptTemplate::Raw` with an empty suffix, so no separator either), the
+/// response following directly. The paper's instruction suffix would more
+/// than double every sequence (about 16 extra tokens on ~40) and the tiny
+/// model needs no instruction: it always answers in `\boxed{}`.
 pub fn tiny_template() -> PromptTemplate {
-    PromptTemplate::raw()
+    PromptTemplate::Raw { suffix: String::new() }
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
@@ -323,7 +336,10 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let sft = task::generate_excluding(n_sft, cfg.sft_seed, &cfg.task, "sft", &seen, false)?;
 
     // 2. Tokenizer, trained on the RL training prompts and solutions.
-    let tok = task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?;
+    let tok = match &cfg.init_from {
+        Some(dir) => Tokenizer::from_file(dir.join("tokenizer.json"))?,
+        None => task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?,
+    };
     let eos = tok.id_of(crate::data::tokenizer::END_OF_TEXT).ok_or_else(|| Error::invalid("tiny: tokenizer lacks <|endoftext|>"))?;
     log(&format!("tokenizer: {} tokens", tok.vocab_size()));
 
@@ -345,7 +361,25 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         eos_token_id: Some(eos),
         torch_dtype: "float32".into(),
     };
-    let model = model::init(&mcfg, cfg.init_seed, cfg.init_std, DType::F32, &device)?;
+    let model = match &cfg.init_from {
+        Some(dir) => {
+            let m = model::load(dir, DType::F32, &device)?;
+            if m.config().vocab_size != mcfg.vocab_size || m.config().eos_token_id != mcfg.eos_token_id {
+                return Err(Error::invalid(format!(
+                    "tiny: {} has vocabulary {} and eos {:?}, its tokenizer {} and {:?}",
+                    dir.display(),
+                    m.config().vocab_size,
+                    m.config().eos_token_id,
+                    mcfg.vocab_size,
+                    mcfg.eos_token_id
+                )));
+            }
+            log(&format!("continuing from {}", dir.display()));
+            m
+        }
+        None => model::init(&mcfg, cfg.init_seed, cfg.init_std, DType::F32, &device)?,
+    };
+    let mcfg = model.config().clone();
     let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, max_grad_norm: Some(cfg.max_grad_norm), ..AdamWConfig::default() };
     let mut opt = AdamW::new(model.params(), adam)?.with_no_decay(is_norm_or_bias);
     let schedule = LrSchedule::Cosine { warmup_steps: cfg.warmup_steps, total_steps: cfg.max_steps as u64, min_lr_ratio: 0.1 };
@@ -369,7 +403,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         report.steps = step + 1;
         report.final_loss = loss_ema;
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
-        let last = report.steps == cfg.max_steps || out_of_time;
+        let last = report.steps == cfg.max_steps || report.steps == cfg.stop_at_step || out_of_time;
         if report.steps % cfg.eval_every == 0 || last {
             let e = evaluate(&model, &tok, &template, val, cfg.eval_samples, 1.0, cfg.max_new_tokens, cfg.eval_seed)?;
             report.evals.push((report.steps, loss_ema, e.avg_at_k));
@@ -407,12 +441,17 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
             t0.elapsed().as_secs_f64()
         ));
     }
-    let staging = std::env::temp_dir().join(format!("stapo-tiny-staging-{}", std::process::id()));
-    task::save_tokenizer(&tok, &staging)?;
-    write_text(&staging.join("README.md"), &model_card(cfg, &mcfg, &report)?)?;
-    let saved = model::save(&model, &cfg.model_dir, DType::F32, Some(&staging));
-    let _ = std::fs::remove_dir_all(&staging);
-    saved?;
+    let previous = match &cfg.init_from {
+        Some(dir) => Some(std::fs::read_to_string(dir.join("README.md")).map_err(|e| Error::io(dir.join("README.md"), e))?),
+        None => None,
+    };
+    let card = model_card(cfg, &mcfg, &report, previous.as_deref())?;
+    // Weights, config, tokenizer and card appear together or not at all.
+    model::checkpoint::write_atomically(&cfg.model_dir, |tmp| {
+        model::checkpoint::write_model_files(&model, tmp, DType::F32, None)?;
+        task::save_tokenizer(&tok, tmp)?;
+        write_text(&tmp.join("README.md"), &card)
+    })?;
     log(&format!("saved {}", cfg.model_dir.display()));
     Ok(report)
 }
@@ -475,7 +514,15 @@ fn fmt_eval(e: &Option<EvalReport>) -> String {
     }
 }
 
-fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport) -> Result<String> {
+fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport, previous: Option<&str>) -> Result<String> {
+    // A second stage keeps the first stage's account, headings demoted.
+    let earlier = match previous.and_then(|p| p.find("## How it was made").map(|i| &p[i..])) {
+        Some(text) => format!(
+            "\n## Earlier stage (the model this run started from, `init_from`)\n\n{}",
+            text.replacen("## How it was made", "", 1).replace("\n## ", "\n### ")
+        ),
+        None => String::new(),
+    };
     let evals: String = r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
     Ok(format!(
         r#"# tiny-qwen3
@@ -484,21 +531,22 @@ A {params}-parameter Qwen3 (`Qwen3ForCausalLM`: {layers} layers, hidden {hidden}
 {heads} heads / {kv} KV heads of {hd}, MLP {inter}, tied embeddings, vocabulary
 {vocab}) trained from scratch by supervised fine-tuning on worked multi-step
 arithmetic (`data/arith`). It is deliberately imperfect: SFT stopped once
-sampling at temperature 1.0 solved about {target:.0}% of held-in problems, so
+sampling at temperature 1.0 solved about {target:.0}% of the first
+`train.jsonl` problems (never seen in SFT), so
 that STAPO/GRPO groups have mixed rewards and RL can visibly improve it on a
 laptop CPU.
 
 ## Prompt format (use the same for RL and evaluation)
 
-`PromptTemplate::raw()`: the problem, a newline, and the paper's instruction;
-the response follows immediately and ends with `<|endoftext|>` (id {eos}).
+The bare problem text, no instruction suffix and no chat markup:
+`PromptTemplate::Raw {{ suffix: "" }}` (in JSON `{{"kind": "raw", "suffix": ""}}`,
+`stapo::train::sft::tiny::tiny_template()`). The response follows the prompt
+immediately and ends with `<|endoftext|>` (id {eos}).
 
 ```text
-Compute 17+25-9.
-Please reason step by step, and put your final answer within \boxed{{}}.
+prompt:   Compute 17+25-9.
+response: 17+25=42\n42-9=33\n\boxed{{33}}<|endoftext|>
 ```
-
-Expected response: `17+25=42\n42-9=33\n\boxed{{33}}<|endoftext|>`.
 
 ## Accuracy on `data/arith/test.jsonl` ({n_test} held-out problems, max {max_new} new tokens)
 
@@ -509,13 +557,13 @@ A response is correct when its last `\boxed{{...}}` equals the reference integer
 
 ## How it was made
 
-`stapo::train::sft::pretrain_tiny(&TinyConfig::default(), ..)`, driver
+`stapo::train::sft::pretrain_tiny(&cfg, ..)` with the configuration below, driver
 `cargo run --release --example pretrain_tiny` (CPU, f32). {steps} SFT steps of
 {bs} examples ({secs:.0} s), AdamW (lr {lr}, {warm} warm-up steps, cosine to 10%
 over {max_steps}, weight decay {wd} except norms, grad clip {clip}), loss on
 response tokens only. SFT problems are drawn fresh (seed {sft_seed}) and are
-disjoint from both `train.jsonl` and `test.jsonl`. Init: N(0, {std}) with seed
-{init_seed}. Final training loss (EMA) {loss:.4}.
+disjoint from both `train.jsonl` and `test.jsonl`. {init} Final training loss
+(EMA) {loss:.4}.
 
 Tokenizer: byte-level BPE trained on the `train.jsonl` prompts and solutions
 (`stapo::data::train_tokenizer`), digits split one per token, Qwen3's special
@@ -532,7 +580,7 @@ Full configuration (`stapo::train::sft::TinyConfig`):
 ```json
 {full}
 ```
-"#,
+{earlier}"#,
         params = mcfg.num_params(),
         layers = mcfg.num_hidden_layers,
         hidden = mcfg.hidden_size,
@@ -557,11 +605,14 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         wd = cfg.weight_decay,
         clip = cfg.max_grad_norm,
         sft_seed = cfg.sft_seed,
-        std = cfg.init_std,
-        init_seed = cfg.init_seed,
+        init = match &cfg.init_from {
+            Some(dir) => format!("Started from `{}` (a first SFT stage, described at the end).", dir.display()),
+            None => format!("Init: N(0, {}) with seed {}.", cfg.init_std, cfg.init_seed),
+        },
         loss = r.final_loss,
         n_val = cfg.eval_problems,
         full = json(cfg)?,
+        earlier = earlier,
     ))
 }
 
@@ -629,7 +680,7 @@ mod tests {
         let (train, test) = (task::read_jsonl(&dir.path().join("d/train.jsonl")).expect("train"), task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test"));
         assert_eq!((train.len(), test.len()), (200, 8));
         let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
-        assert!(card.contains("PromptTemplate::raw()") && card.contains("avg@2"), "{card}");
+        assert!(card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"), "{card}");
         let m = model::load(&cfg.model_dir, DType::F32, &Device::Cpu).expect("load");
         assert_eq!(m.config().vocab_size, r.vocab_size);
         let tok = Tokenizer::from_file(cfg.model_dir.join("tokenizer.json")).expect("tokenizer");

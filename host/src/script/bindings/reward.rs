@@ -1,0 +1,66 @@
+//! Bindings for rewards: the built-in math checker, or a Rhai closure
+//! `|response, answer| -> bool or number` as the reward function.
+
+use std::sync::Arc;
+
+use rhai::{Array, Dynamic, Engine, FnPtr, NativeCallContext};
+
+use super::{lock, RolloutHandle};
+use crate::reward::{self, ExtractMode};
+use crate::script::convert::num;
+use crate::script::error::{bad_arg, RhaiResult};
+use crate::script::host::Host;
+
+fn score_builtin(r: &RolloutHandle) -> RhaiResult<Array> {
+    let mut st = lock(&r.0, "rollout")?;
+    let answers: Vec<Option<String>> = st.batch.prompts.iter().map(|p| p.answer.clone()).collect();
+    let mut out = Array::new();
+    for s in &mut st.batch.samples {
+        let gold = answers.get(s.prompt_index).cloned().flatten().ok_or_else(|| bad_arg("score", format!("prompt {} has no answer to check against", s.prompt_index)))?;
+        let v = reward::verify(&gold, &s.text, ExtractMode::Strict);
+        let x = if v.correct { 1.0 } else { 0.0 };
+        s.reward = Some(x);
+        out.push((x as f64).into());
+    }
+    st.advantages = None;
+    st.silenced = None;
+    Ok(out)
+}
+
+fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResult<Array> {
+    // Copy what the closure needs, so the closure may itself use the rollout.
+    let (pairs, answers): (Vec<(String, usize)>, Vec<Option<String>>) = {
+        let st = lock(&r.0, "rollout")?;
+        (st.batch.samples.iter().map(|s| (s.text.clone(), s.prompt_index)).collect(), st.batch.prompts.iter().map(|p| p.answer.clone()).collect())
+    };
+    let mut rewards = Vec::with_capacity(pairs.len());
+    for (text, pi) in pairs {
+        let ans = answers.get(pi).cloned().flatten().map_or(Dynamic::UNIT, Dynamic::from);
+        let v: Dynamic = f.call_within_context(ctx, (text, ans))?;
+        let x = if let Ok(b) = v.as_bool() {
+            if b {
+                1.0
+            } else {
+                0.0
+            }
+        } else {
+            num(&v).ok_or_else(|| bad_arg("score", format!("the reward function must return a bool or a number, found {}", v.type_name())))?
+        };
+        rewards.push(x as f32);
+    }
+    let mut st = lock(&r.0, "rollout")?;
+    for (s, x) in st.batch.samples.iter_mut().zip(&rewards) {
+        s.reward = Some(*x);
+    }
+    st.advantages = None;
+    st.silenced = None;
+    Ok(rewards.into_iter().map(|x| Dynamic::from(x as f64)).collect())
+}
+
+pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
+    func!(engine, "verify", "verify(answer, response) -> bool\nTrue when the last \\boxed{} of `response` is mathematically equivalent to `answer`.\nExample: `verify(\"1/2\", \"so \\\\boxed{0.5}\")`", |answer: &str, response: &str| reward::verify(answer, response, ExtractMode::Strict).correct);
+    func!(engine, "extract_answer", "extract_answer(response) -> string or ()\nThe content of the last \\boxed{} of `response`.\nExample: `extract_answer(\"x = \\\\boxed{7}\")`", |response: &str| reward::extract_answer(response, ExtractMode::Strict).map_or(Dynamic::UNIT, Dynamic::from));
+    func!(engine, "is_equivalent", "is_equivalent(a, b) -> bool\nMath equivalence of two answers (fractions, decimals, intervals, ...).\nExample: `is_equivalent(\"\\\\frac{1}{2}\", \"0.5\")`", |a: &str, b: &str| reward::is_equivalent(a, b));
+    func!(engine, "score", "score(rollout) -> array of float\nScores every sample with the built-in checker (1 correct, 0 wrong) against its prompt's answer; stores the rewards in the rollout.\nExample: `let rs = score(r);`", |r: RolloutHandle| score_builtin(&r));
+    func!(engine, "score", "score(rollout, reward_fn) -> array of float\nScores with a closure `|response, answer| -> bool or number`.\nExample: `score(r, |resp, ans| resp.contains(ans))`", |ctx: NativeCallContext, r: RolloutHandle, f: FnPtr| score_with(&ctx, &r, &f));
+}

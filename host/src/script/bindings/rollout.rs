@@ -1,0 +1,158 @@
+//! Bindings for rollouts: sample groups of responses with sampling options
+//! from a map, and inspect them (texts, samples, the per-token table).
+
+use std::sync::{Arc, Mutex};
+
+use rhai::{Array, Dynamic, Engine, Map};
+
+use super::{lock, ModelHandle, RolloutHandle, RolloutState};
+use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, SamplingParams};
+use crate::script::convert::{get_str, overlay, sampling_json, to_dynamic, to_json};
+use crate::script::error::{bad_arg, host, RhaiResult};
+use crate::script::host::Host;
+use crate::script::table::{format_sample, token_rows};
+
+/// Samples shown when a rollout is printed.
+const PRINT_SAMPLES: usize = 4;
+
+/// `SamplingParams` from a script map (`n`, `temperature`, `top_p`, `top_k`,
+/// `max_tokens`/`max_new_tokens`, `stop`/`stop_strings`, `seed`, ...);
+/// keys that are not sampling fields (`template`) are ignored here.
+pub fn sampling_from_map(base: &SamplingParams, m: &Map) -> RhaiResult<SamplingParams> {
+    let mut m = m.clone();
+    m.remove("template");
+    overlay("sampling", base, sampling_json(to_json("sampling", &Dynamic::from_map(m))?))
+}
+
+fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> RhaiResult<RolloutHandle> {
+    let slot = lock(&m.0, "model")?;
+    let tok = slot.tokenizer.clone().ok_or_else(|| host("rollout: the model has no tokenizer"))?;
+    let tmpl = super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?;
+    let mut infos = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let (problem, id, answer) = if p.is_string() {
+            (p.to_string(), format!("prompt-{i}"), None)
+        } else if p.is_map() {
+            let pm = p.clone().cast::<Map>();
+            let problem = get_str(&pm, "problem")?.ok_or_else(|| bad_arg("rollout", format!("prompt {i}: a map needs a `problem` string")))?;
+            let answer = pm.get("answer").filter(|a| !a.is_unit()).map(|a| a.to_string());
+            (problem, get_str(&pm, "id")?.unwrap_or_else(|| format!("prompt-{i}")), answer)
+        } else {
+            return Err(bad_arg("rollout", format!("prompt {i}: expected a string or a map with `problem`, found {}", p.type_name())));
+        };
+        let text = tmpl.as_ref().map(|t| t.render(&problem)).unwrap_or(problem);
+        infos.push(PromptInfo { id, text, answer });
+    }
+    let ids: Vec<Vec<u32>> = infos.iter().map(|p| tok.encode(&p.text, false)).collect::<crate::Result<_>>().map_err(host)?;
+    let mut params = sampling_from_map(&SamplingParams::default(), opts)?;
+    for &e in tok.eos_ids() {
+        if !params.stop_token_ids.contains(&e) {
+            params.stop_token_ids.push(e);
+        }
+    }
+    let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
+    let hooks = GenerateHooks { cancel: Some(host_.cancel_flag()), ..GenerateHooks::default() };
+    let samples = rollout::generate_with(&slot.model, &ids, &params, tok.pad_id(), &decode, &hooks).map_err(host)?;
+    Ok(RolloutHandle(Arc::new(Mutex::new(RolloutState {
+        batch: RolloutBatch::new(samples, infos),
+        tokenizer: Some(tok.clone()),
+        advantages: None,
+        silenced: None,
+    }))))
+}
+
+/// The token table of sample `i`.
+pub fn table(r: &RolloutHandle, i: usize) -> RhaiResult<String> {
+    let st = lock(&r.0, "rollout")?;
+    let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("table", format!("sample {i} is outside 0..{}", st.batch.len())))?;
+    let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
+    let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
+    let rows = token_rows(s, st.tokenizer.as_ref(), adv, sil);
+    Ok(format_sample(i, s, &rows))
+}
+
+/// The printed form of a rollout: a summary, then the token tables of the first samples.
+pub fn describe(r: &RolloutHandle) -> String {
+    let (n, mean, tokens) = match r.0.lock() {
+        Ok(st) => (st.batch.len(), st.batch.mean_reward(), st.batch.num_response_tokens()),
+        Err(_) => return "Rollout(<unusable>)".into(),
+    };
+    let mut out = format!(
+        "Rollout: {n} samples, {tokens} response tokens, mean reward {}\n",
+        mean.map_or("- (not scored: score(r))".to_string(), |m| format!("{m:.3}"))
+    );
+    for i in 0..n.min(PRINT_SAMPLES) {
+        if let Ok(t) = table(r, i) {
+            out.push_str(&t);
+        }
+    }
+    if n > PRINT_SAMPLES {
+        out.push_str(&format!("... {} more (r.table(i) shows sample i)\n", n - PRINT_SAMPLES));
+    }
+    out
+}
+
+fn sample_map(st: &RolloutState, i: usize) -> RhaiResult<Dynamic> {
+    let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("sample", format!("sample {i} is outside 0..{}", st.batch.len())))?;
+    let mut m = to_dynamic(s)?.cast::<Map>();
+    if let Some(a) = st.advantages.as_ref().and_then(|a| a.get(i)) {
+        m.insert("advantage".into(), (*a as f64).into());
+    }
+    if let Some(p) = st.batch.prompts.get(s.prompt_index) {
+        m.insert("prompt".into(), p.text.clone().into());
+        m.insert("answer".into(), p.answer.clone().map_or(Dynamic::UNIT, Dynamic::from));
+    }
+    Ok(Dynamic::from_map(m))
+}
+
+pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    let h = host_.clone();
+    func!(engine, "rollout", "rollout(model, prompts, opts) -> Rollout\nSamples `opts.n` responses per prompt. prompts: strings or maps with `problem` (and `answer`, used by `score`). opts: #{n, temperature, top_p, top_k, max_tokens, stop, seed, template: \"raw\"|\"chat\"|\"none\"}.\nExample: `let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});`", move |m: ModelHandle, prompts: Array, opts: Map| run_rollout(&h, &m, &prompts, &opts));
+    let h = host_.clone();
+    func!(engine, "rollout", "rollout(model, prompts) -> Rollout\nSame with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).", move |m: ModelHandle, prompts: Array| run_rollout(&h, &m, &prompts, &Map::new()));
+    getter!(engine, "len", "rollout.len -> int\nNumber of samples.", |r: &mut RolloutHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "rollout")?.batch.len() as i64) });
+    getter!(engine, "texts", "rollout.texts -> array of string\nThe response texts.", |r: &mut RolloutHandle| -> RhaiResult<Array> {
+        Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
+    });
+    getter!(engine, "rewards", "rollout.rewards -> array\nRewards per sample (() before `score`).", |r: &mut RolloutHandle| -> RhaiResult<Array> {
+        Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64))).collect())
+    });
+    getter!(engine, "mean_reward", "rollout.mean_reward -> float or ()\nMean reward over the samples.", |r: &mut RolloutHandle| -> RhaiResult<Dynamic> {
+        Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
+    });
+    func!(engine, "sample", "rollout.sample(i) -> map\nSample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer, advantage, ...}.\nExample: `r.sample(0).text`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Dynamic> {
+        let st = lock(&r.0, "rollout")?;
+        sample_map(&st, usize::try_from(i).unwrap_or(usize::MAX))
+    });
+    getter!(engine, "samples", "rollout.samples -> array of map\nEvery sample as in `rollout.sample(i)`.", |r: &mut RolloutHandle| -> RhaiResult<Array> {
+        let st = lock(&r.0, "rollout")?;
+        (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
+    });
+    func!(engine, "table", "rollout.table(i) -> string\nThe token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T.\nExample: `print(r.table(0));`", |r: &mut RolloutHandle, i: i64| table(r, usize::try_from(i).unwrap_or(usize::MAX)));
+    func!(engine, "tokens", "rollout.tokens(i) -> array of map\nThe token table of sample i as data: #{pos, id, token, p, H, advantage, silenced}.\nExample: `r.tokens(0).filter(|t| t.silenced)`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Array> {
+        let st = lock(&r.0, "rollout")?;
+        let i = usize::try_from(i).unwrap_or(usize::MAX);
+        let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("tokens", format!("sample {i} is outside 0..{}", st.batch.len())))?;
+        let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
+        let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
+        Ok(token_rows(s, st.tokenizer.as_ref(), adv, sil)
+            .into_iter()
+            .map(|t| {
+                let mut m = Map::new();
+                m.insert("pos".into(), (t.pos as i64).into());
+                m.insert("id".into(), (t.id as i64).into());
+                m.insert("token".into(), t.token.into());
+                m.insert("p".into(), (t.p as f64).into());
+                m.insert("H".into(), (t.h as f64).into());
+                m.insert("advantage".into(), t.advantage.map_or(Dynamic::UNIT, |a| Dynamic::from(a as f64)));
+                m.insert("silenced".into(), t.silenced.map_or(Dynamic::UNIT, Dynamic::from));
+                Dynamic::from_map(m)
+            })
+            .collect())
+    });
+    func!(engine, "save", "rollout.save(path)\nWrites the batch as JSONL (replayable with `stapo update`).\nExample: `r.save(\"rollouts.jsonl\");`", |r: &mut RolloutHandle, path: &str| -> RhaiResult<()> {
+        lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
+    });
+    func!(engine, "to_string", "to_string(rollout) -> string\nA summary and the token tables of the first samples.", |r: &mut RolloutHandle| describe(r));
+    func!(engine, "to_debug", "to_debug(rollout) -> string", |r: &mut RolloutHandle| describe(r));
+}

@@ -1,0 +1,132 @@
+//! Bindings for training: the hook-driven loop `train(cfg, steps)`, a run
+//! driven step by step from the REPL (`trainer(cfg)`), and a single update
+//! of a model on a scored rollout.
+
+use std::sync::{Arc, Mutex};
+
+use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
+
+use super::{lock, ModelHandle, RolloutHandle, RunHandle};
+use crate::algo::ObjectiveConfig;
+use crate::script::convert::{from_json, get_num, get_str, overlay, to_dynamic, to_json};
+use crate::script::error::{bad_arg, host, RhaiResult};
+use crate::script::host::Host;
+use crate::script::train_loop;
+use crate::train::{self, AdamW, AdamWConfig, OldLogp, RunConfig, Sequence, UpdateConfig};
+
+fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
+    let mut obj = ObjectiveConfig::preset(&get_str(opts, "objective")?.unwrap_or_else(|| "stapo".into())).map_err(host)?;
+    if let Some(set) = opts.get("set") {
+        if !set.is_map() {
+            return Err(bad_arg("update", "`set` must be a map of objective overrides"));
+        }
+        for (k, v) in set.clone().cast::<Map>() {
+            obj.set(&k, &v.to_string()).map_err(host)?;
+        }
+    }
+    let lr = get_num(opts, "lr")?.unwrap_or(1e-6);
+    let old_logp = match get_str(opts, "old_logp")?.as_deref() {
+        None | Some("recompute") => OldLogp::Recompute,
+        Some("rollout") => OldLogp::Rollout,
+        Some(o) => return Err(bad_arg("old_logp", format!("expected recompute or rollout, found {o:?}"))),
+    };
+    let ucfg = UpdateConfig {
+        objective: obj,
+        epochs: get_num(opts, "epochs")?.map_or(1, |x| x as usize),
+        mini_batch: get_num(opts, "mini_batch")?.map_or(0, |x| x as usize),
+        micro_batch: get_num(opts, "micro_batch")?.map_or(0, |x| x as usize),
+        old_logp,
+        shuffle: false,
+        seed: get_num(opts, "seed")?.map_or(0, |x| x as u64),
+    };
+    let seqs: Vec<Sequence> = {
+        let st = lock(&r.0, "rollout")?;
+        st.batch
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                Ok(Sequence {
+                    prompt_ids: s.prompt_ids.clone(),
+                    response_ids: s.response_ids.clone(),
+                    rollout_logprobs: Some(s.old_logprobs.clone()),
+                    reward: s.reward.ok_or_else(|| bad_arg("update", format!("sample {i} has no reward; call score(r) first")))?,
+                    group: s.group,
+                    truncated: s.truncated,
+                })
+            })
+            .collect::<RhaiResult<_>>()?
+    };
+    let mut slot = lock(&m.0, "model")?;
+    if slot.opt.is_none() {
+        let mut acfg = AdamWConfig { lr, ..AdamWConfig::default() };
+        if let Some(a) = opts.get("adamw") {
+            acfg = overlay("adamw", &acfg, to_json("adamw", a)?)?;
+        }
+        slot.opt = Some(AdamW::new(slot.model.params(), acfg).map_err(host)?);
+    }
+    let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
+    let slot = &mut *slot;
+    let opt = slot.opt.as_mut().ok_or_else(|| host("no optimizer"))?;
+    let um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?;
+    let mut out = to_dynamic(&um)?.cast::<Map>();
+    out.insert("reward".into(), (um.reward_mean as f64).into());
+    Ok(out)
+}
+
+fn train_with(ctx: &NativeCallContext, h: &Arc<Host>, cfg: &Map, steps: Option<i64>) -> RhaiResult<Map> {
+    let steps = match steps {
+        Some(s) => s,
+        None => get_num(cfg, "steps")?.map(|s| s as i64).ok_or_else(|| bad_arg("train", "give the number of steps: train(cfg, steps) or cfg.steps"))?,
+    };
+    train_loop::train(ctx.engine(), h, cfg, steps)
+}
+
+pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    let h = host_.clone();
+    func!(engine, "train", "train(cfg, steps) -> map\nRuns the training loop for `steps` steps in total (a resumed run continues): each step calls the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p, tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set, prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir, steps, final, checkpoint, seconds, stopped_early}.\nExample: `train(r::stapo(#{model: \"models/tiny-qwen3\"}), 200);`", move |ctx: NativeCallContext, cfg: Map, steps: i64| train_with(&ctx, &h, &cfg, Some(steps)));
+    let h = host_.clone();
+    func!(engine, "train", "train(cfg) -> map\nSame, with the number of steps in `cfg.steps`.", move |ctx: NativeCallContext, cfg: Map| train_with(&ctx, &h, &cfg, None));
+    let h = host_.clone();
+    func!(engine, "trainer", "trainer(cfg) -> Run\nStarts a run (next run folder) to drive step by step: run.step(), run.rollout, run.evaluate(), run.checkpoint().\nExample: `let t = trainer(#{model: \"models/tiny-qwen3\", data: \"data/arith/train.jsonl\"}); t.step();`", move |cfg: Map| -> RhaiResult<RunHandle> {
+        Ok(RunHandle(Arc::new(Mutex::new(train_loop::make_trainer(&h, &cfg)?))))
+    });
+    let h = host_.clone();
+    func!(engine, "step", "run.step() -> map\nOne training step with the run's configuration; returns the metrics.\nExample: `let m = t.step(); print(m.reward);`", move |r: &mut RunHandle| train_loop::step_once(&h, r, &Map::new()));
+    let h = host_.clone();
+    func!(engine, "step", "run.step(plan) -> map\nOne step with overrides: #{sampling: #{n, temperature, ...}, lr, tau_p, tau_h | tau_h_quantile}.\nExample: `t.step(#{tau_p: 0.01, sampling: #{temperature: 0.7}})`", move |r: &mut RunHandle, plan: Map| train_loop::step_once(&h, r, &plan));
+    getter!(engine, "rollout", "run.rollout -> Rollout\nThe last step's rollout, with advantages and the S2T mask of the run's objective (print it for the token table).\nExample: `print(t.rollout.table(0));`", |r: &mut RunHandle| train_loop::last_rollout(r));
+    getter!(engine, "steps", "run.steps -> int\nSteps completed.", |r: &mut RunHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "run")?.step_count() as i64) });
+    getter!(engine, "run_dir", "run.run_dir -> string\nThe run folder.", |r: &mut RunHandle| -> RhaiResult<String> { Ok(lock(&r.0, "run")?.run_dir().display().to_string()) });
+    func!(engine, "checkpoint", "run.checkpoint() -> string\nWrites a checkpoint (model, optimizer, trainer state); returns its folder.", |r: &mut RunHandle| -> RhaiResult<String> {
+        Ok(lock(&r.0, "run")?.checkpoint().map_err(host)?.display().to_string())
+    });
+    func!(engine, "evaluate", "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, by source).", |r: &mut RunHandle| -> RhaiResult<Dynamic> {
+        let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
+        Ok(from_json(&serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass})))
+    });
+    func!(engine, "silenced", "run.silenced(n) -> array\nThe n most often silenced tokens of the run so far, as [token, count].\nExample: `t.silenced(10)`", |r: &mut RunHandle, n: i64| -> RhaiResult<Array> {
+        let v = lock(&r.0, "run")?.silenced_totals();
+        Ok(v.into_iter().take(usize::try_from(n).unwrap_or(0)).map(|(t, c)| Dynamic::from_array(vec![t.into(), (c as i64).into()])).collect())
+    });
+    func!(engine, "to_string", "to_string(run) -> string", |r: &mut RunHandle| match r.0.lock() {
+        Ok(t) => format!("Run({}, {} steps)", t.run_dir().display(), t.step_count()),
+        Err(_) => "Run(<unusable>)".into(),
+    });
+    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs, mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", adamw: #{..}}. The optimizer state stays with the model.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
+    func!(engine, "default_config", "default_config() -> map\nEvery RunConfig field with its default.\nExample: `default_config().sampling`", || to_dynamic(&RunConfig::default()));
+    func!(engine, "format_number", "format_number(x, digits) -> string\n`x` with `digits` decimals, in scientific notation when 0 < |x| < 1e-3.\nExample: `format_number(0.0000021, 2)` gives \"2.10e-6\"", |x: f64, digits: i64| -> String {
+        let d = digits.clamp(0, 12) as usize;
+        if x != 0.0 && x.abs() < 1e-3 {
+            format!("{x:.d$e}")
+        } else {
+            format!("{x:.d$}")
+        }
+    });
+    let h = host_.clone();
+    func!(engine, "smoke", "smoke() -> bool\nTrue in smoke mode (`--smoke`, STAPO_SMOKE=1); the same as the constant SMOKE, but callable inside functions.", move || h.opts.smoke);
+    let h = host_.clone();
+    func!(engine, "args", "args() -> map\nThe `--set key=value` pairs (the constant ARGS), callable inside functions.", move || h.args_map());
+    let h = host_.clone();
+    func!(engine, "run_dir", "run_dir() -> string or ()\nThe session's run folder, when known.", move || h.run_dir().map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string())));
+}

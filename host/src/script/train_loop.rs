@@ -1,0 +1,412 @@
+//! The training loop scripts start with `train(cfg, steps)`: it lives in Rust
+//! and calls the script's hooks, looked up by name in the *current*
+//! [`HookSet`] at every step, so a hot reload changes behaviour at the next
+//! step while the model, optimizer, data order and step counter stay put.
+//!
+//! Per step, each hook only if defined:
+//!
+//! 1. `sampling(step)` → map merged into the step's `SamplingParams`
+//!    (`n`, `temperature`, `top_p`, `top_k`, `max_tokens`, ...);
+//! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile}`,
+//!    applied as the step's S2T mask. `stats` holds the previous step's
+//!    metrics (`silenced_ratio`, `entropy`, ...; empty at the first step), the
+//!    thresholds in force (`tau_p`, `tau_h`/`tau_h_quantile`) and `prev`, the
+//!    map the hook returned last time (extra keys included), so a hook can
+//!    keep state across steps;
+//! 3. `lr(step)` → the step's learning rate;
+//! 4. the step itself (rollout, reward, update; metrics logged to `metrics.jsonl`);
+//! 5. `on_step(step, metrics)` and `should_stop(step, metrics)` → bool.
+//!
+//! `steps` is the total: a resumed run continues from its checkpoint's step.
+//! The run ends with a checkpoint (also when cancelled or a hook fails, so it
+//! can be resumed), and `train` returns a summary map.
+//!
+//! `--set key=value` pairs are applied to the config map: a `RunConfig` field
+//! (`lr=1e-5`, `prompts_per_step=8`, dotted for nested ones: `sampling.n=4`)
+//! or an objective override key (`tau_p=0.01`, goes into `set`). Other keys
+//! are only visible to the script as `ARGS.key`.
+//!
+//! In smoke mode every run is clamped to at most 2 steps of 2 prompts × 2
+//! samples × 8 tokens, evaluation to 2 problems × 1 sample, no periodic saves.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rhai::{Dynamic, Engine, Map, Scope};
+use serde_json::Value;
+
+use super::bindings::{RunHandle, RolloutHandle, RolloutState};
+use super::convert::{clean_f64, from_json, get_num, num, parse_cli_value, sampling_json, to_json};
+use super::error::{bad_arg, host as host_err, RhaiResult};
+use super::hooks::{hook_type_error, HookSet};
+use super::host::{timestamp, Host};
+use crate::algo::{MaskConfig, TauH, SET_KEYS};
+use crate::train::{RunConfig, StepMetrics, StepPlan, Trainer};
+use crate::util::append_line;
+use crate::{Error, Result};
+
+/// Keys of a config map that belong to the host, not to `RunConfig`.
+const HOST_KEYS: [&str; 2] = ["steps", "name"];
+
+/// `RunConfig` from a script map, with `--set` overrides and smoke clamps.
+pub fn run_config(host: &Host, cfg: &Map) -> RhaiResult<RunConfig> {
+    let mut m = cfg.clone();
+    for k in HOST_KEYS {
+        m.remove(k);
+    }
+    let mut v = to_json("config", &Dynamic::from_map(m))?;
+    if let Value::Object(o) = &mut v {
+        if let Some(s) = o.remove("sampling") {
+            o.insert("sampling".into(), sampling_json(s));
+        }
+        // Objective overrides are strings to `ObjectiveConfig::set`; scripts write numbers.
+        if let Some(Value::Object(set)) = o.get_mut("set") {
+            for val in set.values_mut() {
+                if !val.is_string() {
+                    *val = Value::String(val.to_string());
+                }
+            }
+        }
+    }
+    apply_args(host, &mut v)?;
+    let mut base = serde_json::to_value(RunConfig::default()).map_err(host_err)?;
+    super::convert::merge_json(&mut base, v);
+    let mut rc: RunConfig = serde_json::from_value(base).map_err(|e| bad_arg("train config", e))?;
+    if host.opts.smoke {
+        smoke_clamp(&mut rc);
+    }
+    Ok(rc)
+}
+
+/// Applies `--set` pairs that name config fields or objective overrides.
+fn apply_args(host: &Host, v: &mut Value) -> RhaiResult<()> {
+    let fields = serde_json::to_value(RunConfig::default()).map_err(host_err)?;
+    let Value::Object(o) = v else { return Ok(()) };
+    for (k, raw) in &host.opts.args {
+        let val = to_json(k, &parse_cli_value(raw))?;
+        let mut parts = k.split('.');
+        let top = parts.next().unwrap_or_default();
+        if fields.get(top).is_some() {
+            let rest: Vec<&str> = parts.collect();
+            let mut slot = o.entry(top.to_string()).or_insert(Value::Object(Default::default()));
+            for p in rest {
+                if !slot.is_object() {
+                    *slot = Value::Object(Default::default());
+                }
+                let Value::Object(inner) = slot else { break };
+                slot = inner.entry(p.to_string()).or_insert(Value::Null);
+            }
+            *slot = val;
+            if top == "sampling" {
+                if let Some(s) = o.remove("sampling") {
+                    o.insert("sampling".into(), sampling_json(s));
+                }
+            }
+        } else if SET_KEYS.iter().any(|(s, _)| s == k) {
+            let set = o.entry("set").or_insert(Value::Object(Default::default()));
+            if let Value::Object(s) = set {
+                s.insert(k.clone(), Value::String(raw.clone()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Smoke mode: tiny steps whatever the script asked for.
+pub fn smoke_clamp(rc: &mut RunConfig) {
+    rc.prompts_per_step = rc.prompts_per_step.clamp(1, 2);
+    clamp_sampling(&mut rc.sampling);
+    rc.eval_n = rc.eval_n.min(1);
+    rc.eval_limit = Some(rc.eval_limit.unwrap_or(2).min(2));
+    rc.save_every = 0;
+    rc.epochs = rc.epochs.min(1);
+}
+
+fn clamp_sampling(s: &mut crate::rollout::SamplingParams) {
+    s.n = s.n.clamp(1, 2);
+    s.max_new_tokens = s.max_new_tokens.clamp(1, 8);
+}
+
+/// A step's metrics as a script map: the `StepMetrics` fields, plus `reward`
+/// (= `reward_mean`) and the thresholds used.
+pub fn metrics_map(m: &StepMetrics, plan: &StepPlan) -> RhaiResult<Map> {
+    let v = serde_json::to_value(m).map_err(host_err)?;
+    let mut map = from_json(&v).cast::<Map>();
+    map.insert("reward".into(), (m.update.reward_mean as f64).into());
+    if let MaskConfig::S2t { tau_p, tau_h } = plan.objective.mask {
+        map.insert("tau_p".into(), clean_f64(tau_p).into());
+        match tau_h {
+            TauH::Abs(h) => map.insert("tau_h_abs".into(), clean_f64(h).into()),
+            TauH::Quantile(q) => map.insert("tau_h_quantile".into(), clean_f64(q).into()),
+        };
+    }
+    Ok(map)
+}
+
+/// Applies a `sampling` hook's map to the plan.
+pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<()> {
+    plan.sampling = super::bindings::rollout::sampling_from_map(&plan.sampling, m)?;
+    if smoke {
+        clamp_sampling(&mut plan.sampling);
+    }
+    Ok(())
+}
+
+/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile`) as the plan's S2T mask.
+pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
+    let (cur_p, cur_h) = match plan.objective.mask {
+        MaskConfig::S2t { tau_p, tau_h } => (tau_p, tau_h),
+        _ => (0.002, TauH::Quantile(0.75)),
+    };
+    let tau_p = get_num(m, "tau_p")?.map_or(cur_p, |x| x as f32);
+    let tau_h = match (get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?) {
+        (Some(h), _) => TauH::Abs(h as f32),
+        (None, Some(q)) => TauH::Quantile(q as f32),
+        (None, None) => cur_h,
+    };
+    plan.objective.mask = MaskConfig::S2t { tau_p, tau_h };
+    plan.objective.validate().map_err(host_err)
+}
+
+/// The `stats` argument of `thresholds(step, stats)`.
+fn threshold_stats(last: &Map, plan: &StepPlan, prev: &Map, step: u64) -> Map {
+    let mut s = last.clone();
+    s.insert("step".into(), (step as i64).into());
+    if let MaskConfig::S2t { tau_p, tau_h } = plan.objective.mask {
+        s.insert("tau_p".into(), clean_f64(tau_p).into());
+        match tau_h {
+            TauH::Abs(h) => s.insert("tau_h".into(), clean_f64(h).into()),
+            TauH::Quantile(q) => s.insert("tau_h_quantile".into(), clean_f64(q).into()),
+        };
+    }
+    s.insert("prev".into(), Dynamic::from_map(prev.clone()));
+    s
+}
+
+/// Swaps the hooks if a reload was requested; logs the outcome.
+pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: u64) {
+    if !host.take_reload_request() {
+        return;
+    }
+    let Some(path) = host.script() else { return };
+    let label = path.display().to_string();
+    let log = |line: &str| {
+        host.notice(line);
+        if let Some(d) = run_dir {
+            let _ = append_line(&d.join("reloads.log"), &format!("{} {line}", timestamp()));
+        }
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => return log(&format!("step {step}: reload of {label} failed ({e}); keeping the previous hooks")),
+    };
+    match HookSet::compile(engine, &label, &text) {
+        Ok(h) => {
+            let same = h.text() == host.hooks().text();
+            host.set_hooks(h);
+            if let Some(d) = run_dir {
+                let _ = crate::util::write_file_atomically(&d.join("reloads").join(format!("step-{step:06}.rhai")), text.as_bytes());
+            }
+            let what = if same { "imports changed" } else { "script changed" };
+            log(&format!("step {step}: reloaded {label} ({what}); hooks now: {}", host.hooks().names().join(", ")));
+        }
+        Err(e) => log(&format!("step {step}: reload of {label} failed, keeping the previous hooks: {e}")),
+    }
+}
+
+/// Calls hook `name` if the current hooks define it with `arity` parameters.
+fn call_hook(engine: &Engine, host: &Host, name: &str, args: Vec<Dynamic>) -> Result<Option<Dynamic>> {
+    let hooks = host.hooks();
+    if !hooks.has(name, args.len()) {
+        return Ok(None);
+    }
+    let mut scope: Scope = super::new_scope(host);
+    hooks.call(engine, &mut scope, name, args).map(Some)
+}
+
+fn expect_map(host: &Host, name: &str, v: Dynamic) -> Result<Map> {
+    if v.is_map() {
+        Ok(v.cast::<Map>())
+    } else {
+        Err(hook_type_error(&host.hooks(), name, "a map", &v))
+    }
+}
+
+fn to_rhai(e: Error) -> Box<rhai::EvalAltResult> {
+    // A hook's error already carries its own position; keep it in the message.
+    match e {
+        Error::Script { pos, msg } => host_err(format!("in hook at {pos}: {msg}")),
+        other => host_err(other),
+    }
+}
+
+/// Copies the running script into the run folder (`script.rhai`, or a
+/// timestamped copy when resuming with a different text).
+fn save_script(host: &Host, run_dir: &Path) {
+    let Some(p) = host.script() else { return };
+    let Ok(text) = std::fs::read_to_string(&p) else { return };
+    let dst = run_dir.join("script.rhai");
+    let dst = match std::fs::read_to_string(&dst) {
+        Ok(old) if old == text => return,
+        Ok(_) => run_dir.join(format!("script-{}.rhai", timestamp())),
+        Err(_) => dst,
+    };
+    if let Err(e) = crate::util::write_file_atomically(&dst, text.as_bytes()) {
+        host.notice(&format!("warning: cannot save the script into the run folder: {e}"));
+    }
+}
+
+/// Builds a trainer for a config map in the next run folder (new or resumed).
+pub fn make_trainer(host: &Host, cfg: &Map) -> RhaiResult<Trainer> {
+    let name = cfg.get("name").filter(|n| n.is_string()).map(|n| n.to_string());
+    let (dir, resume) = host.next_run_dir(name.as_deref());
+    let t = if resume {
+        Trainer::resume(&dir).map_err(host_err)?
+    } else {
+        Trainer::new(run_config(host, cfg)?, &dir).map_err(host_err)?
+    };
+    save_script(host, &dir);
+    Ok(t)
+}
+
+fn progress_bar(host: &Host, total: u64, pos: u64) -> ProgressBar {
+    let target = if host.opts.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+    let pb = ProgressBar::with_draw_target(Some(total), target);
+    if let Ok(style) = ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta}]") {
+        pb.set_style(style);
+    }
+    pb.set_position(pos);
+    pb
+}
+
+/// `train(cfg, steps)`: the loop described in the module docs.
+pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiResult<Map> {
+    let steps = u64::try_from(steps).map_err(|_| bad_arg("train", format!("steps: expected a non-negative integer, found {steps}")))?;
+    let steps = if host.opts.smoke { steps.min(2) } else { steps };
+    let started = Instant::now();
+    let mut trainer = make_trainer(host, cfg)?;
+    let run_dir = trainer.run_dir().to_path_buf();
+    let pb = progress_bar(host, steps, trainer.step_count());
+    host.set_progress(Some(pb.clone()));
+    let result = run_steps(engine, host, &mut trainer, steps, &pb);
+    pb.finish_and_clear();
+    host.set_progress(None);
+    // Checkpoint whatever happened, so the run can be resumed.
+    let ckpt = if trainer.step_count() > 0 { trainer.checkpoint().map(|p| p.display().to_string()) } else { Ok(String::new()) };
+    let (last, stopped_early) = result.map_err(to_rhai)?;
+    let ckpt = ckpt.map_err(host_err)?;
+    let mut summary = Map::new();
+    summary.insert("run_dir".into(), run_dir.display().to_string().into());
+    summary.insert("steps".into(), (trainer.step_count() as i64).into());
+    summary.insert("stopped_early".into(), stopped_early.into());
+    summary.insert("checkpoint".into(), ckpt.into());
+    summary.insert("seconds".into(), started.elapsed().as_secs_f64().into());
+    summary.insert("final".into(), Dynamic::from_map(last));
+    host.push_result(summary.clone());
+    Ok(summary)
+}
+
+/// The step loop; returns the last metrics and whether `should_stop` ended it.
+fn run_steps(engine: &Engine, host: &Arc<Host>, trainer: &mut Trainer, steps: u64, pb: &ProgressBar) -> Result<(Map, bool)> {
+    let mut last = Map::new();
+    let mut prev_thresholds = Map::new();
+    let cancel = host.cancel_flag();
+    while trainer.step_count() < steps {
+        if host.cancelled() {
+            return Err(Error::invalid("training cancelled (Ctrl-C); a checkpoint was written"));
+        }
+        let step = trainer.step_count();
+        maybe_reload(engine, host, Some(trainer.run_dir()), step);
+        let mut plan = trainer.default_plan();
+        if host.opts.smoke {
+            clamp_sampling(&mut plan.sampling);
+        }
+        let s = Dynamic::from(step as i64);
+        if let Some(v) = call_hook(engine, host, "sampling", vec![s.clone()])? {
+            let m = expect_map(host, "sampling", v)?;
+            apply_sampling(&mut plan, &m, host.opts.smoke).map_err(|e| Error::invalid(e.to_string()))?;
+        }
+        let stats = threshold_stats(&last, &plan, &prev_thresholds, step);
+        if let Some(v) = call_hook(engine, host, "thresholds", vec![s.clone(), Dynamic::from_map(stats)])? {
+            let m = expect_map(host, "thresholds", v)?;
+            apply_thresholds(&mut plan, &m).map_err(|e| Error::invalid(e.to_string()))?;
+            prev_thresholds = m;
+        }
+        if let Some(v) = call_hook(engine, host, "lr", vec![s.clone()])? {
+            plan.lr = num(&v).ok_or_else(|| hook_type_error(&host.hooks(), "lr", "a number", &v))?;
+        }
+        let tokens = Mutex::new(0usize);
+        let progress = |n: usize| {
+            if let Ok(mut t) = tokens.lock() {
+                *t = n;
+            }
+            pb.tick();
+        };
+        let metrics = trainer.step(&plan, Some(&progress), Some(cancel))?;
+        last = metrics_map(&metrics, &plan).map_err(|e| Error::invalid(e.to_string()))?;
+        pb.set_position(trainer.step_count());
+        pb.set_message(format!(
+            "reward {:.3}  acc {:.3}  H {:.3}  silenced {}",
+            metrics.update.reward_mean, metrics.update.accuracy, metrics.update.entropy, metrics.update.silenced_tokens
+        ));
+        let m = Dynamic::from_map(last.clone());
+        call_hook(engine, host, "on_step", vec![s.clone(), m.clone()])?;
+        if let Some(v) = call_hook(engine, host, "should_stop", vec![s, m])? {
+            let stop = v.as_bool().map_err(|_| hook_type_error(&host.hooks(), "should_stop", "a bool", &v))?;
+            if stop {
+                return Ok((last, true));
+            }
+        }
+    }
+    Ok((last, false))
+}
+
+/// `run.step(plan)` for the REPL: one step with optional overrides
+/// (`#{sampling: #{..}, lr, tau_p, tau_h, tau_h_quantile}`), no hooks.
+pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
+    let mut t = super::bindings::lock(&run.0, "run")?;
+    let mut plan = t.default_plan();
+    if host.opts.smoke {
+        clamp_sampling(&mut plan.sampling);
+    }
+    if let Some(s) = over.get("sampling") {
+        if !s.is_map() {
+            return Err(bad_arg("step", "`sampling` must be a map"));
+        }
+        apply_sampling(&mut plan, &s.clone().cast::<Map>(), host.opts.smoke)?;
+    }
+    if ["tau_p", "tau_h", "tau_h_quantile"].iter().any(|k| over.contains_key(*k)) {
+        apply_thresholds(&mut plan, over)?;
+    }
+    if let Some(lr) = get_num(over, "lr")? {
+        plan.lr = lr;
+    }
+    let m = t.step(&plan, None, Some(host.cancel_flag())).map_err(host_err)?;
+    metrics_map(&m, &plan)
+}
+
+/// The last rollout of a run as a [`RolloutHandle`], with advantages and the
+/// S2T mask of the run's objective filled in for the token table.
+pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
+    let t = super::bindings::lock(&run.0, "run")?;
+    let batch = t.last_rollout().cloned().ok_or_else(|| host_err("the run has not taken a step yet"))?;
+    let mut st = RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages: None, silenced: None };
+    let obj = t.default_plan().objective;
+    if st.batch.samples.iter().all(|s| s.reward.is_some()) {
+        let mut o = Map::new();
+        o.insert("adv".into(), (if obj.adv == crate::algo::AdvEstimator::DrGrpo { "dr_grpo" } else { "grpo" }).into());
+        super::bindings::algo::compute_advantages(&mut st, &o)?;
+        if let MaskConfig::S2t { tau_p, tau_h } = obj.mask {
+            let mut th = Map::new();
+            th.insert("tau_p".into(), clean_f64(tau_p).into());
+            match tau_h {
+                TauH::Abs(h) => th.insert("tau_h".into(), clean_f64(h).into()),
+                TauH::Quantile(q) => th.insert("tau_h_quantile".into(), clean_f64(q).into()),
+            };
+            super::bindings::algo::compute_s2t(&mut st, &th)?;
+        }
+    }
+    Ok(RolloutHandle(Arc::new(Mutex::new(st))))
+}

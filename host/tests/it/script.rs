@@ -1,0 +1,394 @@
+//! The Rhai host end to end on a tiny model made here (random 2-layer Qwen3 with
+//! a BPE tokenizer trained on generated arithmetic): every script in scripts/
+//! in smoke mode, hooks, hot reload through the file watcher, the REPL driven
+//! through its input, error positions, limits and cancellation, resume, and
+//! the `stapo run` batch summary.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use stapo::data::{self, TaskConfig, TokenizerConfig};
+use stapo::model::{self, Config};
+use stapo::script::{self, Console, Host, HostOptions};
+
+use crate::common::tempdir;
+
+/// A model folder and a training file for the scripts.
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    model: PathBuf,
+    data: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempdir();
+    let root = dir.path().to_path_buf();
+    let problems = data::generate(48, 3, &TaskConfig::default()).expect("problems");
+    let tmpl = data::PromptTemplate::raw();
+    let tok = data::train_tokenizer(data::tokenizer_corpus(&problems, |q| tmpl.render(q)), &TokenizerConfig { vocab_size: 300, min_frequency: 2 })
+        .expect("tokenizer");
+    let eos = tok.id_of("<|endoftext|>").expect("eos");
+    let cfg = Config::from_json_str(
+        &format!(
+            r#"{{"vocab_size": {}, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": true,
+                "eos_token_id": {eos}, "torch_dtype": "float32"}}"#,
+            tok.vocab_size()
+        ),
+        "fixture",
+    )
+    .expect("config");
+    let m = model::init(&cfg, 0, 0.2, DType::F32, &Device::Cpu).expect("init");
+    let model_dir = root.join("model");
+    model::save(&m, &model_dir, DType::F32, None).expect("save");
+    data::save_tokenizer(&tok, &model_dir).expect("save tokenizer");
+    let data_path = root.join("train.jsonl");
+    data::write_jsonl(&data_path, &problems).expect("data");
+    Fixture { _dir: dir, root, model: model_dir, data: data_path }
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn opts(f: &Fixture, run_dir: &Path, smoke: bool) -> HostOptions {
+    let mut args = BTreeMap::new();
+    args.insert("model".to_string(), f.model.display().to_string());
+    args.insert("data".to_string(), f.data.display().to_string());
+    HostOptions {
+        smoke,
+        args,
+        run_dir: Some(run_dir.to_path_buf()),
+        resume: false,
+        progress: false,
+        watch: false,
+        stdlib_dirs: vec![repo().join("stdlib")],
+    }
+}
+
+fn buffered(o: HostOptions) -> (Arc<Host>, Arc<Mutex<String>>) {
+    let buf = Arc::new(Mutex::new(String::new()));
+    (Host::new(o, Console::Buffer(buf.clone())), buf)
+}
+
+fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("metrics line"))
+        .collect()
+}
+
+/// A config map literal for the fixture, tiny but not clamped.
+fn tiny_cfg(f: &Fixture, objective: &str) -> String {
+    format!(
+        r#"#{{ model: "{}", data: "{}", objective: "{objective}", prompts_per_step: 1, lr: 1e-4,
+            sampling: #{{ n: 2, max_tokens: 4 }}, set: #{{ overlong_max_len: 4 }} }}"#,
+        f.model.display(),
+        f.data.display()
+    )
+}
+
+#[test]
+fn every_script_in_scripts_runs_in_smoke_mode() {
+    let f = fixture();
+    let mut scripts: Vec<PathBuf> = std::fs::read_dir(repo().join("scripts"))
+        .expect("scripts/")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rhai"))
+        .collect();
+    scripts.sort();
+    assert!(scripts.len() >= 2, "{scripts:?}");
+    for s in &scripts {
+        let stem = s.file_stem().unwrap().to_string_lossy().to_string();
+        let run_dir = f.root.join("runs").join(&stem);
+        let (host, buf) = buffered(opts(&f, &run_dir, true));
+        let out = script::run_file(&host, s);
+        let printed = buf.lock().unwrap().clone();
+        assert!(out.ok(), "{}: {:?}\noutput:\n{printed}", s.display(), out.error);
+        for t in &out.trains {
+            assert!(t.steps >= 1 && t.steps <= 2, "{stem}: {t:?}");
+            assert!(Path::new(&t.run_dir).join("script.rhai").is_file(), "{stem}: script not saved in {}", t.run_dir);
+            assert!(Path::new(&t.run_dir).join("checkpoints/latest").is_file(), "{stem}: no final checkpoint");
+        }
+    }
+}
+
+#[test]
+fn hooks_steer_each_step_and_should_stop_ends_the_run() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("hooks.rhai");
+    std::fs::write(
+        &path,
+        format!(
+            r#"import "thresholds" as th;
+fn sampling(step) {{ #{{ n: 2, temperature: 0.5 + step, max_tokens: 3 }} }}
+fn thresholds(step, stats) {{ th::adaptive(stats, 0.5, #{{ start: 0.01, factor: 2.0 }}) }}
+fn lr(step) {{ 1e-3 * (step + 1) }}
+fn on_step(step, m) {{ print(`on_step ${{step}} lr=${{m.lr}} tau_p=${{m.tau_p}}`); }}
+fn should_stop(step, m) {{ step >= 2 }}
+let res = train({}, 10);
+print(`summary steps=${{res.steps}} early=${{res.stopped_early}}`);
+"#,
+            tiny_cfg(&f, "stapo")
+        ),
+    )
+    .unwrap();
+    let (host, buf) = buffered(opts(&f, &run_dir, false));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    assert!(printed.contains("summary steps=3 early=true"), "{printed}");
+    let m = metrics(&run_dir);
+    assert_eq!(m.len(), 3);
+    for (i, line) in m.iter().enumerate() {
+        let lr = line["lr"].as_f64().unwrap();
+        assert!((lr - 1e-3 * (i as f64 + 1.0)).abs() < 1e-12, "step {i}: lr {lr}");
+        assert!(line["response_len_mean"].as_f64().unwrap() <= 3.0);
+    }
+    // The adaptive policy doubles tau_p while fewer than half the tokens are silenced.
+    assert!(printed.contains("on_step 0 lr=0.001 tau_p=0.01"), "{printed}");
+    let run_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config.json")).unwrap()).unwrap();
+    assert_eq!(run_cfg["objective"], "stapo");
+    assert!(run_dir.join("script.rhai").is_file());
+}
+
+/// Writes `text` to `path` the way editors do: a new file renamed over the old one.
+fn save_by_rename(path: &Path, text: &str) {
+    let tmp = path.with_extension("rhai.swp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn hot_reload_swaps_hooks_at_the_next_step_and_keeps_them_on_a_broken_edit() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("live.rhai");
+    // on_step busy-waits so the test can edit the file between steps.
+    let script = |lr: &str, tail: &str| {
+        format!(
+            r#"fn lr(step) {{ {lr} }}
+fn on_step(step, m) {{ let t = timestamp(); while t.elapsed < 1.5 {{ }} }}
+{tail}
+train({}, 3);
+"#,
+            tiny_cfg(&f, "grpo")
+        )
+    };
+    std::fs::write(&path, script("0.001", "")).unwrap();
+    let mut o = opts(&f, &run_dir, false);
+    o.watch = true;
+    let (host, buf) = buffered(o);
+    let h2 = host.clone();
+    let p2 = path.clone();
+    let runner = std::thread::spawn(move || script::run_file(&h2, &p2));
+
+    // Step 0 logged: edit lr; the swap happens at step 1.
+    wait_for("step 0", Duration::from_secs(60), || metrics(&run_dir).len() >= 1);
+    save_by_rename(&path, &script("0.002", "// edited"));
+    // Step 1 logged: break the script; step 2 keeps the edited hooks.
+    wait_for("step 1", Duration::from_secs(60), || metrics(&run_dir).len() >= 2);
+    save_by_rename(&path, &script("0.003", "let broken = ;"));
+    let out = runner.join().unwrap();
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    let lrs: Vec<f64> = metrics(&run_dir).iter().map(|m| m["lr"].as_f64().unwrap()).collect();
+    assert_eq!(lrs, vec![0.001, 0.002, 0.002], "{printed}");
+    let log = std::fs::read_to_string(run_dir.join("reloads.log")).unwrap();
+    assert!(log.contains("step 1: reloaded"), "{log}");
+    assert!(log.contains("step 2: reload of") && log.contains("keeping the previous hooks"), "{log}");
+    assert!(log.contains("live.rhai:3:"), "the broken edit's position is reported: {log}");
+    assert!(run_dir.join("reloads/step-000001.rhai").is_file());
+    // The model, optimizer and step counter carried on: one run, three steps.
+    assert_eq!(out.trains.len(), 1);
+    assert_eq!(out.trains[0].steps, 3);
+}
+
+#[test]
+fn the_watcher_debounces_and_sees_saves_by_rename() {
+    let dir = tempdir();
+    let path = dir.path().join("w.rhai");
+    std::fs::write(&path, "1").unwrap();
+    let (host, _buf) = buffered(HostOptions::default());
+    host.set_script(Some(path.clone()));
+    let _w = script::watch::start(host.clone(), &[dir.path().to_path_buf()]).unwrap();
+    std::fs::write(dir.path().join("unrelated.txt"), "x").unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(!host.take_reload_request(), "an unrelated file triggered a reload");
+    for i in 0..3 {
+        save_by_rename(&path, &format!("{i}"));
+    }
+    wait_for("reload request", Duration::from_secs(10), || host.take_reload_request());
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(!host.take_reload_request(), "a burst of saves gave more than one request");
+}
+
+#[test]
+fn the_repl_is_driven_through_its_input() {
+    let f = fixture();
+    let o = opts(&f, &f.root.join("repl-run"), false);
+    let input = format!(
+        r#"let m = load_model("{model}");
+let ds = load_data("{data}");
+let r = rollout(m, sample_prompts(ds, 1, 0), #{{ n: 3, max_tokens: 6 }});
+score(r).len
+advantages(r).len
+let st = s2t(r, #{{ tau_p: 0.5, tau_h_quantile: 1.0 }});
+st.response_tokens > 0
+r
+fn double(x) {{
+  x * 2
+}}
+double(21)
+:vars
+:help rollout
+:help nope
+let t = trainer({cfg});
+type_of(t.step()) == "map"
+t.steps
+t.rollout.len
+:quit
+"#,
+        model = f.model.display(),
+        data = f.data.display(),
+        cfg = tiny_cfg(&f, "stapo").replace('\n', " ")
+    );
+    let mut out = Vec::new();
+    stapo::repl::run_repl(input.as_bytes(), &mut out, o).unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert!(!out.contains("error"), "{out}");
+    assert!(out.contains("3\n"), "score/advantages lengths: {out}");
+    assert!(out.contains("Rollout: 3 samples"), "{out}");
+    assert!(out.contains("pos") && out.contains("token") && out.contains("S2T"), "token table header: {out}");
+    assert!(out.contains("42\n"), "{out}");
+    assert!(out.contains("m ") && out.contains("Model"), ":vars: {out}");
+    assert!(out.contains("rollout(model, prompts, opts)"), ":help: {out}");
+    assert!(out.contains("no function named `nope`"), "{out}");
+    assert!(out.contains("true\n"), "{out}");
+    assert!(out.contains("1\n"), "t.steps: {out}");
+}
+
+fn script_error(src: &str) -> (String, String) {
+    let dir = tempdir();
+    let path = dir.path().join("bad.rhai");
+    std::fs::write(&path, src).unwrap();
+    let (host, _buf) = buffered(HostOptions { run_dir: Some(dir.path().join("run")), ..Default::default() });
+    let out = script::run_file(&host, &path);
+    match out.error {
+        Some(stapo::Error::Script { pos, msg }) => (pos, msg),
+        other => panic!("expected a script error, found {other:?}"),
+    }
+}
+
+#[test]
+fn script_errors_carry_file_line_col() {
+    let (pos, msg) = script_error("let a = 1;\nlet b = (a + ;\n");
+    assert!(pos.ends_with("bad.rhai:2:14") || pos.contains("bad.rhai:2:"), "{pos}");
+    assert!(msg.contains("syntax"), "{msg}");
+
+    let (pos, msg) = script_error("fn f(x) {\n    x + missing_var\n}\nf(1);\n");
+    assert!(pos.contains("bad.rhai:2:"), "{pos} {msg}");
+    assert!(msg.contains("missing_var") && msg.contains("`f`"), "{msg}");
+
+    // A host failure is tagged as such and points at the call.
+    let (pos, msg) = script_error("let x = 1;\n\nlet m = load_model(\"/nonexistent/model\");\n");
+    assert!(pos.contains("bad.rhai:3:"), "{pos}");
+    assert!(msg.starts_with("[host]"), "{msg}");
+
+    // Unknown config keys name the key.
+    let (_, msg) = script_error("train(#{ modle: \"x\" }, 1);");
+    assert!(msg.contains("modle"), "{msg}");
+
+    // Imports outside the search folders are refused.
+    let (_, msg) = script_error("import \"../etc/passwd\" as p;");
+    assert!(msg.contains("without `..`"), "{msg}");
+}
+
+#[test]
+fn limits_and_cancellation_stop_runaway_scripts() {
+    let (host, _buf) = buffered(HostOptions::default());
+    let mut engine = script::build_engine(&host);
+    engine.set_max_operations(10_000);
+    let e = engine.run("let i = 0; loop { i += 1; }").unwrap_err();
+    let err = script::from_eval("loop.rhai", e);
+    assert!(err.to_string().contains("too many operations"), "{err}");
+
+    let (host, _buf) = buffered(HostOptions::default());
+    let engine = script::build_engine(&host);
+    let flag = host.cancel_flag();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        flag.store(true, Ordering::SeqCst);
+    });
+    let e = engine.run("loop { }").unwrap_err();
+    t.join().unwrap();
+    assert!(script::from_eval("x", e).to_string().contains("cancelled"));
+
+    // No file I/O and no `eval` in the language.
+    let (host, _buf) = buffered(HostOptions::default());
+    let engine = script::build_engine(&host);
+    assert!(engine.compile("eval(\"1\")").is_err());
+    assert!(engine.run("open_file(\"/etc/passwd\")").is_err());
+}
+
+#[test]
+fn a_resumed_run_continues_the_step_counter() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("resume.rhai");
+    std::fs::write(&path, format!("let steps = ARGS.steps ?? 1;\ntrain({}, steps);\n", tiny_cfg(&f, "dapo"))).unwrap();
+    let (host, _) = buffered(opts(&f, &run_dir, false));
+    let out = script::run_file(&host, &path);
+    assert!(out.ok(), "{:?}", out.error);
+    assert_eq!(out.trains[0].steps, 1);
+    let mut o = opts(&f, &run_dir, false);
+    o.resume = true;
+    o.args.insert("steps".into(), "3".into());
+    let (host, _) = buffered(o);
+    let out = script::run_file(&host, &run_dir.join("script.rhai"));
+    assert!(out.ok(), "{:?}", out.error);
+    assert_eq!(out.trains[0].steps, 3);
+    let steps: Vec<u64> = metrics(&run_dir).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![0, 1, 2]);
+}
+
+#[test]
+fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
+    let f = fixture();
+    let good = f.root.join("good.rhai");
+    let bad = f.root.join("bad.rhai");
+    std::fs::write(&good, format!("train({}, 1);", tiny_cfg(&f, "grpo"))).unwrap();
+    std::fs::write(&bad, "let x = ;").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
+        .current_dir(&f.root)
+        .args(["run", "--smoke", "--quiet"])
+        .arg(&bad)
+        .arg(&good)
+        .arg("--set")
+        .arg(format!("model={}", f.model.display()))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("bad.rhai:1:"), "{stderr}");
+    assert!(stdout.contains("FAILED") && stdout.contains(" ok "), "{stdout}");
+    assert!(stdout.contains("runs/good-"), "the good script ran into its own folder: {stdout}");
+}
