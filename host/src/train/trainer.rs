@@ -25,6 +25,7 @@ use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
 use crate::rollout::{self, GenerateHooks, RolloutBatch, PromptInfo, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::train::plot::{self, RunCurves};
 use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
@@ -463,11 +464,32 @@ impl Trainer {
                 let _ = std::fs::remove_dir_all(old);
             }
         }
+        if let Some(r) = &self.last_rollout {
+            let dir = self.run_dir.join("rollouts");
+            std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            r.save_jsonl(&self.run_dir.join("rollouts").join(format!("step-{:06}.jsonl", self.step)))?;
+        }
+        self.plot()?;
         write_file_atomically(
             &self.run_dir.join("silenced_tokens.tsv"),
             self.silenced_totals().iter().map(|(t, c)| format!("{t:?}\t{c}\n")).collect::<String>().as_bytes(),
         )?;
         Ok(path)
+    }
+}
+
+impl Trainer {
+    /// Draws the run's curves into `curves.png` and `curves.svg` in the run folder.
+    pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
+        let runs = [RunCurves {
+            label: self.cfg.objective.clone(),
+            metrics: self.run_dir.join("metrics.jsonl"),
+            eval: Some(self.run_dir.join("eval.jsonl")),
+        }];
+        if !runs[0].metrics.is_file() {
+            return Err(Error::invalid(format!("{}: no metrics yet", runs[0].metrics.display())));
+        }
+        plot::plot(&plot::standard_panels(&runs)?, &self.run_dir.join("curves"))
     }
 }
 

@@ -64,7 +64,8 @@ fn resume_equals_uninterrupted_run() {
     // The run folder: config, checkpoint with optimizer and state, eval results.
     for f in ["run_config.json", "checkpoints/latest", "checkpoints/step-000002/model.safetensors",
               "checkpoints/step-000002/optimizer.safetensors", "checkpoints/step-000002/trainer_state.json",
-              "checkpoints/step-000002/tokenizer.json", "eval.jsonl", "eval/step-000003.jsonl"] {
+              "checkpoints/step-000002/tokenizer.json", "eval.jsonl", "eval/step-000003.jsonl",
+              "curves.png", "curves.svg", "rollouts/step-000002.jsonl", "silenced_tokens.tsv"] {
         assert!(b_dir.join(f).exists(), "missing {f}");
     }
 }
