@@ -9,6 +9,12 @@ use clap::Parser;
 use commands::{Cli, Command};
 
 fn main() -> ExitCode {
+    // candle's element-wise CPU kernels spin-wait on a thread pool that fights
+    // rayon (matmuls and the fused ops) for the same cores; one thread there
+    // measured ~25% less CPU per backward. An explicit setting wins.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => commands::run::run(a),

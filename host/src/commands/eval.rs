@@ -33,7 +33,7 @@ pub struct EvalArgs {
     /// Only the first N problems of each file.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Prompt template: raw (problem + boxed suffix) or chat (Qwen3 chat, thinking off) or chat-think.
+    /// Prompt template: raw (problem + boxed suffix), bare (problem only, as models/tiny-qwen3 expects), chat (Qwen3 chat, thinking off) or chat-think.
     #[arg(long, default_value = "raw")]
     pub template: String,
     /// Answer extraction: strict or flexible.
@@ -54,9 +54,10 @@ pub struct EvalArgs {
 pub fn template(name: &str) -> anyhow::Result<PromptTemplate> {
     Ok(match name {
         "raw" => PromptTemplate::raw(),
+        "bare" => PromptTemplate::Raw { suffix: String::new() },
         "chat" => PromptTemplate::chat(false),
         "chat-think" => PromptTemplate::chat(true),
-        other => anyhow::bail!("--template: expected raw, chat or chat-think, found {other:?}"),
+        other => anyhow::bail!("--template: expected raw, bare, chat or chat-think, found {other:?}"),
     })
 }
 

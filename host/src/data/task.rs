@@ -69,31 +69,72 @@ impl Default for TaskConfig {
     /// 2 to 4 operands in 1..=99 with `+` and `-`, never negative: the mix used
     /// for `data/arith` and `models/tiny-qwen3`.
     fn default() -> Self {
-        Self { min_operands: 2, max_operands: 4, min_value: 1, max_value: 99, max_factor: 9, ops: "+-".into(), allow_negative: false }
+        Self {
+            min_operands: 2,
+            max_operands: 4,
+            min_value: 1,
+            max_value: 99,
+            max_factor: 9,
+            ops: "+-".into(),
+            allow_negative: false,
+        }
     }
 }
 
 impl TaskConfig {
     /// Checks the knobs once, with a message naming the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(Error::Config { file: "task config".into(), field: field.into(), msg });
+        let bad = |field: &str, msg: String| {
+            Err(Error::Config {
+                file: "task config".into(),
+                field: field.into(),
+                msg,
+            })
+        };
         if self.min_operands < 2 {
-            return bad("min_operands", format!("expected at least 2, found {}", self.min_operands));
+            return bad(
+                "min_operands",
+                format!("expected at least 2, found {}", self.min_operands),
+            );
         }
         if self.max_operands < self.min_operands {
-            return bad("max_operands", format!("expected at least min_operands ({}), found {}", self.min_operands, self.max_operands));
+            return bad(
+                "max_operands",
+                format!(
+                    "expected at least min_operands ({}), found {}",
+                    self.min_operands, self.max_operands
+                ),
+            );
         }
         if self.min_value < 0 || self.max_value < self.min_value {
-            return bad("max_value", format!("expected 0 <= min_value <= max_value, found {}..={}", self.min_value, self.max_value));
+            return bad(
+                "max_value",
+                format!(
+                    "expected 0 <= min_value <= max_value, found {}..={}",
+                    self.min_value, self.max_value
+                ),
+            );
         }
         if self.max_value > 1_000_000 || self.max_factor > 1_000 {
-            return bad("max_value", "values above 1e6 (factors above 1e3) could overflow long chains".into());
+            return bad(
+                "max_value",
+                "values above 1e6 (factors above 1e3) could overflow long chains".into(),
+            );
         }
         if self.ops.is_empty() || self.ops.chars().any(|c| !matches!(c, '+' | '-' | '*')) {
-            return bad("ops", format!("expected a non-empty string of + - *, found {:?}", self.ops));
+            return bad(
+                "ops",
+                format!("expected a non-empty string of + - *, found {:?}", self.ops),
+            );
         }
         if self.ops.contains('*') && self.max_factor < 2 {
-            return bad("max_factor", format!("expected at least 2 when ops contain '*', found {}", self.max_factor));
+            return bad(
+                "max_factor",
+                format!(
+                    "expected at least 2 when ops contain '*', found {}",
+                    self.max_factor
+                ),
+            );
         }
         Ok(())
     }
@@ -186,7 +227,13 @@ pub(crate) fn generate_excluding(
         if exclude.contains(&problem) || (unique && !seen.insert(problem.clone())) {
             continue;
         }
-        out.push(Problem { id: format!("{prefix}-{}", out.len()), problem, answer: answer.to_string(), source: SOURCE.into(), solution });
+        out.push(Problem {
+            id: format!("{prefix}-{}", out.len()),
+            problem,
+            answer: answer.to_string(),
+            source: SOURCE.into(),
+            solution,
+        });
     }
     Ok(out)
 }
@@ -194,7 +241,12 @@ pub(crate) fn generate_excluding(
 /// A training set of `n_train` problems (seed `seed`) and a held-out test set
 /// of `n_test` distinct problems (seed `seed + 1`) none of which occurs in the
 /// training set. Ids are `train-{i}` and `test-{i}`.
-pub fn generate_split(n_train: usize, n_test: usize, seed: u64, cfg: &TaskConfig) -> Result<(Vec<Problem>, Vec<Problem>)> {
+pub fn generate_split(
+    n_train: usize,
+    n_test: usize,
+    seed: u64,
+    cfg: &TaskConfig,
+) -> Result<(Vec<Problem>, Vec<Problem>)> {
     let train = generate_excluding(n_train, seed, cfg, "train", &HashSet::new(), false)?;
     let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
     let test = generate_excluding(n_test, seed.wrapping_add(1), cfg, "test", &seen, true)?;
@@ -209,12 +261,16 @@ pub fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
     }
     let mut text = String::with_capacity(problems.len() * 96);
     for p in problems {
-        text.push_str(&serde_json::to_string(p).map_err(|e| Error::invalid(format!("task: cannot serialise {}: {e}", p.id)))?);
+        text.push_str(
+            &serde_json::to_string(p)
+                .map_err(|e| Error::invalid(format!("task: cannot serialise {}: {e}", p.id)))?,
+        );
         text.push('\n');
     }
     let tmp = path.with_extension("jsonl.tmp");
     let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(text.as_bytes()).map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(text.as_bytes())
+        .map_err(|e| Error::io(&tmp, e))?;
     f.sync_all().map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
@@ -225,7 +281,13 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Problem>> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| Error::Parse { path: path.into(), line: i + 1, msg: e.to_string() }))
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| Error::Parse {
+                path: path.into(),
+                line: i + 1,
+                msg: e.to_string(),
+            })
+        })
         .collect()
 }
 
@@ -240,7 +302,10 @@ pub struct TokenizerConfig {
 
 impl Default for TokenizerConfig {
     fn default() -> Self {
-        Self { vocab_size: 384, min_frequency: 2 }
+        Self {
+            vocab_size: 384,
+            min_frequency: 2,
+        }
     }
 }
 
@@ -249,16 +314,25 @@ impl Default for TokenizerConfig {
 /// encodes), then merges up to `vocab_size`. Digits are pre-split one per token.
 /// Deterministic: the trainer breaks ties between equally frequent pairs by
 /// token id, and its alphabet is sorted.
-pub fn train_tokenizer<S: AsRef<str> + Send>(corpus: impl Iterator<Item = S> + Send, cfg: &TokenizerConfig) -> Result<Tokenizer> {
+pub fn train_tokenizer<S: AsRef<str> + Send>(
+    corpus: impl Iterator<Item = S> + Send,
+    cfg: &TokenizerConfig,
+) -> Result<Tokenizer> {
     let min = SPECIAL_TOKENS.len() + 256;
     if cfg.vocab_size < min {
         return Err(Error::Config {
             file: "tokenizer config".into(),
             field: "vocab_size".into(),
-            msg: format!("expected at least {min} (specials + 256 bytes), found {}", cfg.vocab_size),
+            msg: format!(
+                "expected at least {min} (specials + 256 bytes), found {}",
+                cfg.vocab_size
+            ),
         });
     }
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS
+        .iter()
+        .map(|t| AddedToken::from(t.to_string(), true))
+        .collect();
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(cfg.vocab_size)
         .min_frequency(cfg.min_frequency)
@@ -270,23 +344,39 @@ pub fn train_tokenizer<S: AsRef<str> + Send>(corpus: impl Iterator<Item = S> + S
         PreTokenizerWrapper::Digits(Digits::new(true)),
         PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true)),
     ]));
-    let mut tok: TokenizerImpl<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper> =
-        TokenizerBuilder::new()
-            .with_model(BPE::default())
-            .with_normalizer(None)
-            .with_pre_tokenizer(Some(pre))
-            .with_post_processor(None)
-            .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, false, true))))
-            .build()
-            .map_err(|e| Error::Tokenizer(format!("cannot build the BPE tokenizer: {e}")))?;
-    tok.train(&mut trainer, corpus).map_err(|e| Error::Tokenizer(format!("BPE training failed: {e}")))?;
-    Ok(Tokenizer::from_inner(tokenizers::Tokenizer::from(tok), "<trained bpe>"))
+    let mut tok: TokenizerImpl<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    > = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None)
+        .with_pre_tokenizer(Some(pre))
+        .with_post_processor(None)
+        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
+            false, false, true,
+        ))))
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("cannot build the BPE tokenizer: {e}")))?;
+    tok.train(&mut trainer, corpus)
+        .map_err(|e| Error::Tokenizer(format!("BPE training failed: {e}")))?;
+    Ok(Tokenizer::from_inner(
+        tokenizers::Tokenizer::from(tok),
+        "<trained bpe>",
+    ))
 }
 
 /// The text a tokenizer for this task should see: every prompt (rendered with
 /// `render`) and every solution.
-pub fn tokenizer_corpus<'a>(problems: &'a [Problem], render: impl Fn(&str) -> String + 'a) -> impl Iterator<Item = String> + 'a {
-    problems.iter().flat_map(move |p| [render(&p.problem), p.solution.clone()])
+pub fn tokenizer_corpus<'a>(
+    problems: &'a [Problem],
+    render: impl Fn(&str) -> String + 'a,
+) -> impl Iterator<Item = String> + 'a {
+    problems
+        .iter()
+        .flat_map(move |p| [render(&p.problem), p.solution.clone()])
 }
 
 /// Saves `tok` as `tokenizer.json` (pretty, byte-stable) in `dir`, with a
@@ -294,7 +384,10 @@ pub fn tokenizer_corpus<'a>(problems: &'a [Problem], render: impl Fn(&str) -> St
 pub fn save_tokenizer(tok: &Tokenizer, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let path = dir.join("tokenizer.json");
-    let text = tok.inner().to_string(true).map_err(|e| Error::Tokenizer(format!("{}: cannot serialise: {e}", path.display())))?;
+    let text = tok
+        .inner()
+        .to_string(true)
+        .map_err(|e| Error::Tokenizer(format!("{}: cannot serialise: {e}", path.display())))?;
     std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
     let added: serde_json::Map<String, serde_json::Value> = SPECIAL_TOKENS
         .iter()
@@ -369,21 +462,34 @@ mod tests {
         }
         // Every operand count appears.
         for k in 1..=3 {
-            assert!(a.iter().any(|p| p.solution.lines().count() - 1 == k), "no problem with {k} steps");
+            assert!(
+                a.iter().any(|p| p.solution.lines().count() - 1 == k),
+                "no problem with {k} steps"
+            );
         }
     }
 
     #[test]
     fn multiplication_is_parenthesised_to_match_the_steps() {
-        let cfg = TaskConfig { ops: "+*".into(), allow_negative: true, ..TaskConfig::default() };
+        let cfg = TaskConfig {
+            ops: "+*".into(),
+            allow_negative: true,
+            ..TaskConfig::default()
+        };
         let ps = generate(200, 3, &cfg).expect("generate");
         for p in &ps {
             check_solution(p);
         }
-        assert!(ps.iter().any(|p| p.problem.contains(")*")), "some prefix sum gets multiplied");
+        assert!(
+            ps.iter().any(|p| p.problem.contains(")*")),
+            "some prefix sum gets multiplied"
+        );
         let p = ps.iter().find(|p| p.problem.contains(")*")).expect("one");
         // Evaluate the written problem with standard precedence: parentheses first.
-        let expr = p.problem.trim_start_matches("Compute ").trim_end_matches('.');
+        let expr = p
+            .problem
+            .trim_start_matches("Compute ")
+            .trim_end_matches('.');
         let inner_end = expr.rfind(')').expect(")");
         let inner = &expr[expr.rfind('(').expect("(") + 1..inner_end];
         assert!(!inner.contains('*') || inner.contains('('), "{expr}");
@@ -405,7 +511,8 @@ mod tests {
         write_jsonl(&path, &test).expect("write");
         assert_eq!(read_jsonl(&path).expect("read"), test);
         // The dataset loader reads the same file.
-        let (ds, bad) = crate::data::Dataset::load(&path, &crate::data::DatasetOptions::default()).expect("dataset");
+        let (ds, bad) = crate::data::Dataset::load(&path, &crate::data::DatasetOptions::default())
+            .expect("dataset");
         assert!(bad.is_empty(), "{bad:?}");
         assert_eq!(ds.len(), 200);
         assert_eq!(ds.examples()[3].answer, test[3].answer);
@@ -415,15 +522,35 @@ mod tests {
     #[test]
     fn bad_configs_are_rejected() {
         for cfg in [
-            TaskConfig { min_operands: 1, ..TaskConfig::default() },
-            TaskConfig { max_operands: 1, ..TaskConfig::default() },
-            TaskConfig { ops: "+/".into(), ..TaskConfig::default() },
-            TaskConfig { min_value: 5, max_value: 4, ..TaskConfig::default() },
+            TaskConfig {
+                min_operands: 1,
+                ..TaskConfig::default()
+            },
+            TaskConfig {
+                max_operands: 1,
+                ..TaskConfig::default()
+            },
+            TaskConfig {
+                ops: "+/".into(),
+                ..TaskConfig::default()
+            },
+            TaskConfig {
+                min_value: 5,
+                max_value: 4,
+                ..TaskConfig::default()
+            },
         ] {
             assert!(generate(1, 0, &cfg).is_err(), "{cfg:?}");
         }
         // Too narrow for the requested number of distinct test problems.
-        let narrow = TaskConfig { min_operands: 2, max_operands: 2, min_value: 1, max_value: 2, ops: "+".into(), ..TaskConfig::default() };
+        let narrow = TaskConfig {
+            min_operands: 2,
+            max_operands: 2,
+            min_value: 1,
+            max_value: 2,
+            ops: "+".into(),
+            ..TaskConfig::default()
+        };
         let err = generate_split(1, 50, 0, &narrow).expect_err("only 4 distinct problems exist");
         assert!(err.to_string().contains("distinct"), "{err}");
     }
@@ -431,7 +558,11 @@ mod tests {
     fn small_tokenizer() -> (Tokenizer, Vec<Problem>) {
         let ps = generate(500, 1, &TaskConfig::default()).expect("generate");
         let t = PromptTemplate::raw();
-        let tok = train_tokenizer(tokenizer_corpus(&ps, |q| t.render(q)), &TokenizerConfig::default()).expect("train");
+        let tok = train_tokenizer(
+            tokenizer_corpus(&ps, |q| t.render(q)),
+            &TokenizerConfig::default(),
+        )
+        .expect("train");
         (tok, ps)
     }
 
@@ -439,7 +570,12 @@ mod tests {
     fn tokenizer_has_qwen_specials_and_round_trips() {
         let (tok, ps) = small_tokenizer();
         // The task's text has fewer mergeable pairs than the budget allows.
-        assert!((SPECIAL_TOKENS.len() + 256 + 20..=TokenizerConfig::default().vocab_size).contains(&tok.vocab_size()), "{}", tok.vocab_size());
+        assert!(
+            (SPECIAL_TOKENS.len() + 256 + 20..=TokenizerConfig::default().vocab_size)
+                .contains(&tok.vocab_size()),
+            "{}",
+            tok.vocab_size()
+        );
         let prompt = PromptTemplate::raw().render(&ps[0].problem);
         let ids = tok.encode(&prompt, false).expect("encode");
         // "Compute 79-34+77+96.\nPlease reason step by step, ..." is about 30 tokens.
@@ -454,7 +590,10 @@ mod tests {
             assert_eq!(tok.decode(&ids, false).expect("decode"), p.solution);
             // Digits are single tokens: every number costs one token per digit.
             let digits = p.solution.chars().filter(char::is_ascii_digit).count();
-            let digit_tokens = ids.iter().filter(|&&i| tok.token_str(i).chars().all(|c| c.is_ascii_digit())).count();
+            let digit_tokens = ids
+                .iter()
+                .filter(|&&i| tok.token_str(i).chars().all(|c| c.is_ascii_digit()))
+                .count();
             assert_eq!(digit_tokens, digits, "{:?}", p.solution);
         }
         // Specials are single ids, skipped on request; text outside the corpus survives.
@@ -463,9 +602,14 @@ mod tests {
         assert_eq!(ids[0], 1);
         assert_eq!(*ids.last().expect("ids"), 2);
         assert_eq!(tok.decode(&ids, false).expect("decode"), text);
-        assert_eq!(tok.decode(&ids, true).expect("decode"), "user\nWhat is 12 × 3? é 🚀\\boxed{36}");
+        assert_eq!(
+            tok.decode(&ids, true).expect("decode"),
+            "user\nWhat is 12 × 3? é 🚀\\boxed{36}"
+        );
         // The instruction suffix merges into a handful of tokens.
-        let suffix = tok.encode(crate::data::BOXED_SUFFIX, false).expect("encode");
+        let suffix = tok
+            .encode(crate::data::BOXED_SUFFIX, false)
+            .expect("encode");
         assert!(suffix.len() < 30, "{}", suffix.len());
     }
 
@@ -479,10 +623,22 @@ mod tests {
         save_tokenizer(&a, dir.path()).expect("save");
         let loaded = Tokenizer::from_file(dir.path().join("tokenizer.json")).expect("load");
         let s = "17+25=42\n42-9=33\n\\boxed{33}";
-        assert_eq!(loaded.encode(s, false).expect("encode"), a.encode(s, false).expect("encode"));
-        let cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.path().join("tokenizer_config.json")).expect("read")).expect("json");
+        assert_eq!(
+            loaded.encode(s, false).expect("encode"),
+            a.encode(s, false).expect("encode")
+        );
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("tokenizer_config.json")).expect("read"),
+        )
+        .expect("json");
         assert_eq!(cfg["eos_token"], END_OF_TEXT);
-        assert!(train_tokenizer(["x"].into_iter(), &TokenizerConfig { vocab_size: 10, min_frequency: 1 }).is_err());
+        assert!(train_tokenizer(
+            ["x"].into_iter(),
+            &TokenizerConfig {
+                vocab_size: 10,
+                min_frequency: 1
+            }
+        )
+        .is_err());
     }
 }

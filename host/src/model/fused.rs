@@ -662,12 +662,10 @@ impl CustomOp3 for Attention {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let op = AttentionBwd { mask: self.mask.clone(), scale: self.scale, k: k.clone(), v: v.clone() };
         let all = q.apply_op2_no_bwd(&dctx.contiguous()?, &op)?;
-        let (nq, nkv) = (q.dim(1)?, k.dim(1)?);
         let (nqe, nke) = (q.elem_count(), k.elem_count());
-        let _ = (nq, nkv);
         let dq = all.narrow(0, 0, nqe)?.reshape(q.shape())?;
         let dk = all.narrow(0, nqe, nke)?.reshape(k.shape())?;
-        let dv = all.narrow(0, nqe + nke, nke)?.reshape(k.shape())?;
+        let dv = all.narrow(0, nqe + nke, nke)?.reshape(v.shape())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -863,7 +861,10 @@ fn lse_and_mean<T: Real>(x: &[T]) -> (f64, f64) {
         let z = v - mx;
         let e = z.exp().to_f64();
         s += e;
-        t += e * z.to_f64();
+        // A -inf logit has p = 0 and adds nothing (not 0 * -inf = NaN).
+        if e > 0.0 {
+            t += e * z.to_f64();
+        }
     }
     let lse = mx.to_f64() + s.ln();
     (lse, t / s + mx.to_f64())
@@ -937,7 +938,7 @@ impl CustomOp3 for LogpEntropyBwd {
                     let shift = h - lse;
                     for (d, &v) in dr.iter_mut().zip(xr) {
                         let p = (v - lse).exp();
-                        *d = -p * (gl + ge * (v + shift));
+                        *d = if p > zero() { -p * (gl + ge * (v + shift)) } else { zero() };
                     }
                     dr[targets[i] as usize] += gl;
                 });

@@ -304,6 +304,18 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     summary.insert("checkpoint".into(), ckpt.into());
     summary.insert("seconds".into(), started.elapsed().as_secs_f64().into());
     summary.insert("final".into(), Dynamic::from_map(last));
+    let evals: rhai::Array = trainer
+        .eval_history()
+        .iter()
+        .map(|&(step, avg, pass)| {
+            let mut e = Map::new();
+            e.insert("step".into(), (step as i64).into());
+            e.insert("avg".into(), avg.into());
+            e.insert("pass".into(), pass.into());
+            Dynamic::from_map(e)
+        })
+        .collect();
+    summary.insert("evals".into(), evals.into());
     host.push_result(summary.clone());
     Ok(summary)
 }

@@ -125,7 +125,7 @@ fn draw<DB: DrawingBackend>(
         if x1 - x0 < 1e-9 {
             x1 = x0 + 1.0;
         }
-        let pad = ((y1 - y0) * 0.08).max(1e-6);
+        let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(1e-3);
         let mut chart = ChartBuilder::on(area)
             .caption(&panel.title, ("sans-serif", 16))
             .margin(8)
@@ -133,7 +133,14 @@ fn draw<DB: DrawingBackend>(
             .y_label_area_size(48)
             .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
             .map_err(|e| e.to_string())?;
-        chart.configure_mesh().x_desc("step").label_style(("sans-serif", 11)).draw().map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| tick(*y))
+            .label_style(("sans-serif", 11))
+            .draw()
+            .map_err(|e| e.to_string())?;
         for (i, s) in panel.series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             chart
@@ -141,10 +148,18 @@ fn draw<DB: DrawingBackend>(
                 .map_err(|e| e.to_string())?
                 .label(s.label.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            // Sparse series (evaluations) get markers so single points show.
+            if s.points.len() <= 30 {
+                chart
+                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                    .map_err(|e| e.to_string())?;
+            }
         }
-        if !panel.series.is_empty() {
+        // One run needs no legend; several get one in the corner.
+        if panel.series.len() > 1 {
             chart
                 .configure_series_labels()
+                .position(SeriesLabelPosition::LowerRight)
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK.mix(0.3))
                 .label_font(("sans-serif", 11))
@@ -153,6 +168,20 @@ fn draw<DB: DrawingBackend>(
         }
     }
     root.present().map_err(|e| e.to_string())
+}
+
+/// A y-axis tick: fixed decimals for ordinary values, scientific for tiny ones.
+fn tick(y: f64) -> String {
+    let a = y.abs();
+    if a == 0.0 || a < 1e-12 {
+        "0".into()
+    } else if a < 1e-2 {
+        format!("{y:.1e}")
+    } else if a < 10.0 {
+        format!("{y:.3}")
+    } else {
+        format!("{y:.1}")
+    }
 }
 
 #[cfg(test)]
@@ -167,14 +196,19 @@ mod tests {
             .map(|s| format!("{{\"step\":{s},\"reward_mean\":{},\"entropy\":1.5,\"silenced_ratio\":0.001,\"response_len_mean\":20}}\n", s as f64 / 10.0))
             .collect();
         std::fs::write(&m, lines).unwrap();
-        let panels = standard_panels(&[RunCurves { label: "stapo".into(), metrics: m, eval: None }]).unwrap();
+        let panels = standard_panels(&[
+            RunCurves { label: "stapo".into(), metrics: m.clone(), eval: None },
+            RunCurves { label: "grpo".into(), metrics: m, eval: None },
+        ])
+        .unwrap();
+        assert_eq!(panels[0].series.len(), 2);
         assert_eq!(panels[0].series[0].points.len(), 5);
         assert_eq!(panels[0].series[0].points[4], (4.0, 0.4));
         let (png, svg) = plot(&panels, &dir.path().join("curves")).unwrap();
         let png_bytes = std::fs::read(&png).unwrap();
         assert_eq!(&png_bytes[..4], b"\x89PNG");
         let svg_text = std::fs::read_to_string(&svg).unwrap();
-        assert!(svg_text.contains("reward (mean)") && svg_text.contains("stapo"));
+        assert!(svg_text.contains("reward (mean)") && svg_text.contains("stapo") && svg_text.contains("grpo"));
     }
 
     #[test]

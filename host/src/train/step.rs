@@ -248,7 +248,12 @@ pub fn update(
         }
         Ok(out)
     };
+    // With one epoch over one mini-batch the policy is still the old one at
+    // its forward pass: its detached log-probs are the old log-probs, and the
+    // separate no-grad pass would only repeat them.
+    let reuse_old = cfg.old_logp == OldLogp::Recompute && cfg.epochs.max(1) == 1 && active.len() <= mb_size;
     let old: HashMap<usize, Vec<f32>> = match cfg.old_logp {
+        OldLogp::Recompute if reuse_old => HashMap::new(),
         OldLogp::Recompute => active.iter().copied().zip(by_micro(&active, model)?).collect(),
         OldLogp::Rollout => active
             .iter()
@@ -296,9 +301,19 @@ pub fn update(
             let resp_all = layout(&ss, p, t, pad_id, &device)?.resp_mask;
 
             // The token mask needs the current policy's p and H over the whole
-            // mini-batch: one no-grad pass when it is split into micro-batches.
+            // mini-batch: from the gradient forward when the mini-batch is one
+            // micro-batch, else from one no-grad pass over its micro-batches.
             let needs_stats = !matches!(obj.mask, MaskConfig::None);
-            let stats = if needs_stats || micros.len() > 1 {
+            let mut single = if micros.len() == 1 {
+                let mb = layout(&ss, p, t, pad_id, &device)?;
+                let (lp, h) = response_logp(model, &mb, Grad::Track)?;
+                Some((mb, lp, h))
+            } else {
+                None
+            };
+            let stats = if let (true, Some((_, lp, h))) = (needs_stats, &single) {
+                Some((lp.detach(), h.detach()))
+            } else if needs_stats {
                 let mut lps = Vec::new();
                 let mut hs = Vec::new();
                 for &(s, len) in &micros {
@@ -338,9 +353,19 @@ pub fn update(
             let mut finite = true;
             for &(s, len) in &micros {
                 let part = &ss[s..s + len];
-                let mb = layout(part, p, t, pad_id, &device)?;
-                let (logp, entropy) = response_logp(model, &mb, Grad::Track)?;
-                let old_t = grid(&mini[s..s + len].iter().map(|i| &old[i]).collect::<Vec<_>>(), t, &device)?;
+                let (mb, logp, entropy) = match single.take() {
+                    Some(fwd) => fwd,
+                    None => {
+                        let mb = layout(part, p, t, pad_id, &device)?;
+                        let (lp, h) = response_logp(model, &mb, Grad::Track)?;
+                        (mb, lp, h)
+                    }
+                };
+                let old_t = if reuse_old {
+                    logp.detach()
+                } else {
+                    grid(&mini[s..s + len].iter().map(|i| &old[i]).collect::<Vec<_>>(), t, &device)?
+                };
                 let ref_t = match &reference_logp {
                     Some(r) => Some(grid(&mini[s..s + len].iter().map(|i| &r[i]).collect::<Vec<_>>(), t, &device)?),
                     None => None,

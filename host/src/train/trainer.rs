@@ -175,6 +175,8 @@ pub struct Trainer {
     silenced_totals: HashMap<String, usize>,
     last_rollout: Option<RolloutBatch>,
     last_eval: Option<EvalReport>,
+    /// (step, avg@n, pass@n) of every held-out evaluation of this run.
+    evals: Vec<(u64, f64, f64)>,
     dtype: DType,
 }
 
@@ -277,6 +279,7 @@ impl Trainer {
             silenced_totals: state.map(|s| s.silenced_totals.iter().cloned().collect()).unwrap_or_default(),
             last_rollout: None,
             last_eval: None,
+            evals: read_evals(&run_dir.join("eval.jsonl"), state.map_or(u64::MAX, |s| s.step)),
             model: m,
             cfg,
         })
@@ -300,6 +303,10 @@ impl Trainer {
     }
     pub fn last_rollout(&self) -> Option<&RolloutBatch> {
         self.last_rollout.as_ref()
+    }
+    /// (step, avg@n, pass@n) of every held-out evaluation so far.
+    pub fn eval_history(&self) -> &[(u64, f64, f64)] {
+        &self.evals
     }
     pub fn last_eval(&self) -> Option<&EvalReport> {
         self.last_eval.as_ref()
@@ -328,6 +335,10 @@ impl Trainer {
     /// One RL step under `plan`. `progress` receives rollout tokens so far.
     pub fn step(&mut self, plan: &StepPlan, progress: Option<&dyn Fn(usize)>, cancel: Option<&std::sync::atomic::AtomicBool>) -> Result<StepMetrics> {
         let step = self.step;
+        // Like verl's val_before_train: the curve of held-out accuracy starts at step 0.
+        if step == 0 && self.cfg.eval_every > 0 && self.test.is_some() && self.evals.is_empty() {
+            self.evaluate(None)?;
+        }
         let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
         let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
         let prompt_texts: Vec<String> = examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
@@ -370,7 +381,13 @@ impl Trainer {
             shuffle: self.cfg.epochs > 1,
             seed: mix(self.cfg.seed ^ 0x5eed, step),
         };
-        let um = update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        let mut um = update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        if um.response_tokens == 0 {
+            // Nothing reached the update (e.g. dynamic sampling dropped every
+            // group): report the policy's entropy from the rollout instead.
+            let ents = samples.iter().flat_map(|s| s.entropies.iter());
+            um.entropy = (ents.clone().map(|&h| h as f64).sum::<f64>() / ents.count().max(1) as f64) as f32;
+        }
         let update_secs = t1.elapsed().as_secs_f64();
         let silenced_tokens_text: Vec<(String, usize)> =
             um.silenced_token_ids.iter().map(|&(id, c)| (self.tokenizer.token_str(id), c)).collect();
@@ -431,6 +448,7 @@ impl Trainer {
         eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
         let summary = serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
         append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
+        self.evals.push((self.step, report.overall.avg, report.overall.pass));
         self.last_eval = Some(report.clone());
         Ok(report)
     }
@@ -523,4 +541,15 @@ fn add_stop_ids(params: &mut SamplingParams, ids: &[u32]) {
             params.stop_token_ids.push(id);
         }
     }
+}
+
+/// Evaluations recorded in `eval.jsonl` before `before_step` (a resumed run
+/// re-runs later steps).
+fn read_evals(path: &Path, before_step: u64) -> Vec<(u64, f64, f64)> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["overall"]["avg"].as_f64()?, v["overall"]["pass"].as_f64()?)))
+        .filter(|e| e.0 <= before_step)
+        .collect()
 }

@@ -61,6 +61,7 @@ fn opts(f: &Fixture, run_dir: &Path, smoke: bool) -> HostOptions {
     let mut args = BTreeMap::new();
     args.insert("model".to_string(), f.model.display().to_string());
     args.insert("data".to_string(), f.data.display().to_string());
+    args.insert("test_data".to_string(), f.data.display().to_string());
     HostOptions {
         smoke,
         args,

@@ -28,10 +28,12 @@ pub fn example_map(e: &Example) -> Dynamic {
 pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
     Ok(match name {
         "raw" => Some(PromptTemplate::raw()),
+        // The bare problem, no instruction (the format models/tiny-qwen3 was trained on).
+        "bare" => Some(PromptTemplate::Raw { suffix: String::new() }),
         "chat" => Some(PromptTemplate::chat(false)),
         "chat-think" | "chat_think" => Some(PromptTemplate::chat(true)),
         "none" => None,
-        other => return Err(bad_arg("template", format!("expected raw, chat, chat-think or none, found {other:?}"))),
+        other => return Err(bad_arg("template", format!("expected raw, bare, chat, chat-think or none, found {other:?}"))),
     })
 }
 

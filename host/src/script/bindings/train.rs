@@ -82,7 +82,37 @@ fn train_with(ctx: &NativeCallContext, h: &Arc<Host>, cfg: &Map, steps: Option<i
     train_loop::train(ctx.engine(), h, cfg, steps)
 }
 
+/// Draws the curves of several runs into one figure. The figure must go into
+/// one of the runs' folders or their parent (scripts write files only where
+/// runs live).
+fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
+    let mut curves = Vec::new();
+    let mut allowed = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        let m = r.clone().try_cast::<Map>().ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: expected a map #{{label, run_dir}}")))?;
+        let dir = std::path::PathBuf::from(get_str(&m, "run_dir")?.ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: missing run_dir")))?);
+        let label = get_str(&m, "label")?.unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        curves.push(train::plot::RunCurves { label, metrics: dir.join("metrics.jsonl"), eval: Some(dir.join("eval.jsonl")) });
+        allowed.push(dir.clone());
+        if let Some(p) = dir.parent() {
+            allowed.push(p.to_path_buf());
+        }
+    }
+    let out = std::path::PathBuf::from(out);
+    let parent = out.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+    if !allowed.contains(&parent) {
+        return Err(bad_arg("plot_runs", format!("{}: the figure must go into a run folder or its parent", out.display())));
+    }
+    let panels = train::plot::standard_panels(&curves).map_err(host)?;
+    let (png, svg) = train::plot::plot(&panels, &out).map_err(host)?;
+    let mut res = Map::new();
+    res.insert("png".into(), png.display().to_string().into());
+    res.insert("svg".into(), svg.display().to_string().into());
+    Ok(res)
+}
+
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    func!(engine, "plot_runs", "plot_runs(runs, out) -> map\nOne figure (PNG and SVG) of reward, entropy, held-out accuracy, silenced ratio and response length against step, one line per run. runs: array of #{label, run_dir} (e.g. train() results); out: the figure's path without extension, inside a run folder or its parent. Returns #{png, svg}.\nExample: `plot_runs([#{label: \"stapo\", run_dir: res.run_dir}], res.run_dir + \"/curves\")`", |runs: Array, out: &str| plot_runs(&runs, out));
     let h = host_.clone();
     func!(engine, "train", "train(cfg, steps) -> map\nRuns the training loop for `steps` steps in total (a resumed run continues): each step calls the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p, tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set, prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir, steps, final, checkpoint, seconds, stopped_early}.\nExample: `train(r::stapo(#{model: \"models/tiny-qwen3\"}), 200);`", move |ctx: NativeCallContext, cfg: Map, steps: i64| train_with(&ctx, &h, &cfg, Some(steps)));
     let h = host_.clone();

@@ -192,12 +192,24 @@ pub fn is_correct(response: &str, answer: &str) -> bool {
 
 /// Draws a token from `logits` at `temperature` (0 = argmax).
 fn pick(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> u32 {
-    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a }).0;
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |a, (i, &v)| if v > a.1 { (i, v) } else { a },
+            )
+            .0
+    };
     if temperature <= 0.0 {
         return argmax() as u32;
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f64> = logits.iter().map(|&l| (((l - max) / temperature) as f64).exp()).collect();
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&l| (((l - max) / temperature) as f64).exp())
+        .collect();
     let total: f64 = w.iter().sum();
     let mut u = rng.random::<f64>() * total;
     for (i, &wi) in w.iter().enumerate() {
@@ -270,7 +282,9 @@ pub fn evaluate(
     seed: u64,
 ) -> Result<EvalReport> {
     if problems.is_empty() || samples == 0 {
-        return Err(Error::invalid("evaluate: need at least one problem and one sample"));
+        return Err(Error::invalid(
+            "evaluate: need at least one problem and one sample",
+        ));
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let eos = tok.eos_ids().to_vec();
@@ -283,7 +297,18 @@ pub fn evaluate(
     let (mut tokens, mut truncated) = (0usize, 0usize);
     const CHUNK: usize = 512;
     for (c, chunk) in rows.chunks(CHUNK).enumerate() {
-        for (j, (ids, cut)) in sample_rows(model, chunk, temperature, max_new_tokens, &eos, tok.pad_id(), &mut rng)?.into_iter().enumerate() {
+        for (j, (ids, cut)) in sample_rows(
+            model,
+            chunk,
+            temperature,
+            max_new_tokens,
+            &eos,
+            tok.pad_id(),
+            &mut rng,
+        )?
+        .into_iter()
+        .enumerate()
+        {
             let i = (c * CHUNK + j) / samples;
             tokens += ids.len();
             truncated += usize::from(cut);
@@ -309,15 +334,26 @@ pub fn evaluate(
 /// than double every sequence (about 16 extra tokens on ~40) and the tiny
 /// model needs no instruction: it always answers in `\boxed{}`.
 pub fn tiny_template() -> PromptTemplate {
-    PromptTemplate::Raw { suffix: String::new() }
+    PromptTemplate::Raw {
+        suffix: String::new(),
+    }
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
 /// files and the model folder, and reports. `log` receives progress lines.
 pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<TinyReport> {
-    for (name, v) in [("batch_size", cfg.batch_size), ("eval_every", cfg.eval_every), ("eval_samples", cfg.eval_samples), ("max_new_tokens", cfg.max_new_tokens)] {
+    for (name, v) in [
+        ("batch_size", cfg.batch_size),
+        ("eval_every", cfg.eval_every),
+        ("eval_samples", cfg.eval_samples),
+        ("max_new_tokens", cfg.max_new_tokens),
+    ] {
         if v == 0 {
-            return Err(Error::Config { file: "tiny config".into(), field: name.into(), msg: "must be positive, found 0".into() });
+            return Err(Error::Config {
+                file: "tiny config".into(),
+                field: name.into(),
+                msg: "must be positive, found 0".into(),
+            });
         }
     }
     let template = tiny_template();
@@ -329,18 +365,32 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         task::write_jsonl(&dir.join("train.jsonl"), &train)?;
         task::write_jsonl(&dir.join("test.jsonl"), &test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
-        log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
+        log(&format!(
+            "wrote {} train / {} test problems to {}",
+            train.len(),
+            test.len(),
+            dir.display()
+        ));
     }
-    let seen: HashSet<String> = train.iter().chain(&test).map(|p| p.problem.clone()).collect();
+    let seen: HashSet<String> = train
+        .iter()
+        .chain(&test)
+        .map(|p| p.problem.clone())
+        .collect();
     let n_sft = cfg.max_steps * cfg.batch_size;
     let sft = task::generate_excluding(n_sft, cfg.sft_seed, &cfg.task, "sft", &seen, false)?;
 
     // 2. Tokenizer, trained on the RL training prompts and solutions.
     let tok = match &cfg.init_from {
         Some(dir) => Tokenizer::from_file(dir.join("tokenizer.json"))?,
-        None => task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?,
+        None => task::train_tokenizer(
+            task::tokenizer_corpus(&train, |q| template.render(q)),
+            &cfg.tokenizer,
+        )?,
     };
-    let eos = tok.id_of(crate::data::tokenizer::END_OF_TEXT).ok_or_else(|| Error::invalid("tiny: tokenizer lacks <|endoftext|>"))?;
+    let eos = tok
+        .id_of(crate::data::tokenizer::END_OF_TEXT)
+        .ok_or_else(|| Error::invalid("tiny: tokenizer lacks <|endoftext|>"))?;
     log(&format!("tokenizer: {} tokens", tok.vocab_size()));
 
     // 3. Model.
@@ -364,7 +414,9 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let model = match &cfg.init_from {
         Some(dir) => {
             let m = model::load(dir, DType::F32, &device)?;
-            if m.config().vocab_size != mcfg.vocab_size || m.config().eos_token_id != mcfg.eos_token_id {
+            if m.config().vocab_size != mcfg.vocab_size
+                || m.config().eos_token_id != mcfg.eos_token_id
+            {
                 return Err(Error::invalid(format!(
                     "tiny: {} has vocabulary {} and eos {:?}, its tokenizer {} and {:?}",
                     dir.display(),
@@ -380,11 +432,24 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         None => model::init(&mcfg, cfg.init_seed, cfg.init_std, DType::F32, &device)?,
     };
     let mcfg = model.config().clone();
-    let adam = AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay, max_grad_norm: Some(cfg.max_grad_norm), ..AdamWConfig::default() };
+    let adam = AdamWConfig {
+        lr: cfg.lr,
+        weight_decay: cfg.weight_decay,
+        max_grad_norm: Some(cfg.max_grad_norm),
+        ..AdamWConfig::default()
+    };
     let mut opt = AdamW::new(model.params(), adam)?.with_no_decay(is_norm_or_bias);
-    let schedule = LrSchedule::Cosine { warmup_steps: cfg.warmup_steps, total_steps: cfg.max_steps as u64, min_lr_ratio: 0.1 };
+    let schedule = LrSchedule::Cosine {
+        warmup_steps: cfg.warmup_steps,
+        total_steps: cfg.max_steps as u64,
+        min_lr_ratio: 0.1,
+    };
     schedule.validate()?;
-    let mut report = TinyReport { params: mcfg.num_params(), vocab_size: mcfg.vocab_size, ..TinyReport::default() };
+    let mut report = TinyReport {
+        params: mcfg.num_params(),
+        vocab_size: mcfg.vocab_size,
+        ..TinyReport::default()
+    };
     log(&format!("model: {} parameters", report.params));
 
     // 4. SFT until the periodic accuracy reaches the target.
@@ -398,14 +463,33 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let mut loss_ema = f32::NAN;
     for (step, chunk) in sft.chunks(cfg.batch_size).enumerate() {
         let batch: Vec<(Vec<u32>, Vec<u32>)> = chunk.iter().map(encode).collect::<Result<_>>()?;
-        let m = sft_step(&model, &mut opt, &batch, schedule.lr_at(cfg.lr, step as u64), tok.pad_id())?;
-        loss_ema = if loss_ema.is_nan() { m.loss } else { 0.95 * loss_ema + 0.05 * m.loss };
+        let m = sft_step(
+            &model,
+            &mut opt,
+            &batch,
+            schedule.lr_at(cfg.lr, step as u64),
+            tok.pad_id(),
+        )?;
+        loss_ema = if loss_ema.is_nan() {
+            m.loss
+        } else {
+            0.95 * loss_ema + 0.05 * m.loss
+        };
         report.steps = step + 1;
         report.final_loss = loss_ema;
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
         let last = report.steps == cfg.max_steps || report.steps == cfg.stop_at_step || out_of_time;
-        if report.steps % cfg.eval_every == 0 || last {
-            let e = evaluate(&model, &tok, &template, val, cfg.eval_samples, 1.0, cfg.max_new_tokens, cfg.eval_seed)?;
+        if report.steps.is_multiple_of(cfg.eval_every) || last {
+            let e = evaluate(
+                &model,
+                &tok,
+                &template,
+                val,
+                cfg.eval_samples,
+                1.0,
+                cfg.max_new_tokens,
+                cfg.eval_seed,
+            )?;
             report.evals.push((report.steps, loss_ema, e.avg_at_k));
             log(&format!(
                 "step {:5}  loss {:.4}  avg@{} {:.3}  mixed {:.2}  len {:.1}  {:.0}s",
@@ -431,8 +515,26 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     // 5. Final measurement on the held-out test set, model card, atomic save.
     if cfg.final_eval {
         let t0 = Instant::now();
-        report.test_sampled = Some(evaluate(&model, &tok, &template, &test, cfg.eval_samples, 1.0, cfg.max_new_tokens, cfg.eval_seed)?);
-        report.test_greedy = Some(evaluate(&model, &tok, &template, &test, 1, 0.0, cfg.max_new_tokens, cfg.eval_seed)?);
+        report.test_sampled = Some(evaluate(
+            &model,
+            &tok,
+            &template,
+            &test,
+            cfg.eval_samples,
+            1.0,
+            cfg.max_new_tokens,
+            cfg.eval_seed,
+        )?);
+        report.test_greedy = Some(evaluate(
+            &model,
+            &tok,
+            &template,
+            &test,
+            1,
+            0.0,
+            cfg.max_new_tokens,
+            cfg.eval_seed,
+        )?);
         log(&format!(
             "test: avg@{} (T=1.0) {:.3}, greedy {:.3} ({:.0}s)",
             cfg.eval_samples,
@@ -442,7 +544,10 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         ));
     }
     let previous = match &cfg.init_from {
-        Some(dir) => Some(std::fs::read_to_string(dir.join("README.md")).map_err(|e| Error::io(dir.join("README.md"), e))?),
+        Some(dir) => Some(
+            std::fs::read_to_string(dir.join("README.md"))
+                .map_err(|e| Error::io(dir.join("README.md"), e))?,
+        ),
         None => None,
     };
     let card = model_card(cfg, &mcfg, &report, previous.as_deref())?;
@@ -514,16 +619,26 @@ fn fmt_eval(e: &Option<EvalReport>) -> String {
     }
 }
 
-fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport, previous: Option<&str>) -> Result<String> {
+fn model_card(
+    cfg: &TinyConfig,
+    mcfg: &Config,
+    r: &TinyReport,
+    previous: Option<&str>,
+) -> Result<String> {
     // A second stage keeps the first stage's account, headings demoted.
     let earlier = match previous.and_then(|p| p.find("## How it was made").map(|i| &p[i..])) {
         Some(text) => format!(
             "\n## Earlier stage (the model this run started from, `init_from`)\n\n{}",
-            text.replacen("## How it was made", "", 1).replace("\n## ", "\n### ")
+            text.replacen("## How it was made", "", 1)
+                .replace("\n## ", "\n### ")
         ),
         None => String::new(),
     };
-    let evals: String = r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
+    let evals: String = r
+        .evals
+        .iter()
+        .map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a))
+        .collect();
     Ok(format!(
         r#"# tiny-qwen3
 
@@ -606,7 +721,10 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         clip = cfg.max_grad_norm,
         sft_seed = cfg.sft_seed,
         init = match &cfg.init_from {
-            Some(dir) => format!("Started from `{}` (a first SFT stage, described at the end).", dir.display()),
+            Some(dir) => format!(
+                "Started from `{}` (a first SFT stage, described at the end).",
+                dir.display()
+            ),
             None => format!("Init: N(0, {}) with seed {}.", cfg.init_std, cfg.init_seed),
         },
         loss = r.final_loss,
@@ -674,13 +792,25 @@ mod tests {
         let ts = r.test_sampled.as_ref().expect("measured");
         assert_eq!((ts.problems, ts.samples), (8, 2));
         assert!(ts.mean_response_tokens > 0.0 && ts.mean_response_tokens <= 12.0);
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"] {
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "README.md",
+        ] {
             assert!(cfg.model_dir.join(f).is_file(), "{f} missing");
         }
-        let (train, test) = (task::read_jsonl(&dir.path().join("d/train.jsonl")).expect("train"), task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test"));
+        let (train, test) = (
+            task::read_jsonl(&dir.path().join("d/train.jsonl")).expect("train"),
+            task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test"),
+        );
         assert_eq!((train.len(), test.len()), (200, 8));
         let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
-        assert!(card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"), "{card}");
+        assert!(
+            card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"),
+            "{card}"
+        );
         let m = model::load(&cfg.model_dir, DType::F32, &Device::Cpu).expect("load");
         assert_eq!(m.config().vocab_size, r.vocab_size);
         let tok = Tokenizer::from_file(cfg.model_dir.join("tokenizer.json")).expect("tokenizer");
@@ -702,9 +832,15 @@ mod tests {
             ..cfg.clone()
         };
         let r2 = pretrain_tiny(&stage2, &mut |_| {}).expect("stage 2");
-        assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
+        assert_eq!(
+            (r2.steps, r2.vocab_size, r2.params),
+            (2, r.vocab_size, r.params)
+        );
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
-        assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
+        assert!(
+            card2.contains("Earlier stage") && card2.contains("Started from"),
+            "{card2}"
+        );
     }
 
     /// The committed `models/tiny-qwen3` loads with its tokenizer and solves
@@ -720,7 +856,11 @@ mod tests {
         let test = task::read_jsonl(&root.join("data/arith/test.jsonl")).expect("test set");
         assert_eq!(test.len(), 500);
         let e = evaluate(&m, &tok, &tiny_template(), &test[..40], 1, 0.0, 64, 0).expect("eval");
-        assert!((0.25..=0.85).contains(&e.avg_at_k), "greedy accuracy {}", e.avg_at_k);
+        assert!(
+            (0.25..=0.85).contains(&e.avg_at_k),
+            "greedy accuracy {}",
+            e.avg_at_k
+        );
         assert_eq!(e.truncation_rate, 0.0);
     }
 }
