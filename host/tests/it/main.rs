@@ -2,6 +2,7 @@
 
 mod common;
 mod hf;
+mod kill;
 mod model;
 mod script;
 mod train;
