@@ -17,14 +17,15 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::sft_step;
 use crate::data::task::{self, Problem, TaskConfig, TokenizerConfig};
 use crate::data::{PromptTemplate, Tokenizer};
-use crate::model::{self, Config, KvCache, Qwen3, TokenBatch};
+use crate::model::{self, Config, Qwen3};
+use crate::reward::{self, ExtractMode};
+use crate::rollout::{self, GenerateHooks, SamplingParams};
 use crate::train::optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 
@@ -166,110 +167,14 @@ pub struct TinyReport {
     pub test_greedy: Option<EvalReport>,
 }
 
-/// The content of the last `\boxed{...}` in `text` (braces balanced), if any.
-fn last_boxed(text: &str) -> Option<&str> {
-    let start = text.rfind("\\boxed{")? + "\\boxed{".len();
-    let mut depth = 1usize;
-    for (i, c) in text[start..].char_indices() {
-        match c {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(&text[start..start + i]);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
-}
-
-/// True when the last `\boxed{}` of `response` is exactly `answer` (spaces trimmed).
+/// True when the last `\boxed{}` of `response` is exactly `answer` (spaces
+/// trimmed): the integers of this task need no math equivalence.
 pub fn is_correct(response: &str, answer: &str) -> bool {
-    last_boxed(response).is_some_and(|b| b.trim() == answer.trim())
+    reward::extract_answer(response, ExtractMode::Strict).is_some_and(|b| b.trim() == answer.trim())
 }
 
-/// Draws a token from `logits` at `temperature` (0 = argmax).
-fn pick(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> u32 {
-    let argmax = || {
-        logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |a, (i, &v)| if v > a.1 { (i, v) } else { a },
-            )
-            .0
-    };
-    if temperature <= 0.0 {
-        return argmax() as u32;
-    }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&l| (((l - max) / temperature) as f64).exp())
-        .collect();
-    let total: f64 = w.iter().sum();
-    let mut u = rng.random::<f64>() * total;
-    for (i, &wi) in w.iter().enumerate() {
-        if u < wi {
-            return i as u32;
-        }
-        u -= wi;
-    }
-    argmax() as u32
-}
-
-/// Samples one response per prompt row (batched, KV-cached); returns each
-/// row's ids (the end-of-sequence id included when reached) and whether it was cut off.
-fn sample_rows(
-    model: &Qwen3,
-    prompts: &[Vec<u32>],
-    temperature: f32,
-    max_new: usize,
-    eos: &[u32],
-    pad: u32,
-    rng: &mut impl Rng,
-) -> Result<Vec<(Vec<u32>, bool)>> {
-    let device = model.device().clone();
-    let b = prompts.len();
-    let tb = TokenBatch::left_padded(prompts, pad, &device)?;
-    let (_, p) = tb.dims();
-    let mut cache = KvCache::new(model, b, p + max_new)?;
-    let mut logits = model.decode(&tb.ids, Some(&tb.mask), &mut cache)?;
-    let mut out: Vec<(Vec<u32>, bool)> = vec![(Vec::new(), true); b];
-    // `active[k]` is the original row of cache row k; finished rows are dropped.
-    let mut active: Vec<usize> = (0..b).collect();
-    for _ in 0..max_new {
-        let l = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let mut keep = Vec::with_capacity(active.len());
-        let mut next = Vec::with_capacity(active.len());
-        for (k, &row) in active.iter().enumerate() {
-            let t = pick(&l[k], temperature, rng);
-            out[row].0.push(t);
-            if eos.contains(&t) {
-                out[row].1 = false;
-            } else {
-                keep.push(k);
-                next.push(t);
-            }
-        }
-        if keep.is_empty() || out[active[keep[0]]].0.len() >= max_new {
-            break;
-        }
-        if keep.len() < active.len() {
-            cache.select_rows(&keep)?;
-            active = keep.iter().map(|&k| active[k]).collect();
-        }
-        let ids = Tensor::from_vec(next, (active.len(), 1), &device)?;
-        logits = model.decode(&ids, None, &mut cache)?;
-    }
-    Ok(out)
-}
-
-/// Samples `samples` responses per problem at `temperature` (0 = greedy) and
-/// scores them against the answers. Deterministic for a seed.
+/// Samples `samples` responses per problem at `temperature` (0 = greedy) with
+/// the rollout engine and scores them against the answers. Deterministic for a seed.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Qwen3,
@@ -282,49 +187,35 @@ pub fn evaluate(
     seed: u64,
 ) -> Result<EvalReport> {
     if problems.is_empty() || samples == 0 {
-        return Err(Error::invalid(
-            "evaluate: need at least one problem and one sample",
-        ));
+        return Err(Error::invalid("evaluate: need at least one problem and one sample"));
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let eos = tok.eos_ids().to_vec();
-    let mut rows = Vec::with_capacity(problems.len() * samples);
-    for p in problems {
-        let ids = tok.encode(&template.render(&p.problem), false)?;
-        rows.extend(std::iter::repeat_n(ids, samples));
-    }
+    let prompts: Vec<Vec<u32>> =
+        problems.iter().map(|p| tok.encode(&template.render(&p.problem), false)).collect::<Result<_>>()?;
+    let params = SamplingParams {
+        n: samples,
+        temperature: temperature as f64,
+        max_new_tokens,
+        stop_token_ids: tok.eos_ids().to_vec(),
+        seed,
+        ..SamplingParams::default()
+    };
+    let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+    let hooks = GenerateHooks { max_rows: 512, ..GenerateHooks::default() };
+    let out = rollout::generate_with(model, &prompts, &params, tok.pad_id(), &decode, &hooks)?;
     let mut correct = vec![0usize; problems.len()];
-    let (mut tokens, mut truncated) = (0usize, 0usize);
-    const CHUNK: usize = 512;
-    for (c, chunk) in rows.chunks(CHUNK).enumerate() {
-        for (j, (ids, cut)) in sample_rows(
-            model,
-            chunk,
-            temperature,
-            max_new_tokens,
-            &eos,
-            tok.pad_id(),
-            &mut rng,
-        )?
-        .into_iter()
-        .enumerate()
-        {
-            let i = (c * CHUNK + j) / samples;
-            tokens += ids.len();
-            truncated += usize::from(cut);
-            let text = tok.decode(&ids, true)?;
-            correct[i] += usize::from(is_correct(&text, &problems[i].answer));
-        }
+    for s in &out {
+        correct[s.prompt_index] += usize::from(is_correct(&s.text, &problems[s.prompt_index].answer));
     }
     let n = problems.len() as f32;
+    let total = out.len().max(1) as f32;
     Ok(EvalReport {
         problems: problems.len(),
         samples,
         avg_at_k: correct.iter().sum::<usize>() as f32 / (n * samples as f32),
         pass_at_k: correct.iter().filter(|&&c| c > 0).count() as f32 / n,
         mixed_groups: correct.iter().filter(|&&c| c > 0 && c < samples).count() as f32 / n,
-        mean_response_tokens: tokens as f32 / rows.len() as f32,
-        truncation_rate: truncated as f32 / rows.len() as f32,
+        mean_response_tokens: out.iter().map(|s| s.response_ids.len()).sum::<usize>() as f32 / total,
+        truncation_rate: out.iter().filter(|s| s.truncated).count() as f32 / total,
     })
 }
 
@@ -745,18 +636,6 @@ mod tests {
         assert!(!is_correct("\\boxed{33", "33"));
         assert!(!is_correct("33", "33"));
         assert!(!is_correct("\\boxed{330}", "33"));
-        assert_eq!(last_boxed("\\boxed{\\frac{1}{2}}"), Some("\\frac{1}{2}"));
-    }
-
-    #[test]
-    fn pick_follows_the_distribution() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-        let logits = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
-        assert_eq!(pick(&logits, 0.0, &mut rng), 1);
-        let n = 20_000;
-        let ones = (0..n).filter(|_| pick(&logits, 1.0, &mut rng) == 1).count();
-        let frac = ones as f64 / n as f64;
-        assert!((frac - 0.75).abs() < 0.02, "{frac}");
     }
 
     /// A small end-to-end run: data, tokenizer, a few SFT steps, evaluation, and
