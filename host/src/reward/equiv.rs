@@ -141,10 +141,11 @@ fn split_top<'a>(s: &'a str, sep: &str) -> Vec<&'a str> {
             _ => {}
         }
         // A command separator must end there: `\cup` but not `\cupcake`.
+        // Compared as bytes: `i` may sit inside a multi-byte character.
         let at_sep = depth == 0
-            && s[i..].starts_with(sep)
+            && b[i..].starts_with(sep.as_bytes())
             && !(sep.ends_with(|c: char| c.is_ascii_alphabetic())
-                && s[i + sep.len()..].starts_with(|c: char| c.is_ascii_alphabetic()));
+                && b.get(i + sep.len()).is_some_and(|c| c.is_ascii_alphabetic()));
         if at_sep && parts.len() < MAX_ITEMS {
             parts.push(&s[start..i]);
             i += sep.len();

@@ -290,3 +290,30 @@ mod tests {
         assert!(!v.correct);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// Random strings mixing LaTeX pieces with multi-byte characters (a model's
+    /// decoded bytes can hold `�`): no verdict may panic.
+    #[test]
+    fn random_unicode_and_latex_never_panics() {
+        let pieces = [
+            "\\boxed{", "}", "{", "\\frac", "\\cup", "\\{", "\\}", "(", ")", "[", "]", ",", "=", "\\pm", "x", "1", "18",
+            "0.5", "\\sqrt", "^", "_", "\\text{", "é", "\u{fffd}", "π", "∞", "\\", " ", "-", "/", "%", "\\left(", "\\right)",
+            "\\begin{pmatrix}", "&", "\\\\", "\\end{pmatrix}", "e", "i", "!", "\\$",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..20_000 {
+            let n = rng.random_range(1..14);
+            let s: String = (0..n).map(|_| pieces[rng.random_range(0..pieces.len())]).collect();
+            let g: String = (0..rng.random_range(1..6)).map(|_| pieces[rng.random_range(0..pieces.len())]).collect();
+            let _ = verify(&g, &s, ExtractMode::Flexible);
+            let _ = is_equivalent(&g, &s);
+            let _ = is_equivalent(&s, &g);
+        }
+    }
+}
