@@ -52,13 +52,7 @@ pub struct EvalArgs {
 }
 
 pub fn template(name: &str) -> anyhow::Result<PromptTemplate> {
-    Ok(match name {
-        "raw" => PromptTemplate::raw(),
-        "bare" => PromptTemplate::Raw { suffix: String::new() },
-        "chat" => PromptTemplate::chat(false),
-        "chat-think" => PromptTemplate::chat(true),
-        other => anyhow::bail!("--template: expected raw, bare, chat or chat-think, found {other:?}"),
-    })
+    PromptTemplate::from_name(name)?.ok_or_else(|| anyhow::anyhow!("--template: expected raw, bare, chat or chat-think"))
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {

@@ -66,15 +66,7 @@ impl DeviceArgs {
 
 /// Parses `cpu`, `cuda` or `cuda:N`.
 pub fn parse_device(name: &str) -> anyhow::Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0).context("--device cuda (was stapo built with --features cuda?)")?),
-        s if s.starts_with("cuda:") => {
-            let n: usize = s[5..].parse().with_context(|| format!("--device {s}: expected cuda:N"))?;
-            Ok(Device::new_cuda(n).with_context(|| format!("--device {s} (was stapo built with --features cuda?)"))?)
-        }
-        other => anyhow::bail!("--device: expected cpu, cuda or cuda:N, found {other:?}"),
-    }
+    stapo::model::parse_device(name).context("--device")
 }
 
 /// A model folder argument with a readable error when it is missing.

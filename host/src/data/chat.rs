@@ -21,6 +21,7 @@
 //! `transformers` (fixture `host/tests/fixtures/chat/qwen3_chat.json`).
 
 use serde::{Deserialize, Serialize};
+use crate::{Error, Result};
 
 /// The instruction the STAPO paper (and DAPO) appends to every math problem.
 pub const BOXED_SUFFIX: &str =
@@ -234,6 +235,24 @@ impl PromptTemplate {
         PromptTemplate::Raw {
             suffix: BOXED_SUFFIX.to_string(),
         }
+    }
+
+    /// A template by name: `raw` (problem + the paper's suffix), `bare` (the
+    /// problem only, as models/tiny-qwen3 expects), `chat`, `chat-think`; `none`
+    /// gives `None` (callers use their default).
+    pub fn from_name(name: &str) -> Result<Option<Self>> {
+        Ok(match name {
+            "raw" => Some(PromptTemplate::raw()),
+            "bare" => Some(PromptTemplate::Raw { suffix: String::new() }),
+            "chat" => Some(PromptTemplate::chat(false)),
+            "chat-think" | "chat_think" => Some(PromptTemplate::chat(true)),
+            "none" => None,
+            other => {
+                return Err(Error::invalid(format!(
+                    "template: expected raw, bare, chat, chat-think or none, found {other:?}"
+                )))
+            }
+        })
     }
 
     /// `Chat` with no system message, the paper's suffix, and the given thinking mode.

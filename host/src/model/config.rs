@@ -172,6 +172,22 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
+/// Parses a device name: `cpu`, `cuda` or `cuda:N` (CUDA needs the `cuda` feature).
+pub fn parse_device(name: &str) -> Result<candle_core::Device> {
+    let cuda = |n: usize| {
+        candle_core::Device::new_cuda(n)
+            .map_err(|e| Error::invalid(format!("device {name:?}: {e} (was stapo built with --features cuda?)")))
+    };
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        "cuda" => cuda(0),
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => cuda(n),
+            _ => Err(Error::invalid(format!("device: expected cpu, cuda or cuda:N, found {name:?}"))),
+        },
+    }
+}
+
 /// The Hugging Face name of a candle float dtype.
 pub fn dtype_name(dtype: DType) -> &'static str {
     match dtype {

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{MaskConfig, ObjectiveConfig, TauH};
@@ -180,18 +180,6 @@ pub struct Trainer {
     dtype: DType,
 }
 
-fn resolve_device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
-        s if s.starts_with("cuda:") => {
-            let n = s[5..].parse().map_err(|_| Error::invalid(format!("device {s:?}: expected cuda:N")))?;
-            Ok(Device::new_cuda(n)?)
-        }
-        other => Err(Error::Config { file: "run config".into(), field: "device".into(), msg: format!("expected cpu, cuda or cuda:N, found {other:?}") }),
-    }
-}
-
 impl Trainer {
     /// Starts a run writing into `run_dir` (created; must not hold a run yet).
     pub fn new(cfg: RunConfig, run_dir: &Path) -> Result<Self> {
@@ -201,7 +189,7 @@ impl Trainer {
         std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
         let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
         write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())?;
-        let device = resolve_device(&cfg.device)?;
+        let device = model::parse_device(&cfg.device)?;
         let dtype = model::parse_dtype(&cfg.dtype)?;
         let m = model::load(&cfg.model, dtype, &device)?;
         Self::assemble(cfg, m, run_dir, None)
@@ -216,7 +204,7 @@ impl Trainer {
         let latest = run_dir.join("checkpoints/latest");
         let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
         let ckpt = run_dir.join("checkpoints").join(name.trim());
-        let device = resolve_device(&cfg.device)?;
+        let device = model::parse_device(&cfg.device)?;
         let dtype = model::parse_dtype(&cfg.dtype)?;
         let m = model::load(&ckpt, dtype, &device)?;
         let state_path = ckpt.join("trainer_state.json");

@@ -26,15 +26,7 @@ pub fn example_map(e: &Example) -> Dynamic {
 /// A prompt template by name: `raw` (problem + the paper's `\boxed{}` suffix),
 /// `chat` (Qwen3 chat, thinking off), `chat-think`, or `none` (the text as is).
 pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
-    Ok(match name {
-        "raw" => Some(PromptTemplate::raw()),
-        // The bare problem, no instruction (the format models/tiny-qwen3 was trained on).
-        "bare" => Some(PromptTemplate::Raw { suffix: String::new() }),
-        "chat" => Some(PromptTemplate::chat(false)),
-        "chat-think" | "chat_think" => Some(PromptTemplate::chat(true)),
-        "none" => None,
-        other => return Err(bad_arg("template", format!("expected raw, bare, chat, chat-think or none, found {other:?}"))),
-    })
+    PromptTemplate::from_name(name).map_err(|e| bad_arg("template", e.to_string()))
 }
 
 fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {

@@ -16,15 +16,7 @@ use crate::script::host::Host;
 
 /// The device a script names: `cpu`, `cuda` or `cuda:N`.
 pub fn device(name: &str) -> RhaiResult<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).map_err(host),
-        s if s.starts_with("cuda:") => {
-            let n: usize = s[5..].parse().map_err(|_| bad_arg("device", format!("expected cuda:N, found {s:?}")))?;
-            Device::new_cuda(n).map_err(host)
-        }
-        other => Err(bad_arg("device", format!("expected cpu, cuda or cuda:N, found {other:?}"))),
-    }
+    model::parse_device(name).map_err(|e| bad_arg("device", e.to_string()))
 }
 
 /// `(dtype, device)` from an options map (`dtype`, `device`; float32 on cpu by default).
