@@ -64,14 +64,7 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         .enumerate()
         .map(|(i, s)| {
             let reward = s.reward.with_context(|| format!("{}: sample {i} has no reward", a.rollouts.display()))?;
-            Ok(Sequence {
-                prompt_ids: s.prompt_ids.clone(),
-                response_ids: s.response_ids.clone(),
-                rollout_logprobs: Some(s.old_logprobs.clone()),
-                reward,
-                group: s.group,
-                truncated: s.truncated,
-            })
+            Ok(Sequence::from_sample(s, reward))
         })
         .collect::<anyhow::Result<_>>()?;
     let pad_id = m.config().eos_token_id.unwrap_or(0);

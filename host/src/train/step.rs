@@ -26,6 +26,7 @@ use crate::algo::{
     self, compute_loss, group_advantages, LossInputs, LossMetrics, MaskConfig, Normaliser, ObjectiveConfig,
 };
 use crate::model::{self, Grad, Qwen3, TokenBatch};
+use crate::rollout::Sample;
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
 
@@ -43,6 +44,21 @@ pub struct Sequence {
     pub group: usize,
     /// True when generation hit the token limit.
     pub truncated: bool,
+}
+
+impl Sequence {
+    /// A sampled response with its `reward` (the sample's own reward field is
+    /// the caller's to check); the rollout's T = 1 log-probs come along.
+    pub fn from_sample(s: &Sample, reward: f32) -> Self {
+        Sequence {
+            prompt_ids: s.prompt_ids.clone(),
+            response_ids: s.response_ids.clone(),
+            rollout_logprobs: Some(s.old_logprobs.clone()),
+            reward,
+            group: s.group,
+            truncated: s.truncated,
+        }
+    }
 }
 
 /// Where the old-policy log-probs (the PPO ratio's denominator) come from.

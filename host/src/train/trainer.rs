@@ -347,17 +347,7 @@ impl Trainer {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
         }
-        let seqs: Vec<Sequence> = samples
-            .iter()
-            .map(|s| Sequence {
-                prompt_ids: s.prompt_ids.clone(),
-                response_ids: s.response_ids.clone(),
-                rollout_logprobs: Some(s.old_logprobs.clone()),
-                reward: s.reward.unwrap_or(0.0),
-                group: s.group,
-                truncated: s.truncated,
-            })
-            .collect();
+        let seqs: Vec<Sequence> = samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
         let ucfg = UpdateConfig {

@@ -46,14 +46,8 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                Ok(Sequence {
-                    prompt_ids: s.prompt_ids.clone(),
-                    response_ids: s.response_ids.clone(),
-                    rollout_logprobs: Some(s.old_logprobs.clone()),
-                    reward: s.reward.ok_or_else(|| bad_arg("update", format!("sample {i} has no reward; call score(r) first")))?,
-                    group: s.group,
-                    truncated: s.truncated,
-                })
+                let reward = s.reward.ok_or_else(|| bad_arg("update", format!("sample {i} has no reward; call score(r) first")))?;
+                Ok(Sequence::from_sample(s, reward))
             })
             .collect::<RhaiResult<_>>()?
     };
