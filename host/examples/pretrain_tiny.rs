@@ -24,46 +24,26 @@ fn main() -> Result<()> {
         match flag.as_str() {
             "--config" => {
                 let path = value()?;
-                let text =
-                    std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-                cfg = serde_json::from_str(&text)
-                    .with_context(|| format!("{path}: not a TinyConfig"))?;
+                let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+                cfg = serde_json::from_str(&text).with_context(|| format!("{path}: not a TinyConfig"))?;
             }
             "--out" => cfg.model_dir = PathBuf::from(value()?),
             "--data" => cfg.data_dir = Some(PathBuf::from(value()?)),
             "--no-data" => cfg.data_dir = None,
-            "--max-steps" => {
-                cfg.max_steps = value()?
-                    .parse()
-                    .context("--max-steps: expected an integer")?
-            }
-            "--target" => {
-                cfg.target_accuracy = value()?.parse().context("--target: expected a number")?
-            }
+            "--max-steps" => cfg.max_steps = value()?.parse().context("--max-steps: expected an integer")?,
+            "--target" => cfg.target_accuracy = value()?.parse().context("--target: expected a number")?,
             "--max-seconds" => {
-                cfg.max_seconds = value()?
-                    .parse()
-                    .context("--max-seconds: expected a number")?
+                cfg.max_seconds = value()?.parse().context("--max-seconds: expected a number")?
             }
             "--no-final-eval" => cfg.final_eval = false,
             "--stop-at-step" => {
-                cfg.stop_at_step = value()?
-                    .parse()
-                    .context("--stop-at-step: expected an integer")?
+                cfg.stop_at_step = value()?.parse().context("--stop-at-step: expected an integer")?
             }
             "--init-from" => cfg.init_from = Some(PathBuf::from(value()?)),
-            "--sft-seed" => {
-                cfg.sft_seed = value()?
-                    .parse()
-                    .context("--sft-seed: expected an integer")?
-            }
-            "--warmup" => {
-                cfg.warmup_steps = value()?.parse().context("--warmup: expected an integer")?
-            }
+            "--sft-seed" => cfg.sft_seed = value()?.parse().context("--sft-seed: expected an integer")?,
+            "--warmup" => cfg.warmup_steps = value()?.parse().context("--warmup: expected an integer")?,
             "--eval-every" => {
-                cfg.eval_every = value()?
-                    .parse()
-                    .context("--eval-every: expected an integer")?
+                cfg.eval_every = value()?.parse().context("--eval-every: expected an integer")?
             }
             other => {
                 bail!("unknown flag {other:?} (see the header of host/examples/pretrain_tiny.rs)")

@@ -21,7 +21,8 @@ pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Appends one line to `path` and flushes it to disk (metrics logs).
 pub fn append_line(path: &Path, line: &str) -> Result<()> {
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| Error::io(path, e))?;
+    let mut f =
+        std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| Error::io(path, e))?;
     writeln!(f, "{line}").map_err(|e| Error::io(path, e))?;
     f.sync_data().map_err(|e| Error::io(path, e))
 }

@@ -127,10 +127,9 @@ fn all_equal(rewards: &[f32], idx: &[usize]) -> bool {
 
 fn check_finite(rewards: &[f32], what: &str) -> Result<()> {
     match rewards.iter().position(|r| !r.is_finite()) {
-        Some(i) => Err(Error::invalid(format!(
-            "{what}: reward {i} is {} (expected a finite number)",
-            rewards[i]
-        ))),
+        Some(i) => {
+            Err(Error::invalid(format!("{what}: reward {i} is {} (expected a finite number)", rewards[i])))
+        }
         None => Ok(()),
     }
 }
@@ -161,10 +160,7 @@ pub fn group_advantages(
         }
         let n = idx.len() as f64;
         let mean = idx.iter().map(|&i| rewards[i] as f64).sum::<f64>() / n;
-        let ss = idx
-            .iter()
-            .map(|&i| (rewards[i] as f64 - mean).powi(2))
-            .sum::<f64>();
+        let ss = idx.iter().map(|&i| (rewards[i] as f64 - mean).powi(2)).sum::<f64>();
         let denom = match estimator {
             AdvEstimator::DrGrpo => 1.0,
             AdvEstimator::Grpo => {
@@ -179,11 +175,7 @@ pub fn group_advantages(
             values[i] = ((rewards[i] as f64 - mean) / denom) as f32;
         }
     }
-    Ok(Advantages {
-        values,
-        n_groups: groups.len(),
-        zero_variance_groups,
-    })
+    Ok(Advantages { values, n_groups: groups.len(), zero_variance_groups })
 }
 
 /// Which responses DAPO's dynamic sampling keeps.
@@ -214,11 +206,7 @@ pub fn dynamic_sampling(rewards: &[f32], group_ids: &[usize]) -> Result<DynamicS
         }
     }
     let kept_groups = groups.len() - dropped_groups.len();
-    Ok(DynamicSampling {
-        keep,
-        dropped_groups,
-        kept_groups,
-    })
+    Ok(DynamicSampling { keep, dropped_groups, kept_groups })
 }
 
 /// DAPO's soft overlong punishment (DAPO eq. 13).
@@ -304,11 +292,7 @@ mod tests {
         let ids = contiguous_group_ids(8, 4).unwrap();
         let a = group_advantages(&r, &ids, AdvEstimator::Grpo, StdKind::Sample).unwrap();
         let s = (0.5 / ((1f64 / 3.0).sqrt() + 1e-6)) as f32; // 0.8660239
-        close(
-            &a.values,
-            &[s, -s, -s, s, 1.499_997, -0.499_999, -0.499_999, -0.499_999],
-            1e-6,
-        );
+        close(&a.values, &[s, -s, -s, s, 1.499_997, -0.499_999, -0.499_999, -0.499_999], 1e-6);
         assert_eq!(a.n_groups, 2);
         assert!(a.zero_variance_groups.is_empty());
     }
@@ -317,8 +301,7 @@ mod tests {
     fn grpo_population_std_by_hand() {
         // R = [1, 0, 0, 1]: population std = sqrt(1/4) = 0.5; A = ±0.5/0.500001 = ±0.999998.
         let r = [1.0, 0.0, 0.0, 1.0];
-        let a =
-            group_advantages(&r, &[7, 7, 7, 7], AdvEstimator::Grpo, StdKind::Population).unwrap();
+        let a = group_advantages(&r, &[7, 7, 7, 7], AdvEstimator::Grpo, StdKind::Population).unwrap();
         close(&a.values, &[0.999998, -0.999998, -0.999998, 0.999998], 1e-6);
     }
 
@@ -331,10 +314,7 @@ mod tests {
             close(&a.values, &[0.75, -0.25, -0.25, -0.25], 0.0);
         }
         // ±1 scale doubles Dr.GRPO advantages: R = [1, -1, -1, -1], mean -0.5 → [1.5, -0.5 ..].
-        let r: Vec<f32> = [1.0, 0.0, 0.0, 0.0]
-            .iter()
-            .map(|&x| RewardScale::PlusMinusOne.apply(x))
-            .collect();
+        let r: Vec<f32> = [1.0, 0.0, 0.0, 0.0].iter().map(|&x| RewardScale::PlusMinusOne.apply(x)).collect();
         let a = group_advantages(&r, &[0; 4], AdvEstimator::DrGrpo, StdKind::Sample).unwrap();
         close(&a.values, &[1.5, -0.5, -0.5, -0.5], 0.0);
     }
@@ -348,16 +328,8 @@ mod tests {
         let a = group_advantages(&r, &ids, AdvEstimator::Grpo, StdKind::Sample).unwrap();
         // Group 9: R = [0, 1], mean 0.5, sample std = sqrt(0.5/1) = 0.7071068;
         // A = ∓0.5/0.7071078 = ∓0.7071058.
-        close(
-            &a.values,
-            &[0.0, 0.0, 0.0, 0.0, -0.7071058, 0.7071058, 0.0, 0.0],
-            1e-6,
-        );
-        assert!(a
-            .values
-            .iter()
-            .enumerate()
-            .all(|(i, v)| i == 4 || i == 5 || *v == 0.0));
+        close(&a.values, &[0.0, 0.0, 0.0, 0.0, -0.7071058, 0.7071058, 0.0, 0.0], 1e-6);
+        assert!(a.values.iter().enumerate().all(|(i, v)| i == 4 || i == 5 || *v == 0.0));
         assert_eq!(a.zero_variance_groups, vec![3, 4, 5]);
         assert_eq!(a.n_groups, 4);
         assert!((a.zero_variance_fraction() - 0.75).abs() < 1e-7);
@@ -376,11 +348,7 @@ mod tests {
     #[test]
     fn overlong_shaping_by_hand() {
         // DAPO paper numbers: L_max = 20480, L_cache = 4096 → expected length 16384.
-        let o = OverlongConfig {
-            max_len: 20480,
-            cache_len: 4096,
-            factor: 1.0,
-        };
+        let o = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
         assert_eq!(o.penalty(0), 0.0);
         assert_eq!(o.penalty(16384), 0.0); // boundary: len <= L_max - L_cache → 0
                                            // 16384 + 1024: (16384 - 17408)/4096 = -0.25
@@ -389,29 +357,13 @@ mod tests {
         assert_eq!(o.penalty(20480), -1.0); // end of the buffer: -factor
         assert_eq!(o.penalty(25000), -1.0); // beyond: -factor
                                             // factor 0.5, small numbers: L_max 10, L_cache 4 → expected 6; len 7 → -1/4*0.5.
-        let o = OverlongConfig {
-            max_len: 10,
-            cache_len: 4,
-            factor: 0.5,
-        };
+        let o = OverlongConfig { max_len: 10, cache_len: 4, factor: 0.5 };
         let mut r = [1.0, 1.0, 0.0, 0.0];
         o.apply(&mut r, &[6, 7, 10, 11]).unwrap();
         close(&r, &[1.0, 0.875, -0.5, -0.5], 0.0);
         assert!(o.apply(&mut r, &[1, 2]).is_err());
-        assert!(OverlongConfig {
-            max_len: 4,
-            cache_len: 5,
-            factor: 1.0
-        }
-        .validate()
-        .is_err());
-        assert!(OverlongConfig {
-            max_len: 4,
-            cache_len: 0,
-            factor: 1.0
-        }
-        .validate()
-        .is_err());
+        assert!(OverlongConfig { max_len: 4, cache_len: 5, factor: 1.0 }.validate().is_err());
+        assert!(OverlongConfig { max_len: 4, cache_len: 0, factor: 1.0 }.validate().is_err());
     }
 
     #[test]
@@ -424,12 +376,7 @@ mod tests {
         assert!(contiguous_group_ids(4, 0).is_err());
         let e = group_advantages(&[1.0, 0.0], &[0], AdvEstimator::Grpo, StdKind::Sample);
         assert!(e.is_err());
-        let e = group_advantages(
-            &[1.0, f32::NAN],
-            &[0, 0],
-            AdvEstimator::Grpo,
-            StdKind::Sample,
-        );
+        let e = group_advantages(&[1.0, f32::NAN], &[0, 0], AdvEstimator::Grpo, StdKind::Sample);
         assert!(format!("{}", e.unwrap_err()).contains("reward 1"));
     }
 }

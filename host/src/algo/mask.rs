@@ -76,10 +76,7 @@ fn ratio(a: usize, b: usize) -> f32 {
 }
 
 fn host_vec(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.detach()
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?)
+    Ok(t.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// The `q`-quantile of `values` with linear interpolation, as `torch.quantile(x, q)`
@@ -126,19 +123,13 @@ pub fn s2t_mask(
     tau_h: TauH,
 ) -> Result<(Tensor, S2tStats)> {
     if !(tau_p.is_finite() && tau_p > 0.0) {
-        return Err(Error::invalid(format!(
-            "s2t: tau_p = {tau_p}, expected a number > 0"
-        )));
+        return Err(Error::invalid(format!("s2t: tau_p = {tau_p}, expected a number > 0")));
     }
     match tau_h {
         TauH::Quantile(q) if !(0.0..=1.0).contains(&q) => {
-            return Err(Error::invalid(format!(
-                "s2t: tau_h quantile = {q}, expected a number in [0, 1]"
-            )))
+            return Err(Error::invalid(format!("s2t: tau_h quantile = {q}, expected a number in [0, 1]")))
         }
-        TauH::Abs(h) if h.is_nan() => {
-            return Err(Error::invalid("s2t: tau_h = NaN, expected a number"))
-        }
+        TauH::Abs(h) if h.is_nan() => return Err(Error::invalid("s2t: tau_h = NaN, expected a number")),
         _ => {}
     }
     let (b, l) = dims_bt(logp, "s2t: logp")?;
@@ -151,13 +142,9 @@ pub fn s2t_mask(
     let a = host_vec(&adv)?;
     let m = host_vec(response_mask)?;
 
-    let mut stats = S2tStats {
-        n_response: m.iter().filter(|&&x| x > 0.5).count(),
-        ..Default::default()
-    };
-    let candidates: Vec<usize> = (0..b * l)
-        .filter(|&i| m[i] > 0.5 && a[i] > 0.0 && lp[i].exp() < tau_p)
-        .collect();
+    let mut stats = S2tStats { n_response: m.iter().filter(|&&x| x > 0.5).count(), ..Default::default() };
+    let candidates: Vec<usize> =
+        (0..b * l).filter(|&i| m[i] > 0.5 && a[i] > 0.0 && lp[i].exp() < tau_p).collect();
     stats.n_candidates = candidates.len();
     stats.tau_h = match tau_h {
         TauH::Abs(v) => Some(v),
@@ -194,9 +181,7 @@ pub fn top_entropy_mask(
     rho: f32,
 ) -> Result<(Tensor, TopEntropyStats)> {
     if !(rho > 0.0 && rho <= 1.0) {
-        return Err(Error::invalid(format!(
-            "top-entropy: rho = {rho}, expected a number in (0, 1]"
-        )));
+        return Err(Error::invalid(format!("top-entropy: rho = {rho}, expected a number in (0, 1]")));
     }
     let (b, l) = dims_bt(entropy, "top-entropy: entropy")?;
     expect_bt(response_mask, "top-entropy: response_mask", b, l)?;
@@ -204,11 +189,7 @@ pub fn top_entropy_mask(
     let m = host_vec(response_mask)?;
     let mut idx: Vec<usize> = (0..b * l).filter(|&i| m[i] > 0.5).collect();
     let n = idx.len();
-    let k = if n == 0 {
-        0
-    } else {
-        ((n as f64 * rho as f64 + 0.9999).floor() as usize).clamp(1, n)
-    };
+    let k = if n == 0 { 0 } else { ((n as f64 * rho as f64 + 0.9999).floor() as usize).clamp(1, n) };
     // Stable sort, descending entropy: equal entropies keep row-major order.
     idx.sort_by(|&x, &y| h[y].total_cmp(&h[x]));
     let mut keep = vec![0f32; b * l];
@@ -217,14 +198,7 @@ pub fn top_entropy_mask(
     }
     let threshold = if k == 0 { None } else { Some(h[idx[k - 1]]) };
     let mask = Tensor::from_vec(keep, (b, l), entropy.device())?;
-    Ok((
-        mask,
-        TopEntropyStats {
-            n_response: n,
-            n_kept: k,
-            threshold,
-        },
-    ))
+    Ok((mask, TopEntropyStats { n_response: n, n_kept: k, threshold }))
 }
 
 /// Elementwise product of 0/1 masks of one shape (response mask × S2T × user mask ...):
@@ -279,16 +253,8 @@ mod tests {
         // 7  yes    yes     yes       YES
         // 8  yes    yes     yes       no: not a response token (response_mask = 0)
         // 9  A = 0  yes     yes       no: A > 0 is strict
-        let adv = Tensor::new(
-            &[-1f32, 1., -1., -1., 1., 1., -1., 1., 1., 0.],
-            &Device::Cpu,
-        )
-        .unwrap();
-        let lp = t2(
-            &[HIGH, HIGH, LOW, HIGH, LOW, HIGH, LOW, LOW, LOW, LOW],
-            10,
-            1,
-        );
+        let adv = Tensor::new(&[-1f32, 1., -1., -1., 1., 1., -1., 1., 1., 0.], &Device::Cpu).unwrap();
+        let lp = t2(&[HIGH, HIGH, LOW, HIGH, LOW, HIGH, LOW, LOW, LOW, LOW], 10, 1);
         let h = t2(&[2., 2., 2., 0.5, 2., 0.5, 0.5, 0.5, 0.5, 0.5], 10, 1);
         let rm = t2(&[1., 1., 1., 1., 1., 1., 1., 1., 0., 1.], 10, 1);
         let (m, s) = s2t_mask(&lp, &h, &adv, &rm, 0.002, TauH::Abs(1.0)).unwrap();
@@ -375,11 +341,7 @@ mod tests {
     fn top_entropy_keeps_top_fraction() {
         // 10 response tokens (one padding position with the largest H, never kept).
         // rho = 0.2: k = floor(10 * 0.2 + 0.9999) = 2 → the two largest H: 0.9 and 0.8.
-        let h = t2(
-            &[0.1, 0.9, 0.2, 0.3, 5.0, 0.8, 0.4, 0.5, 0.6, 0.7, 0.05, 0.0],
-            2,
-            6,
-        );
+        let h = t2(&[0.1, 0.9, 0.2, 0.3, 5.0, 0.8, 0.4, 0.5, 0.6, 0.7, 0.05, 0.0], 2, 6);
         let rm = t2(&[1., 1., 1., 1., 0., 1., 1., 1., 1., 1., 1., 0.], 2, 6);
         let (m, s) = top_entropy_mask(&h, &rm, 0.2).unwrap();
         assert_eq!(v(&m), vec![0., 1., 0., 0., 0., 1., 0., 0., 0., 0., 0., 0.]);
@@ -406,10 +368,7 @@ mod tests {
         let a = t2(&[1., 1., 0., 1.], 2, 2);
         let b = t2(&[1., 0., 1., 1.], 2, 2);
         let c = t2(&[1., 1., 1., 0.], 2, 2);
-        assert_eq!(
-            v(&compose_masks(&[&a, &b, &c]).unwrap()),
-            vec![1., 0., 0., 0.]
-        );
+        assert_eq!(v(&compose_masks(&[&a, &b, &c]).unwrap()), vec![1., 0., 0., 0.]);
         assert!(compose_masks(&[]).is_err());
         assert!(compose_masks(&[&a, &t2(&[1.; 3], 1, 3)]).is_err());
     }

@@ -19,15 +19,13 @@ pub mod objective;
 pub mod preset;
 
 pub use advantage::{
-    contiguous_group_ids, dynamic_sampling, group_advantages, AdvEstimator, Advantages,
-    DynamicSampling, OverlongConfig, RewardScale, StdKind,
+    contiguous_group_ids, dynamic_sampling, group_advantages, AdvEstimator, Advantages, DynamicSampling,
+    OverlongConfig, RewardScale, StdKind,
 };
-pub use mask::{
-    compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TauH, TopEntropyStats,
-};
+pub use mask::{compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TauH, TopEntropyStats};
 pub use objective::{
-    aggregate, compute_loss, AggMode, KlConfig, KlKind, LossInputs, LossMetrics, LossOutput,
-    Normaliser, ObjectiveKind,
+    aggregate, compute_loss, AggMode, KlConfig, KlKind, LossInputs, LossMetrics, LossOutput, Normaliser,
+    ObjectiveKind,
 };
 pub use preset::{MaskConfig, ObjectiveConfig, PRESETS, SET_KEYS};
 
@@ -39,9 +37,7 @@ use crate::{Error, Result};
 pub(crate) fn dims_bt(t: &Tensor, name: &str) -> Result<(usize, usize)> {
     match t.dims() {
         &[b, l] => Ok((b, l)),
-        d => Err(Error::invalid(format!(
-            "{name}: expected shape (B, T), found {d:?}"
-        ))),
+        d => Err(Error::invalid(format!("{name}: expected shape (B, T), found {d:?}"))),
     }
 }
 
@@ -63,8 +59,6 @@ pub fn expand_advantages(adv: &Tensor, b: usize, l: usize) -> Result<Tensor> {
     match adv.dims() {
         &[n] if n == b => Ok(adv.reshape((b, 1))?.broadcast_as((b, l))?.contiguous()?),
         &[n, m] if n == b && m == l => Ok(adv),
-        d => Err(Error::invalid(format!(
-            "advantages: expected shape ({b},) or ({b}, {l}), found {d:?}"
-        ))),
+        d => Err(Error::invalid(format!("advantages: expected shape ({b},) or ({b}, {l}), found {d:?}"))),
     }
 }

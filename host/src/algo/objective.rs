@@ -158,11 +158,7 @@ impl Normaliser {
         for (i, m) in masks.iter().enumerate() {
             let (_, l) = dims_bt(m, &format!("normaliser: mask {i}"))?;
             max_t = max_t.max(l);
-            let rows = m
-                .to_dtype(DType::F32)?
-                .gt(0.5f32)?
-                .to_dtype(DType::F32)?
-                .sum(1)?;
+            let rows = m.to_dtype(DType::F32)?.gt(0.5f32)?.to_dtype(DType::F32)?.sum(1)?;
             for r in rows.to_vec1::<f32>()? {
                 tokens += r as f64;
                 if r > 0.0 {
@@ -171,11 +167,7 @@ impl Normaliser {
             }
         }
         let norm_len = norm_len.unwrap_or(max_t) as f64;
-        Ok(Normaliser {
-            tokens,
-            seqs,
-            norm_len,
-        })
+        Ok(Normaliser { tokens, seqs, norm_len })
     }
 
     /// The divisor of `mode`, never below 1 (an all-masked batch gives loss 0, not NaN).
@@ -280,11 +272,7 @@ pub struct LossOutput {
 /// holding `-inf`/NaN log-probs yields neither NaN loss nor NaN gradients. An all-masked
 /// batch gives loss 0 and zero gradients. `cfg.dual_clip` applies to [`ObjectiveKind::Ppo`]
 /// only (as in verl).
-pub fn compute_loss(
-    cfg: &ObjectiveConfig,
-    inp: &LossInputs,
-    norm: &Normaliser,
-) -> Result<LossOutput> {
+pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) -> Result<LossOutput> {
     cfg.validate()?;
     let (b, l) = dims_bt(inp.logp, "loss: logp")?;
     expect_bt(inp.old_logp, "loss: old_logp", b, l)?;
@@ -337,9 +325,8 @@ pub fn compute_loss(
             // sg[log s_i]: mean of the token log-ratios over the kept tokens of row i.
             let count = m.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
             let seq_log_ratio = log_ratio.detach().sum_keepdim(1)?.div(&count)?; // (B, 1)
-            let log_s = (&logp - logp.detach())?
-                .broadcast_add(&seq_log_ratio)?
-                .minimum(GSPO_LOG_RATIO_MAX)?;
+            let log_s =
+                (&logp - logp.detach())?.broadcast_add(&seq_log_ratio)?.minimum(GSPO_LOG_RATIO_MAX)?;
             let s = log_s.exp()?;
             let pg1 = s.mul(&neg_adv)?;
             let pg2 = s.clamp(lo, hi)?.mul(&neg_adv)?;
@@ -406,9 +393,7 @@ pub fn compute_loss(
 
     // Metrics: one stacked vector, one device→host copy.
     let masked_sum = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().mul(&m)?.sum_all()?) };
-    let lr = log_ratio
-        .detach()
-        .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
+    let lr = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
     let k3_old_new = (lr.exp()? - &lr)?.affine(1.0, -1.0)?;
     let zero = Tensor::zeros((), f32_, dev)?;
     let agg_detached = |t: Option<&Tensor>| -> Result<Tensor> {
@@ -481,13 +466,7 @@ mod tests {
         }
     }
     fn cfg(kind: ObjectiveKind, agg: AggMode) -> ObjectiveConfig {
-        ObjectiveConfig {
-            kind,
-            agg,
-            eps_low: 0.2,
-            eps_high: 0.28,
-            ..ObjectiveConfig::default()
-        }
+        ObjectiveConfig { kind, agg, eps_low: 0.2, eps_high: 0.28, ..ObjectiveConfig::default() }
     }
     fn ln(x: f32) -> f32 {
         x.ln()
@@ -511,10 +490,7 @@ mod tests {
         let norm = Normaliser::from_masks(&[mask], None).unwrap();
         let out = compute_loss(c, &inp, &norm).unwrap();
         let g = out.loss.backward().unwrap();
-        let grad = g
-            .get(logp.as_tensor())
-            .map(vec)
-            .unwrap_or_else(|| vec![0.0; logp.elem_count()]);
+        let grad = g.get(logp.as_tensor()).map(vec).unwrap_or_else(|| vec![0.0; logp.elem_count()]);
         (out.loss.to_scalar::<f32>().unwrap(), grad, out.metrics)
     }
 
@@ -592,14 +568,7 @@ mod tests {
         c.agg = AggMode::SeqMeanTokenMean;
         let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
         assert!((loss + 0.6665332).abs() < 2e-6, "{loss}");
-        close(
-            &g,
-            &[
-                -0.3333667, -0.3333667, 0., 0.1668334, 0.1668334, 0., 0., 0., 0.,
-            ],
-            2e-6,
-            "grad",
-        );
+        close(&g, &[-0.3333667, -0.3333667, 0., 0.1668334, 0.1668334, 0., 0., 0., 0.], 2e-6, "grad");
         // Clip metrics use the sequence ratio: row 2's two tokens are clipped high (2 of 6).
         assert!((m.clip_frac_high - 2. / 6.).abs() < TOL && m.clip_frac_low == 0.0);
     }
@@ -617,10 +586,7 @@ mod tests {
         let old = t2(&[0.; 2], 2, 1);
         let adv = t1(&[1., -1.]);
         let mask = t2(&[1.; 2], 2, 1);
-        let c = ObjectiveConfig {
-            agg: AggMode::TokenMean,
-            ..ObjectiveConfig::preset("sapo").unwrap()
-        };
+        let c = ObjectiveConfig { agg: AggMode::TokenMean, ..ObjectiveConfig::preset("sapo").unwrap() };
         let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
         assert!((loss - 0.2647561).abs() < 2e-6, "{loss}");
         close(&g, &[-0.5, 0.7356759], 2e-6, "grad");
@@ -688,17 +654,9 @@ mod tests {
             assert!((loss - want_loss).abs() < 1e-6, "{kind:?}: {loss}");
             assert!((out.metrics.kl_loss * 0.1 - want_loss).abs() < 1e-6);
             let g = out.loss.backward().unwrap();
-            close(
-                &vec(g.get(logp.as_tensor()).unwrap()),
-                &want_g,
-                1e-6,
-                "kl grad",
-            );
+            close(&vec(g.get(logp.as_tensor()).unwrap()), &want_g, 1e-6, "kl grad");
             // KL configured without a reference is an error.
-            let inp = LossInputs {
-                ref_logp: None,
-                ..inp
-            };
+            let inp = LossInputs { ref_logp: None, ..inp };
             assert!(compute_loss(&c, &inp, &norm).is_err());
         }
     }
@@ -727,18 +685,10 @@ mod tests {
         assert!((out.loss.to_scalar::<f32>().unwrap() + 0.015).abs() < TOL);
         assert!((out.metrics.entropy_loss - 1.5).abs() < TOL);
         let g = out.loss.backward().unwrap();
-        close(
-            &vec(g.get(h.as_tensor()).unwrap()),
-            &[-0.005, -0.005],
-            TOL,
-            "dH",
-        );
+        close(&vec(g.get(h.as_tensor()).unwrap()), &[-0.005, -0.005], TOL, "dH");
         let gl = g.get(logp.as_tensor()).map(vec).unwrap_or(vec![0., 0.]);
         close(&gl, &[0., 0.], TOL, "dlogp");
-        let inp = LossInputs {
-            entropy: None,
-            ..inp
-        };
+        let inp = LossInputs { entropy: None, ..inp };
         assert!(compute_loss(&c, &inp, &norm).is_err());
     }
 
@@ -750,28 +700,15 @@ mod tests {
         let x = t2(&[1., 2., 3., 4., 5., 6.], 2, 3);
         let m = t2(&[1., 1., 0., 1., 0., 0.], 2, 3);
         let n = Normaliser::from_masks(&[&m], Some(4)).unwrap();
-        assert_eq!(
-            n,
-            Normaliser {
-                tokens: 3.,
-                seqs: 2.,
-                norm_len: 4.
-            }
-        );
+        assert_eq!(n, Normaliser { tokens: 3., seqs: 2., norm_len: 4. });
         let want = [7. / 3., 2.75, 3.5, 0.875];
         for (mode, w) in AggMode::ALL.into_iter().zip(want) {
-            let v = aggregate(&x, &m, mode, &n)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let v = aggregate(&x, &m, mode, &n).unwrap().to_scalar::<f32>().unwrap();
             assert!((v - w).abs() < TOL, "{}: {v} vs {w}", mode.name());
         }
         // norm_len defaults to the widest mask.
         assert_eq!(Normaliser::from_masks(&[&m], None).unwrap().norm_len, 3.);
-        assert_eq!(
-            AggMode::parse("seq_mean_token_sum_norm"),
-            Some(AggMode::SeqMeanTokenSumNorm)
-        );
+        assert_eq!(AggMode::parse("seq_mean_token_sum_norm"), Some(AggMode::SeqMeanTokenSumNorm));
     }
 
     /// (logp, old, ref, entropy, advantages, mask) as flat vectors.
@@ -781,12 +718,8 @@ mod tests {
     fn batch() -> Batch {
         let n = 20;
         let logp: Vec<f32> = (0..n).map(|i| -0.5 - 0.3 * (i as f32).sin()).collect();
-        let old: Vec<f32> = (0..n)
-            .map(|i| logp[i] + 0.25 * (1.7 * i as f32).cos())
-            .collect();
-        let rf: Vec<f32> = (0..n)
-            .map(|i| logp[i] + 0.1 * (2.3 * i as f32).sin())
-            .collect();
+        let old: Vec<f32> = (0..n).map(|i| logp[i] + 0.25 * (1.7 * i as f32).cos()).collect();
+        let rf: Vec<f32> = (0..n).map(|i| logp[i] + 0.1 * (2.3 * i as f32).sin()).collect();
         let h: Vec<f32> = (0..n).map(|i| 1.0 + 0.5 * (0.7 * i as f32).sin()).collect();
         let adv = vec![1.0, -0.5, 0.7, -1.2];
         let mask = vec![
@@ -800,22 +733,14 @@ mod tests {
 
     fn all_configs() -> Vec<ObjectiveConfig> {
         let mut out = Vec::new();
-        for kind in [
-            ObjectiveKind::Ppo,
-            ObjectiveKind::Gspo,
-            ObjectiveKind::Sapo,
-            ObjectiveKind::Pg,
-        ] {
+        for kind in [ObjectiveKind::Ppo, ObjectiveKind::Gspo, ObjectiveKind::Sapo, ObjectiveKind::Pg] {
             for agg in AggMode::ALL {
                 let mut c = cfg(kind, agg);
                 if kind == ObjectiveKind::Gspo {
                     (c.eps_low, c.eps_high) = (3e-4, 4e-4);
                 }
                 c.dual_clip = Some(1.5);
-                c.kl = Some(KlConfig {
-                    kind: KlKind::K3,
-                    beta: 0.1,
-                });
+                c.kl = Some(KlConfig { kind: KlKind::K3, beta: 0.1 });
                 c.entropy_coef = 0.01;
                 c.norm_len = Some(8);
                 out.push(c);
@@ -852,10 +777,7 @@ mod tests {
             assert!(full_loss.is_finite() && full_loss != 0.0, "{what}");
             // Micro-batches, the normaliser counted over all of them.
             let sl = |v: &[f32], (s, e): (usize, usize)| v[s * t..e * t].to_vec();
-            let masks: Vec<Tensor> = splits
-                .iter()
-                .map(|&p| t2(&sl(&mask, p), p.1 - p.0, t))
-                .collect();
+            let masks: Vec<Tensor> = splits.iter().map(|&p| t2(&sl(&mask, p), p.1 - p.0, t)).collect();
             let mrefs: Vec<&Tensor> = masks.iter().collect();
             let mnorm = Normaliser::from_masks(&mrefs, c.norm_len).unwrap();
             assert_eq!(mnorm, norm, "{what}");
@@ -865,11 +787,7 @@ mod tests {
                 let b = p.1 - p.0;
                 let lv = var(&sl(&logp, p), b, t);
                 let hv = var(&sl(&h, p), b, t);
-                let (o, r, a) = (
-                    t2(&sl(&old, p), b, t),
-                    t2(&sl(&rf, p), b, t),
-                    t1(&adv[p.0..p.1]),
-                );
+                let (o, r, a) = (t2(&sl(&old, p), b, t), t2(&sl(&rf, p), b, t), t1(&adv[p.0..p.1]));
                 let inp = LossInputs {
                     logp: lv.as_tensor(),
                     old_logp: &o,
@@ -885,19 +803,12 @@ mod tests {
                 gh.extend(g.get(hv.as_tensor()).map(vec).unwrap_or(vec![0.; b * t]));
                 metrics.merge(&out.metrics);
             }
-            assert!(
-                (loss_sum - full_loss).abs() < 1e-6,
-                "{what}: {loss_sum} vs {full_loss}"
-            );
+            assert!((loss_sum - full_loss).abs() < 1e-6, "{what}: {loss_sum} vs {full_loss}");
             close(&gl, &full_gl, 1e-6, &format!("{what} dlogp"));
             close(&gh, &full_gh, 1e-6, &format!("{what} dH"));
             // Merged metrics equal the full batch's.
             let f = &full.metrics;
-            assert_eq!(
-                (metrics.n_tokens, metrics.n_seqs),
-                (f.n_tokens, f.n_seqs),
-                "{what}"
-            );
+            assert_eq!((metrics.n_tokens, metrics.n_seqs), (f.n_tokens, f.n_seqs), "{what}");
             assert_eq!((f.n_tokens, f.n_seqs), (11, 3));
             for (x, y) in [
                 (metrics.pg_loss, f.pg_loss),
@@ -926,19 +837,9 @@ mod tests {
         let z = t2(&[0.; 3], 1, 3);
         let a = t1(&[1.]);
         let loss = |m: &Tensor, n: &Normaliser| {
-            let inp = LossInputs {
-                logp: &z,
-                old_logp: &z,
-                advantages: &a,
-                mask: m,
-                ref_logp: None,
-                entropy: None,
-            };
-            compute_loss(&c, &inp, n)
-                .unwrap()
-                .loss
-                .to_scalar::<f32>()
-                .unwrap()
+            let inp =
+                LossInputs { logp: &z, old_logp: &z, advantages: &a, mask: m, ref_logp: None, entropy: None };
+            compute_loss(&c, &inp, n).unwrap().loss.to_scalar::<f32>().unwrap()
         };
         assert_eq!(loss(&m1, &global) + loss(&m2, &global), -1.0);
         let local = |m: &Tensor| Normaliser::from_masks(&[m], None).unwrap();
@@ -1003,11 +904,7 @@ mod tests {
         let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
         assert!(e.contains("old_logp") && e.contains("[1, 3]"), "{e}");
         let bad_adv = t1(&[1., 1., 1.]);
-        let inp = LossInputs {
-            old_logp: &mask,
-            advantages: &bad_adv,
-            ..inp
-        };
+        let inp = LossInputs { old_logp: &mask, advantages: &bad_adv, ..inp };
         let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
         assert!(e.contains("advantages"), "{e}");
     }

@@ -75,15 +75,7 @@ pub struct ObjectiveConfig {
 }
 
 /// Names accepted by [`ObjectiveConfig::preset`].
-pub const PRESETS: [&str; 7] = [
-    "grpo",
-    "dapo",
-    "gspo",
-    "sapo",
-    "entropy20",
-    "justrl",
-    "stapo",
-];
+pub const PRESETS: [&str; 7] = ["grpo", "dapo", "gspo", "sapo", "entropy20", "justrl", "stapo"];
 
 /// Keys accepted by [`ObjectiveConfig::set`], with the value each expects.
 pub const SET_KEYS: [(&str, &str); 25] = [
@@ -108,7 +100,10 @@ pub const SET_KEYS: [(&str, &str); 25] = [
     ("rho", "number in (0, 1] (mask=top_entropy)"),
     ("dynamic_sampling", "true|false"),
     ("overlong", "none|on"),
-    ("overlong_max_len", "positive integer (turns overlong on if it was off; rescales cache_len to keep its fraction)"),
+    (
+        "overlong_max_len",
+        "positive integer (turns overlong on if it was off; rescales cache_len to keep its fraction)",
+    ),
     ("overlong_cache_len", "positive integer (turns overlong on if it was off)"),
     ("overlong_factor", "number >= 0 (turns overlong on if it was off)"),
     ("reward_scale", "zero_one|plus_minus_one"),
@@ -116,25 +111,14 @@ pub const SET_KEYS: [(&str, &str); 25] = [
 
 /// DAPO's overlong buffer: L_max = 20480, L_cache = 4096, factor 1 (set `overlong_max_len`
 /// to the run's max response length).
-const DAPO_OVERLONG: OverlongConfig = OverlongConfig {
-    max_len: 20480,
-    cache_len: 4096,
-    factor: 1.0,
-};
+const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
 /// STAPO's S2T defaults.
-const S2T_DEFAULT: MaskConfig = MaskConfig::S2t {
-    tau_p: 0.002,
-    tau_h: TauH::Quantile(0.75),
-};
+const S2T_DEFAULT: MaskConfig = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.75) };
 /// verl's default `kl_loss_coef`.
 const DEFAULT_KL_BETA: f32 = 0.001;
 
 fn cfg_err(field: &str, msg: impl Into<String>) -> Error {
-    Error::Config {
-        file: "objective config".into(),
-        field: field.into(),
-        msg: msg.into(),
-    }
+    Error::Config { file: "objective config".into(), field: field.into(), msg: msg.into() }
 }
 
 impl Default for ObjectiveConfig {
@@ -175,12 +159,8 @@ impl ObjectiveConfig {
     /// | justrl | eps 0.2/0.28, token-mean, no KL, no dynamic sampling, no overlong |
     /// | stapo | dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile), token-mean |
     pub fn preset(name: &str) -> Result<Self> {
-        let key: String = name
-            .trim()
-            .to_ascii_lowercase()
-            .chars()
-            .filter(|c| *c != '-' && *c != '_')
-            .collect();
+        let key: String =
+            name.trim().to_ascii_lowercase().chars().filter(|c| *c != '-' && *c != '_').collect();
         let grpo = ObjectiveConfig::default();
         let dapo = ObjectiveConfig {
             eps_high: 0.28,
@@ -192,36 +172,17 @@ impl ObjectiveConfig {
         let cfg = match key.as_str() {
             "grpo" => grpo,
             "dapo" => dapo,
-            "gspo" => ObjectiveConfig {
-                kind: ObjectiveKind::Gspo,
-                eps_low: 3e-4,
-                eps_high: 4e-4,
-                ..grpo
-            },
-            "sapo" => ObjectiveConfig {
-                kind: ObjectiveKind::Sapo,
-                ..grpo
-            },
-            "entropy20" | "20entropy" => ObjectiveConfig {
-                mask: MaskConfig::TopEntropy { rho: 0.2 },
-                ..dapo
-            },
-            "justrl" => ObjectiveConfig {
-                eps_high: 0.28,
-                agg: AggMode::TokenMean,
-                ..grpo
-            },
-            "stapo" => ObjectiveConfig {
-                mask: S2T_DEFAULT,
-                ..dapo
-            },
+            "gspo" => ObjectiveConfig { kind: ObjectiveKind::Gspo, eps_low: 3e-4, eps_high: 4e-4, ..grpo },
+            "sapo" => ObjectiveConfig { kind: ObjectiveKind::Sapo, ..grpo },
+            "entropy20" | "20entropy" => {
+                ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo }
+            }
+            "justrl" => ObjectiveConfig { eps_high: 0.28, agg: AggMode::TokenMean, ..grpo },
+            "stapo" => ObjectiveConfig { mask: S2T_DEFAULT, ..dapo },
             _ => {
                 return Err(cfg_err(
                     "preset",
-                    format!(
-                        "unknown preset `{name}`; valid presets: {}",
-                        PRESETS.join(", ")
-                    ),
+                    format!("unknown preset `{name}`; valid presets: {}", PRESETS.join(", ")),
                 ))
             }
         };
@@ -240,39 +201,24 @@ impl ObjectiveConfig {
         finite("eps_low", self.eps_low)?;
         finite("eps_high", self.eps_high)?;
         if !(0.0..1.0).contains(&self.eps_low) {
-            return Err(cfg_err(
-                "eps_low",
-                format!("expected a number in [0, 1), found {}", self.eps_low),
-            ));
+            return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {}", self.eps_low)));
         }
         if self.eps_high < 0.0 {
-            return Err(cfg_err(
-                "eps_high",
-                format!("expected a number >= 0, found {}", self.eps_high),
-            ));
+            return Err(cfg_err("eps_high", format!("expected a number >= 0, found {}", self.eps_high)));
         }
         if let Some(c) = self.dual_clip {
             if !(c.is_finite() && c > 1.0) {
-                return Err(cfg_err(
-                    "dual_clip",
-                    format!("expected a number > 1, found {c}"),
-                ));
+                return Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")));
             }
         }
-        for (f, v) in [
-            ("sapo_tau_pos", self.sapo_tau_pos),
-            ("sapo_tau_neg", self.sapo_tau_neg),
-        ] {
+        for (f, v) in [("sapo_tau_pos", self.sapo_tau_pos), ("sapo_tau_neg", self.sapo_tau_neg)] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
             }
         }
         if let Some(k) = &self.kl {
             if !(k.beta.is_finite() && k.beta >= 0.0) {
-                return Err(cfg_err(
-                    "kl_beta",
-                    format!("expected a number >= 0, found {}", k.beta),
-                ));
+                return Err(cfg_err("kl_beta", format!("expected a number >= 0, found {}", k.beta)));
             }
         }
         finite("entropy_coef", self.entropy_coef)?;
@@ -283,10 +229,7 @@ impl ObjectiveConfig {
             MaskConfig::None => {}
             MaskConfig::S2t { tau_p, tau_h } => {
                 if !(tau_p.is_finite() && tau_p > 0.0) {
-                    return Err(cfg_err(
-                        "tau_p",
-                        format!("expected a number > 0, found {tau_p}"),
-                    ));
+                    return Err(cfg_err("tau_p", format!("expected a number > 0, found {tau_p}")));
                 }
                 match tau_h {
                     TauH::Abs(h) if h.is_nan() => {
@@ -303,16 +246,12 @@ impl ObjectiveConfig {
             }
             MaskConfig::TopEntropy { rho } => {
                 if !(rho > 0.0 && rho <= 1.0) {
-                    return Err(cfg_err(
-                        "rho",
-                        format!("expected a number in (0, 1], found {rho}"),
-                    ));
+                    return Err(cfg_err("rho", format!("expected a number in (0, 1], found {rho}")));
                 }
             }
         }
         if let Some(o) = &self.overlong {
-            o.validate()
-                .map_err(|e| cfg_err("overlong", e.to_string()))?;
+            o.validate().map_err(|e| cfg_err("overlong", e.to_string()))?;
         }
         Ok(())
     }
@@ -321,9 +260,7 @@ impl ObjectiveConfig {
     /// unchanged and the error names the key and what it expects (or lists the valid keys).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
         let before = self.clone();
-        let r = self
-            .set_unchecked(key.trim(), value.trim())
-            .and_then(|_| self.validate());
+        let r = self.set_unchecked(key.trim(), value.trim()).and_then(|_| self.validate());
         if r.is_err() {
             *self = before;
         }
@@ -331,20 +268,10 @@ impl ObjectiveConfig {
     }
 
     fn set_unchecked(&mut self, key: &str, value: &str) -> Result<()> {
-        let expects = |k: &str| {
-            SET_KEYS
-                .iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, e)| *e)
-                .unwrap_or("")
-        };
+        let expects = |k: &str| SET_KEYS.iter().find(|(n, _)| *n == k).map(|(_, e)| *e).unwrap_or("");
         let bad = |k: &str| cfg_err(k, format!("expected {}, found `{value}`", expects(k)));
         let num = |k: &str| -> Result<f32> {
-            value
-                .parse::<f32>()
-                .ok()
-                .filter(|v| v.is_finite())
-                .ok_or_else(|| bad(k))
+            value.parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| bad(k))
         };
         let int = |k: &str| -> Result<usize> { value.parse::<usize>().map_err(|_| bad(k)) };
         let is_none = matches!(value.to_ascii_lowercase().as_str(), "none" | "off" | "null");
@@ -373,18 +300,9 @@ impl ObjectiveConfig {
                 let beta = self.kl.map(|k| k.beta).unwrap_or(DEFAULT_KL_BETA);
                 self.kl = match lower.as_str() {
                     "none" | "off" | "null" => None,
-                    "k1" => Some(KlConfig {
-                        kind: KlKind::K1,
-                        beta,
-                    }),
-                    "k2" => Some(KlConfig {
-                        kind: KlKind::K2,
-                        beta,
-                    }),
-                    "k3" | "low_var_kl" => Some(KlConfig {
-                        kind: KlKind::K3,
-                        beta,
-                    }),
+                    "k1" => Some(KlConfig { kind: KlKind::K1, beta }),
+                    "k2" => Some(KlConfig { kind: KlKind::K2, beta }),
+                    "k3" | "low_var_kl" => Some(KlConfig { kind: KlKind::K3, beta }),
                     _ => return Err(bad(key)),
                 }
             }
@@ -482,10 +400,7 @@ impl ObjectiveConfig {
             }
             _ => {
                 let keys: Vec<&str> = SET_KEYS.iter().map(|(k, _)| *k).collect();
-                return Err(cfg_err(
-                    key,
-                    format!("unknown key; valid keys: {}", keys.join(", ")),
-                ));
+                return Err(cfg_err(key, format!("unknown key; valid keys: {}", keys.join(", "))));
             }
         }
         Ok(())
@@ -510,13 +425,7 @@ mod tests {
         assert_eq!(s.kind, ObjectiveKind::Ppo);
         assert_eq!((s.eps_low, s.eps_high), (0.2, 0.28));
         assert_eq!(s.agg, AggMode::TokenMean);
-        assert_eq!(
-            s.mask,
-            MaskConfig::S2t {
-                tau_p: 0.002,
-                tau_h: TauH::Quantile(0.75)
-            }
-        );
+        assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.75) });
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
         let g = ObjectiveConfig::preset("GSPO").unwrap();
@@ -525,22 +434,14 @@ mod tests {
             (ObjectiveKind::Gspo, 3e-4, 4e-4, AggMode::SeqMeanTokenMean)
         );
         let sa = ObjectiveConfig::preset("sapo").unwrap();
-        assert_eq!(
-            (sa.kind, sa.sapo_tau_pos, sa.sapo_tau_neg),
-            (ObjectiveKind::Sapo, 1.0, 1.05)
-        );
+        assert_eq!((sa.kind, sa.sapo_tau_pos, sa.sapo_tau_neg), (ObjectiveKind::Sapo, 1.0, 1.05));
         let d = ObjectiveConfig::preset("dapo").unwrap();
         assert!(d.dynamic_sampling && d.overlong.is_some());
         let e = ObjectiveConfig::preset("entropy-20").unwrap();
         assert_eq!(e.mask, MaskConfig::TopEntropy { rho: 0.2 });
         let j = ObjectiveConfig::preset("justrl").unwrap();
-        assert!(
-            !j.dynamic_sampling && j.kl.is_none() && j.overlong.is_none() && j.eps_high == 0.28
-        );
-        assert_eq!(
-            ObjectiveConfig::preset("grpo").unwrap(),
-            ObjectiveConfig::default()
-        );
+        assert!(!j.dynamic_sampling && j.kl.is_none() && j.overlong.is_none() && j.eps_high == 0.28);
+        assert_eq!(ObjectiveConfig::preset("grpo").unwrap(), ObjectiveConfig::default());
     }
 
     #[test]
@@ -555,18 +456,14 @@ mod tests {
         let mut c = ObjectiveConfig::preset("stapo").unwrap();
         c.set("kl", "k2").unwrap();
         c.set("tau_h", "0.5").unwrap();
-        let back: ObjectiveConfig =
-            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        let back: ObjectiveConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
     }
 
     #[test]
     fn unknown_preset_lists_valid_ones() {
         let e = ObjectiveConfig::preset("ppo2").unwrap_err().to_string();
-        assert!(
-            e.contains("ppo2") && e.contains("grpo") && e.contains("stapo"),
-            "{e}"
-        );
+        assert!(e.contains("ppo2") && e.contains("grpo") && e.contains("stapo"), "{e}");
     }
 
     #[test]
@@ -581,41 +478,15 @@ mod tests {
         c.set("tau_h_quantile", "0.5").unwrap();
         c.set_pair("overlong_max_len=1024").unwrap();
         // DAPO buffer 4096/20480 = 0.2 of L_max → round(0.2 · 1024) = 205.
-        assert_eq!(
-            c.overlong,
-            Some(OverlongConfig {
-                max_len: 1024,
-                cache_len: 205,
-                factor: 1.0
-            })
-        );
+        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 205, factor: 1.0 }));
         c.set("overlong_cache_len", "256").unwrap();
         assert_eq!(c.eps_high, 0.28);
         assert_eq!(c.agg, AggMode::TokenMean);
         assert_eq!(c.dual_clip, Some(3.0));
-        assert_eq!(
-            c.kl,
-            Some(KlConfig {
-                kind: KlKind::K3,
-                beta: 0.04
-            })
-        );
+        assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K3, beta: 0.04 }));
         assert_eq!(c.adv, AdvEstimator::DrGrpo);
-        assert_eq!(
-            c.mask,
-            MaskConfig::S2t {
-                tau_p: 0.002,
-                tau_h: TauH::Quantile(0.5)
-            }
-        );
-        assert_eq!(
-            c.overlong,
-            Some(OverlongConfig {
-                max_len: 1024,
-                cache_len: 256,
-                factor: 1.0
-            })
-        );
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.5) });
+        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
         c.set("dual_clip", "none").unwrap();
         assert_eq!(c.dual_clip, None);
     }
@@ -625,15 +496,9 @@ mod tests {
         let mut c = ObjectiveConfig::preset("stapo").unwrap();
         let before = c.clone();
         let e = c.set("eps_lo", "0.1").unwrap_err().to_string();
-        assert!(
-            e.contains("eps_lo") && e.contains("valid keys") && e.contains("eps_low"),
-            "{e}"
-        );
+        assert!(e.contains("eps_lo") && e.contains("valid keys") && e.contains("eps_low"), "{e}");
         let e = c.set("eps_low", "abc").unwrap_err().to_string();
-        assert!(
-            e.contains("eps_low") && e.contains("number") && e.contains("abc"),
-            "{e}"
-        );
+        assert!(e.contains("eps_low") && e.contains("number") && e.contains("abc"), "{e}");
         let e = c.set("eps_low", "1.5").unwrap_err().to_string(); // parses, fails validation
         assert!(e.contains("eps_low") && e.contains("[0, 1)"), "{e}");
         let e = c.set("dual_clip", "0.5").unwrap_err().to_string();

@@ -156,8 +156,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         device_name(&device)
     );
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
-    let rows: Vec<Vec<u32>> =
-        (0..a.batch).map(|b| (0..a.seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect()).collect();
+    let rows: Vec<Vec<u32>> = (0..a.batch)
+        .map(|b| (0..a.seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())
+        .collect();
     let batch = TokenBatch::left_padded(&rows, 0, &device)?;
     if a.what == What::Matmul {
         return bench_matmul(&cfg, &a, &device);
@@ -206,10 +207,19 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     let resp = a.response.unwrap_or(a.seq / 2).clamp(1, a.seq.saturating_sub(1).max(1));
     let (b, p) = (a.batch, a.seq - resp);
     let seqs = synthetic_sequences(cfg, b, a.seq, resp);
-    let rows: Vec<Vec<u32>> = seqs.iter().map(|s| [s.prompt_ids.clone(), s.response_ids.clone()].concat()).collect();
+    let rows: Vec<Vec<u32>> =
+        seqs.iter().map(|s| [s.prompt_ids.clone(), s.response_ids.clone()].concat()).collect();
     let tokens = TokenBatch::left_padded(&rows, 0, &device)?;
-    let targets = Tensor::from_vec(seqs.iter().flat_map(|s| s.response_ids.clone()).collect::<Vec<_>>(), (b, resp), &device)?;
-    let adv = Tensor::from_vec((0..b).map(|i| if i % 2 == 0 { -1f32 } else { 1.0 }).collect::<Vec<_>>(), (b, 1), &device)?;
+    let targets = Tensor::from_vec(
+        seqs.iter().flat_map(|s| s.response_ids.clone()).collect::<Vec<_>>(),
+        (b, resp),
+        &device,
+    )?;
+    let adv = Tensor::from_vec(
+        (0..b).map(|i| if i % 2 == 0 { -1f32 } else { 1.0 }).collect::<Vec<_>>(),
+        (b, 1),
+        &device,
+    )?;
     let fwd = update_forward_flops(cfg, b, a.seq, resp);
     let logp_of = |grad: Grad| -> anyhow::Result<(Tensor, Tensor)> {
         let h = m.forward_hidden(&tokens, grad)?.narrow(1, p - 1, resp)?;
@@ -261,7 +271,10 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     }
     let r = reps as f64;
     let n = b * a.seq;
-    println!("update pieces: {b} x {} tokens ({p} prompt + {resp} response), mean of {reps} after a warm-up", a.seq);
+    println!(
+        "update pieces: {b} x {} tokens ({p} prompt + {resp} response), mean of {reps} after a warm-up",
+        a.seq
+    );
     report("old-policy forward (no grad)", t_old / r, Some(fwd), n);
     report("forward + loss", t_fwd / r, Some(fwd), n);
     report("backward", t_bwd / r, Some(2.0 * fwd), n);
@@ -345,7 +358,8 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<
     report(&format!("dW {i}x{n}x{h}: dy^T view @ x"), t1, Some(flops), n);
     report("dW: copy dy^T then @ x", t2, Some(flops), n);
     report("dW: (x^T @ dy)^T", t3, Some(flops), n);
-    let (nkv, g, d, l) = (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, a.seq);
+    let (nkv, g, d, l) =
+        (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, a.seq);
     let q = r(&[a.batch, nkv, g * l, d])?;
     let k = r(&[a.batch, nkv, l, d])?;
     let flops = 2.0 * (a.batch * nkv * g * l * l * d) as f64;

@@ -52,7 +52,8 @@ pub struct EvalArgs {
 }
 
 pub fn template(name: &str) -> anyhow::Result<PromptTemplate> {
-    PromptTemplate::from_name(name)?.ok_or_else(|| anyhow::anyhow!("--template: expected raw, bare, chat or chat-think"))
+    PromptTemplate::from_name(name)?
+        .ok_or_else(|| anyhow::anyhow!("--template: expected raw, bare, chat or chat-think"))
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
@@ -82,20 +83,38 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let bar = ProgressBar::new(n as u64);
         bar.set_style(
-            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} problems  {elapsed} (eta {eta})")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{prefix:>14} [{bar:30}] {pos}/{len} problems  {elapsed} (eta {eta})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
         );
         bar.set_prefix(name.clone());
-        let report = eval::evaluate(&m, &tok, examples, &tpl, &params, a.mode, a.batch, &|done| bar.set_position(done as u64))?;
+        let report = eval::evaluate(&m, &tok, examples, &tpl, &params, a.mode, a.batch, &|done| {
+            bar.set_position(done as u64)
+        })?;
         bar.finish_and_clear();
         rows.push((name, report.overall.clone()));
         all_samples.extend(report.samples);
     }
     eval::write_samples(&a.out, &all_samples)?;
-    println!("{:<16} {:>8} {:>10} {:>10} {:>9}", "benchmark", "problems", format!("avg@{}", a.n), format!("pass@{}", a.n), "mean len");
+    println!(
+        "{:<16} {:>8} {:>10} {:>10} {:>9}",
+        "benchmark",
+        "problems",
+        format!("avg@{}", a.n),
+        format!("pass@{}", a.n),
+        "mean len"
+    );
     for (name, s) in &rows {
-        println!("{:<16} {:>8} {:>9.1}% {:>9.1}% {:>9.1}", name, s.problems, 100.0 * s.avg, 100.0 * s.pass, s.mean_len);
+        println!(
+            "{:<16} {:>8} {:>9.1}% {:>9.1}% {:>9.1}",
+            name,
+            s.problems,
+            100.0 * s.avg,
+            100.0 * s.pass,
+            s.mean_len
+        );
     }
     if rows.len() > 1 {
         let k = rows.len() as f64;

@@ -6,8 +6,8 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use stapo::data::{render_chat, Message, Tokenizer};
-use stapo::rollout::{self, SamplingParams};
 use stapo::model::{self, Config, Grad, TokenBatch};
+use stapo::rollout::{self, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -44,7 +44,8 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
     model::save(&m, &a.out, save_dtype, tok_dir.as_deref())?;
     if let (Some(t), Some(name)) = (&a.tokenizer, a.tokenizer.as_ref().and_then(|t| t.file_name())) {
         if name != "tokenizer.json" {
-            std::fs::copy(t, a.out.join("tokenizer.json")).with_context(|| format!("copying {}", t.display()))?;
+            std::fs::copy(t, a.out.join("tokenizer.json"))
+                .with_context(|| format!("copying {}", t.display()))?;
         }
     }
     println!(
@@ -93,11 +94,8 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let text = if a.chat {
-        render_chat(&[Message::user(a.prompt.clone())], true, false)
-    } else {
-        a.prompt.clone()
-    };
+    let text =
+        if a.chat { render_chat(&[Message::user(a.prompt.clone())], true, false) } else { a.prompt.clone() };
     let ids = tok.encode(&text, false)?;
     anyhow::ensure!(!ids.is_empty(), "the prompt encodes to no tokens");
     let params = SamplingParams {
@@ -202,10 +200,21 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
         println!("{:>5}  {:>7}  {:<20}  {:>10}  {:>8}", "pos", "id", "token", "logprob", "entropy");
         for r in &rows {
             let f = |x: Option<f32>| x.map_or("-".to_string(), |v| format!("{v:.4}"));
-            println!("{:>5}  {:>7}  {:<20}  {:>10}  {:>8}", r.pos, r.id, format!("{:?}", r.token), f(r.logprob), f(r.entropy));
+            println!(
+                "{:>5}  {:>7}  {:<20}  {:>10}  {:>8}",
+                r.pos,
+                r.id,
+                format!("{:?}", r.token),
+                f(r.logprob),
+                f(r.entropy)
+            );
         }
         let total: f32 = logp.iter().sum();
-        println!("total logprob {total:.4} over {} predicted tokens (perplexity {:.3})", logp.len(), (-total / logp.len().max(1) as f32).exp());
+        println!(
+            "total logprob {total:.4} over {} predicted tokens (perplexity {:.3})",
+            logp.len(),
+            (-total / logp.len().max(1) as f32).exp()
+        );
     }
     Ok(())
 }

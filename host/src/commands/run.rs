@@ -42,7 +42,8 @@ fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
     pairs
         .iter()
         .map(|p| {
-            let (k, v) = p.split_once('=').ok_or_else(|| anyhow::anyhow!("--set {p:?}: expected KEY=VALUE"))?;
+            let (k, v) =
+                p.split_once('=').ok_or_else(|| anyhow::anyhow!("--set {p:?}: expected KEY=VALUE"))?;
             anyhow::ensure!(!k.trim().is_empty(), "--set {p:?}: empty key");
             Ok((k.trim().to_string(), v.trim().to_string()))
         })
@@ -52,28 +53,38 @@ fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut scripts = a.scripts.clone();
     if let Some(dir) = &a.resume {
-        anyhow::ensure!(dir.join("run_config.json").is_file(), "--resume {}: not a run folder (no run_config.json)", dir.display());
+        anyhow::ensure!(
+            dir.join("run_config.json").is_file(),
+            "--resume {}: not a run folder (no run_config.json)",
+            dir.display()
+        );
         if scripts.is_empty() {
             scripts.push(dir.join("script.rhai"));
         }
         anyhow::ensure!(scripts.len() == 1, "--resume continues one run: give at most one script");
     }
-    anyhow::ensure!(!scripts.is_empty(), "give one or more scripts to run (e.g. stapo run scripts/stapo_basic.rhai)");
+    anyhow::ensure!(
+        !scripts.is_empty(),
+        "give one or more scripts to run (e.g. stapo run scripts/stapo_basic.rhai)"
+    );
     anyhow::ensure!(a.out.is_none() || scripts.len() == 1, "--out names the run folder of a single script");
     let args = parse_set(&a.set)?;
     let smoke = a.smoke || std::env::var("STAPO_SMOKE").is_ok_and(|v| !v.is_empty() && v != "0");
     let cancel = script::signal::install();
     let mut outcomes = Vec::new();
     for path in &scripts {
-        let opts = HostOptions {
-            smoke,
-            args: args.clone(),
-            run_dir: a.resume.clone().or_else(|| a.out.clone()).or_else(|| Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs")))),
-            resume: a.resume.is_some(),
-            progress: !a.quiet && std::io::stderr().is_terminal(),
-            watch: a.watch,
-            stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
-        };
+        let opts =
+            HostOptions {
+                smoke,
+                args: args.clone(),
+                run_dir: a.resume.clone().or_else(|| a.out.clone()).or_else(|| {
+                    Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs")))
+                }),
+                resume: a.resume.is_some(),
+                progress: !a.quiet && std::io::stderr().is_terminal(),
+                watch: a.watch,
+                stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
+            };
         script::signal::clear();
         let host = Host::with_cancel(opts, Console::Stdout, cancel);
         eprintln!("== {}", path.display());
@@ -96,7 +107,10 @@ fn fmt_opt(x: Option<f64>) -> String {
 /// script, status, steps, final reward/accuracy, wall time, run folder.
 fn print_summary(outcomes: &[RunOutcome]) {
     let w = outcomes.iter().map(|o| o.script.display().to_string().chars().count()).max().unwrap_or(6).max(6);
-    println!("\n{:<w$} {:<7} {:>6} {:>8} {:>8} {:>9}  run folder", "script", "status", "steps", "reward", "acc", "time");
+    println!(
+        "\n{:<w$} {:<7} {:>6} {:>8} {:>8} {:>9}  run folder",
+        "script", "status", "steps", "reward", "acc", "time"
+    );
     for o in outcomes {
         let name = o.script.display().to_string();
         let status = if o.ok() { "ok" } else { "FAILED" };
@@ -109,7 +123,11 @@ fn print_summary(outcomes: &[RunOutcome]) {
             fmt_opt(last.and_then(|t| t.reward)),
             fmt_opt(last.and_then(|t| t.accuracy)),
             o.seconds,
-            if o.trains.is_empty() { "-".to_string() } else { o.trains.iter().map(|t| t.run_dir.clone()).collect::<Vec<_>>().join(", ") }
+            if o.trains.is_empty() {
+                "-".to_string()
+            } else {
+                o.trains.iter().map(|t| t.run_dir.clone()).collect::<Vec<_>>().join(", ")
+            }
         );
     }
 }

@@ -63,7 +63,8 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let reward = s.reward.with_context(|| format!("{}: sample {i} has no reward", a.rollouts.display()))?;
+            let reward =
+                s.reward.with_context(|| format!("{}: sample {i} has no reward", a.rollouts.display()))?;
             Ok(Sequence::from_sample(s, reward))
         })
         .collect::<anyhow::Result<_>>()?;
@@ -84,7 +85,8 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?;
         let text = serde_json::to_string_pretty(&serde_json::json!({"config": cfg, "metrics": metrics}))
             .map_err(|e| stapo::Error::invalid(e.to_string()))?;
-        std::fs::write(tmp.join("update_metrics.json"), text).map_err(|e| stapo::Error::io(tmp.join("update_metrics.json"), e))
+        std::fs::write(tmp.join("update_metrics.json"), text)
+            .map_err(|e| stapo::Error::io(tmp.join("update_metrics.json"), e))
     })?;
     println!("{}", serde_json::to_string_pretty(&metrics)?);
     eprintln!("wrote {}", a.out.display());

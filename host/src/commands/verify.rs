@@ -32,7 +32,10 @@ pub fn run(a: VerifyArgs) -> anyhow::Result<()> {
             } else {
                 v
             };
-            println!("{}", serde_json::json!({"gold": gold, "pred": pred, "extracted": v.extracted, "correct": v.correct}));
+            println!(
+                "{}",
+                serde_json::json!({"gold": gold, "pred": pred, "extracted": v.extracted, "correct": v.correct})
+            );
             Ok(())
         }
         (_, _, Some(input)) => {

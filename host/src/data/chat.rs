@@ -20,12 +20,11 @@
 //! The tests compare every rendering with strings and token ids produced by
 //! `transformers` (fixture `host/tests/fixtures/chat/qwen3_chat.json`).
 
-use serde::{Deserialize, Serialize};
 use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
 
 /// The instruction the STAPO paper (and DAPO) appends to every math problem.
-pub const BOXED_SUFFIX: &str =
-    "Please reason step by step, and put your final answer within \\boxed{}.";
+pub const BOXED_SUFFIX: &str = "Please reason step by step, and put your final answer within \\boxed{}.";
 
 /// What goes between the problem text and the suffix: one newline.
 pub const SUFFIX_SEPARATOR: &str = "\n";
@@ -43,10 +42,7 @@ pub struct Message {
 impl Message {
     /// A message with any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
+        Message { role: role.into(), content: content.into() }
     }
     /// A `system` message.
     pub fn system(content: impl Into<String>) -> Self {
@@ -83,12 +79,8 @@ fn split_reasoning(text: &str) -> (&str, &str) {
     let after_last = text.rsplit("</think>").next().unwrap_or("");
     let before_first = text.split("</think>").next().unwrap_or("");
     let answer = after_last.trim_start_matches('\n');
-    let reasoning = before_first
-        .trim_end_matches('\n')
-        .rsplit("<think>")
-        .next()
-        .unwrap_or("")
-        .trim_start_matches('\n');
+    let reasoning =
+        before_first.trim_end_matches('\n').rsplit("<think>").next().unwrap_or("").trim_start_matches('\n');
     (reasoning, answer)
 }
 
@@ -103,11 +95,7 @@ fn split_reasoning(text: &str) -> (&str, &str) {
 /// let s = render_chat(&[Message::user("2+2?")], true, true);
 /// assert_eq!(s, "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n");
 /// ```
-pub fn render_chat(
-    messages: &[Message],
-    add_generation_prompt: bool,
-    enable_thinking: bool,
-) -> String {
+pub fn render_chat(messages: &[Message], add_generation_prompt: bool, enable_thinking: bool) -> String {
     let mut out = String::new();
     if let Some(first) = messages.first() {
         if first.role == "system" {
@@ -232,9 +220,7 @@ impl Default for PromptTemplate {
 impl PromptTemplate {
     /// `Raw` with the paper's suffix ([`BOXED_SUFFIX`]).
     pub fn raw() -> Self {
-        PromptTemplate::Raw {
-            suffix: BOXED_SUFFIX.to_string(),
-        }
+        PromptTemplate::Raw { suffix: BOXED_SUFFIX.to_string() }
     }
 
     /// A template by name: `raw` (problem + the paper's suffix), `bare` (the
@@ -257,11 +243,7 @@ impl PromptTemplate {
 
     /// `Chat` with no system message, the paper's suffix, and the given thinking mode.
     pub fn chat(enable_thinking: bool) -> Self {
-        PromptTemplate::Chat {
-            system: None,
-            suffix: Some(BOXED_SUFFIX.to_string()),
-            enable_thinking,
-        }
+        PromptTemplate::Chat { system: None, suffix: Some(BOXED_SUFFIX.to_string()), enable_thinking }
     }
 
     /// The user text: problem, separator, suffix (separator only if the suffix is non-empty).
@@ -281,11 +263,7 @@ impl PromptTemplate {
     pub fn render(&self, problem: &str) -> String {
         match self {
             PromptTemplate::Raw { suffix } => Self::user_text(problem, Some(suffix)),
-            PromptTemplate::Chat {
-                system,
-                suffix,
-                enable_thinking,
-            } => {
+            PromptTemplate::Chat { system, suffix, enable_thinking } => {
                 let mut msgs = Vec::with_capacity(2);
                 if let Some(s) = system {
                     msgs.push(Message::system(s.clone()));
@@ -310,8 +288,7 @@ mod tests {
         assert!(cases.len() >= 6);
         for c in cases {
             let name = c["name"].as_str().expect("name");
-            let msgs: Vec<Message> =
-                serde_json::from_value(c["messages"].clone()).expect("messages");
+            let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).expect("messages");
             let gen = c["add_generation_prompt"].as_bool().expect("flag");
             let think = c["enable_thinking"].as_bool().expect("flag");
             let got = render_chat(&msgs, gen, think);
@@ -326,25 +303,16 @@ mod tests {
         let fx = chat_fixture();
         for c in fx["chat"].as_array().expect("cases") {
             let name = c["name"].as_str().expect("name");
-            let msgs: Vec<Message> =
-                serde_json::from_value(c["messages"].clone()).expect("messages");
+            let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).expect("messages");
             let text = render_chat(
                 &msgs,
                 c["add_generation_prompt"].as_bool().expect("flag"),
                 c["enable_thinking"].as_bool().expect("flag"),
             );
             let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).expect("ids");
-            assert_eq!(
-                tok.encode(&text, false).expect("encode"),
-                want,
-                "case {name}"
-            );
+            assert_eq!(tok.encode(&text, false).expect("encode"), want, "case {name}");
             // Chat markup round-trips when special tokens are kept.
-            assert_eq!(
-                tok.decode(&want, false).expect("decode"),
-                text,
-                "case {name}"
-            );
+            assert_eq!(tok.decode(&want, false).expect("decode"), text, "case {name}");
         }
     }
 
@@ -352,10 +320,7 @@ mod tests {
     fn reasoning_split_follows_python_split_semantics() {
         assert_eq!(split_reasoning("no think here"), ("", "no think here"));
         assert_eq!(split_reasoning("<think>\nr\n</think>\n\nans"), ("r", "ans"));
-        assert_eq!(
-            split_reasoning("a <think>x</think> b <think>y</think>\nc"),
-            ("x", "c")
-        );
+        assert_eq!(split_reasoning("a <think>x</think> b <think>y</think>\nc"), ("x", "c"));
         assert_eq!(split_reasoning("</think>only answer"), ("", "only answer"));
     }
 
@@ -366,10 +331,7 @@ mod tests {
             render_chat(&m, true, false),
             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
         );
-        assert_eq!(
-            render_chat(&m, false, false),
-            "<|im_start|>user\nhi<|im_end|>\n"
-        );
+        assert_eq!(render_chat(&m, false, false), "<|im_start|>user\nhi<|im_end|>\n");
         assert_eq!(render_chat(&[], true, true), "<|im_start|>assistant\n");
     }
 
@@ -378,17 +340,10 @@ mod tests {
         let raw = PromptTemplate::raw().render("What is 1+1?");
         assert_eq!(raw, format!("What is 1+1?\n{BOXED_SUFFIX}"));
         assert!(raw.ends_with("within \\boxed{}."));
-        let bare = PromptTemplate::Raw {
-            suffix: String::new(),
-        }
-        .render("Q");
+        let bare = PromptTemplate::Raw { suffix: String::new() }.render("Q");
         assert_eq!(bare, "Q");
 
-        let chat = PromptTemplate::Chat {
-            system: Some("S".into()),
-            suffix: None,
-            enable_thinking: false,
-        };
+        let chat = PromptTemplate::Chat { system: Some("S".into()), suffix: None, enable_thinking: false };
         assert_eq!(
             chat.render("Q"),
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -89,10 +89,7 @@ fn field_str<'a>(
     match obj.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(other) => Err(format!(
-            "field `{name}`: expected a string, found {}",
-            kind(other)
-        )),
+        Some(other) => Err(format!("field `{name}`: expected a string, found {}", kind(other))),
     }
 }
 
@@ -105,10 +102,7 @@ fn field_text(
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(Value::Number(n)) => Ok(Some(n.to_string())),
-        Some(other) => Err(format!(
-            "field `{name}`: expected a string or number, found {}",
-            kind(other)
-        )),
+        Some(other) => Err(format!("field `{name}`: expected a string or number, found {}", kind(other))),
     }
 }
 
@@ -130,11 +124,8 @@ fn first_of(
     numbers_ok: bool,
 ) -> std::result::Result<Option<(String, String)>, String> {
     for name in names {
-        let found = if numbers_ok {
-            field_text(obj, name)?
-        } else {
-            field_str(obj, name)?.map(str::to_string)
-        };
+        let found =
+            if numbers_ok { field_text(obj, name)? } else { field_str(obj, name)?.map(str::to_string) };
         if let Some(text) = found {
             return Ok(Some((name.clone(), text)));
         }
@@ -166,10 +157,8 @@ impl Dataset {
                 path.display()
             )));
         }
-        let stem = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "data".into());
+        let stem =
+            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
         let mut examples = Vec::new();
         let mut warnings = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -181,15 +170,9 @@ impl Dataset {
                 Ok(ex) => examples.push(ex),
                 Err(msg) => match opts.bad_lines {
                     BadLinePolicy::Reject => {
-                        return Err(Error::Parse {
-                            path: path.to_path_buf(),
-                            line: line_no,
-                            msg,
-                        })
+                        return Err(Error::Parse { path: path.to_path_buf(), line: line_no, msg })
                     }
-                    BadLinePolicy::Skip => {
-                        warnings.push(format!("{}:{line_no}: {msg}", path.display()))
-                    }
+                    BadLinePolicy::Skip => warnings.push(format!("{}:{line_no}: {msg}", path.display())),
                 },
             }
         }
@@ -202,13 +185,7 @@ impl Dataset {
                 opts.answer_fields
             )));
         }
-        Ok((
-            Dataset {
-                path: path.to_path_buf(),
-                examples,
-            },
-            warnings,
-        ))
+        Ok((Dataset { path: path.to_path_buf(), examples }, warnings))
     }
 
     fn parse_line(
@@ -231,25 +208,15 @@ impl Dataset {
         if answer.trim().is_empty() {
             return Err(format!("field `{af}` is empty"));
         }
-        let id =
-            field_text(&obj, &opts.id_field)?.unwrap_or_else(|| format!("{stem}-{}", line_no - 1));
-        let source = field_str(&obj, &opts.source_field)?
-            .map(str::to_string)
-            .unwrap_or_else(|| stem.to_string());
-        Ok(Example {
-            id,
-            problem,
-            answer,
-            source,
-        })
+        let id = field_text(&obj, &opts.id_field)?.unwrap_or_else(|| format!("{stem}-{}", line_no - 1));
+        let source =
+            field_str(&obj, &opts.source_field)?.map(str::to_string).unwrap_or_else(|| stem.to_string());
+        Ok(Example { id, problem, answer, source })
     }
 
     /// A dataset from examples already in memory; `path` is only a label.
     pub fn from_examples(path: impl Into<PathBuf>, examples: Vec<Example>) -> Dataset {
-        Dataset {
-            path: path.into(),
-            examples,
-        }
+        Dataset { path: path.into(), examples }
     }
 
     /// The file it came from (or the label given to [`Dataset::from_examples`]).
@@ -361,26 +328,12 @@ fn epoch_order(seed: u64, epoch: u64, len: usize, shuffle: bool) -> Vec<usize> {
 impl Sampler {
     /// A shuffling sampler over `len` examples, at epoch 0, position 0.
     pub fn new(len: usize, seed: u64) -> Result<Self> {
-        SamplerState {
-            seed,
-            len,
-            shuffle: true,
-            epoch: 0,
-            pos: 0,
-        }
-        .try_into()
+        SamplerState { seed, len, shuffle: true, epoch: 0, pos: 0 }.try_into()
     }
 
     /// A sampler that yields file order every epoch (for evaluation).
     pub fn sequential(len: usize) -> Result<Self> {
-        SamplerState {
-            seed: 0,
-            len,
-            shuffle: false,
-            epoch: 0,
-            pos: 0,
-        }
-        .try_into()
+        SamplerState { seed: 0, len, shuffle: false, epoch: 0, pos: 0 }.try_into()
     }
 
     /// Restores a saved state; `len` is the current dataset's length, which
@@ -430,12 +383,8 @@ impl Sampler {
             if self.state.pos == self.state.len {
                 self.state.epoch += 1;
                 self.state.pos = 0;
-                self.order = epoch_order(
-                    self.state.seed,
-                    self.state.epoch,
-                    self.state.len,
-                    self.state.shuffle,
-                );
+                self.order =
+                    epoch_order(self.state.seed, self.state.epoch, self.state.len, self.state.shuffle);
             }
             let take = (n - out.len()).min(self.state.len - self.state.pos);
             out.extend_from_slice(&self.order[self.state.pos..self.state.pos + take]);
@@ -445,12 +394,7 @@ impl Sampler {
         if self.state.pos == self.state.len {
             self.state.epoch += 1;
             self.state.pos = 0;
-            self.order = epoch_order(
-                self.state.seed,
-                self.state.epoch,
-                self.state.len,
-                self.state.shuffle,
-            );
+            self.order = epoch_order(self.state.seed, self.state.epoch, self.state.len, self.state.shuffle);
         }
         Ok(out)
     }
@@ -475,9 +419,8 @@ not json at all
 
     #[test]
     fn skip_policy_keeps_good_lines_and_reports_bad_ones_with_line_numbers() {
-        let (ds, warns) =
-            Dataset::from_jsonl_str("sets/toy.jsonl", GOOD_AND_BAD, &DatasetOptions::default())
-                .expect("loads");
+        let (ds, warns) = Dataset::from_jsonl_str("sets/toy.jsonl", GOOD_AND_BAD, &DatasetOptions::default())
+            .expect("loads");
         assert_eq!(ds.len(), 3);
         assert_eq!(
             ds.get(0),
@@ -498,16 +441,10 @@ not json at all
                 source: "toy".into()
             })
         );
-        assert_eq!(
-            ds.get(2).map(|e| (e.id.as_str(), e.answer.as_str())),
-            Some(("17", "6"))
-        );
+        assert_eq!(ds.get(2).map(|e| (e.id.as_str(), e.answer.as_str())), Some(("17", "6")));
         assert_eq!(ds.get(3), None);
 
-        let lines: Vec<&str> = warns
-            .iter()
-            .map(|w| w.split(": ").next().unwrap_or(""))
-            .collect();
+        let lines: Vec<&str> = warns.iter().map(|w| w.split(": ").next().unwrap_or("")).collect();
         assert_eq!(
             lines,
             [
@@ -521,11 +458,7 @@ not json at all
         );
         assert!(warns[0].contains("invalid JSON"), "{}", warns[0]);
         assert!(warns[1].contains("no answer field"), "{}", warns[1]);
-        assert!(
-            warns[2].contains("field `problem`: expected a string, found an array"),
-            "{}",
-            warns[2]
-        );
+        assert!(warns[2].contains("field `problem`: expected a string, found an array"), "{}", warns[2]);
         assert!(warns[3].contains("expected a JSON object"), "{}", warns[3]);
         assert!(warns[4].contains("`problem` is empty"), "{}", warns[4]);
         assert!(warns[5].contains("found a boolean"), "{}", warns[5]);
@@ -533,10 +466,7 @@ not json at all
 
     #[test]
     fn reject_policy_fails_at_the_first_bad_line() {
-        let opts = DatasetOptions {
-            bad_lines: BadLinePolicy::Reject,
-            ..Default::default()
-        };
+        let opts = DatasetOptions { bad_lines: BadLinePolicy::Reject, ..Default::default() };
         let err = Dataset::from_jsonl_str("toy.jsonl", GOOD_AND_BAD, &opts).expect_err("rejects");
         match &err {
             Error::Parse { path, line, msg } => {
@@ -566,12 +496,7 @@ not json at all
         assert_eq!(
             ds.examples(),
             &[
-                Example {
-                    id: "u1".into(),
-                    problem: "first".into(),
-                    answer: "A".into(),
-                    source: "X".into()
-                },
+                Example { id: "u1".into(), problem: "first".into(), answer: "A".into(), source: "X".into() },
                 Example {
                     id: "my-set-1".into(),
                     problem: "fallback".into(),
@@ -581,13 +506,9 @@ not json at all
             ]
         );
         // With the default names, neither line has an answer field: nothing loads.
-        let err = Dataset::from_jsonl_str("dir/my-set.jsonl", text, &DatasetOptions::default())
-            .expect_err("empty");
-        assert!(
-            err.to_string()
-                .contains("no valid examples (2 bad lines skipped"),
-            "{err}"
-        );
+        let err =
+            Dataset::from_jsonl_str("dir/my-set.jsonl", text, &DatasetOptions::default()).expect_err("empty");
+        assert!(err.to_string().contains("no valid examples (2 bad lines skipped"), "{err}");
     }
 
     #[test]
@@ -597,11 +518,7 @@ not json at all
             Dataset::from_jsonl_str("t.jsonl", text, &DatasetOptions::default()).expect("loads");
         assert_eq!(ds.get(0).map(|e| e.problem.as_str()), Some("Q"));
         assert_eq!(warns.len(), 1);
-        assert!(
-            warns[0].starts_with("t.jsonl:2: field `source`"),
-            "{}",
-            warns[0]
-        );
+        assert!(warns[0].starts_with("t.jsonl:2: field `source`"), "{}", warns[0]);
     }
 
     #[test]
@@ -617,20 +534,15 @@ not json at all
             ("gsm8k", 1319, "GSM8K test"),
         ];
         for (name, n, source) in expected {
-            let opts = DatasetOptions {
-                bad_lines: BadLinePolicy::Reject,
-                ..Default::default()
-            };
+            let opts = DatasetOptions { bad_lines: BadLinePolicy::Reject, ..Default::default() };
             let (ds, warns) = Dataset::load(dir.join(format!("{name}.jsonl")), &opts).expect(name);
             assert!(warns.is_empty());
             assert_eq!(ds.len(), n, "{name}");
-            let ids: std::collections::HashSet<&str> =
-                ds.examples().iter().map(|e| e.id.as_str()).collect();
+            let ids: std::collections::HashSet<&str> = ds.examples().iter().map(|e| e.id.as_str()).collect();
             assert_eq!(ids.len(), n, "{name}: ids are unique");
             assert!(ds.examples().iter().all(|e| e.source == source), "{name}");
         }
-        let err = Dataset::load(dir.join("missing.jsonl"), &DatasetOptions::default())
-            .expect_err("missing");
+        let err = Dataset::load(dir.join("missing.jsonl"), &DatasetOptions::default()).expect_err("missing");
         assert!(err.to_string().contains("missing.jsonl"), "{err}");
     }
 
@@ -654,11 +566,7 @@ not json at all
         assert_eq!(sorted(e0), (0..len).collect::<Vec<_>>());
         assert_eq!(sorted(e1), (0..len).collect::<Vec<_>>());
         assert_ne!(e0, e1, "epochs should be shuffled differently");
-        assert_ne!(
-            e0,
-            (0..len).collect::<Vec<_>>().as_slice(),
-            "epoch 0 should be shuffled"
-        );
+        assert_ne!(e0, (0..len).collect::<Vec<_>>().as_slice(), "epoch 0 should be shuffled");
 
         let mut seq = Sampler::sequential(3).expect("sampler");
         assert_eq!(seq.next_batch(5).expect("batch"), vec![0, 1, 2, 0, 1]);
@@ -677,11 +585,7 @@ not json at all
         assert_eq!(draw(&mut a, 20), draw(&mut b, 20));
         let mut c = Sampler::new(17, 43).expect("sampler");
         let mut a2 = Sampler::new(17, 42).expect("sampler");
-        assert_ne!(
-            draw(&mut a2, 3),
-            draw(&mut c, 3),
-            "different seeds give different orders"
-        );
+        assert_ne!(draw(&mut a2, 3), draw(&mut c, 3), "different seeds give different orders");
 
         // Save mid-epoch through JSON, restore, continue: same stream as uninterrupted.
         let mut full = Sampler::new(17, 5).expect("sampler");
@@ -689,10 +593,7 @@ not json at all
         let mut first = Sampler::new(17, 5).expect("sampler");
         let mut got = draw(&mut first, 7);
         let json = serde_json::to_string(&first).expect("serialize");
-        assert!(
-            !json.contains('['),
-            "only the state is saved, not the permutation: {json}"
-        );
+        assert!(!json.contains('['), "only the state is saved, not the permutation: {json}");
         let mut resumed: Sampler = serde_json::from_str(&json).expect("deserialize");
         assert_eq!(resumed, first);
         got.extend(draw(&mut resumed, 8));
@@ -701,10 +602,7 @@ not json at all
         let restored = Sampler::restore(first.state(), 17).expect("restore");
         assert_eq!(restored, first);
         assert!(Sampler::restore(first.state(), 18).is_err());
-        let bad = SamplerState {
-            pos: 99,
-            ..first.state()
-        };
+        let bad = SamplerState { pos: 99, ..first.state() };
         assert!(Sampler::try_from(bad).is_err());
     }
 
@@ -717,13 +615,7 @@ not json at all
         )
         .expect("loads");
         let picked = ds.select(&[1, 0, 1]).expect("in range");
-        assert_eq!(
-            picked
-                .iter()
-                .map(|e| e.problem.as_str())
-                .collect::<Vec<_>>(),
-            ["b", "a", "b"]
-        );
+        assert_eq!(picked.iter().map(|e| e.problem.as_str()).collect::<Vec<_>>(), ["b", "a", "b"]);
         assert!(ds.select(&[2]).is_err());
     }
 }

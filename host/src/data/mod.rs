@@ -17,8 +17,8 @@ pub mod tokenizer;
 pub use chat::{render_chat, Message, PromptTemplate, BOXED_SUFFIX, SUFFIX_SEPARATOR};
 pub use dataset::{BadLinePolicy, Dataset, DatasetOptions, Example, Sampler, SamplerState};
 pub use task::{
-    generate, generate_split, read_jsonl, save_tokenizer, tokenizer_corpus, train_tokenizer, write_jsonl, Problem, TaskConfig,
-    TokenizerConfig,
+    generate, generate_split, read_jsonl, save_tokenizer, tokenizer_corpus, train_tokenizer, write_jsonl,
+    Problem, TaskConfig, TokenizerConfig,
 };
 pub use tokenizer::Tokenizer;
 

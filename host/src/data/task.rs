@@ -85,17 +85,10 @@ impl TaskConfig {
     /// Checks the knobs once, with a message naming the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, msg: String| {
-            Err(Error::Config {
-                file: "task config".into(),
-                field: field.into(),
-                msg,
-            })
+            Err(Error::Config { file: "task config".into(), field: field.into(), msg })
         };
         if self.min_operands < 2 {
-            return bad(
-                "min_operands",
-                format!("expected at least 2, found {}", self.min_operands),
-            );
+            return bad("min_operands", format!("expected at least 2, found {}", self.min_operands));
         }
         if self.max_operands < self.min_operands {
             return bad(
@@ -122,18 +115,12 @@ impl TaskConfig {
             );
         }
         if self.ops.is_empty() || self.ops.chars().any(|c| !matches!(c, '+' | '-' | '*')) {
-            return bad(
-                "ops",
-                format!("expected a non-empty string of + - *, found {:?}", self.ops),
-            );
+            return bad("ops", format!("expected a non-empty string of + - *, found {:?}", self.ops));
         }
         if self.ops.contains('*') && self.max_factor < 2 {
             return bad(
                 "max_factor",
-                format!(
-                    "expected at least 2 when ops contain '*', found {}",
-                    self.max_factor
-                ),
+                format!("expected at least 2 when ops contain '*', found {}", self.max_factor),
             );
         }
         Ok(())
@@ -269,8 +256,7 @@ pub fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
     }
     let tmp = path.with_extension("jsonl.tmp");
     let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(text.as_bytes())
-        .map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(text.as_bytes()).map_err(|e| Error::io(&tmp, e))?;
     f.sync_all().map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
@@ -302,10 +288,7 @@ pub struct TokenizerConfig {
 
 impl Default for TokenizerConfig {
     fn default() -> Self {
-        Self {
-            vocab_size: 384,
-            min_frequency: 2,
-        }
+        Self { vocab_size: 384, min_frequency: 2 }
     }
 }
 
@@ -323,16 +306,11 @@ pub fn train_tokenizer<S: AsRef<str> + Send>(
         return Err(Error::Config {
             file: "tokenizer config".into(),
             field: "vocab_size".into(),
-            msg: format!(
-                "expected at least {min} (specials + 256 bytes), found {}",
-                cfg.vocab_size
-            ),
+            msg: format!("expected at least {min} (specials + 256 bytes), found {}", cfg.vocab_size),
         });
     }
-    let specials: Vec<AddedToken> = SPECIAL_TOKENS
-        .iter()
-        .map(|t| AddedToken::from(t.to_string(), true))
-        .collect();
+    let specials: Vec<AddedToken> =
+        SPECIAL_TOKENS.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(cfg.vocab_size)
         .min_frequency(cfg.min_frequency)
@@ -355,17 +333,11 @@ pub fn train_tokenizer<S: AsRef<str> + Send>(
         .with_normalizer(None)
         .with_pre_tokenizer(Some(pre))
         .with_post_processor(None)
-        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
-            false, false, true,
-        ))))
+        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, false, true))))
         .build()
         .map_err(|e| Error::Tokenizer(format!("cannot build the BPE tokenizer: {e}")))?;
-    tok.train(&mut trainer, corpus)
-        .map_err(|e| Error::Tokenizer(format!("BPE training failed: {e}")))?;
-    Ok(Tokenizer::from_inner(
-        tokenizers::Tokenizer::from(tok),
-        "<trained bpe>",
-    ))
+    tok.train(&mut trainer, corpus).map_err(|e| Error::Tokenizer(format!("BPE training failed: {e}")))?;
+    Ok(Tokenizer::from_inner(tokenizers::Tokenizer::from(tok), "<trained bpe>"))
 }
 
 /// The text a tokenizer for this task should see: every prompt (rendered with
@@ -374,9 +346,7 @@ pub fn tokenizer_corpus<'a>(
     problems: &'a [Problem],
     render: impl Fn(&str) -> String + 'a,
 ) -> impl Iterator<Item = String> + 'a {
-    problems
-        .iter()
-        .flat_map(move |p| [render(&p.problem), p.solution.clone()])
+    problems.iter().flat_map(move |p| [render(&p.problem), p.solution.clone()])
 }
 
 /// Saves `tok` as `tokenizer.json` (pretty, byte-stable) in `dir`, with a
@@ -462,34 +432,21 @@ mod tests {
         }
         // Every operand count appears.
         for k in 1..=3 {
-            assert!(
-                a.iter().any(|p| p.solution.lines().count() - 1 == k),
-                "no problem with {k} steps"
-            );
+            assert!(a.iter().any(|p| p.solution.lines().count() - 1 == k), "no problem with {k} steps");
         }
     }
 
     #[test]
     fn multiplication_is_parenthesised_to_match_the_steps() {
-        let cfg = TaskConfig {
-            ops: "+*".into(),
-            allow_negative: true,
-            ..TaskConfig::default()
-        };
+        let cfg = TaskConfig { ops: "+*".into(), allow_negative: true, ..TaskConfig::default() };
         let ps = generate(200, 3, &cfg).expect("generate");
         for p in &ps {
             check_solution(p);
         }
-        assert!(
-            ps.iter().any(|p| p.problem.contains(")*")),
-            "some prefix sum gets multiplied"
-        );
+        assert!(ps.iter().any(|p| p.problem.contains(")*")), "some prefix sum gets multiplied");
         let p = ps.iter().find(|p| p.problem.contains(")*")).expect("one");
         // Evaluate the written problem with standard precedence: parentheses first.
-        let expr = p
-            .problem
-            .trim_start_matches("Compute ")
-            .trim_end_matches('.');
+        let expr = p.problem.trim_start_matches("Compute ").trim_end_matches('.');
         let inner_end = expr.rfind(')').expect(")");
         let inner = &expr[expr.rfind('(').expect("(") + 1..inner_end];
         assert!(!inner.contains('*') || inner.contains('('), "{expr}");
@@ -511,8 +468,8 @@ mod tests {
         write_jsonl(&path, &test).expect("write");
         assert_eq!(read_jsonl(&path).expect("read"), test);
         // The dataset loader reads the same file.
-        let (ds, bad) = crate::data::Dataset::load(&path, &crate::data::DatasetOptions::default())
-            .expect("dataset");
+        let (ds, bad) =
+            crate::data::Dataset::load(&path, &crate::data::DatasetOptions::default()).expect("dataset");
         assert!(bad.is_empty(), "{bad:?}");
         assert_eq!(ds.len(), 200);
         assert_eq!(ds.examples()[3].answer, test[3].answer);
@@ -522,23 +479,10 @@ mod tests {
     #[test]
     fn bad_configs_are_rejected() {
         for cfg in [
-            TaskConfig {
-                min_operands: 1,
-                ..TaskConfig::default()
-            },
-            TaskConfig {
-                max_operands: 1,
-                ..TaskConfig::default()
-            },
-            TaskConfig {
-                ops: "+/".into(),
-                ..TaskConfig::default()
-            },
-            TaskConfig {
-                min_value: 5,
-                max_value: 4,
-                ..TaskConfig::default()
-            },
+            TaskConfig { min_operands: 1, ..TaskConfig::default() },
+            TaskConfig { max_operands: 1, ..TaskConfig::default() },
+            TaskConfig { ops: "+/".into(), ..TaskConfig::default() },
+            TaskConfig { min_value: 5, max_value: 4, ..TaskConfig::default() },
         ] {
             assert!(generate(1, 0, &cfg).is_err(), "{cfg:?}");
         }
@@ -558,11 +502,8 @@ mod tests {
     fn small_tokenizer() -> (Tokenizer, Vec<Problem>) {
         let ps = generate(500, 1, &TaskConfig::default()).expect("generate");
         let t = PromptTemplate::raw();
-        let tok = train_tokenizer(
-            tokenizer_corpus(&ps, |q| t.render(q)),
-            &TokenizerConfig::default(),
-        )
-        .expect("train");
+        let tok = train_tokenizer(tokenizer_corpus(&ps, |q| t.render(q)), &TokenizerConfig::default())
+            .expect("train");
         (tok, ps)
     }
 
@@ -590,10 +531,8 @@ mod tests {
             assert_eq!(tok.decode(&ids, false).expect("decode"), p.solution);
             // Digits are single tokens: every number costs one token per digit.
             let digits = p.solution.chars().filter(char::is_ascii_digit).count();
-            let digit_tokens = ids
-                .iter()
-                .filter(|&&i| tok.token_str(i).chars().all(|c| c.is_ascii_digit()))
-                .count();
+            let digit_tokens =
+                ids.iter().filter(|&&i| tok.token_str(i).chars().all(|c| c.is_ascii_digit())).count();
             assert_eq!(digit_tokens, digits, "{:?}", p.solution);
         }
         // Specials are single ids, skipped on request; text outside the corpus survives.
@@ -602,14 +541,9 @@ mod tests {
         assert_eq!(ids[0], 1);
         assert_eq!(*ids.last().expect("ids"), 2);
         assert_eq!(tok.decode(&ids, false).expect("decode"), text);
-        assert_eq!(
-            tok.decode(&ids, true).expect("decode"),
-            "user\nWhat is 12 × 3? é 🚀\\boxed{36}"
-        );
+        assert_eq!(tok.decode(&ids, true).expect("decode"), "user\nWhat is 12 × 3? é 🚀\\boxed{36}");
         // The instruction suffix merges into a handful of tokens.
-        let suffix = tok
-            .encode(crate::data::BOXED_SUFFIX, false)
-            .expect("encode");
+        let suffix = tok.encode(crate::data::BOXED_SUFFIX, false).expect("encode");
         assert!(suffix.len() < 30, "{}", suffix.len());
     }
 
@@ -623,22 +557,13 @@ mod tests {
         save_tokenizer(&a, dir.path()).expect("save");
         let loaded = Tokenizer::from_file(dir.path().join("tokenizer.json")).expect("load");
         let s = "17+25=42\n42-9=33\n\\boxed{33}";
-        assert_eq!(
-            loaded.encode(s, false).expect("encode"),
-            a.encode(s, false).expect("encode")
-        );
+        assert_eq!(loaded.encode(s, false).expect("encode"), a.encode(s, false).expect("encode"));
         let cfg: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.path().join("tokenizer_config.json")).expect("read"),
         )
         .expect("json");
         assert_eq!(cfg["eos_token"], END_OF_TEXT);
-        assert!(train_tokenizer(
-            ["x"].into_iter(),
-            &TokenizerConfig {
-                vocab_size: 10,
-                min_frequency: 1
-            }
-        )
-        .is_err());
+        assert!(train_tokenizer(["x"].into_iter(), &TokenizerConfig { vocab_size: 10, min_frequency: 1 })
+            .is_err());
     }
 }

@@ -43,25 +43,16 @@ impl Tokenizer {
         let path = path.as_ref();
         // Report a missing file as an I/O error with its path, not as a parse failure.
         std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| {
-            Error::Tokenizer(format!("{}: cannot load tokenizer: {e}", path.display()))
-        })?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("{}: cannot load tokenizer: {e}", path.display())))?;
         Ok(Self::from_inner(inner, path.to_path_buf()))
     }
 
     /// Wraps an already-built `tokenizers::Tokenizer`; `label` names it in errors.
     pub fn from_inner(inner: tokenizers::Tokenizer, label: impl Into<PathBuf>) -> Self {
-        let eos: Vec<u32> = [IM_END, END_OF_TEXT]
-            .iter()
-            .filter_map(|t| inner.token_to_id(t))
-            .collect();
+        let eos: Vec<u32> = [IM_END, END_OF_TEXT].iter().filter_map(|t| inner.token_to_id(t)).collect();
         let pad = inner.token_to_id(END_OF_TEXT).unwrap_or(0);
-        Tokenizer {
-            inner,
-            path: label.into(),
-            eos,
-            pad,
-        }
+        Tokenizer { inner, path: label.into(), eos, pad }
     }
 
     /// Where the tokenizer was loaded from.
@@ -92,11 +83,7 @@ impl Tokenizer {
     /// Text of `ids`; `skip_special` drops special tokens such as `<|im_end|>`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner.decode(ids, skip_special).map_err(|e| {
-            Error::Tokenizer(format!(
-                "{}: cannot decode {} ids: {e}",
-                self.path.display(),
-                ids.len()
-            ))
+            Error::Tokenizer(format!("{}: cannot decode {} ids: {e}", self.path.display(), ids.len()))
         })
     }
 
@@ -106,10 +93,7 @@ impl Tokenizer {
     pub fn token_str(&self, id: u32) -> String {
         match self.inner.decode(&[id], false) {
             Ok(s) if !s.is_empty() && !s.contains('\u{FFFD}') => s,
-            _ => self
-                .inner
-                .id_to_token(id)
-                .unwrap_or_else(|| format!("<unk:{id}>")),
+            _ => self.inner.id_to_token(id).unwrap_or_else(|| format!("<unk:{id}>")),
         }
     }
 
@@ -166,11 +150,7 @@ mod tests {
             let text = c["text"].as_str().expect("text");
             let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).expect("ids");
             assert_eq!(tok.encode(text, true).expect("encode"), want, "{text:?}");
-            assert_eq!(
-                tok.encode(text, false).expect("encode"),
-                want,
-                "{text:?} (no specials)"
-            );
+            assert_eq!(tok.encode(text, false).expect("encode"), want, "{text:?} (no specials)");
             assert_eq!(tok.decode(&want, false).expect("decode"), text);
             assert_eq!(
                 tok.decode(&want, true).expect("decode"),
@@ -200,18 +180,11 @@ mod tests {
     #[test]
     fn missing_file_error_names_the_path() {
         let err = Tokenizer::from_file("/nonexistent/dir/tokenizer.json").expect_err("must fail");
-        assert!(
-            err.to_string().contains("/nonexistent/dir/tokenizer.json"),
-            "{err}"
-        );
-        let bad =
-            std::env::temp_dir().join(format!("stapo-bad-tokenizer-{}.json", std::process::id()));
+        assert!(err.to_string().contains("/nonexistent/dir/tokenizer.json"), "{err}");
+        let bad = std::env::temp_dir().join(format!("stapo-bad-tokenizer-{}.json", std::process::id()));
         std::fs::write(&bad, "{not json").expect("write temp");
         let err = Tokenizer::from_file(&bad).expect_err("must fail");
-        assert!(
-            err.to_string().contains(&bad.display().to_string()),
-            "{err}"
-        );
+        assert!(err.to_string().contains(&bad.display().to_string()), "{err}");
         let _ = std::fs::remove_file(&bad);
     }
 }

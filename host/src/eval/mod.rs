@@ -107,9 +107,18 @@ pub fn evaluate(
     let mut graded = Vec::with_capacity(examples.len() * params.n);
     let mut done = 0;
     for chunk in examples.chunks(batch_prompts.max(1)) {
-        let prompts: Vec<Vec<u32>> =
-            chunk.iter().map(|e| tokenizer.encode(&template.render(&e.problem), false)).collect::<Result<_>>()?;
-        let samples = rollout::generate_with(model, &prompts, params, tokenizer.pad_id(), &decode, &GenerateHooks::default())?;
+        let prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|e| tokenizer.encode(&template.render(&e.problem), false))
+            .collect::<Result<_>>()?;
+        let samples = rollout::generate_with(
+            model,
+            &prompts,
+            params,
+            tokenizer.pad_id(),
+            &decode,
+            &GenerateHooks::default(),
+        )?;
         for s in samples {
             let ex = &chunk[s.prompt_index];
             let v = reward::verify(&ex.answer, &s.text, mode);

@@ -51,7 +51,10 @@ impl SafetensorsSource {
         };
         for f in &files {
             if !f.is_file() {
-                return Err(Error::io(f, std::io::Error::new(std::io::ErrorKind::NotFound, "shard listed in the index is missing")));
+                return Err(Error::io(
+                    f,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "shard listed in the index is missing"),
+                ));
             }
         }
         // SAFETY: the files are memory-mapped read-only; stapo never writes to a
@@ -64,8 +67,11 @@ impl SafetensorsSource {
         let mut index = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             // SAFETY: as above.
-            let one = unsafe { MmapedSafetensors::new(f) }
-                .map_err(|e| Error::Config { file: f.display().to_string(), field: "<safetensors>".into(), msg: format!("unreadable: {e}") })?;
+            let one = unsafe { MmapedSafetensors::new(f) }.map_err(|e| Error::Config {
+                file: f.display().to_string(),
+                field: "<safetensors>".into(),
+                msg: format!("unreadable: {e}"),
+            })?;
             for (name, _) in one.tensors() {
                 index.insert(name, i);
             }
@@ -92,10 +98,19 @@ impl WeightSource for SafetensorsSource {
             msg: format!("cannot read tensor: {e}"),
         })?;
         if t.dims() != shape {
-            return Err(Error::Shape { file: self.file_of(name), name: name.into(), expected: shape.to_vec(), found: t.dims().to_vec() });
+            return Err(Error::Shape {
+                file: self.file_of(name),
+                name: name.into(),
+                expected: shape.to_vec(),
+                found: t.dims().to_vec(),
+            });
         }
         if !t.dtype().is_float() {
-            return Err(Error::Config { file: self.file_of(name), field: name.into(), msg: format!("expected a float tensor, found {:?}", t.dtype()) });
+            return Err(Error::Config {
+                file: self.file_of(name),
+                field: name.into(),
+                msg: format!("expected a float tensor, found {:?}", t.dtype()),
+            });
         }
         Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
     }
@@ -107,8 +122,11 @@ impl WeightSource for SafetensorsSource {
 
 fn shard_files(index_path: &Path) -> Result<Vec<PathBuf>> {
     let text = std::fs::read_to_string(index_path).map_err(|e| Error::io(index_path, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Parse { path: index_path.into(), line: e.line(), msg: e.to_string() })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Parse {
+        path: index_path.into(),
+        line: e.line(),
+        msg: e.to_string(),
+    })?;
     let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Config {
         file: index_path.display().to_string(),
         field: "weight_map".into(),
@@ -192,10 +210,16 @@ pub fn save(model: &Qwen3, dir: &Path, save_dtype: DType, tokenizer_dir: Option<
 /// Writes `config.json`, `model.safetensors` and the tokenizer files of
 /// `tokenizer_dir` into the existing folder `dir` (not atomic on its own: use
 /// inside [`write_atomically`]).
-pub fn write_model_files(model: &Qwen3, dir: &Path, save_dtype: DType, tokenizer_dir: Option<&Path>) -> Result<()> {
+pub fn write_model_files(
+    model: &Qwen3,
+    dir: &Path,
+    save_dtype: DType,
+    tokenizer_dir: Option<&Path>,
+) -> Result<()> {
     let mut cfg = model.config().clone();
     cfg.torch_dtype = dtype_name(save_dtype).into();
-    let cfg_text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| Error::invalid(e.to_string()))?;
+    let cfg_text =
+        serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| Error::invalid(e.to_string()))?;
     std::fs::write(dir.join("config.json"), cfg_text).map_err(|e| Error::io(dir.join("config.json"), e))?;
     let mut tensors = HashMap::new();
     for (name, var) in model.params() {

@@ -116,13 +116,19 @@ impl Config {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return Err(bad("head_dim", format!("must be even for rotary embeddings, found {}", self.head_dim)));
+            return Err(bad(
+                "head_dim",
+                format!("must be even for rotary embeddings, found {}", self.head_dim),
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(bad("rope_theta", format!("must be a positive number, found {}", self.rope_theta)));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(bad("rms_norm_eps", format!("must be a positive number, found {}", self.rms_norm_eps)));
+            return Err(bad(
+                "rms_norm_eps",
+                format!("must be a positive number, found {}", self.rms_norm_eps),
+            ));
         }
         parse_dtype(&self.torch_dtype).map_err(|_| {
             bad("torch_dtype", format!("expected float32, bfloat16 or float16, found {:?}", self.torch_dtype))
@@ -168,15 +174,18 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
         "float32" | "f32" | "fp32" => Ok(DType::F32),
         "bfloat16" | "bf16" => Ok(DType::BF16),
         "float16" | "f16" | "fp16" | "half" => Ok(DType::F16),
-        other => Err(Error::invalid(format!("unknown dtype {other:?}: expected float32, bfloat16 or float16"))),
+        other => {
+            Err(Error::invalid(format!("unknown dtype {other:?}: expected float32, bfloat16 or float16")))
+        }
     }
 }
 
 /// Parses a device name: `cpu`, `cuda` or `cuda:N` (CUDA needs the `cuda` feature).
 pub fn parse_device(name: &str) -> Result<candle_core::Device> {
     let cuda = |n: usize| {
-        candle_core::Device::new_cuda(n)
-            .map_err(|e| Error::invalid(format!("device {name:?}: {e} (was stapo built with --features cuda?)")))
+        candle_core::Device::new_cuda(n).map_err(|e| {
+            Error::invalid(format!("device {name:?}: {e} (was stapo built with --features cuda?)"))
+        })
     };
     match name {
         "cpu" => Ok(candle_core::Device::Cpu),
@@ -229,14 +238,19 @@ impl Fields<'_> {
     fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+            Some(v) => {
+                v.as_f64().map(Some).ok_or_else(|| self.err(field, format!("expected a number, found {v}")))
+            }
         }
     }
 
     fn opt_bool(&self, field: &str) -> Result<Option<bool>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
         }
     }
 
@@ -259,7 +273,10 @@ impl Fields<'_> {
                 .as_u64()
                 .map(|n| Some(n as u32))
                 .ok_or_else(|| self.err(field, format!("expected a token id, found {}", a[0]))),
-            Some(v) => v.as_u64().map(|n| Some(n as u32)).ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as u32))
+                .ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
         }
     }
 }
@@ -286,7 +303,10 @@ mod tests {
     fn missing_field_is_named() {
         let text = TINY.replace("\"vocab_size\": 384,", "");
         let err = Config::from_json_str(&text, "m/config.json").unwrap_err().to_string();
-        assert!(err.contains("m/config.json") && err.contains("vocab_size") && err.contains("missing"), "{err}");
+        assert!(
+            err.contains("m/config.json") && err.contains("vocab_size") && err.contains("missing"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -304,9 +324,10 @@ mod tests {
 
     #[test]
     fn newer_transformers_spellings_are_read() {
-        let text = TINY
-            .replace("\"torch_dtype\": \"float32\"", "\"dtype\": \"bfloat16\"")
-            .replace("\"rope_theta\": 10000.0,", "\"rope_parameters\": {\"rope_theta\": 5000.0, \"rope_type\": \"default\"},");
+        let text = TINY.replace("\"torch_dtype\": \"float32\"", "\"dtype\": \"bfloat16\"").replace(
+            "\"rope_theta\": 10000.0,",
+            "\"rope_parameters\": {\"rope_theta\": 5000.0, \"rope_type\": \"default\"},",
+        );
         let c = Config::from_json_str(&text, "c.json").unwrap();
         assert_eq!(c.torch_dtype, "bfloat16");
         assert_eq!(c.rope_theta, 5000.0);

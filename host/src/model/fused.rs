@@ -72,7 +72,11 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_
 }
 
 /// Runs `f` on the contiguous host data of a CPU tensor (an op's constant input).
-fn with_host<T: WithDType, R>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> candle_core::Result<R>) -> candle_core::Result<R> {
+fn with_host<T: WithDType, R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
     let (s, l) = t.storage_and_layout();
     match &*s {
         Storage::Cpu(c) => f(slice::<T>(c, l, what)?),
@@ -195,7 +199,13 @@ impl CustomOp2 for Linear {
         "fused-linear"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (o, k) = l2.shape().dims2()?;
         let dims = l1.dims();
         if dims.last() != Some(&k) {
@@ -210,16 +220,36 @@ impl CustomOp2 for Linear {
             let mut y = vec![zero::<T>(); n * o];
             // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
             unsafe {
-                mm_par((n, o, k), y.as_mut_ptr(), o, false, x.as_ptr(), (k, 1), w.as_ptr(), (1, k), T::from_f64(1.0), all_threads());
+                mm_par(
+                    (n, o, k),
+                    y.as_mut_ptr(),
+                    o,
+                    false,
+                    x.as_ptr(),
+                    (k, 1),
+                    w.as_ptr(),
+                    (1, k),
+                    T::from_f64(1.0),
+                    all_threads(),
+                );
             }
             Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)))
         })
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LinearBwd)?;
         let (nx, nw) = (x.elem_count(), w.elem_count());
-        Ok((Some(both.narrow(0, 0, nx)?.reshape(x.shape())?), Some(both.narrow(0, nx, nw)?.reshape(w.shape())?)))
+        Ok((
+            Some(both.narrow(0, 0, nx)?.reshape(x.shape())?),
+            Some(both.narrow(0, nx, nw)?.reshape(w.shape())?),
+        ))
     }
 }
 
@@ -251,8 +281,30 @@ impl CustomOp3 for LinearBwd {
             let one = T::from_f64(1.0);
             // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
             unsafe {
-                mm_par((n, k, o), dx.as_mut_ptr(), k, false, dy.as_ptr(), (o, 1), w.as_ptr(), (k, 1), one, all_threads());
-                mm_par((o, k, n), dw.as_mut_ptr(), k, false, dy.as_ptr(), (1, o), x.as_ptr(), (k, 1), one, all_threads());
+                mm_par(
+                    (n, k, o),
+                    dx.as_mut_ptr(),
+                    k,
+                    false,
+                    dy.as_ptr(),
+                    (o, 1),
+                    w.as_ptr(),
+                    (k, 1),
+                    one,
+                    all_threads(),
+                );
+                mm_par(
+                    (o, k, n),
+                    dw.as_mut_ptr(),
+                    k,
+                    false,
+                    dy.as_ptr(),
+                    (1, o),
+                    x.as_ptr(),
+                    (k, 1),
+                    one,
+                    all_threads(),
+                );
             }
             let len = out.len();
             Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
@@ -280,7 +332,13 @@ impl CustomOp2 for RmsNorm {
         "fused-rms-norm"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         by_dtype!(s1, "rms_norm", |T| {
             let x = slice::<T>(s1, l1, "rms_norm")?;
             let w = slice::<T>(s2, l2, "rms_norm")?;
@@ -300,7 +358,13 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let n = w.elem_count();
         let rows = x.elem_count() / n.max(1);
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
@@ -352,7 +416,9 @@ impl CustomOp3 for RmsNormBwd {
                 .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
                 .map(|(dxc, (xc, dyc))| {
                     let mut dw = vec![0f64; n];
-                    for ((dxr, xr), dyr) in dxc.chunks_exact_mut(n).zip(xc.chunks_exact(n)).zip(dyc.chunks_exact(n)) {
+                    for ((dxr, xr), dyr) in
+                        dxc.chunks_exact_mut(n).zip(xc.chunks_exact(n)).zip(dyc.chunks_exact(n))
+                    {
                         let r = inv_rms(xr, eps);
                         let mut dot = 0f64;
                         for i in 0..n {
@@ -366,10 +432,13 @@ impl CustomOp3 for RmsNormBwd {
                     }
                     dw
                 })
-                .reduce(|| vec![0f64; n], |mut a, b| {
-                    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                    a
-                });
+                .reduce(
+                    || vec![0f64; n],
+                    |mut a, b| {
+                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                        a
+                    },
+                );
             for (o, v) in out[x.len()..].iter_mut().zip(dw) {
                 *o = T::from_f64(v);
             }
@@ -415,7 +484,13 @@ impl CustomOp2 for NormRope {
         "fused-norm-rope"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, l, nh, d) = self.dims;
         by_dtype!(s1, "norm_rope", |T| {
             let x = slice::<T>(s1, l1, "norm_rope")?;
@@ -442,7 +517,13 @@ impl CustomOp2 for NormRope {
         })
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let (b, l, nh, d) = self.dims;
         let op = NormRopeBwd { eps: self.eps, cs: self.cs.clone(), dims: self.dims };
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &op)?;
@@ -509,10 +590,13 @@ impl CustomOp3 for NormRopeBwd {
                         }
                         dw
                     })
-                    .reduce(|| vec![0f64; d], |mut a, b| {
-                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                        a
-                    }))
+                    .reduce(
+                        || vec![0f64; d],
+                        |mut a, b| {
+                            a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                            a
+                        },
+                    ))
             })?;
             for (o, v) in out[x.len()..].iter_mut().zip(dw) {
                 *o = T::from_f64(v);
@@ -526,7 +610,14 @@ impl CustomOp3 for NormRopeBwd {
 /// Per-head RMSNorm then rotary embedding, from `(B, L, H * D)` (heads side by
 /// side, as the projection leaves them) to `(B, H, L, D)`; `cos`/`sin` are
 /// `(B, 1, L, D/2)` (see [`super::ops::norm_rope`]).
-pub fn norm_rope(x: &Tensor, n_heads: usize, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn norm_rope(
+    x: &Tensor,
+    n_heads: usize,
+    w: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
     let (b, l, hd) = x.dims3()?;
     let dims = (b, l, n_heads, hd / n_heads.max(1));
     if dims.2 * dims.3 != hd || w.elem_count() != dims.3 {
@@ -588,7 +679,15 @@ impl View4 {
 /// # Safety
 /// `q` must address `L×D` contiguous elements, `k` an `S×D` matrix with row stride `ss`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn probs<T: Real>(p: &mut [T], q: *const T, k: *const T, ss: usize, mask: &[T], (l, s, d): (usize, usize, usize), scale: T) {
+unsafe fn probs<T: Real>(
+    p: &mut [T],
+    q: *const T,
+    k: *const T,
+    ss: usize,
+    mask: &[T],
+    (l, s, d): (usize, usize, usize),
+    scale: T,
+) {
     mm((l, s, d), p.as_mut_ptr(), s, false, q, (d, 1), k, (1, ss), scale);
     for (row, mrow) in p.chunks_exact_mut(s).zip(mask.chunks_exact(s)) {
         let mut mx = T::from_f64(f64::NEG_INFINITY);
@@ -641,9 +740,27 @@ impl CustomOp3 for Attention {
                     // D columns of head h in rows (b, 0..L) of `out`, disjoint from
                     // every other task; `out` outlives the loop.
                     unsafe {
-                        probs(&mut p, q.as_ptr().add(bh * l * d), k.as_ptr().add(kv.at(bi, hk)), kv.ss, &mask[bi * l * s..][..l * s], (l, s, d), scale);
+                        probs(
+                            &mut p,
+                            q.as_ptr().add(bh * l * d),
+                            k.as_ptr().add(kv.at(bi, hk)),
+                            kv.ss,
+                            &mask[bi * l * s..][..l * s],
+                            (l, s, d),
+                            scale,
+                        );
                         let dst = o.0.add(bi * l * nq * d + hi * d);
-                        mm((l, d, s), dst, nq * d, false, p.as_ptr(), (s, 1), v.as_ptr().add(vv.at(bi, hk)), (vv.ss, 1), T::from_f64(1.0));
+                        mm(
+                            (l, d, s),
+                            dst,
+                            nq * d,
+                            false,
+                            p.as_ptr(),
+                            (s, 1),
+                            v.as_ptr().add(vv.at(bi, hk)),
+                            (vv.ss, 1),
+                            T::from_f64(1.0),
+                        );
                     }
                 });
                 Ok(())
@@ -686,13 +803,21 @@ impl candle_core::CustomOp2 for AttentionBwd {
         "fused-attention-bwd"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, nq, l, d) = l1.shape().dims4()?;
         let (_, nkv, s, _) = self.k.dims4()?;
         let g = nq / nkv;
         let (ks, kl) = self.k.storage_and_layout();
         let (vs, vl) = self.v.storage_and_layout();
-        let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else { bail!("fused attention: expected CPU k/v") };
+        let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
+            bail!("fused attention: expected CPU k/v")
+        };
         let (kv, vv) = (View4::of(kl)?, View4::of(vl)?);
         by_dtype!(s1, "attention", |T| {
             let q = slice::<T>(s1, l1, "attention")?;
@@ -733,7 +858,17 @@ impl candle_core::CustomOp2 for AttentionBwd {
                                 }
                             }
                             // dq = ds k ; dk += ds^T q
-                            mm((l, d, s), o.0.add((bi * nq + hi) * l * d), d, false, dp.as_ptr(), (s, 1), kp, (kv.ss, 1), one);
+                            mm(
+                                (l, d, s),
+                                o.0.add((bi * nq + hi) * l * d),
+                                d,
+                                false,
+                                dp.as_ptr(),
+                                (s, 1),
+                                kp,
+                                (kv.ss, 1),
+                                one,
+                            );
                             mm((s, d, l), dk, d, true, dp.as_ptr(), (1, s), qp, (d, 1), one);
                         }
                     }
@@ -752,10 +887,10 @@ impl candle_core::CustomOp2 for AttentionBwd {
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let (b, _, l, d) = q.dims4()?;
     let s = k.dim(2)?;
-    let unit_d = |t: &Tensor| -> Result<Tensor> {
-        Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? })
-    };
-    let mask = mask.broadcast_as((b, 1, l, s))?.to_dtype(q.dtype())?.contiguous()?.reshape((b, l, s))?.detach();
+    let unit_d =
+        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? }) };
+    let mask =
+        mask.broadcast_as((b, 1, l, s))?.to_dtype(q.dtype())?.contiguous()?.reshape((b, l, s))?.detach();
     let op = Attention { mask, scale: 1.0 / (d as f64).sqrt() };
     Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, op)?)
 }
@@ -777,21 +912,35 @@ impl CustomOp2 for SwiGlu {
         "fused-swiglu"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         by_dtype!(s1, "swiglu", |T| {
             let g = slice::<T>(s1, l1, "swiglu")?;
             let u = slice::<T>(s2, l2, "swiglu")?;
             let mut y = vec![zero::<T>(); g.len()];
-            y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(|(y, (g, u))| {
-                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * sigmoid(g) * u;
-                }
-            });
+            y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
+                |(y, (g, u))| {
+                    for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                        *y = g * sigmoid(g) * u;
+                    }
+                },
+            );
             Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
 
-    fn bwd(&self, g: &Tensor, u: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwiGluBwd)?;
         let n = g.elem_count();
         Ok((Some(both.narrow(0, 0, n)?.reshape(g.shape())?), Some(both.narrow(0, n, n)?.reshape(u.shape())?)))
@@ -875,7 +1024,13 @@ impl CustomOp2 for LogpEntropy {
         "fused-logp-entropy"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let vocab = *l1.dims().last().unwrap_or(&1);
         let n = l1.shape().elem_count() / vocab.max(1);
         let targets = slice::<u32>(s2, l2, "logprob_entropy")?;
@@ -888,17 +1043,25 @@ impl CustomOp2 for LogpEntropy {
         by_dtype!(s1, "logprob_entropy", |T| {
             let x = slice::<T>(s1, l1, "logprob_entropy")?;
             let mut out = vec![zero::<T>(); 3 * n];
-            out.par_chunks_mut(3).zip(x.par_chunks(vocab)).zip(targets.par_iter()).for_each(|((o, row), &t)| {
-                let (lse, mean) = lse_and_mean(row);
-                o[0] = T::from_f64(row[t as usize].to_f64() - lse);
-                o[1] = T::from_f64(lse - mean);
-                o[2] = T::from_f64(lse);
-            });
+            out.par_chunks_mut(3).zip(x.par_chunks(vocab)).zip(targets.par_iter()).for_each(
+                |((o, row), &t)| {
+                    let (lse, mean) = lse_and_mean(row);
+                    o[0] = T::from_f64(row[t as usize].to_f64() - lse);
+                    o[1] = T::from_f64(lse - mean);
+                    o[2] = T::from_f64(lse);
+                },
+            );
             Ok((T::to_cpu_storage_owned(out), Shape::from((n, 3))))
         })
     }
 
-    fn bwd(&self, x: &Tensor, targets: &Tensor, res: &Tensor, dres: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        dres: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let op = LogpEntropyBwd { targets: targets.clone() };
         let dx = x.apply_op3_no_bwd(res, &dres.contiguous()?, &op)?;
         Ok((Some(dx), None))
@@ -994,7 +1157,13 @@ mod tests {
     }
 
     /// Compares values and gradients w.r.t. `vars` of `fused` and `reference`.
-    fn check(vars: &[&Var], fused: &dyn Fn() -> Tensor, reference: &dyn Fn() -> Tensor, tol: f64, what: &str) {
+    fn check(
+        vars: &[&Var],
+        fused: &dyn Fn() -> Tensor,
+        reference: &dyn Fn() -> Tensor,
+        tol: f64,
+        what: &str,
+    ) {
         let (yf, yr) = (fused(), reference());
         assert_eq!(yf.dims(), yr.dims(), "{what}: shape");
         let e = rel_err(&yf, &yr);
@@ -1002,7 +1171,8 @@ mod tests {
         let gf = probe(&yf, 99).backward().unwrap();
         let gr = probe(&yr, 99).backward().unwrap();
         for (i, v) in vars.iter().enumerate() {
-            let (a, b) = (gf.get(v.as_tensor()).expect("fused grad"), gr.get(v.as_tensor()).expect("reference grad"));
+            let (a, b) =
+                (gf.get(v.as_tensor()).expect("fused grad"), gr.get(v.as_tensor()).expect("reference grad"));
             let e = rel_err(a, b);
             assert!(e < tol, "{what}: gradient {i} error {e:e}");
         }
@@ -1056,9 +1226,22 @@ mod tests {
             let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
             check(
                 &[&x, &w],
-                &|| norm_rope(&x.as_tensor().reshape((b, l, h * d)).unwrap(), h, w.as_tensor(), &cos, &sin, 1e-6).unwrap(),
                 &|| {
-                    let n = ops::rms_norm_composed(x.as_tensor(), w.as_tensor(), 1e-6).unwrap().transpose(1, 2).unwrap();
+                    norm_rope(
+                        &x.as_tensor().reshape((b, l, h * d)).unwrap(),
+                        h,
+                        w.as_tensor(),
+                        &cos,
+                        &sin,
+                        1e-6,
+                    )
+                    .unwrap()
+                },
+                &|| {
+                    let n = ops::rms_norm_composed(x.as_tensor(), w.as_tensor(), 1e-6)
+                        .unwrap()
+                        .transpose(1, 2)
+                        .unwrap();
                     ops::rope(&n, &cos, &sin).unwrap()
                 },
                 tol(dtype),
@@ -1080,17 +1263,29 @@ mod tests {
                     if s == l {
                         v.transpose(1, 2).unwrap()
                     } else {
-                        Tensor::cat(&[v, &v.narrow(1, 0, s - l).unwrap()], 1).unwrap().transpose(1, 2).unwrap()
+                        Tensor::cat(&[v, &v.narrow(1, 0, s - l).unwrap()], 1)
+                            .unwrap()
+                            .transpose(1, 2)
+                            .unwrap()
                     }
                 };
                 // Causal plus left padding of 2 keys in row 1 (a fully masked query too).
-                let pad: Vec<f32> = (0..b * s).map(|i| if i / s == 1 && i % s < 2 { ops::MASKED } else { 0.0 }).collect();
+                let pad: Vec<f32> =
+                    (0..b * s).map(|i| if i / s == 1 && i % s < 2 { ops::MASKED } else { 0.0 }).collect();
                 let pad = Tensor::from_vec(pad, (b, 1, 1, s), &Device::Cpu).unwrap();
-                let mask = ops::causal_bias(l, s, offset, &Device::Cpu).unwrap().broadcast_add(&pad).unwrap().to_dtype(dtype).unwrap();
+                let mask = ops::causal_bias(l, s, offset, &Device::Cpu)
+                    .unwrap()
+                    .broadcast_add(&pad)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
                 check(
                     &[&q, &k, &v],
                     &|| attention(q.as_tensor(), k.as_tensor(), &v_bhsd(&v), &mask).unwrap(),
-                    &|| ops::attention_composed(q.as_tensor(), k.as_tensor(), &v_bhsd(&v), &mask, nkv).unwrap(),
+                    &|| {
+                        ops::attention_composed(q.as_tensor(), k.as_tensor(), &v_bhsd(&v), &mask, nkv)
+                            .unwrap()
+                    },
                     tol(dtype),
                     "attention",
                 );
@@ -1117,18 +1312,28 @@ mod tests {
     fn logprob_entropy_matches_composed() {
         for dtype in [DType::F64, DType::F32] {
             let x = randn(&[3, 4, 50], dtype, 11);
-            let t = Tensor::from_vec((0..12u32).map(|i| (i * 7) % 50).collect::<Vec<_>>(), (3, 4), &Device::Cpu).unwrap();
+            let t =
+                Tensor::from_vec((0..12u32).map(|i| (i * 7) % 50).collect::<Vec<_>>(), (3, 4), &Device::Cpu)
+                    .unwrap();
             let scaled = || x.as_tensor().affine(5.0, 0.0).unwrap();
             for which in 0..2 {
                 check(
                     &[&x],
                     &|| {
                         let (lp, h) = logprob_entropy(&scaled(), &t).unwrap();
-                        if which == 0 { lp } else { h }
+                        if which == 0 {
+                            lp
+                        } else {
+                            h
+                        }
                     },
                     &|| {
                         let (lp, h) = ops::logprob_entropy_composed(&scaled(), &t).unwrap();
-                        if which == 0 { lp } else { h }
+                        if which == 0 {
+                            lp
+                        } else {
+                            h
+                        }
                     },
                     tol(dtype),
                     if which == 0 { "logp" } else { "entropy" },

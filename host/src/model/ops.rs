@@ -81,7 +81,14 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// Per-head RMSNorm then rotary embedding, for q and k: `x` is `(B, L, H * D)`
 /// (the projection's output), `w` is `(D)`, `cos`/`sin` are `(B, 1, L, D/2)`;
 /// returns `(B, H, L, D)`.
-pub fn norm_rope(x: &Tensor, n_heads: usize, w: &Tensor, cos: &Tensor, sin: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn norm_rope(
+    x: &Tensor,
+    n_heads: usize,
+    w: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
     if fused::supported(x) {
         return fused::norm_rope(x, n_heads, w, cos, sin, eps);
     }
@@ -128,7 +135,8 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_k
     let k = k.contiguous()?;
     let v = v.contiguous()?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.reshape((b, nq, l, s))?;
-    let scores = scores.to_dtype(compute_dtype(dtype))?.broadcast_add(&mask.to_dtype(compute_dtype(dtype))?)?;
+    let scores =
+        scores.to_dtype(compute_dtype(dtype))?.broadcast_add(&mask.to_dtype(compute_dtype(dtype))?)?;
     let probs = softmax(&scores)?.to_dtype(dtype)?;
     let ctx = probs.reshape((b, n_kv, g * l, s))?.matmul(&v)?; // (B, Hkv, G*L, D)
     Ok(ctx.reshape((b, nq, l, d))?.transpose(1, 2)?.reshape((b, l, nq * d))?)

@@ -107,7 +107,11 @@ impl KvCache {
 
     /// Keeps only the rows in `keep` (e.g. to drop finished sequences).
     pub fn select_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let idx = Tensor::from_vec(keep.iter().map(|&i| i as u32).collect::<Vec<_>>(), keep.len(), self.k[0].device())?;
+        let idx = Tensor::from_vec(
+            keep.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+            keep.len(),
+            self.k[0].device(),
+        )?;
         for t in self.k.iter_mut().chain(self.v.iter_mut()) {
             *t = t.index_select(&idx, 0)?.contiguous()?;
         }
@@ -150,7 +154,10 @@ impl TokenBatch {
         let b = mask.len();
         let l = mask.first().map_or(0, Vec::len);
         if ids.len() != b * l || mask.iter().any(|m| m.len() != l) {
-            return Err(Error::invalid(format!("token batch: {} ids do not fill {b} rows of {l}", ids.len())));
+            return Err(Error::invalid(format!(
+                "token batch: {} ids do not fill {b} rows of {l}",
+                ids.len()
+            )));
         }
         let positions: Vec<u32> = mask
             .iter()
@@ -203,7 +210,8 @@ impl Qwen3 {
     pub fn new(cfg: &Config, src: &mut dyn WeightSource, dtype: DType, device: &Device) -> Result<Self> {
         cfg.validate("config")?;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let (q_dim, kv_dim, d) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim);
+        let (q_dim, kv_dim, d) =
+            (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim);
         let mut var = |name: &str, shape: &[usize]| -> Result<Var> {
             let t = src.get(name, shape)?;
             Ok(Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?)
@@ -238,12 +246,22 @@ impl Qwen3 {
             });
         }
         let norm = var("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(var("lm_head.weight", &[cfg.vocab_size, h])?) };
+        let lm_head =
+            if cfg.tie_word_embeddings { None } else { Some(var("lm_head.weight", &[cfg.vocab_size, h])?) };
         // inv_freq_j = theta^(-2j/D), as HF's default rope init (computed in f32 there).
         let inv_freq: Vec<f32> =
             (0..d / 2).map(|j| (1.0 / cfg.rope_theta.powf((2 * j) as f64 / d as f64)) as f32).collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, 1, d / 2), device)?;
-        Ok(Self { cfg: cfg.clone(), dtype, device: device.clone(), embed_tokens, layers, norm, lm_head, inv_freq })
+        Ok(Self {
+            cfg: cfg.clone(),
+            dtype,
+            device: device.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
     }
 
     /// The configuration.
@@ -297,8 +315,11 @@ impl Qwen3 {
     /// callers mask out.
     pub fn forward_hidden(&self, batch: &TokenBatch, grad: Grad) -> Result<Tensor> {
         let (b, _) = batch.dims();
-        let pad_bias: Vec<f32> =
-            batch.mask.iter().flat_map(|m| m.iter().map(|&x| if x == 1 { 0.0 } else { ops::MASKED })).collect();
+        let pad_bias: Vec<f32> = batch
+            .mask
+            .iter()
+            .flat_map(|m| m.iter().map(|&x| if x == 1 { 0.0 } else { ops::MASKED }))
+            .collect();
         let pad_bias = Tensor::from_vec(pad_bias, (b, 1, 1, batch.dims().1), &self.device)?;
         self.run(&batch.ids, &batch.positions, &pad_bias, 0, None, grad)
     }
@@ -342,7 +363,9 @@ impl Qwen3 {
         }
         let positions = Tensor::from_vec(positions, (b, t), &self.device)?;
         let s = cache.len + t;
-        let bias: Vec<f32> = (0..b).flat_map(|r| cache.key_bias[r * cache.capacity..r * cache.capacity + s].to_vec()).collect();
+        let bias: Vec<f32> = (0..b)
+            .flat_map(|r| cache.key_bias[r * cache.capacity..r * cache.capacity + s].to_vec())
+            .collect();
         let bias = Tensor::from_vec(bias, (b, 1, 1, s), &self.device)?;
         let offset = cache.len;
         let h = self.run(ids, &positions, &bias, offset, Some(cache), Grad::Off)?;
@@ -372,13 +395,23 @@ impl Qwen3 {
         let (b, l) = ids.dims2()?;
         let s = offset + l;
         // (B, L) -> (B, L, hidden)
-        let mut x = self.w(&self.embed_tokens, grad).index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?;
+        let mut x = self.w(&self.embed_tokens, grad).index_select(&ids.flatten_all()?, 0)?.reshape((
+            b,
+            l,
+            self.cfg.hidden_size,
+        ))?;
         // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
-        let freqs = positions.to_dtype(DType::F32)?.unsqueeze(2)?.broadcast_mul(&self.inv_freq)?.to_dtype(ops::compute_dtype(self.dtype))?;
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq)?
+            .to_dtype(ops::compute_dtype(self.dtype))?;
         let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
         let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
         // Additive mask (B, 1, L, S): causal within the chunk plus key padding.
-        let mask = ops::causal_bias(l, s, offset, &self.device)?.broadcast_add(pad_bias)?.to_dtype(ops::compute_dtype(self.dtype))?;
+        let mask = ops::causal_bias(l, s, offset, &self.device)?
+            .broadcast_add(pad_bias)?
+            .to_dtype(ops::compute_dtype(self.dtype))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
             x = self.layer(layer, &x, &cos, &sin, &mask, offset, kv, grad)?;

@@ -97,7 +97,11 @@ pub fn open_brackets(src: &str) -> i64 {
 impl Repl {
     /// A REPL on a new session with `opts`; `buffered` captures `print` output
     /// (drained into each [`Feed::Done`]) instead of writing to stdout.
-    pub fn new(opts: HostOptions, buffered: bool, cancel: Option<&'static std::sync::atomic::AtomicBool>) -> Self {
+    pub fn new(
+        opts: HostOptions,
+        buffered: bool,
+        cancel: Option<&'static std::sync::atomic::AtomicBool>,
+    ) -> Self {
         let buffer = buffered.then(|| Arc::new(Mutex::new(String::new())));
         let console = buffer.clone().map_or(Console::Stdout, Console::Buffer);
         let host = match cancel {
@@ -123,7 +127,10 @@ impl Repl {
     }
 
     fn drain(&self) -> String {
-        self.buffer.as_ref().and_then(|b| b.lock().ok().map(|mut s| std::mem::take(&mut *s))).unwrap_or_default()
+        self.buffer
+            .as_ref()
+            .and_then(|b| b.lock().ok().map(|mut s| std::mem::take(&mut *s)))
+            .unwrap_or_default()
     }
 
     /// Feeds one line of input.
@@ -175,7 +182,10 @@ impl Repl {
             }
             ":reload" => match self.session.reload() {
                 Ok(files) if files.is_empty() => "nothing to reload (:load a file first)\n".into(),
-                Ok(files) => format!("reloaded functions of {}\n", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")),
+                Ok(files) => format!(
+                    "reloaded functions of {}\n",
+                    files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+                ),
                 Err(e) => format!("error: {e} (previous functions kept)\n"),
             },
             ":vars" => self.session.vars().iter().map(|(n, t, v)| format!("{n:<16} {t:<12} {v}\n")).collect(),
@@ -186,7 +196,9 @@ impl Repl {
 
     fn help_all(&self) -> String {
         let names = self.session.function_names();
-        let mut s = String::from("Commands: :help [fn], :load file, :reload, :vars, :quit\nFunctions (:help name for details):\n");
+        let mut s = String::from(
+            "Commands: :help [fn], :load file, :reload, :vars, :quit\nFunctions (:help name for details):\n",
+        );
         for chunk in names.chunks(6) {
             s.push_str(&format!("  {}\n", chunk.join("  ")));
         }
@@ -222,15 +234,22 @@ struct ReplHelper {
 
 impl Completer for ReplHelper {
     type Candidate = String;
-    fn complete(&self, line: &str, pos: usize, _ctx: &Context<'_>) -> rustyline::Result<(usize, Vec<String>)> {
-        let start = line[..pos].rfind(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).map_or(0, |i| i + 1);
+    fn complete(
+        &self,
+        line: &str,
+        pos: usize,
+        _ctx: &Context<'_>,
+    ) -> rustyline::Result<(usize, Vec<String>)> {
+        let start =
+            line[..pos].rfind(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).map_or(0, |i| i + 1);
         let word = &line[start..pos];
         if word.is_empty() {
             return Ok((pos, Vec::new()));
         }
         let commands = [":help", ":load", ":reload", ":vars", ":quit"];
         let names = self.names.lock().map(|n| n.clone()).unwrap_or_default();
-        let v: Vec<String> = commands.iter().map(|c| c.to_string()).chain(names).filter(|n| n.starts_with(word)).collect();
+        let v: Vec<String> =
+            commands.iter().map(|c| c.to_string()).chain(names).filter(|n| n.starts_with(word)).collect();
         Ok((start, v))
     }
 }
@@ -250,14 +269,17 @@ pub fn history_path() -> PathBuf {
     if let Ok(p) = std::env::var("STAPO_HISTORY") {
         return PathBuf::from(p);
     }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".stapo_history")).unwrap_or_else(|| PathBuf::from(".stapo_history"))
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".stapo_history"))
+        .unwrap_or_else(|| PathBuf::from(".stapo_history"))
 }
 
 /// The interactive REPL on a terminal.
 pub fn run_interactive(opts: HostOptions, cancel: &'static std::sync::atomic::AtomicBool) -> Result<()> {
     let mut repl = Repl::new(opts, false, Some(cancel));
     let names = Arc::new(Mutex::new(repl.session().completions()));
-    let mut ed: Editor<ReplHelper, DefaultHistory> = Editor::new().map_err(|e| crate::Error::invalid(format!("cannot start the line editor: {e}")))?;
+    let mut ed: Editor<ReplHelper, DefaultHistory> =
+        Editor::new().map_err(|e| crate::Error::invalid(format!("cannot start the line editor: {e}")))?;
     ed.set_helper(Some(ReplHelper { names: names.clone() }));
     let hist = history_path();
     let _ = ed.load_history(&hist);

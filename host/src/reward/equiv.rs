@@ -198,8 +198,11 @@ fn matrix_rows(s: &str) -> Option<Vec<Vec<&str>>> {
         return None;
     }
     let body = rest.strip_suffix(&format!("\\end{{{env}}}"))?;
-    let rows: Vec<Vec<&str>> =
-        split_top(body, "\\\\").into_iter().filter(|r| !r.trim().is_empty()).map(|r| split_top(r, "&")).collect();
+    let rows: Vec<Vec<&str>> = split_top(body, "\\\\")
+        .into_iter()
+        .filter(|r| !r.trim().is_empty())
+        .map(|r| split_top(r, "&"))
+        .collect();
     (!rows.is_empty()).then_some(rows)
 }
 
@@ -228,7 +231,8 @@ fn expand_pm_str(s: &str) -> Vec<String> {
 /// three or more letters that is not a function name (or "no"); shorter
 /// letter runs such as `ab` are products.
 fn is_text(s: &str) -> bool {
-    const FUNCTION_WORDS: &[&str] = &["sin", "cos", "tan", "cot", "sec", "csc", "exp", "log", "sinh", "cosh", "tanh"];
+    const FUNCTION_WORDS: &[&str] =
+        &["sin", "cos", "tan", "cot", "sec", "csc", "exp", "log", "sinh", "cosh", "tanh"];
     s.chars().all(|c| c.is_ascii_alphabetic() || c == ' ')
         && s.split(' ').any(|w| {
             let w = w.to_ascii_lowercase();
@@ -260,9 +264,8 @@ fn compare(g: &Ans, p: &Ans) -> bool {
             go == po && gc == pc && ordered(gi, pi)
         }
         // `(2, 4)` answered as `2, 4`.
-        (Tuple { open: '(', close: ')', items: t }, List(l)) | (List(l), Tuple { open: '(', close: ')', items: t }) => {
-            ordered(t, l)
-        }
+        (Tuple { open: '(', close: ')', items: t }, List(l))
+        | (List(l), Tuple { open: '(', close: ')', items: t }) => ordered(t, l),
         (Set(a) | List(a), Set(b) | List(b)) | (Union(a), Union(b)) => unordered(a, b),
         (Set(a), other) | (other, Set(a)) if a.len() == 1 => compare(&a[0], other),
         (Matrix(a), Matrix(b)) => a.len() == b.len() && a.iter().zip(b).all(|(ra, rb)| ordered(ra, rb)),
@@ -360,8 +363,11 @@ fn sample_points(x: &Expr, y: &Expr) -> Vec<HashMap<String, C>> {
         .map(|_| {
             vars.iter()
                 .map(|v| {
-                    let val =
-                        if discrete { f64::from(rng.random_range(1u32..=25)) } else { rng.random_range(0.3..2.7) };
+                    let val = if discrete {
+                        f64::from(rng.random_range(1u32..=25))
+                    } else {
+                        rng.random_range(0.3..2.7)
+                    };
                     ((*v).clone(), C::real(val))
                 })
                 .collect()
@@ -536,7 +542,10 @@ mod tests {
         ("2500,7500", "7500, 2500"),
         ("3 \\text{ and } 5", "3, 5"),
         // matrices
-        ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{bmatrix} -1 & 0 \\\\ 0 & -1 \\end{bmatrix}"),
+        (
+            "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}",
+            "\\begin{bmatrix} -1 & 0 \\\\ 0 & -1 \\end{bmatrix}",
+        ),
         (
             "\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}",
             "\\begin{pmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{pmatrix}",
@@ -646,8 +655,14 @@ mod tests {
         ("(1,8,19), (2,7,13)", "(1,8,19), (2,13,7)"),
         ("2500,7500", "2500"),
         // matrices
-        ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}"),
-        ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{pmatrix} -1 & 0 & 0 & -1 \\end{pmatrix}"),
+        (
+            "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}",
+            "\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}",
+        ),
+        (
+            "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}",
+            "\\begin{pmatrix} -1 & 0 & 0 & -1 \\end{pmatrix}",
+        ),
         ("\\begin{pmatrix} -7 \\\\ 16 \\\\ 5 \\end{pmatrix}", "(-7, 16)"),
         // complex numbers
         ("-2 + 7i", "-2 - 7i"),
@@ -704,7 +719,10 @@ mod tests {
         ("-2,1", "2, -1"),
         ("3 \\pm 2 \\sqrt{2}", "3 + 2\\sqrt{2}, 3 - \\sqrt{2}"),
         ("\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", "\\begin{pmatrix} -18/5 \\\\ 1/5 \\end{pmatrix}"),
-        ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}"),
+        (
+            "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+            "\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}",
+        ),
         ("6 - 5i", "6 + 5i"),
         ("i", "-i"),
         ("\\frac{11+9a}{20}", "\\frac{11+9a}{2}"),
@@ -729,7 +747,8 @@ mod tests {
 
     #[test]
     fn different_pairs_are_not_equivalent_both_ways() {
-        let failures: Vec<_> = DIFFERENT.iter().filter(|(g, p)| equivalent(g, p) || equivalent(p, g)).collect();
+        let failures: Vec<_> =
+            DIFFERENT.iter().filter(|(g, p)| equivalent(g, p) || equivalent(p, g)).collect();
         assert!(failures.is_empty(), "judged equal: {failures:#?}");
     }
 

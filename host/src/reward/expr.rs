@@ -281,8 +281,15 @@ impl Expr {
         if toks.is_empty() {
             return None;
         }
-        let mut p =
-            Parser { toks, pos: 0, depth: 0, abs_depth: 0, vars: BTreeSet::new(), discrete: false, infinite: false };
+        let mut p = Parser {
+            toks,
+            pos: 0,
+            depth: 0,
+            abs_depth: 0,
+            vars: BTreeSet::new(),
+            discrete: false,
+            infinite: false,
+        };
         let root = p.sum()?;
         if p.pos != p.toks.len() {
             return None;
@@ -411,8 +418,8 @@ enum Tok {
 
 /// Bare words read as commands, longest first so `sinh` beats `sin`.
 const BARE_WORDS: &[&str] = &[
-    "arcsin", "arccos", "arctan", "cosec", "sqrt", "sinh", "cosh", "tanh", "asin", "acos", "atan", "sin", "cos", "tan",
-    "sec", "csc", "cot", "exp", "log", "ln", "pi",
+    "arcsin", "arccos", "arctan", "cosec", "sqrt", "sinh", "cosh", "tanh", "asin", "acos", "atan", "sin",
+    "cos", "tan", "sec", "csc", "cot", "exp", "log", "ln", "pi",
 ];
 
 fn tokenize(s: &str) -> Option<Vec<Tok>> {
@@ -495,9 +502,8 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
                     i += 1;
                     Tok::Sym('^')
                 }
-                '+' | '-' | '*' | '/' | '^' | '_' | '(' | ')' | '[' | ']' | '{' | '}' | '|' | '!' | '%' | '\'' => {
-                    Tok::Sym(c)
-                }
+                '+' | '-' | '*' | '/' | '^' | '_' | '(' | ')' | '[' | ']' | '{' | '}' | '|' | '!' | '%'
+                | '\'' => Tok::Sym(c),
                 _ => return None,
             };
             i += 1;
@@ -556,7 +562,16 @@ fn is_greek(name: &str) -> bool {
 fn is_text_cmd(name: &str) -> bool {
     matches!(
         name,
-        "text" | "mathrm" | "operatorname" | "mathbf" | "mathit" | "textrm" | "textit" | "textbf" | "mbox" | "mathsf"
+        "text"
+            | "mathrm"
+            | "operatorname"
+            | "mathbf"
+            | "mathit"
+            | "textrm"
+            | "textit"
+            | "textbf"
+            | "mbox"
+            | "mathsf"
     )
 }
 
@@ -687,7 +702,11 @@ impl Parser {
                     _ => break,
                 }
             }
-            Some(if factors.len() == 1 && !factors[0].0 { factors.swap_remove(0).1 } else { Node::Prod(factors) })
+            Some(if factors.len() == 1 && !factors[0].0 {
+                factors.swap_remove(0).1
+            } else {
+                Node::Prod(factors)
+            })
         })
     }
 
@@ -718,7 +737,10 @@ impl Parser {
                 is_greek(c)
                     || is_text_cmd(c)
                     || is_accent(c)
-                    || matches!(c.as_str(), "frac" | "sqrt" | "binom" | "pi" | "infty" | "lfloor" | "lceil" | "lvert")
+                    || matches!(
+                        c.as_str(),
+                        "frac" | "sqrt" | "binom" | "pi" | "infty" | "lfloor" | "lceil" | "lvert"
+                    )
             }
             _ => false,
         }
@@ -828,8 +850,8 @@ impl Parser {
         let first = name.chars().next()?;
         let simple_arg = matches!(self.toks.get(self.pos + 1), Some(Tok::Num(_) | Tok::Letter(_)))
             && self.toks.get(self.pos + 2) == Some(&Tok::Sym(')'));
-        let is_fn_name =
-            name.len() == 1 && (matches!(first, 'f' | 'g' | 'h') || (first.is_ascii_uppercase() && simple_arg));
+        let is_fn_name = name.len() == 1
+            && (matches!(first, 'f' | 'g' | 'h') || (first.is_ascii_uppercase() && simple_arg));
         if is_fn_name && self.peek() == Some(&Tok::Sym('(')) {
             self.pos += 1;
             let arg = self.sum()?;
@@ -902,7 +924,8 @@ impl Parser {
             }
             "lfloor" | "lceil" => {
                 self.discrete = true;
-                let (close, f) = if name == "lfloor" { ("rfloor", Func::Floor) } else { ("rceil", Func::Ceil) };
+                let (close, f) =
+                    if name == "lfloor" { ("rfloor", Func::Floor) } else { ("rceil", Func::Ceil) };
                 let e = self.sum()?;
                 self.eat_cmd(close).then(|| Node::Call(f, Box::new(e)))
             }
@@ -989,7 +1012,9 @@ fn number(text: &str) -> Option<Node> {
 fn int_fraction(node: &Node) -> Option<f64> {
     match node {
         Node::Prod(f) => match f.as_slice() {
-            [(false, Node::Num(a)), (true, Node::Num(b))] if a.fract() == 0.0 && b.fract() == 0.0 && *b != 0.0 => {
+            [(false, Node::Num(a)), (true, Node::Num(b))]
+                if a.fract() == 0.0 && b.fract() == 0.0 && *b != 0.0 =>
+            {
                 Some(a / b)
             }
             _ => None,
@@ -1105,7 +1130,9 @@ mod tests {
 
     #[test]
     fn rejects_malformed() {
-        for s in ["", "(1+2", "1+", "\\frac{1}", "x \\cup y", "a & b", "\\unknowncmd{3}", "1 = 2", "\\lfloor x"] {
+        for s in
+            ["", "(1+2", "1+", "\\frac{1}", "x \\cup y", "a & b", "\\unknowncmd{3}", "1 = 2", "\\lfloor x"]
+        {
             assert!(Expr::parse(s).is_none(), "{s:?} should not parse");
         }
     }

@@ -13,17 +13,19 @@ use super::normalize::matching_brace;
 const MAX_BOX_TRIES: usize = 4;
 
 /// Markers introducing a final answer in free text (matched case-insensitively).
-const ANSWER_MARKERS: &[&str] = &["final answer is", "the answer is", "answer is", "final answer:", "answer:", "####"];
+const ANSWER_MARKERS: &[&str] =
+    &["final answer is", "the answer is", "answer is", "final answer:", "answer:", "####"];
 
 /// Content of the last well-formed `\boxed{...}`, `\boxed x` or `\fbox{...}`.
 pub(crate) fn last_boxed(s: &str) -> Option<String> {
     let mut limit = s.len();
     for _ in 0..MAX_BOX_TRIES {
         let head = &s[..limit];
-        let (pos, cmd) = [head.rfind("\\boxed").map(|p| (p, "\\boxed")), head.rfind("\\fbox").map(|p| (p, "\\fbox"))]
-            .into_iter()
-            .flatten()
-            .max()?;
+        let (pos, cmd) =
+            [head.rfind("\\boxed").map(|p| (p, "\\boxed")), head.rfind("\\fbox").map(|p| (p, "\\fbox"))]
+                .into_iter()
+                .flatten()
+                .max()?;
         if let Some(content) = box_content(&s[pos + cmd.len()..]) {
             let content = content.trim();
             return (!content.is_empty()).then(|| content.to_string());

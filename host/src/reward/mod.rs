@@ -48,7 +48,9 @@ impl FromStr for ExtractMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "strict" => Ok(ExtractMode::Strict),
             "flexible" => Ok(ExtractMode::Flexible),
-            other => Err(Error::invalid(format!("extract mode: expected `strict` or `flexible`, found `{other}`"))),
+            other => {
+                Err(Error::invalid(format!("extract mode: expected `strict` or `flexible`, found `{other}`")))
+            }
         }
     }
 }
@@ -160,12 +162,19 @@ pub fn verify_jsonl(input: &Path, mode: ExtractMode, out: &mut dyn Write) -> Res
         let field = |name: &str| match value.get(name) {
             Some(serde_json::Value::String(s)) => Ok(s.clone()),
             Some(serde_json::Value::Number(n)) if name == "gold" => Ok(n.to_string()),
-            Some(other) => Err(parse_err(idx + 1, format!("field `{name}`: expected a string, found {other}"))),
+            Some(other) => {
+                Err(parse_err(idx + 1, format!("field `{name}`: expected a string, found {other}")))
+            }
             None => Err(parse_err(idx + 1, format!("missing field `{name}`"))),
         };
         let (gold, pred) = (field("gold")?, field("pred")?);
         let verdict = verify(&gold, &pred, mode);
-        let row = Row { gold: &gold, pred: &pred, extracted: verdict.extracted.as_deref(), correct: verdict.correct };
+        let row = Row {
+            gold: &gold,
+            pred: &pred,
+            extracted: verdict.extracted.as_deref(),
+            correct: verdict.correct,
+        };
         serde_json::to_writer(&mut *out, &row).map_err(|e| out_err(e.into()))?;
         out.write_all(b"\n").map_err(out_err)?;
         n_total += 1;
@@ -240,7 +249,8 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         assert_eq!(counts.ok(), Some((1, 3)));
         let text = String::from_utf8(out).unwrap_or_default();
-        let rows: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let rows: Vec<serde_json::Value> =
+            text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
         assert_eq!(rows.len(), 3);
         assert_eq!(rows[0]["extracted"], "0.5");
         assert_eq!(rows[0]["correct"], true);
@@ -302,15 +312,54 @@ mod fuzz {
     #[test]
     fn random_unicode_and_latex_never_panics() {
         let pieces = [
-            "\\boxed{", "}", "{", "\\frac", "\\cup", "\\{", "\\}", "(", ")", "[", "]", ",", "=", "\\pm", "x", "1", "18",
-            "0.5", "\\sqrt", "^", "_", "\\text{", "é", "\u{fffd}", "π", "∞", "\\", " ", "-", "/", "%", "\\left(", "\\right)",
-            "\\begin{pmatrix}", "&", "\\\\", "\\end{pmatrix}", "e", "i", "!", "\\$",
+            "\\boxed{",
+            "}",
+            "{",
+            "\\frac",
+            "\\cup",
+            "\\{",
+            "\\}",
+            "(",
+            ")",
+            "[",
+            "]",
+            ",",
+            "=",
+            "\\pm",
+            "x",
+            "1",
+            "18",
+            "0.5",
+            "\\sqrt",
+            "^",
+            "_",
+            "\\text{",
+            "é",
+            "\u{fffd}",
+            "π",
+            "∞",
+            "\\",
+            " ",
+            "-",
+            "/",
+            "%",
+            "\\left(",
+            "\\right)",
+            "\\begin{pmatrix}",
+            "&",
+            "\\\\",
+            "\\end{pmatrix}",
+            "e",
+            "i",
+            "!",
+            "\\$",
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for _ in 0..20_000 {
             let n = rng.random_range(1..14);
             let s: String = (0..n).map(|_| pieces[rng.random_range(0..pieces.len())]).collect();
-            let g: String = (0..rng.random_range(1..6)).map(|_| pieces[rng.random_range(0..pieces.len())]).collect();
+            let g: String =
+                (0..rng.random_range(1..6)).map(|_| pieces[rng.random_range(0..pieces.len())]).collect();
             let _ = verify(&g, &s, ExtractMode::Flexible);
             let _ = is_equivalent(&g, &s);
             let _ = is_equivalent(&s, &g);

@@ -12,11 +12,11 @@ const MAX_TEXT_DEPTH: usize = 4;
 
 /// Unit words stripped when they trail a number (`18 dollars`, `5 cm`).
 const UNIT_WORDS: &[&str] = &[
-    "mm", "cm", "km", "meter", "meters", "metre", "metres", "inch", "inches", "ft", "foot", "feet", "yard", "yards",
-    "mile", "miles", "mph", "kg", "gram", "grams", "pound", "pounds", "lb", "lbs", "ounce", "ounces", "ml", "liter",
-    "liters", "litre", "litres", "second", "seconds", "minute", "minutes", "hour", "hours", "hr", "hrs", "day", "days",
-    "week", "weeks", "month", "months", "year", "years", "dollar", "dollars", "cent", "cents", "degree", "degrees",
-    "unit", "units", "square", "sq", "cubic", "percent",
+    "mm", "cm", "km", "meter", "meters", "metre", "metres", "inch", "inches", "ft", "foot", "feet", "yard",
+    "yards", "mile", "miles", "mph", "kg", "gram", "grams", "pound", "pounds", "lb", "lbs", "ounce",
+    "ounces", "ml", "liter", "liters", "litre", "litres", "second", "seconds", "minute", "minutes", "hour",
+    "hours", "hr", "hrs", "day", "days", "week", "weeks", "month", "months", "year", "years", "dollar",
+    "dollars", "cent", "cents", "degree", "degrees", "unit", "units", "square", "sq", "cubic", "percent",
 ];
 
 /// Normalises an answer string (see the module docs).
@@ -106,8 +106,8 @@ fn rewrite_one(s: &str, i: usize, depth: usize, out: &mut String) -> usize {
             // `\left.` and `\right.` are invisible delimiters.
             return if b.get(end) == Some(&b'.') { end + 1 } else { end };
         }
-        "big" | "Big" | "bigg" | "Bigg" | "bigl" | "bigr" | "Bigl" | "Bigr" | "biggl" | "biggr" | "displaystyle"
-        | "textstyle" | "limits" | "nolimits" => "",
+        "big" | "Big" | "bigg" | "Bigg" | "bigl" | "bigr" | "Bigl" | "Bigr" | "biggl" | "biggr"
+        | "displaystyle" | "textstyle" | "limits" | "nolimits" => "",
         "quad" | "qquad" => " ",
         "dfrac" | "tfrac" | "cfrac" => "\\frac",
         "dbinom" | "tbinom" => "\\binom",
@@ -121,8 +121,8 @@ fn rewrite_one(s: &str, i: usize, depth: usize, out: &mut String) -> usize {
         "ldots" | "cdots" | "dots" => "\\dots",
         "infin" => "\\infty",
         "degree" => "",
-        "text" | "textbf" | "textrm" | "textit" | "textnormal" | "textsf" | "mbox" | "mathrm" | "mathbf" | "mathit"
-        | "mathsf" | "boldsymbol" | "operatorname" => return rewrite_text(s, end, depth, out),
+        "text" | "textbf" | "textrm" | "textit" | "textnormal" | "textsf" | "mbox" | "mathrm" | "mathbf"
+        | "mathit" | "mathsf" | "boldsymbol" | "operatorname" => return rewrite_text(s, end, depth, out),
         _ => {
             out.push_str(&s[i..end]);
             return end;
@@ -160,7 +160,8 @@ fn rewrite_text(s: &str, end: usize, depth: usize, out: &mut String) -> usize {
 /// Text that reads as a unit: words, possibly with `/`, `^2`, `-`.
 fn is_unit(t: &str) -> bool {
     t.starts_with(|c: char| c.is_ascii_alphabetic())
-        && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, ' ' | '~' | '/' | '^' | '.' | '-' | '{' | '}'))
+        && t.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, ' ' | '~' | '/' | '^' | '.' | '-' | '{' | '}'))
 }
 
 /// Skips the rest of a compound unit after a dropped one: `/ \mathrm{s}`,
@@ -250,8 +251,8 @@ fn strip_base_subscripts(s: String) -> String {
     while i < b.len() {
         if b[i] == b'_' && i > 0 && b[i - 1].is_ascii_digit() {
             let digits_start = i - b[..i].iter().rev().take_while(|c| c.is_ascii_digit()).count();
-            let standalone =
-                digits_start == 0 || !(b[digits_start - 1].is_ascii_alphanumeric() || b[digits_start - 1] == b'_');
+            let standalone = digits_start == 0
+                || !(b[digits_start - 1].is_ascii_alphanumeric() || b[digits_start - 1] == b'_');
             let (base_text, next) = if b.get(i + 1) == Some(&b'{') {
                 match matching_brace(&s, i + 1) {
                     Some(c) => (&s[i + 2..c], c + 1),
@@ -262,8 +263,9 @@ fn strip_base_subscripts(s: String) -> String {
                 (&s[i + 1..i + 1 + n], i + 1 + n)
             };
             let base = base_text.trim().parse::<u32>().ok().filter(|b| (2..=36).contains(b));
-            let digits_ok =
-                base.is_some_and(|base| s[digits_start..i].chars().all(|d| d.to_digit(36).is_some_and(|d| d < base)));
+            let digits_ok = base.is_some_and(|base| {
+                s[digits_start..i].chars().all(|d| d.to_digit(36).is_some_and(|d| d < base))
+            });
             if standalone && digits_ok {
                 out.push_str(&s[last..i]);
                 last = next;

@@ -170,7 +170,9 @@ impl RolloutBatch {
     /// which JSON cannot represent.
     pub fn save_jsonl(&self, path: &Path) -> Result<()> {
         for (i, s) in self.samples.iter().enumerate() {
-            for (field, values) in [("logprobs", &s.logprobs), ("old_logprobs", &s.old_logprobs), ("entropies", &s.entropies)] {
+            for (field, values) in
+                [("logprobs", &s.logprobs), ("old_logprobs", &s.old_logprobs), ("entropies", &s.entropies)]
+            {
                 if let Some(j) = values.iter().position(|v| !v.is_finite()) {
                     return Err(Error::invalid(format!(
                         "save {}: sample {i} field `{field}`[{j}] is {}, which JSON cannot hold",
@@ -180,7 +182,10 @@ impl RolloutBatch {
                 }
             }
             if let Some(r) = s.reward.filter(|r| !r.is_finite()) {
-                return Err(Error::invalid(format!("save {}: sample {i} field `reward` is {r}", path.display())));
+                return Err(Error::invalid(format!(
+                    "save {}: sample {i} field `reward` is {r}",
+                    path.display()
+                )));
             }
         }
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -218,7 +223,8 @@ impl RolloutBatch {
             if line.trim().is_empty() {
                 continue;
             }
-            let value: Value = serde_json::from_str(&line).map_err(|e| parse_err(line_no, format!("invalid JSON: {e}")))?;
+            let value: Value =
+                serde_json::from_str(&line).map_err(|e| parse_err(line_no, format!("invalid JSON: {e}")))?;
             let Value::Object(map) = value else {
                 return Err(parse_err(line_no, "expected a JSON object".into()));
             };
@@ -227,7 +233,10 @@ impl RolloutBatch {
                 "prompt" => {
                     let (index, info) = obj.prompt().map_err(|m| parse_err(line_no, m))?;
                     if index != batch.prompts.len() {
-                        let msg = format!("field `index`: expected {} (prompts in order), found {index}", batch.prompts.len());
+                        let msg = format!(
+                            "field `index`: expected {} (prompts in order), found {index}",
+                            batch.prompts.len()
+                        );
                         return Err(parse_err(line_no, msg));
                     }
                     batch.prompts.push(info);
@@ -245,7 +254,11 @@ impl RolloutBatch {
         if !batch.prompts.is_empty() {
             for (s, &line) in batch.samples.iter().zip(&sample_lines) {
                 if s.prompt_index >= batch.prompts.len() {
-                    let msg = format!("field `prompt_index`: {} but the file has {} prompts", s.prompt_index, batch.prompts.len());
+                    let msg = format!(
+                        "field `prompt_index`: {} but the file has {} prompts",
+                        s.prompt_index,
+                        batch.prompts.len()
+                    );
                     return Err(parse_err(line, msg));
                 }
             }
@@ -271,7 +284,10 @@ impl Fields<'_> {
     }
 
     fn prompt(&self) -> std::result::Result<(usize, PromptInfo), String> {
-        Ok((self.req("index")?, PromptInfo { id: self.req("id")?, text: self.req("text")?, answer: self.opt("answer")? }))
+        Ok((
+            self.req("index")?,
+            PromptInfo { id: self.req("id")?, text: self.req("text")?, answer: self.opt("answer")? },
+        ))
     }
 
     fn sample(&self) -> std::result::Result<Sample, String> {
@@ -290,7 +306,11 @@ impl Fields<'_> {
             reward: self.opt("reward")?,
         };
         let n = s.response_ids.len();
-        for (field, len) in [("logprobs", s.logprobs.len()), ("old_logprobs", s.old_logprobs.len()), ("entropies", s.entropies.len())] {
+        for (field, len) in [
+            ("logprobs", s.logprobs.len()),
+            ("old_logprobs", s.old_logprobs.len()),
+            ("entropies", s.entropies.len()),
+        ] {
             if len != n {
                 return Err(format!("field `{field}`: {len} values for {n} response tokens"));
             }
@@ -337,7 +357,11 @@ mod tests {
             })
             .collect();
         let prompts = (0..3)
-            .map(|i| PromptInfo { id: format!("p{i}"), text: format!("What is {i}+{i}?\n"), answer: (i != 1).then(|| (2 * i).to_string()) })
+            .map(|i| PromptInfo {
+                id: format!("p{i}"),
+                text: format!("What is {i}+{i}?\n"),
+                answer: (i != 1).then(|| (2 * i).to_string()),
+            })
             .collect();
         RolloutBatch::new(samples, prompts)
     }
@@ -348,7 +372,8 @@ mod tests {
         for _ in 0..200_000 {
             let v = f32::from_bits(rng.random());
             if v.is_finite() {
-                let back: f32 = serde_json::from_str(&serde_json::to_string(&v).expect("write")).expect("read");
+                let back: f32 =
+                    serde_json::from_str(&serde_json::to_string(&v).expect("write")).expect("read");
                 assert_eq!(back.to_bits(), v.to_bits(), "{v:e}");
             }
         }
@@ -370,7 +395,8 @@ mod tests {
         }
         // Saving again over the file works and leaves no temporary behind.
         back.save_jsonl(&path).expect("save again");
-        let names: Vec<_> = std::fs::read_dir(dir.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+        let names: Vec<_> =
+            std::fs::read_dir(dir.path()).expect("ls").map(|e| e.expect("entry").file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("rollouts.jsonl")]);
     }
 

@@ -58,7 +58,14 @@ pub fn generate(
     decode: &dyn Fn(&[u32]) -> String,
     progress: Option<&dyn Fn(usize)>,
 ) -> Result<Vec<Sample>> {
-    generate_with(model, prompts, params, pad_id, decode, &GenerateHooks { progress, ..GenerateHooks::default() })
+    generate_with(
+        model,
+        prompts,
+        params,
+        pad_id,
+        decode,
+        &GenerateHooks { progress, ..GenerateHooks::default() },
+    )
 }
 
 /// [`generate`] with cancellation, chunking and compaction controls.
@@ -73,7 +80,9 @@ pub fn generate_with(
     let vocab = model.config().vocab_size;
     params.validate(vocab)?;
     if pad_id as usize >= vocab {
-        return Err(Error::invalid(format!("generate: pad id {pad_id} is outside the vocabulary of {vocab}")));
+        return Err(Error::invalid(format!(
+            "generate: pad id {pad_id} is outside the vocabulary of {vocab}"
+        )));
     }
     for (i, p) in prompts.iter().enumerate() {
         if p.is_empty() {
@@ -89,7 +98,15 @@ pub fn generate_with(
         return Err(Error::invalid("generate: max_rows must be at least 1"));
     }
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
-    let run = Run { model, params, sampler: Sampler::new(params), stops: StopRules::new(params, eos), pad_id, decode, hooks };
+    let run = Run {
+        model,
+        params,
+        sampler: Sampler::new(params),
+        stops: StopRules::new(params, eos),
+        pad_id,
+        decode,
+        hooks,
+    };
     let per_chunk = (hooks.max_rows / params.n).max(1);
     let mut out = Vec::with_capacity(prompts.len() * params.n);
     let mut tokens = 0;
@@ -115,7 +132,12 @@ impl StopRules {
         // A stop string completed by the newest token lies within its last
         // `len` tokens if every token decodes to at least one byte; the margin
         // covers tokens that decode to nothing (e.g. skipped special tokens).
-        Self { eos, tokens: params.stop_token_ids.clone(), strings: params.stop_strings.clone(), window: 2 * longest + 8 }
+        Self {
+            eos,
+            tokens: params.stop_token_ids.clone(),
+            strings: params.stop_strings.clone(),
+            window: 2 * longest + 8,
+        }
     }
 
     /// Whether `ids` (a response so far) has just been ended by its last token.
@@ -198,7 +220,13 @@ fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
 
 impl Run<'_> {
     /// Generates the groups of `prompts`, whose first has global index `first`.
-    fn chunk(&self, prompts: &[Vec<u32>], first: usize, tokens: &mut usize, out: &mut Vec<Sample>) -> Result<()> {
+    fn chunk(
+        &self,
+        prompts: &[Vec<u32>],
+        first: usize,
+        tokens: &mut usize,
+        out: &mut Vec<Sample>,
+    ) -> Result<()> {
         let (model, n, vocab) = (self.model, self.params.n, self.model.config().vocab_size);
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // The last sampled token is never fed back, hence the - 1.
@@ -233,15 +261,18 @@ impl Run<'_> {
             let draws: Vec<Option<Result<TokenDraw>>> = rows
                 .par_iter_mut()
                 .zip(logits_row.par_iter())
-                .map(|(row, &l)| (!row.done).then(|| sampler.draw(&host[l * vocab..(l + 1) * vocab], &mut row.rng)))
+                .map(|(row, &l)| {
+                    (!row.done).then(|| sampler.draw(&host[l * vocab..(l + 1) * vocab], &mut row.rng))
+                })
                 .collect();
             for (row, draw) in rows.iter_mut().zip(draws) {
                 let Some(draw) = draw else { continue };
                 row.push(draw?);
                 *tokens += 1;
-                let finish = self.stops.check(&row.ids, self.decode).or_else(|| {
-                    (row.ids.len() >= self.params.max_new_tokens).then_some(Finish::Length)
-                });
+                let finish = self
+                    .stops
+                    .check(&row.ids, self.decode)
+                    .or_else(|| (row.ids.len() >= self.params.max_new_tokens).then_some(Finish::Length));
                 if let Some(finish) = finish {
                     out.push(row.finish(finish, &prompts[row.prompt_index - first], self.decode));
                 }
@@ -277,7 +308,8 @@ pub fn bench_generate(model: &Qwen3, batch: usize, prompt_len: usize, new_tokens
     let mut rng = StdRng::seed_from_u64(0);
     let prompts: Vec<Vec<u32>> =
         (0..batch).map(|_| (0..prompt_len.max(1)).map(|_| rng.random_range(0..vocab)).collect()).collect();
-    let params = SamplingParams { n: 1, max_new_tokens: new_tokens, ignore_eos: true, ..SamplingParams::default() };
+    let params =
+        SamplingParams { n: 1, max_new_tokens: new_tokens, ignore_eos: true, ..SamplingParams::default() };
     let hooks = GenerateHooks { max_rows: batch.max(1), ..GenerateHooks::default() };
     let start = Instant::now();
     let samples = generate_with(model, &prompts, &params, 0, &|_| String::new(), &hooks)?;
@@ -323,7 +355,8 @@ mod tests {
         // A stop token from prompt 0's free run, so that rows finish at different
         // steps and the cache drops them.
         let free = run(&model, &prompts()[..1], &SamplingParams::greedy(24));
-        let params = SamplingParams { stop_token_ids: vec![free[0].response_ids[4]], ..SamplingParams::greedy(24) };
+        let params =
+            SamplingParams { stop_token_ids: vec![free[0].response_ids[4]], ..SamplingParams::greedy(24) };
         let alone: Vec<Sample> = prompts()
             .iter()
             .enumerate()
@@ -337,7 +370,8 @@ mod tests {
         assert!(lens.iter().any(|&l| l != lens[0]), "rows should finish at different steps: {lens:?}");
         for compact_fraction in [0.0, 0.125, 1.0] {
             let hooks = GenerateHooks { compact_fraction, ..GenerateHooks::default() };
-            let batched = generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
+            let batched =
+                generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
             assert_eq!(batched.len(), alone.len());
             for (a, b) in batched.iter().zip(&alone) {
                 assert_same_response(a, b);
@@ -349,7 +383,14 @@ mod tests {
     #[test]
     fn recorded_stats_match_a_full_forward() {
         let model = tiny_model(Some(1), 2);
-        let params = SamplingParams { n: 3, temperature: 0.8, top_p: 0.9, max_new_tokens: 12, seed: 3, ..Default::default() };
+        let params = SamplingParams {
+            n: 3,
+            temperature: 0.8,
+            top_p: 0.9,
+            max_new_tokens: 12,
+            seed: 3,
+            ..Default::default()
+        };
         let samples = run(&model, &prompts(), &params);
         assert_eq!(samples.len(), 12);
         for s in &samples {
@@ -359,7 +400,10 @@ mod tests {
             // The logits that predicted response token j sit at prompt_len - 1 + j.
             let hidden = hidden.narrow(1, s.prompt_ids.len() - 1, s.response_len()).expect("narrow");
             let logits = model.lm_head(&hidden, Grad::Off).expect("lm_head");
-            let targets = Tensor::new(s.response_ids.as_slice(), model.device()).expect("targets").unsqueeze(0).expect("unsqueeze");
+            let targets = Tensor::new(s.response_ids.as_slice(), model.device())
+                .expect("targets")
+                .unsqueeze(0)
+                .expect("unsqueeze");
             let (logp, ent) = logprob_entropy(&logits, &targets).expect("logprob_entropy");
             let logp: Vec<f32> = logp.flatten_all().and_then(|t| t.to_vec1()).expect("logp");
             let ent: Vec<f32> = ent.flatten_all().and_then(|t| t.to_vec1()).expect("ent");
@@ -379,16 +423,23 @@ mod tests {
         let b = run(&model, &prompts(), &params);
         assert_eq!(a, b);
         let c = run(&model, &prompts(), &SamplingParams { seed: 43, ..params.clone() });
-        assert_ne!(a.iter().map(|s| &s.response_ids).collect::<Vec<_>>(), c.iter().map(|s| &s.response_ids).collect::<Vec<_>>());
+        assert_ne!(
+            a.iter().map(|s| &s.response_ids).collect::<Vec<_>>(),
+            c.iter().map(|s| &s.response_ids).collect::<Vec<_>>()
+        );
         // The samples of one group differ from each other.
         assert!(a[..4].iter().any(|s| s.response_ids != a[0].response_ids));
-        assert_eq!(a.iter().map(|s| (s.group, s.sample_index)).collect::<Vec<_>>(), (0..16).map(|r| (r / 4, r % 4)).collect::<Vec<_>>());
+        assert_eq!(
+            a.iter().map(|s| (s.group, s.sample_index)).collect::<Vec<_>>(),
+            (0..16).map(|r| (r / 4, r % 4)).collect::<Vec<_>>()
+        );
     }
 
     #[test]
     fn a_row_does_not_depend_on_its_batch() {
         let model = tiny_model(Some(1), 4);
-        let params = SamplingParams { n: 3, max_new_tokens: 16, top_k: Some(20), seed: 9, ..Default::default() };
+        let params =
+            SamplingParams { n: 3, max_new_tokens: 16, top_k: Some(20), seed: 9, ..Default::default() };
         let target = prompts()[1].clone();
         // Same prompt index (1), different neighbours and padding.
         let a = run(&model, &[vec![3, 4], target.clone()], &params);
@@ -413,14 +464,16 @@ mod tests {
         assert_eq!((free.response_len(), free.finish, free.truncated), (20, Finish::Length, true));
         let stop = free.response_ids[6];
         let expect_len = free.response_ids.iter().position(|&t| t == stop).expect("present") + 1;
-        let s = run(&model, p, &SamplingParams { stop_token_ids: vec![stop], ..SamplingParams::greedy(20) }).remove(0);
+        let s = run(&model, p, &SamplingParams { stop_token_ids: vec![stop], ..SamplingParams::greedy(20) })
+            .remove(0);
         assert_eq!(s.response_ids, free.response_ids[..expect_len]);
         assert_eq!((s.finish, s.truncated), (Finish::Stop, false));
         // The same weights with that token as the model's EOS.
         let eos_model = tiny_model(Some(stop), 5);
         let s = run(&eos_model, p, &SamplingParams::greedy(20)).remove(0);
         assert_eq!((s.response_len(), s.finish, s.truncated), (expect_len, Finish::Eos, false));
-        let s = run(&eos_model, p, &SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) }).remove(0);
+        let s =
+            run(&eos_model, p, &SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) }).remove(0);
         assert_eq!(s.response_ids, free.response_ids);
     }
 
@@ -432,12 +485,19 @@ mod tests {
         let (a, b) = (free.response_ids[7], free.response_ids[8]);
         // Spans the boundary between two tokens and covers neither fully.
         for stop in [format!("{a}><{b}"), format!("<{b}>")] {
-            let expect_len = (1..=free.response_len()).find(|&l| angle_decode(&free.response_ids[..l]).contains(&stop)).expect("found");
-            let params = SamplingParams { stop_strings: vec!["never".into(), stop.clone()], ..SamplingParams::greedy(30) };
+            let expect_len = (1..=free.response_len())
+                .find(|&l| angle_decode(&free.response_ids[..l]).contains(&stop))
+                .expect("found");
+            let params = SamplingParams {
+                stop_strings: vec!["never".into(), stop.clone()],
+                ..SamplingParams::greedy(30)
+            };
             let s = run(&model, p, &params).remove(0);
             assert_eq!(s.response_ids, free.response_ids[..expect_len], "stop {stop:?}");
             assert_eq!((s.finish, s.truncated), (Finish::StopString, false));
-            assert!(s.text.ends_with(&format!("<{}>", s.response_ids[expect_len - 1])) && s.text.contains(&stop));
+            assert!(
+                s.text.ends_with(&format!("<{}>", s.response_ids[expect_len - 1])) && s.text.contains(&stop)
+            );
         }
     }
 
@@ -446,16 +506,22 @@ mod tests {
         let model = tiny_model(None, 7);
         let seen = Cell::new(0);
         let params = SamplingParams { n: 2, max_new_tokens: 5, ..Default::default() };
-        let samples = generate(&model, &prompts(), &params, 0, &angle_decode, Some(&|t| seen.set(t))).expect("generate");
+        let samples = generate(&model, &prompts(), &params, 0, &angle_decode, Some(&|t| seen.set(t)))
+            .expect("generate");
         assert_eq!(seen.get(), 40);
         assert_eq!(samples.len(), 8);
         let cancel = AtomicBool::new(true);
         let hooks = GenerateHooks { cancel: Some(&cancel), ..GenerateHooks::default() };
-        let err = generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect_err("cancelled");
+        let err =
+            generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect_err("cancelled");
         assert!(err.to_string().contains("cancelled"), "{err}");
-        let err = generate(&model, &[vec![1], vec![]], &params, 0, &angle_decode, None).expect_err("empty").to_string();
+        let err = generate(&model, &[vec![1], vec![]], &params, 0, &angle_decode, None)
+            .expect_err("empty")
+            .to_string();
         assert!(err.contains("prompt 1 is empty"), "{err}");
-        let err = generate(&model, &[vec![1, 500]], &params, 0, &angle_decode, None).expect_err("vocab").to_string();
+        let err = generate(&model, &[vec![1, 500]], &params, 0, &angle_decode, None)
+            .expect_err("vocab")
+            .to_string();
         assert!(err.contains("prompt 0 token 1 is 500"), "{err}");
         assert!(generate(&model, &prompts(), &params, 97, &angle_decode, None).is_err());
         assert!(generate(&model, &[], &params, 0, &angle_decode, None).expect("no prompts").is_empty());

@@ -63,7 +63,8 @@ impl SamplingParams {
 
     /// Checks every field against what sampling accepts for a vocabulary of `vocab` tokens.
     pub fn validate(&self, vocab: usize) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(Error::invalid(format!("sampling params: `{field}`: {msg}")));
+        let bad =
+            |field: &str, msg: String| Err(Error::invalid(format!("sampling params: `{field}`: {msg}")));
         if self.n == 0 {
             return bad("n", "expected at least 1 sample per prompt, found 0".into());
         }
@@ -83,7 +84,10 @@ impl SamplingParams {
             return bad("stop_token_ids", format!("token {t} is outside the vocabulary of {vocab}"));
         }
         if self.stop_strings.iter().any(String::is_empty) {
-            return bad("stop_strings", "found an empty string, which would stop every response at once".into());
+            return bad(
+                "stop_strings",
+                "found an empty string, which would stop every response at once".into(),
+            );
         }
         Ok(())
     }

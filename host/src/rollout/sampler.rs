@@ -348,7 +348,9 @@ mod tests {
     fn top_p_with_many_survivors_matches_a_full_sort() {
         let mut rng = StdRng::seed_from_u64(4);
         let logits: Vec<f32> = (0..3000).map(|_| rng.random::<f32>() * 0.5).collect();
-        for (t, top_p, top_k) in [(1.0, 0.999, None), (0.8, 0.5, None), (1.2, 0.9, Some(700)), (1.0, 1.0, Some(10))] {
+        for (t, top_p, top_k) in
+            [(1.0, 0.999, None), (0.8, 0.5, None), (1.2, 0.9, Some(700)), (1.0, 1.0, Some(10))]
+        {
             let s = sampler(t, top_p, top_k);
             let got = s.distribution(&logits).expect("distribution");
             // Reference: sort everything, cut at top-k, then the top-p prefix.

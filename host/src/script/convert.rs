@@ -22,13 +22,16 @@ pub fn to_json(what: &str, d: &Dynamic) -> RhaiResult<Value> {
         return Ok(Value::from(i));
     }
     if let Ok(f) = d.as_float() {
-        return serde_json::Number::from_f64(f).map(Value::Number).ok_or_else(|| bad_arg(what, format!("expected a finite number, found {f}")));
+        return serde_json::Number::from_f64(f)
+            .map(Value::Number)
+            .ok_or_else(|| bad_arg(what, format!("expected a finite number, found {f}")));
     }
     if d.is_string() || d.is_char() {
         return Ok(Value::String(d.to_string()));
     }
     if d.is_array() {
-        let arr = d.clone().into_array().map_err(|t| bad_arg(what, format!("expected an array, found {t}")))?;
+        let arr =
+            d.clone().into_array().map_err(|t| bad_arg(what, format!("expected an array, found {t}")))?;
         return arr.iter().map(|x| to_json(what, x)).collect::<RhaiResult<Vec<_>>>().map(Value::Array);
     }
     if d.is_map() {
@@ -121,7 +124,9 @@ pub fn get_num(m: &Map, key: &str) -> RhaiResult<Option<f64>> {
     match m.get(key) {
         None => Ok(None),
         Some(d) if d.is_unit() => Ok(None),
-        Some(d) => num(d).map(Some).ok_or_else(|| bad_arg(key, format!("expected a number, found {}", d.type_name()))),
+        Some(d) => num(d)
+            .map(Some)
+            .ok_or_else(|| bad_arg(key, format!("expected a number, found {}", d.type_name()))),
     }
 }
 
@@ -168,7 +173,12 @@ mod tests {
         let p: SamplingParams = overlay("sampling", &SamplingParams::default(), v).unwrap();
         assert_eq!((p.n, p.temperature, p.max_new_tokens, p.top_p), (4, 1.0, 16, 1.0));
         let bad: Map = engine.eval("#{ nn: 4 }").unwrap();
-        let e = overlay::<SamplingParams>("sampling", &SamplingParams::default(), to_json("s", &Dynamic::from_map(bad)).unwrap()).unwrap_err();
+        let e = overlay::<SamplingParams>(
+            "sampling",
+            &SamplingParams::default(),
+            to_json("s", &Dynamic::from_map(bad)).unwrap(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("nn"), "{e}");
     }
 

@@ -82,7 +82,11 @@ pub fn from_eval(file: &str, e: Box<EvalAltResult>) -> Error {
             }
             mut leaf => {
                 let pos = leaf.take_position();
-                let here = if pos.is_none() { best.unwrap_or_else(|| cur_file.clone()) } else { format_pos(&cur_file, pos) };
+                let here = if pos.is_none() {
+                    best.unwrap_or_else(|| cur_file.clone())
+                } else {
+                    format_pos(&cur_file, pos)
+                };
                 let mut msg = leaf_message(&leaf);
                 for c in chain.iter().rev() {
                     msg.push_str(&format!("\n  {c}"));
@@ -113,7 +117,9 @@ fn leaf_message(e: &EvalAltResult) -> String {
                 format!("terminated: {s}")
             }
         }
-        EvalAltResult::ErrorTooManyOperations(_) => "too many operations (an endless loop?); the engine's operation limit stopped it".into(),
+        EvalAltResult::ErrorTooManyOperations(_) => {
+            "too many operations (an endless loop?); the engine's operation limit stopped it".into()
+        }
         other => other.to_string(),
     }
 }

@@ -38,7 +38,13 @@ impl HookSet {
     }
 
     /// Hooks from an import prelude (source text) and an AST whose functions are kept.
-    pub fn from_parts(engine: &Engine, file: &str, imports: &str, functions: &AST, text: &str) -> Result<Self> {
+    pub fn from_parts(
+        engine: &Engine,
+        file: &str,
+        imports: &str,
+        functions: &AST,
+        text: &str,
+    ) -> Result<Self> {
         let mut prelude = engine.compile(imports).map_err(|e| from_parse(file, e))?;
         prelude.set_source(file);
         let mut ast = prelude.merge(&functions.clone_functions_only());
@@ -67,9 +73,17 @@ impl HookSet {
     }
 
     /// Calls hook `name` with `args`; errors carry the hook's file:line:col.
-    pub fn call(&self, engine: &Engine, scope: &mut Scope, name: &str, args: impl FuncArgs) -> Result<Dynamic> {
+    pub fn call(
+        &self,
+        engine: &Engine,
+        scope: &mut Scope,
+        name: &str,
+        args: impl FuncArgs,
+    ) -> Result<Dynamic> {
         let opts = CallFnOptions::new().eval_ast(true).rewind_scope(true);
-        engine.call_fn_with_options::<Dynamic>(opts, scope, &self.ast, name, args).map_err(|e| from_eval(&self.file, e))
+        engine
+            .call_fn_with_options::<Dynamic>(opts, scope, &self.ast, name, args)
+            .map_err(|e| from_eval(&self.file, e))
     }
 }
 
@@ -175,7 +189,10 @@ fn starts_with_word(chars: &[char], i: usize, word: &str) -> bool {
 
 /// The error raised when a hook returns the wrong type.
 pub fn hook_type_error(hooks: &HookSet, name: &str, expected: &str, found: &Dynamic) -> Error {
-    Error::Script { pos: hooks.file().to_string(), msg: format!("hook `{name}` must return {expected}, found {}", found.type_name()) }
+    Error::Script {
+        pos: hooks.file().to_string(),
+        msg: format!("hook `{name}` must return {expected}, found {}", found.type_name()),
+    }
 }
 
 #[cfg(test)]
@@ -196,7 +213,12 @@ mod tests {
     #[test]
     fn hooks_skip_top_level_code() {
         let engine = Engine::new();
-        let h = HookSet::compile(&engine, "t.rhai", "let n = 0;\nthrow \"top-level ran\";\nfn lr(step) { step * 2 }").unwrap();
+        let h = HookSet::compile(
+            &engine,
+            "t.rhai",
+            "let n = 0;\nthrow \"top-level ran\";\nfn lr(step) { step * 2 }",
+        )
+        .unwrap();
         assert!(h.has("lr", 1) && !h.has("lr", 2) && !h.has("sampling", 1));
         let v = h.call(&engine, &mut Scope::new(), "lr", (3_i64,)).unwrap();
         assert_eq!(v.as_int().unwrap(), 6);

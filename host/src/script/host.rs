@@ -191,7 +191,11 @@ impl Host {
     /// `<run folder>/run-<k>`; and whether it resumes a run there.
     pub fn next_run_dir(&self, name: Option<&str>) -> (PathBuf, bool) {
         let k = self.trains.fetch_add(1, Ordering::SeqCst);
-        let base = self.opts.run_dir.clone().unwrap_or_else(|| default_run_dir(self.script().as_deref(), Path::new("runs")));
+        let base = self
+            .opts
+            .run_dir
+            .clone()
+            .unwrap_or_else(|| default_run_dir(self.script().as_deref(), Path::new("runs")));
         let resume_here = self.opts.resume;
         match name {
             Some(n) => {
@@ -245,7 +249,8 @@ impl Host {
 
 /// Keeps folder names to letters, digits, `-`, `_` and `.`.
 fn sanitize(s: &str) -> String {
-    let t: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    let t: String =
+        s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
     if t.is_empty() || t == "." || t == ".." {
         "run".into()
     } else {
@@ -255,7 +260,10 @@ fn sanitize(s: &str) -> String {
 
 /// `<parent>/<script stem>-<YYYYmmdd-HHMMSS>` (UTC), with `-2`, `-3` ... when taken.
 pub fn default_run_dir(script: Option<&Path>, parent: &Path) -> PathBuf {
-    let stem = script.and_then(|p| p.file_stem()).map(|s| sanitize(&s.to_string_lossy())).unwrap_or_else(|| "repl".into());
+    let stem = script
+        .and_then(|p| p.file_stem())
+        .map(|s| sanitize(&s.to_string_lossy()))
+        .unwrap_or_else(|| "repl".into());
     let base = format!("{stem}-{}", timestamp());
     let mut d = parent.join(&base);
     let mut k = 2;
@@ -268,7 +276,8 @@ pub fn default_run_dir(script: Option<&Path>, parent: &Path) -> PathBuf {
 
 /// The current UTC time as `YYYYmmdd-HHMMSS`.
 pub fn timestamp() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let (days, rem) = (secs / 86_400, secs % 86_400);
     let (y, m, d) = civil_from_days(days as i64);
     format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, (rem % 3600) / 60, rem % 60)
@@ -301,7 +310,10 @@ mod tests {
 
     #[test]
     fn run_dirs_follow_the_calls() {
-        let h = Host::new(HostOptions { run_dir: Some("/tmp/x".into()), ..Default::default() }, Console::Buffer(Default::default()));
+        let h = Host::new(
+            HostOptions { run_dir: Some("/tmp/x".into()), ..Default::default() },
+            Console::Buffer(Default::default()),
+        );
         assert_eq!(h.next_run_dir(None).0, PathBuf::from("/tmp/x"));
         assert_eq!(h.next_run_dir(None).0, PathBuf::from("/tmp/x/run-2"));
         assert_eq!(h.next_run_dir(Some("grpo a")).0, PathBuf::from("/tmp/x/grpo_a"));

@@ -62,7 +62,9 @@ pub fn build_engine(host: &Arc<Host>) -> Engine {
     // `eval` would compile code the hooks, positions and limits never see.
     engine.disable_symbol("eval");
     let h = host.clone();
-    engine.on_progress(move |_ops| if h.cancelled() { Some(Dynamic::from("cancelled (Ctrl-C)")) } else { None });
+    engine.on_progress(
+        move |_ops| if h.cancelled() { Some(Dynamic::from("cancelled (Ctrl-C)")) } else { None },
+    );
     let h = host.clone();
     engine.on_print(move |s| h.println(s));
     let h = host.clone();

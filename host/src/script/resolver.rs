@@ -57,17 +57,28 @@ fn not_found(path: &str, pos: Position) -> Box<EvalAltResult> {
 }
 
 impl ModuleResolver for Resolver {
-    fn resolve(&self, engine: &Engine, source: Option<&str>, path: &str, pos: Position) -> Result<SharedModule, Box<EvalAltResult>> {
+    fn resolve(
+        &self,
+        engine: &Engine,
+        source: Option<&str>,
+        path: &str,
+        pos: Position,
+    ) -> Result<SharedModule, Box<EvalAltResult>> {
         let rel = Path::new(path);
         if rel.is_absolute() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
             return Err(EvalAltResult::ErrorInModule(
                 path.to_string(),
-                EvalAltResult::ErrorRuntime(format!("[host] import \"{path}\": expected a relative name without `..`").into(), pos).into(),
+                EvalAltResult::ErrorRuntime(
+                    format!("[host] import \"{path}\": expected a relative name without `..`").into(),
+                    pos,
+                )
+                .into(),
                 pos,
             )
             .into());
         }
-        let file_name = if rel.extension().is_some() { rel.to_path_buf() } else { rel.with_extension("rhai") };
+        let file_name =
+            if rel.extension().is_some() { rel.to_path_buf() } else { rel.with_extension("rhai") };
         let file = self
             .search_dirs(source)
             .into_iter()
@@ -90,10 +101,17 @@ impl ModuleResolver for Resolver {
         let text = std::fs::read_to_string(&file).map_err(|_| not_found(path, pos))?;
         let built = engine
             .compile(&text)
-            .map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), EvalAltResult::ErrorParsing(*e.0, e.1).into(), pos)))
+            .map_err(|e| {
+                Box::new(EvalAltResult::ErrorInModule(
+                    label.clone(),
+                    EvalAltResult::ErrorParsing(*e.0, e.1).into(),
+                    pos,
+                ))
+            })
             .and_then(|mut ast| {
                 ast.set_source(label.as_str());
-                Module::eval_ast_as_new(Scope::new(), &ast, engine).map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), e, pos)))
+                Module::eval_ast_as_new(Scope::new(), &ast, engine)
+                    .map_err(|e| Box::new(EvalAltResult::ErrorInModule(label.clone(), e, pos)))
             });
         let module: SharedModule = match built {
             Ok(m) => m.into(),
@@ -111,7 +129,9 @@ impl ModuleResolver for Resolver {
                         if first {
                             if let Some(h) = self.host.upgrade() {
                                 let err = super::error::from_eval(&label, e);
-                                h.notice(&format!("{label} no longer compiles, keeping its previous version: {err}"));
+                                h.notice(&format!(
+                                    "{label} no longer compiles, keeping its previous version: {err}"
+                                ));
                             }
                         }
                         return Ok(m);
@@ -137,7 +157,8 @@ pub fn stdlib_dirs(script: Option<&Path>) -> Vec<PathBuf> {
             dirs.push(PathBuf::from(p));
         }
     }
-    let start = script.and_then(|s| s.parent()).map(Path::to_path_buf).or_else(|| std::env::current_dir().ok());
+    let start =
+        script.and_then(|s| s.parent()).map(Path::to_path_buf).or_else(|| std::env::current_dir().ok());
     if let Some(start) = start {
         let start = if start.as_os_str().is_empty() { PathBuf::from(".") } else { start };
         let abs = start.canonicalize().unwrap_or(start);

@@ -77,7 +77,8 @@ fn run_inner(host: &Arc<Host>, path: &Path) -> Result<()> {
     ast.set_source(label.as_str());
     host.set_hooks(HookSet::compile(&engine, &label, &text)?);
     let _watcher = if host.opts.watch {
-        let mut dirs: Vec<PathBuf> = vec![path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))];
+        let mut dirs: Vec<PathBuf> =
+            vec![path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))];
         dirs.extend(host.opts.stdlib_dirs.iter().cloned());
         Some(watch::start(host.clone(), &dirs)?)
     } else {

@@ -62,7 +62,10 @@ impl Session {
         let new_imports = top_level_imports(src);
         // Functions first, so the input may call functions it defines itself.
         let ast = prelude.merge(&self.fns).merge(&line);
-        let value = self.engine.eval_ast_with_scope::<Dynamic>(&mut self.scope, &ast).map_err(|e| from_eval(label, e));
+        let value = self
+            .engine
+            .eval_ast_with_scope::<Dynamic>(&mut self.scope, &ast)
+            .map_err(|e| from_eval(label, e));
         // Keep the definitions even when the statements failed, as rhai-repl does.
         self.fns = self.fns.merge(&line.clone_functions_only());
         if value.is_ok() && new_imports.contains("import") {
@@ -153,7 +156,12 @@ impl Session {
 
     /// Names of the documented host functions, sorted, without duplicates.
     pub fn function_names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.docs.iter().map(|d| d.name.clone()).filter(|n| !n.starts_with("get$") && !n.starts_with("set$")).collect();
+        let mut v: Vec<String> = self
+            .docs
+            .iter()
+            .map(|d| d.name.clone())
+            .filter(|n| !n.starts_with("get$") && !n.starts_with("set$"))
+            .collect();
         v.sort();
         v.dedup();
         v
@@ -182,7 +190,18 @@ fn collect_docs(engine: &Engine) -> Vec<FnDoc> {
             .into_iter()
             .flatten()
             .filter_map(|c| c.as_str())
-            .flat_map(|c| c.lines().map(|l| l.trim_start().trim_start_matches("///").trim_start_matches("/**").trim_end_matches("*/").trim().to_string()).collect::<Vec<_>>())
+            .flat_map(|c| {
+                c.lines()
+                    .map(|l| {
+                        l.trim_start()
+                            .trim_start_matches("///")
+                            .trim_start_matches("/**")
+                            .trim_end_matches("*/")
+                            .trim()
+                            .to_string()
+                    })
+                    .collect::<Vec<_>>()
+            })
             .collect();
         if comments.is_empty() {
             continue;

@@ -22,7 +22,12 @@ pub struct TokenRow {
 }
 
 /// The rows of sample `s`.
-pub fn token_rows(s: &Sample, tok: Option<&Tokenizer>, advantage: Option<f32>, silenced: Option<&[bool]>) -> Vec<TokenRow> {
+pub fn token_rows(
+    s: &Sample,
+    tok: Option<&Tokenizer>,
+    advantage: Option<f32>,
+    silenced: Option<&[bool]>,
+) -> Vec<TokenRow> {
     s.response_ids
         .iter()
         .enumerate()
@@ -69,7 +74,16 @@ pub fn format_sample(index: usize, s: &Sample, rows: &[TokenRow]) -> String {
             Some(false) => "",
             None => "?",
         };
-        let _ = writeln!(out, "  {:>4}  {:<16} {:>8.4} {:>7.3} {:>7}  {}", r.pos, format!("\"{}\"", cell(&r.token)), r.p, r.h, a, s2t);
+        let _ = writeln!(
+            out,
+            "  {:>4}  {:<16} {:>8.4} {:>7.3} {:>7}  {}",
+            r.pos,
+            format!("\"{}\"", cell(&r.token)),
+            r.p,
+            r.h,
+            a,
+            s2t
+        );
     }
     out
 }

@@ -37,7 +37,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rhai::{Dynamic, Engine, Map, Scope};
 use serde_json::Value;
 
-use super::bindings::{RunHandle, RolloutHandle, RolloutState};
+use super::bindings::{RolloutHandle, RolloutState, RunHandle};
 use super::convert::{clean_f64, from_json, get_num, num, parse_cli_value, sampling_json, to_json};
 use super::error::{bad_arg, host as host_err, RhaiResult};
 use super::hooks::{hook_type_error, HookSet};
@@ -200,17 +200,25 @@ pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: 
     };
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) => return log(&format!("step {step}: reload of {label} failed ({e}); keeping the previous hooks")),
+        Err(e) => {
+            return log(&format!("step {step}: reload of {label} failed ({e}); keeping the previous hooks"))
+        }
     };
     match HookSet::compile(engine, &label, &text) {
         Ok(h) => {
             let same = h.text() == host.hooks().text();
             host.set_hooks(h);
             if let Some(d) = run_dir {
-                let _ = crate::util::write_file_atomically(&d.join("reloads").join(format!("step-{step:06}.rhai")), text.as_bytes());
+                let _ = crate::util::write_file_atomically(
+                    &d.join("reloads").join(format!("step-{step:06}.rhai")),
+                    text.as_bytes(),
+                );
             }
             let what = if same { "imports changed" } else { "script changed" };
-            log(&format!("step {step}: reloaded {label} ({what}); hooks now: {}", host.hooks().names().join(", ")));
+            log(&format!(
+                "step {step}: reloaded {label} ({what}); hooks now: {}",
+                host.hooks().names().join(", ")
+            ));
         }
         Err(e) => log(&format!("step {step}: reload of {label} failed, keeping the previous hooks: {e}")),
     }
@@ -274,7 +282,9 @@ pub fn make_trainer(host: &Host, cfg: &Map) -> RhaiResult<Trainer> {
 fn progress_bar(host: &Host, total: u64, pos: u64) -> ProgressBar {
     let target = if host.opts.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
     let pb = ProgressBar::with_draw_target(Some(total), target);
-    if let Ok(style) = ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta}]") {
+    if let Ok(style) = ProgressStyle::with_template(
+        "{bar:30.cyan/blue} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta}]",
+    ) {
         pb.set_style(style);
     }
     pb.set_position(pos);
@@ -283,7 +293,8 @@ fn progress_bar(host: &Host, total: u64, pos: u64) -> ProgressBar {
 
 /// `train(cfg, steps)`: the loop described in the module docs.
 pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiResult<Map> {
-    let steps = u64::try_from(steps).map_err(|_| bad_arg("train", format!("steps: expected a non-negative integer, found {steps}")))?;
+    let steps = u64::try_from(steps)
+        .map_err(|_| bad_arg("train", format!("steps: expected a non-negative integer, found {steps}")))?;
     let steps = if host.opts.smoke { steps.min(2) } else { steps };
     let started = Instant::now();
     let mut trainer = make_trainer(host, cfg)?;
@@ -294,7 +305,11 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     pb.finish_and_clear();
     host.set_progress(None);
     // Checkpoint whatever happened, so the run can be resumed.
-    let ckpt = if trainer.step_count() > 0 { trainer.checkpoint().map(|p| p.display().to_string()) } else { Ok(String::new()) };
+    let ckpt = if trainer.step_count() > 0 {
+        trainer.checkpoint().map(|p| p.display().to_string())
+    } else {
+        Ok(String::new())
+    };
     let (last, stopped_early) = result.map_err(to_rhai)?;
     let ckpt = ckpt.map_err(host_err)?;
     let mut summary = Map::new();
@@ -321,7 +336,13 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
 }
 
 /// The step loop; returns the last metrics and whether `should_stop` ended it.
-fn run_steps(engine: &Engine, host: &Arc<Host>, trainer: &mut Trainer, steps: u64, pb: &ProgressBar) -> Result<(Map, bool)> {
+fn run_steps(
+    engine: &Engine,
+    host: &Arc<Host>,
+    trainer: &mut Trainer,
+    steps: u64,
+    pb: &ProgressBar,
+) -> Result<(Map, bool)> {
     let mut last = Map::new();
     let mut prev_thresholds = Map::new();
     let cancel = host.cancel_flag();
@@ -361,12 +382,16 @@ fn run_steps(engine: &Engine, host: &Arc<Host>, trainer: &mut Trainer, steps: u6
         pb.set_position(trainer.step_count());
         pb.set_message(format!(
             "reward {:.3}  acc {:.3}  H {:.3}  silenced {}",
-            metrics.update.reward_mean, metrics.update.accuracy, metrics.update.entropy, metrics.update.silenced_tokens
+            metrics.update.reward_mean,
+            metrics.update.accuracy,
+            metrics.update.entropy,
+            metrics.update.silenced_tokens
         ));
         let m = Dynamic::from_map(last.clone());
         call_hook(engine, host, "on_step", vec![s.clone(), m.clone()])?;
         if let Some(v) = call_hook(engine, host, "should_stop", vec![s, m])? {
-            let stop = v.as_bool().map_err(|_| hook_type_error(&host.hooks(), "should_stop", "a bool", &v))?;
+            let stop =
+                v.as_bool().map_err(|_| hook_type_error(&host.hooks(), "should_stop", "a bool", &v))?;
             if stop {
                 return Ok((last, true));
             }
@@ -404,11 +429,15 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
 pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
     let t = super::bindings::lock(&run.0, "run")?;
     let batch = t.last_rollout().cloned().ok_or_else(|| host_err("the run has not taken a step yet"))?;
-    let mut st = RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages: None, silenced: None };
+    let mut st =
+        RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages: None, silenced: None };
     let obj = t.default_plan().objective;
     if st.batch.samples.iter().all(|s| s.reward.is_some()) {
         let mut o = Map::new();
-        o.insert("adv".into(), (if obj.adv == crate::algo::AdvEstimator::DrGrpo { "dr_grpo" } else { "grpo" }).into());
+        o.insert(
+            "adv".into(),
+            (if obj.adv == crate::algo::AdvEstimator::DrGrpo { "dr_grpo" } else { "grpo" }).into(),
+        );
         super::bindings::algo::compute_advantages(&mut st, &o)?;
         if let MaskConfig::S2t { tau_p, tau_h } = obj.mask {
             let mut th = Map::new();

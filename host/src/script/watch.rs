@@ -65,7 +65,8 @@ pub fn start(host: Arc<Host>, dirs: &[PathBuf]) -> Result<Watcher> {
         let d = if d.as_os_str().is_empty() { PathBuf::from(".") } else { d.clone() };
         let c = d.canonicalize().unwrap_or(d);
         if c.is_dir() && !watched.contains(&c) {
-            w.watch(&c, RecursiveMode::NonRecursive).map_err(|e| Error::invalid(format!("cannot watch {}: {e}", c.display())))?;
+            w.watch(&c, RecursiveMode::NonRecursive)
+                .map_err(|e| Error::invalid(format!("cannot watch {}: {e}", c.display())))?;
             watched.push(c);
         }
     }
@@ -78,7 +79,9 @@ pub fn start(host: Arc<Host>, dirs: &[PathBuf]) -> Result<Watcher> {
             while !stop2.load(Ordering::SeqCst) {
                 match rx.recv_timeout(Duration::from_millis(50)) {
                     Ok(Ok(ev)) => {
-                        if !matches!(ev.kind, EventKind::Access(_)) && ev.paths.iter().any(|p| relevant(&host, p)) {
+                        if !matches!(ev.kind, EventKind::Access(_))
+                            && ev.paths.iter().any(|p| relevant(&host, p))
+                        {
                             pending = Some(Instant::now());
                         }
                     }

@@ -133,17 +133,10 @@ impl AdamWConfig {
     /// Checks every field's range, naming the first bad field.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, msg: String| {
-            Err(Error::Config {
-                file: CONFIG_NAME.into(),
-                field: field.into(),
-                msg,
-            })
+            Err(Error::Config { file: CONFIG_NAME.into(), field: field.into(), msg })
         };
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad(
-                "lr",
-                format!("expected a finite value >= 0, found {}", self.lr),
-            );
+            return bad("lr", format!("expected a finite value >= 0, found {}", self.lr));
         }
         for (field, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
@@ -151,23 +144,14 @@ impl AdamWConfig {
             }
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad(
-                "eps",
-                format!("expected a finite value > 0, found {}", self.eps),
-            );
+            return bad("eps", format!("expected a finite value > 0, found {}", self.eps));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(
-                "weight_decay",
-                format!("expected a finite value >= 0, found {}", self.weight_decay),
-            );
+            return bad("weight_decay", format!("expected a finite value >= 0, found {}", self.weight_decay));
         }
         if let Some(n) = self.max_grad_norm {
             if !(n.is_finite() && n > 0.0) {
-                return bad(
-                    "max_grad_norm",
-                    format!("expected a finite value > 0 or null, found {n}"),
-                );
+                return bad("max_grad_norm", format!("expected a finite value > 0 or null, found {n}"));
             }
         }
         Ok(())
@@ -250,19 +234,11 @@ impl LrSchedule {
         }
         let factor = match *self {
             LrSchedule::Constant { .. } => 1.0,
-            LrSchedule::Linear {
-                total_steps,
-                min_lr_ratio,
-                ..
-            } => {
+            LrSchedule::Linear { total_steps, min_lr_ratio, .. } => {
                 let p = progress(step, warmup, total_steps);
                 min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - p)
             }
-            LrSchedule::Cosine {
-                total_steps,
-                min_lr_ratio,
-                ..
-            } => {
+            LrSchedule::Cosine { total_steps, min_lr_ratio, .. } => {
                 let p = progress(step, warmup, total_steps);
                 min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
             }
@@ -273,36 +249,19 @@ impl LrSchedule {
     /// Checks that `min_lr_ratio` is in [0, 1] and `total_steps >= warmup_steps`.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, msg: String| {
-            Err(Error::Config {
-                file: "lr schedule".into(),
-                field: field.into(),
-                msg,
-            })
+            Err(Error::Config { file: "lr schedule".into(), field: field.into(), msg })
         };
         match *self {
             LrSchedule::Constant { .. } => Ok(()),
-            LrSchedule::Linear {
-                warmup_steps,
-                total_steps,
-                min_lr_ratio,
-            }
-            | LrSchedule::Cosine {
-                warmup_steps,
-                total_steps,
-                min_lr_ratio,
-            } => {
+            LrSchedule::Linear { warmup_steps, total_steps, min_lr_ratio }
+            | LrSchedule::Cosine { warmup_steps, total_steps, min_lr_ratio } => {
                 if !(0.0..=1.0).contains(&min_lr_ratio) {
-                    return bad(
-                        "min_lr_ratio",
-                        format!("expected a value in [0, 1], found {min_lr_ratio}"),
-                    );
+                    return bad("min_lr_ratio", format!("expected a value in [0, 1], found {min_lr_ratio}"));
                 }
                 if total_steps < warmup_steps {
                     return bad(
                         "total_steps",
-                        format!(
-                            "expected at least warmup_steps ({warmup_steps}), found {total_steps}"
-                        ),
+                        format!("expected at least warmup_steps ({warmup_steps}), found {total_steps}"),
                     );
                 }
                 Ok(())
@@ -399,9 +358,7 @@ impl AdamW {
         let mut states = Vec::with_capacity(params.len());
         for (name, var) in params {
             if !seen.insert(name.clone()) {
-                return Err(Error::invalid(format!(
-                    "adamw: parameter name `{name}` appears twice"
-                )));
+                return Err(Error::invalid(format!("adamw: parameter name `{name}` appears twice")));
             }
             if !var.dtype().is_float() {
                 return Err(Error::invalid(format!(
@@ -411,21 +368,9 @@ impl AdamW {
             }
             let m = Var::zeros(var.shape(), DType::F32, var.device())?;
             let v = Var::zeros(var.shape(), DType::F32, var.device())?;
-            states.push(ParamState {
-                name,
-                var,
-                m,
-                v,
-                steps: 0,
-                decay: true,
-            });
+            states.push(ParamState { name, var, m, v, steps: 0, decay: true });
         }
-        Ok(Self {
-            params: states,
-            cfg,
-            step: 0,
-            force_generic: false,
-        })
+        Ok(Self { params: states, cfg, step: 0, force_generic: false })
     }
 
     /// Excludes from weight decay every parameter whose name satisfies `no_decay`
@@ -497,9 +442,7 @@ impl AdamW {
     /// report and left as they are.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepReport> {
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::invalid(format!(
-                "adamw: learning rate must be finite and >= 0, found {lr}"
-            )));
+            return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
         }
         let (grad_norm, missing) = self.grad_norm(grads)?;
         if !grad_norm.is_finite() {
@@ -531,12 +474,7 @@ impl AdamW {
             }
         }
         self.step += 1;
-        Ok(StepReport {
-            grad_norm,
-            skipped: false,
-            clip_coef,
-            n_params_without_grad: missing,
-        })
+        Ok(StepReport { grad_norm, skipped: false, clip_coef, n_params_without_grad: missing })
     }
 
     /// The optimizer state as named tensors, for `optimizer.safetensors`:
@@ -550,13 +488,9 @@ impl AdamW {
         for p in &self.params {
             out.push((format!("{}.exp_avg", p.name), p.m.as_tensor().clone()));
             out.push((format!("{}.exp_avg_sq", p.name), p.v.as_tensor().clone()));
-            let steps = i64::try_from(p.steps).map_err(|_| {
-                Error::invalid(format!("adamw: step count of `{}` overflows i64", p.name))
-            })?;
-            out.push((
-                format!("{}.step", p.name),
-                Tensor::new(steps, &candle_core::Device::Cpu)?,
-            ));
+            let steps = i64::try_from(p.steps)
+                .map_err(|_| Error::invalid(format!("adamw: step count of `{}` overflows i64", p.name)))?;
+            out.push((format!("{}.step", p.name), Tensor::new(steps, &candle_core::Device::Cpu)?));
         }
         Ok(out)
     }
@@ -569,17 +503,11 @@ impl AdamW {
     /// optimizer's own storage). A missing `{name}.step` falls back to `step`.
     /// Tensors for other names are ignored (e.g. parameters now frozen). Nothing
     /// is changed unless every tensor checks out.
-    pub fn load_state(
-        &mut self,
-        tensors: &HashMap<String, Tensor>,
-        step: u64,
-        file: &str,
-    ) -> Result<()> {
+    pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64, file: &str) -> Result<()> {
         let get = |name: String, shape: &[usize]| -> Result<Tensor> {
-            let t = tensors.get(&name).ok_or_else(|| Error::MissingTensor {
-                file: file.into(),
-                name: name.clone(),
-            })?;
+            let t = tensors
+                .get(&name)
+                .ok_or_else(|| Error::MissingTensor { file: file.into(), name: name.clone() })?;
             if t.dims() != shape {
                 return Err(Error::Shape {
                     file: file.into(),
@@ -603,9 +531,9 @@ impl AdamW {
                         [s] if s.is_finite() && *s >= 0.0 && s.fract() == 0.0 => *s as u64,
                         _ => {
                             return Err(Error::invalid(format!(
-                                "{file}: tensor `{}.step` should hold one non-negative integer, found {vals:?}",
-                                p.name
-                            )))
+                            "{file}: tensor `{}.step` should hold one non-negative integer, found {vals:?}",
+                            p.name
+                        )))
                         }
                     }
                 }
@@ -636,11 +564,7 @@ fn hyper(cfg: &AdamWConfig, lr: f64, t: u64, decay: bool, clip: f64) -> Hyper {
         step_size: (lr / bc1) as f32,
         inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
         eps: cfg.eps as f32,
-        decay: if decay {
-            (1.0 - lr * cfg.weight_decay) as f32
-        } else {
-            1.0
-        },
+        decay: if decay { (1.0 - lr * cfg.weight_decay) as f32 } else { 1.0 },
         clip: clip as f32,
     }
 }
@@ -712,11 +636,7 @@ fn grad_sum_sq(g: &Tensor) -> Result<f64> {
     match fused {
         Some(s) => Ok(s),
         // Other devices and dtypes, or a strided gradient. f32 because Metal lacks f64.
-        None => Ok(g
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f32>()? as f64),
+        None => Ok(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64),
     }
 }
 
@@ -741,11 +661,7 @@ fn sum_sq_chunk<T: Elem>(x: &[T]) -> f64 {
             acc[j] += v * v;
         }
     }
-    let mut s: f64 = blocks
-        .remainder()
-        .iter()
-        .map(|v| (v.to_f32() as f64).powi(2))
-        .sum();
+    let mut s: f64 = blocks.remainder().iter().map(|v| (v.to_f32() as f64).powi(2)).sum();
     for a in acc {
         s += a;
     }
@@ -852,24 +768,14 @@ fn f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut
 }
 
 /// Locks `m` then `v` (both private to the optimizer) and runs the fused kernel.
-fn with_moments<T: Elem>(
-    p: &mut [T],
-    g: &[T],
-    m: &Var,
-    v: &Var,
-    h: &Hyper,
-) -> candle_core::Result<()> {
-    m.inplace_op1(&WithCpuMut(RefCell::new(Some(
-        |ms: &mut CpuStorage, ml: &Layout| {
-            let m = f32_mut(ms, ml)?;
-            v.inplace_op1(&WithCpuMut(RefCell::new(Some(
-                |vs: &mut CpuStorage, vl: &Layout| {
-                    let v = f32_mut(vs, vl)?;
-                    adamw_slices(p, g, m, v, h)
-                },
-            ))))
-        },
-    ))))
+fn with_moments<T: Elem>(p: &mut [T], g: &[T], m: &Var, v: &Var, h: &Hyper) -> candle_core::Result<()> {
+    m.inplace_op1(&WithCpuMut(RefCell::new(Some(|ms: &mut CpuStorage, ml: &Layout| {
+        let m = f32_mut(ms, ml)?;
+        v.inplace_op1(&WithCpuMut(RefCell::new(Some(|vs: &mut CpuStorage, vl: &Layout| {
+            let v = f32_mut(vs, vl)?;
+            adamw_slices(p, g, m, v, h)
+        }))))
+    }))))
 }
 
 /// Borrows the contiguous range of `x` described by `l`.
@@ -895,42 +801,23 @@ fn update_fused(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     // allocates a temporary).
     let g_owned;
     let g = if g.dtype() != p.var.dtype() || !g.is_contiguous() || !g.device().is_cpu() {
-        g_owned = g
-            .to_device(p.var.device())?
-            .to_dtype(p.var.dtype())?
-            .contiguous()?;
+        g_owned = g.to_device(p.var.device())?.to_dtype(p.var.dtype())?.contiguous()?;
         &g_owned
     } else {
         g
     };
     let (m, v) = (&p.m, &p.v);
-    let op = |ps: &mut CpuStorage,
-              pl: &Layout,
-              gs: &CpuStorage,
-              gl: &Layout|
-     -> candle_core::Result<()> {
+    let op = |ps: &mut CpuStorage, pl: &Layout, gs: &CpuStorage, gl: &Layout| -> candle_core::Result<()> {
         match (ps, gs) {
-            (CpuStorage::F32(pd), CpuStorage::F32(gd)) => with_moments(
-                range_of_mut(pd, pl, "param")?,
-                range_of(gd, gl, "grad")?,
-                m,
-                v,
-                h,
-            ),
-            (CpuStorage::BF16(pd), CpuStorage::BF16(gd)) => with_moments(
-                range_of_mut(pd, pl, "param")?,
-                range_of(gd, gl, "grad")?,
-                m,
-                v,
-                h,
-            ),
-            (CpuStorage::F16(pd), CpuStorage::F16(gd)) => with_moments(
-                range_of_mut(pd, pl, "param")?,
-                range_of(gd, gl, "grad")?,
-                m,
-                v,
-                h,
-            ),
+            (CpuStorage::F32(pd), CpuStorage::F32(gd)) => {
+                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
+            }
+            (CpuStorage::BF16(pd), CpuStorage::BF16(gd)) => {
+                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
+            }
+            (CpuStorage::F16(pd), CpuStorage::F16(gd)) => {
+                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
+            }
             (ps, gs) => candle_core::bail!(
                 "adamw: no fused kernel for param dtype {:?} with grad dtype {:?}",
                 ps.dtype(),
@@ -952,12 +839,10 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     let (clip, b1, b2) = (h.clip as f64, h.b1 as f64, h.b2 as f64);
     let g = g.to_device(p.var.device())?.to_dtype(DType::F32)?;
     let m_new = (p.m.affine(b1, 0.0)? + g.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
-    let v_new =
-        (p.v.affine(b2, 0.0)? + g.sqr()?.affine(h.one_minus_b2 as f64 * clip * clip, 0.0)?)?;
+    let v_new = (p.v.affine(b2, 0.0)? + g.sqr()?.affine(h.one_minus_b2 as f64 * clip * clip, 0.0)?)?;
     let denom = v_new.sqrt()?.affine(h.inv_sqrt_bc2 as f64, h.eps as f64)?;
     let upd = (m_new.clone() / denom)?.affine(h.step_size as f64, 0.0)?;
-    let p_new = (p.var.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?
-        .to_dtype(p.var.dtype())?;
+    let p_new = (p.var.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?.to_dtype(p.var.dtype())?;
     p.m.set(&m_new)?;
     p.v.set(&v_new)?;
     p.var.set(&p_new)?;
@@ -975,18 +860,10 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
 /// faults of the zero-initialised moments). Needs about 16 bytes per parameter.
 pub fn bench_adamw(n_params: usize, steps: usize) -> Result<f64> {
     if n_params == 0 || steps == 0 {
-        return Err(Error::invalid(
-            "bench_adamw: n_params and steps must be positive",
-        ));
+        return Err(Error::invalid("bench_adamw: n_params and steps must be positive"));
     }
     let (params, grads) = bench_problem(n_params)?;
-    let mut opt = AdamW::new(
-        params,
-        AdamWConfig {
-            lr: 1e-4,
-            ..AdamWConfig::default()
-        },
-    )?;
+    let mut opt = AdamW::new(params, AdamWConfig { lr: 1e-4, ..AdamWConfig::default() })?;
     opt.step(&grads, 1e-4)?;
     let start = std::time::Instant::now();
     for _ in 0..steps {
@@ -1018,29 +895,17 @@ mod tests {
     use candle_core::Device;
 
     fn vec_of(t: &Tensor) -> Vec<f32> {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
+        t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
     }
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        vec_of(a)
-            .iter()
-            .zip(vec_of(b))
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        vec_of(a).iter().zip(vec_of(b)).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
     }
 
     fn assert_close(found: &[f32], expected: &[f64], tol: f64) {
         assert_eq!(found.len(), expected.len());
         for (i, (f, e)) in found.iter().zip(expected).enumerate() {
-            assert!(
-                (*f as f64 - e).abs() <= tol,
-                "element {i}: found {f}, expected {e}"
-            );
+            assert!((*f as f64 - e).abs() <= tol, "element {i}: found {f}, expected {e}");
         }
     }
 
@@ -1051,12 +916,7 @@ mod tests {
     }
 
     fn no_clip(lr: f64, wd: f64) -> AdamWConfig {
-        AdamWConfig {
-            lr,
-            weight_decay: wd,
-            max_grad_norm: None,
-            ..AdamWConfig::default()
-        }
+        AdamWConfig { lr, weight_decay: wd, max_grad_norm: None, ..AdamWConfig::default() }
     }
 
     /// Two steps by hand. lr = 0.1, wd = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8 (negligible here).
@@ -1081,12 +941,10 @@ mod tests {
         let dev = Device::Cpu;
         let w = Var::new(&[1.0f32, -2.0], &dev).unwrap();
         let n = Var::new(&[1.0f32], &dev).unwrap();
-        let mut opt = AdamW::new(
-            vec![("w".into(), w.clone()), ("n.norm.weight".into(), n.clone())],
-            no_clip(0.1, 0.1),
-        )
-        .unwrap()
-        .with_no_decay(is_norm_or_bias);
+        let mut opt =
+            AdamW::new(vec![("w".into(), w.clone()), ("n.norm.weight".into(), n.clone())], no_clip(0.1, 0.1))
+                .unwrap()
+                .with_no_decay(is_norm_or_bias);
         let grads_for = |gw: [f32; 2], gn: [f32; 1]| {
             let mut gs = GradStore::default();
             gs.insert(&w, Tensor::new(&gw, &dev).unwrap());
@@ -1102,11 +960,7 @@ mod tests {
         assert_close(&vec_of(&w), &[0.7811, -1.8664631579], 1e-6);
         assert_close(&vec_of(&n), &[0.8], 1e-6);
         assert_close(&state_of(&opt, "w.exp_avg"), &[0.095, 0.01], 1e-7);
-        assert_close(
-            &state_of(&opt, "w.exp_avg_sq"),
-            &[0.00049975, 0.001999],
-            1e-9,
-        );
+        assert_close(&state_of(&opt, "w.exp_avg_sq"), &[0.00049975, 0.001999], 1e-9);
         assert_eq!(opt.step_count(), 2);
     }
 
@@ -1136,10 +990,7 @@ mod tests {
     fn check_against_reference(force_generic: bool) {
         let dev = Device::Cpu;
         let shapes: [&[usize]; 4] = [&[7, 13], &[64], &[3, 5, 4], &[CHUNK + 17]];
-        let vars: Vec<Var> = shapes
-            .iter()
-            .map(|s| Var::randn(0f32, 1.0, *s, &dev).unwrap())
-            .collect();
+        let vars: Vec<Var> = shapes.iter().map(|s| Var::randn(0f32, 1.0, *s, &dev).unwrap()).collect();
         let mut refs: Vec<Reference> = vars
             .iter()
             .map(|v| Reference {
@@ -1149,14 +1000,8 @@ mod tests {
                 t: 0,
             })
             .collect();
-        let named = vars
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (format!("p{i}"), v.clone()))
-            .collect();
-        let mut opt = AdamW::new(named, no_clip(1e-2, 0.05))
-            .unwrap()
-            .with_no_decay(|n| n == "p1");
+        let named = vars.iter().enumerate().map(|(i, v)| (format!("p{i}"), v.clone())).collect();
+        let mut opt = AdamW::new(named, no_clip(1e-2, 0.05)).unwrap().with_no_decay(|n| n == "p1");
         opt.force_generic = force_generic;
         for step in 0..5 {
             let lr = 1e-2 * (1.0 + step as f64) / 5.0;
@@ -1171,11 +1016,7 @@ mod tests {
         for (i, (var, r)) in vars.iter().zip(&refs).enumerate() {
             let st = opt.state_tensors().unwrap();
             let get = |k: String| st.iter().find(|(n, _)| *n == k).unwrap().1.clone();
-            assert!(
-                max_abs_diff(var, &r.p) <= 1e-6,
-                "param p{i}: {}",
-                max_abs_diff(var, &r.p)
-            );
+            assert!(max_abs_diff(var, &r.p) <= 1e-6, "param p{i}: {}", max_abs_diff(var, &r.p));
             assert!(max_abs_diff(&get(format!("p{i}.exp_avg")), &r.m) <= 1e-6);
             assert!(max_abs_diff(&get(format!("p{i}.exp_avg_sq")), &r.v) <= 1e-6);
         }
@@ -1207,11 +1048,7 @@ mod tests {
         let steps = 3;
         for _ in 0..steps {
             let g = Tensor::randn(0f32, 1.0, (32, 16), &dev).unwrap();
-            let (mut ga, mut gb, mut gc) = (
-                GradStore::default(),
-                GradStore::default(),
-                GradStore::default(),
-            );
+            let (mut ga, mut gb, mut gc) = (GradStore::default(), GradStore::default(), GradStore::default());
             let g16 = g.to_dtype(DType::BF16).unwrap();
             ga.insert(&p32, g16.to_dtype(DType::F32).unwrap());
             gb.insert(&p16, g16.clone());
@@ -1225,18 +1062,8 @@ mod tests {
         for i in 0..x.len() {
             // |p| along the way is at most |p_final| plus the steps taken (each < 3 lr).
             let ulp = (x[i].abs() + 3.0 * 1e-2 * steps as f32) * 2f32.powi(-7);
-            assert!(
-                (x[i] - y[i]).abs() <= (steps as f32 + 1.0) * ulp / 2.0,
-                "{i}: {} vs {}",
-                x[i],
-                y[i]
-            );
-            assert!(
-                (y[i] - z[i]).abs() <= ulp * 1.01,
-                "{i}: fused {} vs generic {}",
-                y[i],
-                z[i]
-            );
+            assert!((x[i] - y[i]).abs() <= (steps as f32 + 1.0) * ulp / 2.0, "{i}: {} vs {}", x[i], y[i]);
+            assert!((y[i] - z[i]).abs() <= ulp * 1.01, "{i}: fused {} vs generic {}", y[i], z[i]);
         }
     }
 
@@ -1249,17 +1076,10 @@ mod tests {
         let dev = Device::Cpu;
         let a = Var::new(&[1.0f32, 1.0], &dev).unwrap();
         let b = Var::new(&[1.0f32], &dev).unwrap();
-        let cfg = AdamWConfig {
-            lr: 0.1,
-            weight_decay: 0.0,
-            max_grad_norm: Some(1.0),
-            ..AdamWConfig::default()
-        };
-        let mut opt = AdamW::new(
-            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
-            cfg.clone(),
-        )
-        .unwrap();
+        let cfg =
+            AdamWConfig { lr: 0.1, weight_decay: 0.0, max_grad_norm: Some(1.0), ..AdamWConfig::default() };
+        let mut opt =
+            AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg.clone()).unwrap();
         let mut gs = GradStore::default();
         gs.insert(&a, Tensor::new(&[3.0f32, 4.0], &dev).unwrap());
         gs.insert(&b, Tensor::new(&[0.0f32], &dev).unwrap());
@@ -1273,21 +1093,14 @@ mod tests {
         let mut opt2 = AdamW::new(vec![("a".into(), a2.clone())], no_clip(0.1, 0.0)).unwrap();
         let mut gs2 = GradStore::default();
         let coef = r.clip_coef as f32;
-        gs2.insert(
-            &a2,
-            Tensor::new(&[3.0f32 * coef, 4.0 * coef], &dev).unwrap(),
-        );
+        gs2.insert(&a2, Tensor::new(&[3.0f32 * coef, 4.0 * coef], &dev).unwrap());
         opt2.step(&gs2, 0.1).unwrap();
         assert!(max_abs_diff(&a, &a2) < 1e-7);
         // The gradients themselves are not rewritten.
         assert_eq!(vec_of(gs.get(&a).unwrap()), vec![3.0, 4.0]);
         // A norm under the threshold is not clipped.
-        let big = AdamWConfig {
-            max_grad_norm: Some(10.0),
-            ..cfg
-        };
-        let mut opt3 =
-            AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], big).unwrap();
+        let big = AdamWConfig { max_grad_norm: Some(10.0), ..cfg };
+        let mut opt3 = AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], big).unwrap();
         assert_eq!(opt3.step(&gs, 0.1).unwrap().clip_coef, 1.0);
     }
 
@@ -1296,22 +1109,15 @@ mod tests {
         let dev = Device::Cpu;
         let a = Var::new(&[1.0f32, 2.0], &dev).unwrap();
         let b = Var::new(&[3.0f32], &dev).unwrap();
-        let mut opt = AdamW::new(
-            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
-            AdamWConfig::default(),
-        )
-        .unwrap();
+        let mut opt =
+            AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], AdamWConfig::default())
+                .unwrap();
         let mut gs = GradStore::default();
         gs.insert(&a, Tensor::new(&[0.1f32, 0.2], &dev).unwrap());
         gs.insert(&b, Tensor::new(&[0.3f32], &dev).unwrap());
         opt.step(&gs, 1e-3).unwrap();
         let snapshot = |o: &AdamW| -> Vec<Vec<f32>> {
-            let mut s: Vec<Vec<f32>> = o
-                .state_tensors()
-                .unwrap()
-                .iter()
-                .map(|(_, t)| vec_of(t))
-                .collect();
+            let mut s: Vec<Vec<f32>> = o.state_tensors().unwrap().iter().map(|(_, t)| vec_of(t)).collect();
             s.push(vec_of(&a));
             s.push(vec_of(&b));
             s
@@ -1333,11 +1139,8 @@ mod tests {
         let dev = Device::Cpu;
         let a = Var::new(&[1.0f32], &dev).unwrap();
         let b = Var::new(&[1.0f32], &dev).unwrap();
-        let mut opt = AdamW::new(
-            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
-            no_clip(0.1, 0.1),
-        )
-        .unwrap();
+        let mut opt =
+            AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], no_clip(0.1, 0.1)).unwrap();
         let mut gs = GradStore::default();
         gs.insert(&a, Tensor::new(&[1.0f32], &dev).unwrap());
         let r = opt.step(&gs, 0.1).unwrap();
@@ -1369,40 +1172,21 @@ mod tests {
         close(c.lr_at(2.0, 1000), 2.0);
         close(LrSchedule::default().lr_at(3.0, 0), 3.0);
         // Decay from step 10 to 110 (progress = (s - 10) / 100), floor 0.1.
-        let l = LrSchedule::Linear {
-            warmup_steps: 10,
-            total_steps: 110,
-            min_lr_ratio: 0.1,
-        };
+        let l = LrSchedule::Linear { warmup_steps: 10, total_steps: 110, min_lr_ratio: 0.1 };
         close(l.lr_at(1.0, 0), 0.1);
         close(l.lr_at(1.0, 10), 1.0);
         close(l.lr_at(1.0, 60), 0.1 + 0.9 * 0.5);
         close(l.lr_at(1.0, 110), 0.1);
         close(l.lr_at(1.0, 500), 0.1);
-        let k = LrSchedule::Cosine {
-            warmup_steps: 10,
-            total_steps: 110,
-            min_lr_ratio: 0.1,
-        };
+        let k = LrSchedule::Cosine { warmup_steps: 10, total_steps: 110, min_lr_ratio: 0.1 };
         close(k.lr_at(1.0, 10), 1.0);
         // progress 0.25: 0.1 + 0.9 * (1 + cos(pi/4)) / 2
-        close(
-            k.lr_at(1.0, 35),
-            0.1 + 0.45 * (1.0 + std::f64::consts::FRAC_1_SQRT_2),
-        );
+        close(k.lr_at(1.0, 35), 0.1 + 0.45 * (1.0 + std::f64::consts::FRAC_1_SQRT_2));
         close(k.lr_at(1.0, 60), 0.55);
         close(k.lr_at(1.0, 110), 0.1);
         close(k.lr_at(1.0, 111), 0.1);
         // No warm-up, zero-length decay: straight to the floor.
-        close(
-            LrSchedule::Linear {
-                warmup_steps: 0,
-                total_steps: 0,
-                min_lr_ratio: 0.5,
-            }
-            .lr_at(1.0, 0),
-            0.5,
-        );
+        close(LrSchedule::Linear { warmup_steps: 0, total_steps: 0, min_lr_ratio: 0.5 }.lr_at(1.0, 0), 0.5);
 
         let json = r#"{"kind":"cosine","warmup_steps":10,"total_steps":110,"min_lr_ratio":0.1}"#;
         assert_eq!(serde_json::from_str::<LrSchedule>(json).unwrap(), k);
@@ -1412,41 +1196,22 @@ mod tests {
             serde_json::from_str::<LrSchedule>(r#"{"kind":"constant"}"#).unwrap(),
             LrSchedule::default()
         );
-        assert!(LrSchedule::Linear {
-            warmup_steps: 10,
-            total_steps: 5,
-            min_lr_ratio: 0.0
-        }
-        .validate()
-        .is_err());
-        assert!(LrSchedule::Cosine {
-            warmup_steps: 0,
-            total_steps: 5,
-            min_lr_ratio: 1.5
-        }
-        .validate()
-        .is_err());
+        assert!(LrSchedule::Linear { warmup_steps: 10, total_steps: 5, min_lr_ratio: 0.0 }
+            .validate()
+            .is_err());
+        assert!(LrSchedule::Cosine { warmup_steps: 0, total_steps: 5, min_lr_ratio: 1.5 }
+            .validate()
+            .is_err());
     }
 
     #[test]
     fn config_defaults_and_validation() {
         let cfg: AdamWConfig = serde_json::from_str(r#"{"lr": 2e-6}"#).unwrap();
-        assert_eq!(
-            cfg,
-            AdamWConfig {
-                lr: 2e-6,
-                ..AdamWConfig::default()
-            }
-        );
+        assert_eq!(cfg, AdamWConfig { lr: 2e-6, ..AdamWConfig::default() });
         let off: AdamWConfig = serde_json::from_str(r#"{"max_grad_norm": null}"#).unwrap();
         assert_eq!(off.max_grad_norm, None);
         assert!(serde_json::from_str::<AdamWConfig>(r#"{"betta1": 0.9}"#).is_err());
-        match (AdamWConfig {
-            beta2: 1.0,
-            ..AdamWConfig::default()
-        })
-        .validate()
-        {
+        match (AdamWConfig { beta2: 1.0, ..AdamWConfig::default() }).validate() {
             Err(Error::Config { field, .. }) => assert_eq!(field, "beta2"),
             other => panic!("expected a config error, got {other:?}"),
         }
@@ -1455,32 +1220,15 @@ mod tests {
     #[test]
     fn save_load_continue_equals_uninterrupted() {
         let dev = Device::Cpu;
-        let init: Vec<Tensor> = [(4usize, 5usize), (3, 1)]
-            .iter()
-            .map(|s| Tensor::randn(0f32, 1.0, *s, &dev).unwrap())
-            .collect();
+        let init: Vec<Tensor> =
+            [(4usize, 5usize), (3, 1)].iter().map(|s| Tensor::randn(0f32, 1.0, *s, &dev).unwrap()).collect();
         let grads: Vec<Vec<Tensor>> = (0..6)
-            .map(|_| {
-                init.iter()
-                    .map(|t| Tensor::randn(0f32, 0.5, t.shape(), &dev).unwrap())
-                    .collect()
-            })
+            .map(|_| init.iter().map(|t| Tensor::randn(0f32, 0.5, t.shape(), &dev).unwrap()).collect())
             .collect();
         let make = |vals: &[Tensor]| -> (Vec<Var>, AdamW) {
-            let vars: Vec<Var> = vals
-                .iter()
-                .map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap())
-                .collect();
-            let named = vars
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (format!("w{i}"), v.clone()))
-                .collect();
-            let cfg = AdamWConfig {
-                lr: 1e-2,
-                max_grad_norm: Some(0.5),
-                ..AdamWConfig::default()
-            };
+            let vars: Vec<Var> = vals.iter().map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap()).collect();
+            let named = vars.iter().enumerate().map(|(i, v)| (format!("w{i}"), v.clone())).collect();
+            let cfg = AdamWConfig { lr: 1e-2, max_grad_norm: Some(0.5), ..AdamWConfig::default() };
             (vars, AdamW::new(named, cfg).unwrap())
         };
         let run = |vars: &[Var], opt: &mut AdamW, steps: std::ops::Range<usize>| {
@@ -1492,11 +1240,7 @@ mod tests {
                         gs.insert(v, g.clone());
                     }
                 }
-                opt.step(
-                    &gs,
-                    LrSchedule::Constant { warmup_steps: 2 }.lr_at(1e-2, s as u64),
-                )
-                .unwrap();
+                opt.step(&gs, LrSchedule::Constant { warmup_steps: 2 }.lr_at(1e-2, s as u64)).unwrap();
             }
         };
         let (va, mut a) = make(&init);
@@ -1505,31 +1249,18 @@ mod tests {
         let (vb, mut b) = make(&init);
         run(&vb, &mut b, 0..3);
         // Emulate a file: deep copies, the moments as another dtype.
-        let saved: HashMap<String, Tensor> = b
-            .state_tensors()
-            .unwrap()
-            .into_iter()
-            .map(|(n, t)| (n, t.copy().unwrap()))
-            .collect();
+        let saved: HashMap<String, Tensor> =
+            b.state_tensors().unwrap().into_iter().map(|(n, t)| (n, t.copy().unwrap())).collect();
         let weights: Vec<Tensor> = vb.iter().map(|v| v.as_tensor().copy().unwrap()).collect();
         let (vc, mut c) = make(&weights);
-        c.load_state(&saved, b.step_count(), "optimizer.safetensors")
-            .unwrap();
+        c.load_state(&saved, b.step_count(), "optimizer.safetensors").unwrap();
         assert_eq!(c.step_count(), 3);
         run(&vc, &mut c, 3..6);
         for (x, y) in va.iter().zip(&vc) {
             assert_eq!(vec_of(x), vec_of(y));
         }
-        assert_eq!(
-            a.state_tensors().unwrap().len(),
-            c.state_tensors().unwrap().len()
-        );
-        for ((n1, t1), (n2, t2)) in a
-            .state_tensors()
-            .unwrap()
-            .iter()
-            .zip(c.state_tensors().unwrap().iter())
-        {
+        assert_eq!(a.state_tensors().unwrap().len(), c.state_tensors().unwrap().len());
+        for ((n1, t1), (n2, t2)) in a.state_tensors().unwrap().iter().zip(c.state_tensors().unwrap().iter()) {
             assert_eq!(n1, n2);
             assert_eq!(vec_of(t1), vec_of(t2), "{n1}");
         }
@@ -1539,25 +1270,14 @@ mod tests {
         missing.remove("w1.exp_avg_sq");
         match c.load_state(&missing, 3, "optimizer.safetensors") {
             Err(Error::MissingTensor { file, name }) => {
-                assert_eq!(
-                    (file.as_str(), name.as_str()),
-                    ("optimizer.safetensors", "w1.exp_avg_sq")
-                )
+                assert_eq!((file.as_str(), name.as_str()), ("optimizer.safetensors", "w1.exp_avg_sq"))
             }
             other => panic!("expected a missing-tensor error, got {other:?}"),
         }
         let mut wrong = saved.clone();
-        wrong.insert(
-            "w0.exp_avg".into(),
-            Tensor::zeros((5, 4), DType::F32, &dev).unwrap(),
-        );
+        wrong.insert("w0.exp_avg".into(), Tensor::zeros((5, 4), DType::F32, &dev).unwrap());
         match c.load_state(&wrong, 3, "optimizer.safetensors") {
-            Err(Error::Shape {
-                name,
-                expected,
-                found,
-                ..
-            }) => {
+            Err(Error::Shape { name, expected, found, .. }) => {
                 assert_eq!(name, "w0.exp_avg");
                 assert_eq!((expected, found), (vec![4, 5], vec![5, 4]));
             }
@@ -1571,14 +1291,9 @@ mod tests {
     #[ignore]
     fn bench_vs_candle_nn() {
         use candle_nn::Optimizer;
-        let n: usize = std::env::var("STAPO_BENCH_PARAMS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(16_800_000);
-        let steps: usize = std::env::var("STAPO_BENCH_STEPS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(3);
+        let n: usize =
+            std::env::var("STAPO_BENCH_PARAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(16_800_000);
+        let steps: usize = std::env::var("STAPO_BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
         let ours = bench_adamw(n, steps).unwrap();
         println!("stapo AdamW (fused): {n} params, {ours:.4} s/step over {steps} steps");
         if std::env::var("STAPO_BENCH_SKIP_CANDLE").is_ok() {
@@ -1586,14 +1301,8 @@ mod tests {
         }
         let (params, grads) = bench_problem(n).unwrap();
         let vars = params.into_iter().map(|(_, v)| v).collect();
-        let mut opt = candle_nn::AdamW::new(
-            vars,
-            candle_nn::ParamsAdamW {
-                lr: 1e-4,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let mut opt =
+            candle_nn::AdamW::new(vars, candle_nn::ParamsAdamW { lr: 1e-4, ..Default::default() }).unwrap();
         opt.step(&grads).unwrap();
         let start = std::time::Instant::now();
         for _ in 0..steps {

@@ -45,7 +45,13 @@ fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Value>> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| Error::Parse { path: path.into(), line: i + 1, msg: e.to_string() }))
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| Error::Parse {
+                path: path.into(),
+                line: i + 1,
+                msg: e.to_string(),
+            })
+        })
         .collect()
 }
 
@@ -208,7 +214,9 @@ mod tests {
         let png_bytes = std::fs::read(&png).unwrap();
         assert_eq!(&png_bytes[..4], b"\x89PNG");
         let svg_text = std::fs::read_to_string(&svg).unwrap();
-        assert!(svg_text.contains("reward (mean)") && svg_text.contains("stapo") && svg_text.contains("grpo"));
+        assert!(
+            svg_text.contains("reward (mean)") && svg_text.contains("stapo") && svg_text.contains("grpo")
+        );
     }
 
     #[test]
@@ -216,7 +224,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = dir.path().join("metrics.jsonl");
         std::fs::write(&m, "{\"step\":0}\nnot json\n").unwrap();
-        let err = standard_panels(&[RunCurves { label: "x".into(), metrics: m, eval: None }]).unwrap_err().to_string();
+        let err = standard_panels(&[RunCurves { label: "x".into(), metrics: m, eval: None }])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("metrics.jsonl:2"), "{err}");
     }
 }

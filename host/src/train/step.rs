@@ -196,7 +196,8 @@ fn rows(t: &Tensor, seqs: &[&Sequence]) -> Result<Vec<Vec<f32>>> {
 
 /// A `(B, T)` tensor from per-sequence vectors, zero-padded.
 fn grid(vals: &[&Vec<f32>], t: usize, device: &Device) -> Result<Tensor> {
-    let flat: Vec<f32> = vals.iter().flat_map(|v| v.iter().copied().chain(std::iter::repeat_n(0.0, t - v.len()))).collect();
+    let flat: Vec<f32> =
+        vals.iter().flat_map(|v| v.iter().copied().chain(std::iter::repeat_n(0.0, t - v.len()))).collect();
     Ok(Tensor::from_vec(flat, (vals.len(), t), device)?)
 }
 
@@ -275,7 +276,9 @@ pub fn update(
             .iter()
             .map(|&i| {
                 let lp = seqs[i].rollout_logprobs.clone().ok_or_else(|| {
-                    Error::invalid(format!("update: old_logp = rollout but sequence {i} has no rollout log-probs"))
+                    Error::invalid(format!(
+                        "update: old_logp = rollout but sequence {i} has no rollout log-probs"
+                    ))
                 })?;
                 if lp.len() != seqs[i].response_ids.len() {
                     return Err(Error::invalid(format!(
@@ -289,7 +292,9 @@ pub fn update(
             .collect::<Result<_>>()?,
     };
     let reference_logp: Option<HashMap<usize, Vec<f32>>> = match (&obj.kl, reference) {
-        (Some(kl), Some(r)) if kl.beta != 0.0 => Some(active.iter().copied().zip(by_micro(&active, r)?).collect()),
+        (Some(kl), Some(r)) if kl.beta != 0.0 => {
+            Some(active.iter().copied().zip(by_micro(&active, r)?).collect())
+        }
         (Some(kl), None) if kl.beta != 0.0 => {
             return Err(Error::invalid("update: a KL penalty is configured but no reference model was given"))
         }
@@ -313,7 +318,11 @@ pub fn update(
             let t = ss.iter().map(|s| s.response_ids.len()).max().unwrap_or(1);
             let micros: Vec<(usize, usize)> =
                 (0..mini.len()).step_by(micro_size).map(|s| (s, micro_size.min(mini.len() - s))).collect();
-            let adv_all = Tensor::from_vec(mini.iter().map(|&i| adv.values[i]).collect::<Vec<f32>>(), mini.len(), &device)?;
+            let adv_all = Tensor::from_vec(
+                mini.iter().map(|&i| adv.values[i]).collect::<Vec<f32>>(),
+                mini.len(),
+                &device,
+            )?;
             let resp_all = layout(&ss, p, t, pad_id, &device)?.resp_mask;
 
             // The token mask needs the current policy's p and H over the whole
@@ -383,7 +392,9 @@ pub fn update(
                     grid(&mini[s..s + len].iter().map(|i| &old[i]).collect::<Vec<_>>(), t, &device)?
                 };
                 let ref_t = match &reference_logp {
-                    Some(r) => Some(grid(&mini[s..s + len].iter().map(|i| &r[i]).collect::<Vec<_>>(), t, &device)?),
+                    Some(r) => {
+                        Some(grid(&mini[s..s + len].iter().map(|i| &r[i]).collect::<Vec<_>>(), t, &device)?)
+                    }
                     None => None,
                 };
                 let mask = token_mask.narrow(0, s, len)?;
@@ -403,7 +414,12 @@ pub fn update(
                 )?;
                 let l = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
                 // Entropy metric over response tokens of this micro-batch.
-                let em = entropy.detach().to_dtype(DType::F32)?.mul(&mb.resp_mask)?.sum_all()?.to_scalar::<f32>()?;
+                let em = entropy
+                    .detach()
+                    .to_dtype(DType::F32)?
+                    .mul(&mb.resp_mask)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
                 entropy_sum += em as f64;
                 entropy_count += part.iter().map(|s| s.response_ids.len()).sum::<usize>();
                 loss_metrics.merge(&out.metrics);
@@ -448,8 +464,11 @@ pub fn update(
     metrics.clip_frac_low = loss_metrics.clip_frac_low;
     metrics.clip_frac_high = loss_metrics.clip_frac_high;
     metrics.approx_kl = loss_metrics.approx_kl;
-    metrics.silenced_ratio =
-        if metrics.response_tokens == 0 { 0.0 } else { metrics.silenced_tokens as f32 / metrics.response_tokens as f32 };
+    metrics.silenced_ratio = if metrics.response_tokens == 0 {
+        0.0
+    } else {
+        metrics.silenced_tokens as f32 / metrics.response_tokens as f32
+    };
     let mut top: Vec<(u32, usize)> = silenced.into_iter().collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     top.truncate(20);

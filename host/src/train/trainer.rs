@@ -23,7 +23,7 @@ use crate::data::{Dataset, DatasetOptions, Example, PromptTemplate, Sampler, Sam
 use crate::eval::{self, EvalReport};
 use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, RolloutBatch, PromptInfo, SamplingParams};
+use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
 use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
@@ -184,7 +184,10 @@ impl Trainer {
     /// Starts a run writing into `run_dir` (created; must not hold a run yet).
     pub fn new(cfg: RunConfig, run_dir: &Path) -> Result<Self> {
         if run_dir.join("run_config.json").exists() {
-            return Err(Error::invalid(format!("{} already holds a run; resume it or pick another folder", run_dir.display())));
+            return Err(Error::invalid(format!(
+                "{} already holds a run; resume it or pick another folder",
+                run_dir.display()
+            )));
         }
         std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
         let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
@@ -199,8 +202,11 @@ impl Trainer {
     pub fn resume(run_dir: &Path) -> Result<Self> {
         let cfg_path = run_dir.join("run_config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-        let cfg: RunConfig =
-            serde_json::from_str(&text).map_err(|e| Error::Parse { path: cfg_path.clone(), line: e.line(), msg: e.to_string() })?;
+        let cfg: RunConfig = serde_json::from_str(&text).map_err(|e| Error::Parse {
+            path: cfg_path.clone(),
+            line: e.line(),
+            msg: e.to_string(),
+        })?;
         let latest = run_dir.join("checkpoints/latest");
         let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
         let ckpt = run_dir.join("checkpoints").join(name.trim());
@@ -209,8 +215,11 @@ impl Trainer {
         let m = model::load(&ckpt, dtype, &device)?;
         let state_path = ckpt.join("trainer_state.json");
         let state_text = std::fs::read_to_string(&state_path).map_err(|e| Error::io(&state_path, e))?;
-        let state: TrainerState = serde_json::from_str(&state_text)
-            .map_err(|e| Error::Parse { path: state_path.clone(), line: e.line(), msg: e.to_string() })?;
+        let state: TrainerState = serde_json::from_str(&state_text).map_err(|e| Error::Parse {
+            path: state_path.clone(),
+            line: e.line(),
+            msg: e.to_string(),
+        })?;
         let mut t = Self::assemble(cfg, m, run_dir, Some(&state))?;
         let opt_path = ckpt.join("optimizer.safetensors");
         let tensors = candle_core::safetensors::load(&opt_path, &device).map_err(|e| Error::Config {
@@ -224,7 +233,12 @@ impl Trainer {
         if let Ok(text) = std::fs::read_to_string(&metrics) {
             let kept: String = text
                 .lines()
-                .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s < state.step))
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s < state.step)
+                })
                 .map(|l| format!("{l}\n"))
                 .collect();
             write_file_atomically(&metrics, kept.as_bytes())?;
@@ -321,7 +335,12 @@ impl Trainer {
     }
 
     /// One RL step under `plan`. `progress` receives rollout tokens so far.
-    pub fn step(&mut self, plan: &StepPlan, progress: Option<&dyn Fn(usize)>, cancel: Option<&std::sync::atomic::AtomicBool>) -> Result<StepMetrics> {
+    pub fn step(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<StepMetrics> {
         let step = self.step;
         // Like verl's val_before_train: the curve of held-out accuracy starts at step 0.
         if step == 0 && self.cfg.eval_every > 0 && self.test.is_some() && self.evals.is_empty() {
@@ -329,7 +348,8 @@ impl Trainer {
         }
         let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
         let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
-        let prompt_texts: Vec<String> = examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
+        let prompt_texts: Vec<String> =
+            examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
         let prompts: Vec<Vec<u32>> =
             prompt_texts.iter().map(|t| self.tokenizer.encode(t, false)).collect::<Result<_>>()?;
         let mut sampling = plan.sampling.clone();
@@ -340,14 +360,16 @@ impl Trainer {
         let tok = &self.tokenizer;
         let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
         let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
-        let mut samples = rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
+        let mut samples =
+            rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
         let rollout_secs = t0.elapsed().as_secs_f64();
         let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
         }
-        let seqs: Vec<Sequence> = samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
+        let seqs: Vec<Sequence> =
+            samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
         let ucfg = UpdateConfig {
@@ -359,7 +381,8 @@ impl Trainer {
             shuffle: self.cfg.epochs > 1,
             seed: mix(self.cfg.seed ^ 0x5eed, step),
         };
-        let mut um = update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        let mut um =
+            update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
         if um.response_tokens == 0 {
             // Nothing reached the update (e.g. dynamic sampling dropped every
             // group): report the policy's entropy from the rollout instead.
@@ -396,7 +419,10 @@ impl Trainer {
             m.eval_avg = Some(r.overall.avg);
             m.eval_pass = Some(r.overall.pass);
         }
-        append_line(&self.run_dir.join("metrics.jsonl"), &serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?)?;
+        append_line(
+            &self.run_dir.join("metrics.jsonl"),
+            &serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?,
+        )?;
         if self.cfg.save_every > 0 && self.step % self.cfg.save_every as u64 == 0 {
             self.checkpoint()?;
         }
@@ -421,10 +447,20 @@ impl Trainer {
         params.top_p = self.cfg.eval_top_p;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
         add_stop_ids(&mut params, self.tokenizer.eos_ids());
-        let report = eval::evaluate(&self.model, &self.tokenizer, ex, &self.cfg.template, &params, self.cfg.extract, 64, &|_| {})?;
+        let report = eval::evaluate(
+            &self.model,
+            &self.tokenizer,
+            ex,
+            &self.cfg.template,
+            &params,
+            self.cfg.extract,
+            64,
+            &|_| {},
+        )?;
         let dir = self.run_dir.join("eval");
         eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
-        let summary = serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
+        let summary =
+            serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
         append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
         self.evals.push((self.step, report.overall.avg, report.overall.pass));
         self.last_eval = Some(report.clone());
@@ -437,13 +473,23 @@ impl Trainer {
         let name = format!("step-{:06}", self.step);
         let path = dir.join(&name);
         let save_dtype = model::parse_dtype(&self.model.config().torch_dtype).unwrap_or(DType::F32);
-        let state = TrainerState { step: self.step, sampler: self.sampler.state(), silenced_totals: self.silenced_totals() };
+        let state = TrainerState {
+            step: self.step,
+            sampler: self.sampler.state(),
+            silenced_totals: self.silenced_totals(),
+        };
         checkpoint::write_atomically(&path, |tmp| {
-            checkpoint::write_model_files(&self.model, tmp, save_dtype.max_precision(self.dtype), Some(&self.cfg.model))?;
+            checkpoint::write_model_files(
+                &self.model,
+                tmp,
+                save_dtype.max_precision(self.dtype),
+                Some(&self.cfg.model),
+            )?;
             let opt: HashMap<String, candle_core::Tensor> = self.opt.state_tensors()?.into_iter().collect();
             candle_core::safetensors::save(&opt, tmp.join("optimizer.safetensors"))?;
             let text = serde_json::to_string_pretty(&state).map_err(|e| Error::invalid(e.to_string()))?;
-            std::fs::write(tmp.join("trainer_state.json"), text).map_err(|e| Error::io(tmp.join("trainer_state.json"), e))
+            std::fs::write(tmp.join("trainer_state.json"), text)
+                .map_err(|e| Error::io(tmp.join("trainer_state.json"), e))
         })?;
         write_file_atomically(&dir.join("latest"), name.as_bytes())?;
         // Keep the newest `keep_checkpoints` folders.
@@ -468,7 +514,11 @@ impl Trainer {
         self.plot()?;
         write_file_atomically(
             &self.run_dir.join("silenced_tokens.tsv"),
-            self.silenced_totals().iter().map(|(t, c)| format!("{t:?}\t{c}\n")).collect::<String>().as_bytes(),
+            self.silenced_totals()
+                .iter()
+                .map(|(t, c)| format!("{t:?}\t{c}\n"))
+                .collect::<String>()
+                .as_bytes(),
         )?;
         Ok(path)
     }
@@ -506,7 +556,8 @@ impl MaxPrecision for DType {
 
 /// A 64-bit mix of a seed and a step (splitmix64), for per-step seeds.
 fn mix(seed: u64, step: u64) -> u64 {
-    let mut z = seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z =
+        seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -527,7 +578,9 @@ fn read_evals(path: &Path, before_step: u64) -> Vec<(u64, f64, f64)> {
     let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v["step"].as_u64()?, v["overall"]["avg"].as_f64()?, v["overall"]["pass"].as_f64()?)))
+        .filter_map(|v| {
+            Some((v["step"].as_u64()?, v["overall"]["avg"].as_f64()?, v["overall"]["pass"].as_f64()?))
+        })
         .filter(|e| e.0 <= before_step)
         .collect()
 }

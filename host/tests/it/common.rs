@@ -45,7 +45,11 @@ pub fn arith_fixture(dir: &std::path::Path) -> (std::path::PathBuf, std::path::P
     use stapo::data::{task, PromptTemplate};
     let (train, test) = task::generate_split(200, 20, 7, &task::TaskConfig::default()).unwrap();
     let tpl = PromptTemplate::raw();
-    let tok = task::train_tokenizer(task::tokenizer_corpus(&train, |p| tpl.render(p)), &task::TokenizerConfig::default()).unwrap();
+    let tok = task::train_tokenizer(
+        task::tokenizer_corpus(&train, |p| tpl.render(p)),
+        &task::TokenizerConfig::default(),
+    )
+    .unwrap();
     let model_dir = dir.join("model");
     let mut cfg = tiny_config(true);
     cfg.vocab_size = tok.vocab_size();

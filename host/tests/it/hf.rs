@@ -57,15 +57,20 @@ fn check(name: &str) {
     let exp = expected(name);
     for s in &exp.single {
         let batch = TokenBatch::left_padded(std::slice::from_ref(&s.ids), 0, &Device::Cpu).unwrap();
-        let logits = m.lm_head(&m.forward_hidden(&batch, Grad::Off).unwrap(), Grad::Off).unwrap().squeeze(0).unwrap();
+        let logits =
+            m.lm_head(&m.forward_hidden(&batch, Grad::Off).unwrap(), Grad::Off).unwrap().squeeze(0).unwrap();
         let n = s.ids.len();
         let targets = Tensor::new(&s.ids[1..], &Device::Cpu).unwrap();
         let (lp, _) = model::logprob_entropy(&logits.narrow(0, 0, n - 1).unwrap(), &targets).unwrap();
-        let (_, h) = model::logprob_entropy(&logits, &Tensor::zeros(n, DType::U32, &Device::Cpu).unwrap()).unwrap();
+        let (_, h) =
+            model::logprob_entropy(&logits, &Tensor::zeros(n, DType::U32, &Device::Cpu).unwrap()).unwrap();
         let d_lp = max_diff(&lp.to_vec1::<f32>().unwrap(), &s.logprobs);
         let d_h = max_diff(&h.to_vec1::<f32>().unwrap(), &s.entropies);
         let d_last = max_diff(&logits.get(n - 1).unwrap().to_vec1::<f32>().unwrap(), &s.logits_last);
-        assert!(d_lp < 1e-4 && d_h < 1e-4 && d_last < 1e-4, "{name} len {n}: logprob {d_lp}, entropy {d_h}, logits {d_last}");
+        assert!(
+            d_lp < 1e-4 && d_h < 1e-4 && d_last < 1e-4,
+            "{name} len {n}: logprob {d_lp}, entropy {d_h}, logits {d_last}"
+        );
     }
     // Left-padded batch: our mask → positions must equal HF's, and the logits too.
     let p = &exp.padded_batch;
@@ -83,7 +88,13 @@ fn check(name: &str) {
     // Greedy decoding with the KV cache reproduces HF's generate().
     let g = &exp.greedy;
     let mut cache = KvCache::new(&m, 1, g.prompt.len() + g.new_ids.len()).unwrap();
-    let mut logits = m.decode(&Tensor::new(g.prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), None, &mut cache).unwrap();
+    let mut logits = m
+        .decode(
+            &Tensor::new(g.prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(),
+            None,
+            &mut cache,
+        )
+        .unwrap();
     let mut out = Vec::new();
     for _ in 0..g.new_ids.len() {
         let next = logits.squeeze(0).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();

@@ -83,7 +83,11 @@ fn cached_decode_equals_full_recompute() {
     }
     for r in 0..3 {
         let full: Vec<u32> = prompts[r].iter().chain(&cont[r]).copied().collect();
-        let logits = m.forward(&TokenBatch::left_padded(&[full], 0, &Device::Cpu).unwrap()).unwrap().squeeze(0).unwrap();
+        let logits = m
+            .forward(&TokenBatch::left_padded(&[full], 0, &Device::Cpu).unwrap())
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
         let p = prompts[r].len();
         for (t, sl) in step_logits.iter().enumerate() {
             let d = max_abs_diff(&sl.get(r).unwrap(), &logits.get(p - 1 + t).unwrap());
@@ -147,7 +151,8 @@ fn gradients_match_finite_differences() {
     for (name, idx) in probes {
         let var = &params[name];
         let orig = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let analytic = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()[idx];
+        let analytic =
+            grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()[idx];
         let eval = |delta: f64| {
             let mut w = orig.clone();
             w[idx] += delta;

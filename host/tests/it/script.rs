@@ -30,8 +30,11 @@ fn fixture() -> Fixture {
     let root = dir.path().to_path_buf();
     let problems = data::generate(48, 3, &TaskConfig::default()).expect("problems");
     let tmpl = data::PromptTemplate::raw();
-    let tok = data::train_tokenizer(data::tokenizer_corpus(&problems, |q| tmpl.render(q)), &TokenizerConfig { vocab_size: 300, min_frequency: 2 })
-        .expect("tokenizer");
+    let tok = data::train_tokenizer(
+        data::tokenizer_corpus(&problems, |q| tmpl.render(q)),
+        &TokenizerConfig { vocab_size: 300, min_frequency: 2 },
+    )
+    .expect("tokenizer");
     let eos = tok.id_of("<|endoftext|>").expect("eos");
     let cfg = Config::from_json_str(
         &format!(
@@ -116,8 +119,15 @@ fn every_script_in_scripts_runs_in_smoke_mode() {
         assert!(out.ok(), "{}: {:?}\noutput:\n{printed}", s.display(), out.error);
         for t in &out.trains {
             assert!(t.steps >= 1 && t.steps <= 2, "{stem}: {t:?}");
-            assert!(Path::new(&t.run_dir).join("script.rhai").is_file(), "{stem}: script not saved in {}", t.run_dir);
-            assert!(Path::new(&t.run_dir).join("checkpoints/latest").is_file(), "{stem}: no final checkpoint");
+            assert!(
+                Path::new(&t.run_dir).join("script.rhai").is_file(),
+                "{stem}: script not saved in {}",
+                t.run_dir
+            );
+            assert!(
+                Path::new(&t.run_dir).join("checkpoints/latest").is_file(),
+                "{stem}: no final checkpoint"
+            );
         }
     }
 }
@@ -157,7 +167,8 @@ print(`summary steps=${{res.steps}} early=${{res.stopped_early}}`);
     }
     // The adaptive policy doubles tau_p while fewer than half the tokens are silenced.
     assert!(printed.contains("on_step 0 lr=0.001 tau_p=0.01"), "{printed}");
-    let run_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config.json")).unwrap()).unwrap();
+    let run_cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config.json")).unwrap()).unwrap();
     assert_eq!(run_cfg["objective"], "stapo");
     assert!(run_dir.join("script.rhai").is_file());
 }
@@ -354,7 +365,8 @@ fn a_resumed_run_continues_the_step_counter() {
     let f = fixture();
     let run_dir = f.root.join("run");
     let path = f.root.join("resume.rhai");
-    std::fs::write(&path, format!("let steps = ARGS.steps ?? 1;\ntrain({}, steps);\n", tiny_cfg(&f, "dapo"))).unwrap();
+    std::fs::write(&path, format!("let steps = ARGS.steps ?? 1;\ntrain({}, steps);\n", tiny_cfg(&f, "dapo")))
+        .unwrap();
     let (host, _) = buffered(opts(&f, &run_dir, false));
     let out = script::run_file(&host, &path);
     assert!(out.ok(), "{:?}", out.error);

@@ -35,7 +35,10 @@ fn linearish_opt(m: &stapo::model::Qwen3) -> AdamW {
 }
 
 fn flat_params(m: &stapo::model::Qwen3) -> Vec<f32> {
-    m.params().iter().flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    m.params()
+        .iter()
+        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
 }
 
 fn run(preset: &str, micro: usize, tau_p: Option<f32>) -> (Vec<f32>, Vec<f32>, train::UpdateMetrics) {
@@ -54,7 +57,9 @@ fn run(preset: &str, micro: usize, tau_p: Option<f32>) -> (Vec<f32>, Vec<f32>, t
 
 #[test]
 fn micro_batched_accumulation_equals_the_full_batch() {
-    for (preset, tau_p) in [("grpo", None), ("dapo", None), ("stapo", Some(0.03)), ("entropy20", None), ("gspo", None)] {
+    for (preset, tau_p) in
+        [("grpo", None), ("dapo", None), ("stapo", Some(0.03)), ("entropy20", None), ("gspo", None)]
+    {
         let (before, full, m_full) = run(preset, 0, tau_p);
         let (_, micro, m_micro) = run(preset, 5, tau_p);
         let mut max_delta = 0f32;
@@ -64,10 +69,18 @@ fn micro_batched_accumulation_equals_the_full_batch() {
             max_diff = max_diff.max((f - u).abs());
         }
         assert!(max_delta > 1e-4, "{preset}: the update did not move the weights ({max_delta})");
-        assert!(max_diff <= 1e-6 * max_delta.max(1.0), "{preset}: full vs micro-batched differ by {max_diff}");
+        assert!(
+            max_diff <= 1e-6 * max_delta.max(1.0),
+            "{preset}: full vs micro-batched differ by {max_diff}"
+        );
         assert_eq!(m_full.kept_tokens, m_micro.kept_tokens, "{preset}");
         assert_eq!(m_full.silenced_tokens, m_micro.silenced_tokens, "{preset}");
-        assert!((m_full.loss - m_micro.loss).abs() < 1e-5, "{preset}: loss {} vs {}", m_full.loss, m_micro.loss);
+        assert!(
+            (m_full.loss - m_micro.loss).abs() < 1e-5,
+            "{preset}: loss {} vs {}",
+            m_full.loss,
+            m_micro.loss
+        );
     }
 }
 

@@ -25,7 +25,12 @@ fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path:
 }
 
 fn weights(t: &Trainer) -> Vec<u32> {
-    t.model().params().iter().flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).map(f32::to_bits).collect()
+    t.model()
+        .params()
+        .iter()
+        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .map(f32::to_bits)
+        .collect()
 }
 
 #[test]
@@ -59,13 +64,26 @@ fn resume_equals_uninterrupted_run() {
     }
     // metrics.jsonl holds each step once: the re-run step replaced the lost one.
     let lines = std::fs::read_to_string(b_dir.join("metrics.jsonl")).unwrap();
-    let steps: Vec<u64> = lines.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = lines
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, vec![0, 1, 2]);
     // The run folder: config, checkpoint with optimizer and state, eval results.
-    for f in ["run_config.json", "checkpoints/latest", "checkpoints/step-000002/model.safetensors",
-              "checkpoints/step-000002/optimizer.safetensors", "checkpoints/step-000002/trainer_state.json",
-              "checkpoints/step-000002/tokenizer.json", "eval.jsonl", "eval/step-000003.jsonl",
-              "curves.png", "curves.svg", "rollouts/step-000002.jsonl", "silenced_tokens.tsv"] {
+    for f in [
+        "run_config.json",
+        "checkpoints/latest",
+        "checkpoints/step-000002/model.safetensors",
+        "checkpoints/step-000002/optimizer.safetensors",
+        "checkpoints/step-000002/trainer_state.json",
+        "checkpoints/step-000002/tokenizer.json",
+        "eval.jsonl",
+        "eval/step-000003.jsonl",
+        "curves.png",
+        "curves.svg",
+        "rollouts/step-000002.jsonl",
+        "silenced_tokens.tsv",
+    ] {
         assert!(b_dir.join(f).exists(), "missing {f}");
     }
 }

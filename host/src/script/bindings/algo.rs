@@ -20,7 +20,11 @@ fn rewards(st: &RolloutState) -> RhaiResult<Vec<f32>> {
         .samples
         .iter()
         .enumerate()
-        .map(|(i, s)| s.reward.ok_or_else(|| bad_arg("advantages", format!("sample {i} has no reward; call score(r) first"))))
+        .map(|(i, s)| {
+            s.reward.ok_or_else(|| {
+                bad_arg("advantages", format!("sample {i} has no reward; call score(r) first"))
+            })
+        })
         .collect()
 }
 
@@ -45,7 +49,8 @@ pub fn compute_advantages(st: &mut RolloutState, opts: &Map) -> RhaiResult<Vec<f
 
 /// `(B, T)` f32 tensor of per-sample vectors, zero-padded.
 fn grid(rows: &[&[f32]], t: usize) -> candle_core::Result<Tensor> {
-    let flat: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0.0, t - r.len()))).collect();
+    let flat: Vec<f32> =
+        rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0.0, t - r.len()))).collect();
     Tensor::from_vec(flat, (rows.len(), t), &Device::Cpu)
 }
 

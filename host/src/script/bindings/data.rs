@@ -37,7 +37,8 @@ fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
 }
 
 fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
-    let tc: TaskConfig = overlay("task", &TaskConfig::default(), to_json("task", &Dynamic::from_map(cfg.clone()))?)?;
+    let tc: TaskConfig =
+        overlay("task", &TaskConfig::default(), to_json("task", &Dynamic::from_map(cfg.clone()))?)?;
     let probs = task::generate(usize_arg("n", n)?, seed as u64, &tc).map_err(host)?;
     probs.iter().map(to_dynamic).collect()
 }
@@ -47,14 +48,32 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         let (ds, _warnings) = Dataset::load(path, &DatasetOptions::default()).map_err(host)?;
         Ok(DatasetHandle(Arc::new(ds)))
     });
-    getter!(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len() as i64);
-    func!(engine, "get", "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`", |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
-        let e = usize::try_from(i).ok().and_then(|i| d.0.get(i)).ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
-        Ok(example_map(e))
-    });
+    getter!(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len()
+        as i64);
+    func!(
+        engine,
+        "get",
+        "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`",
+        |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
+            let e = usize::try_from(i)
+                .ok()
+                .and_then(|i| d.0.get(i))
+                .ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
+            Ok(example_map(e))
+        }
+    );
     func!(engine, "sample_prompts", "sample_prompts(dataset, n, seed) -> array of map\n`n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.\nExample: `let ps = sample_prompts(ds, 4, 0);`", |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed));
-    func!(engine, "sample", "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.", |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed));
-    func!(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len()));
+    func!(
+        engine,
+        "sample",
+        "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.",
+        |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed)
+    );
+    func!(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!(
+        "Dataset({}, {} examples)",
+        d.0.path().display(),
+        d.0.len()
+    ));
     func!(engine, "render_prompt", "render_prompt(problem, template) -> string\nThe prompt text for a problem: template raw | chat | chat-think | none.\nExample: `render_prompt(\"Compute 1+2.\", \"raw\")`", |problem: &str, name: &str| -> RhaiResult<String> {
         Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
     });

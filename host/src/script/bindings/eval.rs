@@ -19,7 +19,10 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     } else if data.is_string() {
         Arc::new(Dataset::load(data.to_string(), &DatasetOptions::default()).map_err(host)?.0)
     } else {
-        return Err(bad_arg("evaluate", format!("data: expected a path or a Dataset, found {}", data.type_name())));
+        return Err(bad_arg(
+            "evaluate",
+            format!("data: expected a path or a Dataset, found {}", data.type_name()),
+        ));
     };
     let mut limit = get_num(opts, "limit")?.map_or(ds.len(), |x| x as usize).min(ds.len());
     let mut params = SamplingParams {
@@ -38,8 +41,19 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     let slot = lock(&m.0, "model")?;
     let tok = slot.tokenizer.clone().ok_or_else(|| host("evaluate: the model has no tokenizer"))?;
     params.stop_token_ids.extend(tok.eos_ids());
-    let tmpl = super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?.unwrap_or_else(PromptTemplate::raw);
-    let rep = eval::evaluate(&slot.model, &tok, &ds.examples()[..limit], &tmpl, &params, ExtractMode::Strict, 64, &|_| {}).map_err(host)?;
+    let tmpl = super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?
+        .unwrap_or_else(PromptTemplate::raw);
+    let rep = eval::evaluate(
+        &slot.model,
+        &tok,
+        &ds.examples()[..limit],
+        &tmpl,
+        &params,
+        ExtractMode::Strict,
+        64,
+        &|_| {},
+    )
+    .map_err(host)?;
     Ok(from_json(&serde_json::json!({
         "avg": rep.overall.avg, "pass": rep.overall.pass, "mean_len": rep.overall.mean_len,
         "problems": rep.overall.problems, "n": rep.overall.samples_per_problem, "by_source": rep.by_source,
@@ -50,5 +64,10 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
     func!(engine, "evaluate", "evaluate(model, data, opts) -> map\navg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p (1.0), max_tokens (256), limit, template, seed}. Returns #{avg, pass, mean_len, problems, n, by_source}.\nExample: `evaluate(m, \"data/arith/test.jsonl\", #{n: 4, limit: 50}).avg`", move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts));
     let h = host_.clone();
-    func!(engine, "evaluate", "evaluate(model, data) -> map\nSame with the default options.", move |m: ModelHandle, data: Dynamic| evaluate(&h, &m, &data, &Map::new()));
+    func!(
+        engine,
+        "evaluate",
+        "evaluate(model, data) -> map\nSame with the default options.",
+        move |m: ModelHandle, data: Dynamic| evaluate(&h, &m, &data, &Map::new())
+    );
 }

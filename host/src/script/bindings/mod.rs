@@ -6,7 +6,6 @@
 //! never handles. Every function is registered through [`func`] with a doc
 //! comment whose first line is its usage, so the REPL's `:help` shows it.
 
-
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 

@@ -21,7 +21,8 @@ pub fn device(name: &str) -> RhaiResult<Device> {
 
 /// `(dtype, device)` from an options map (`dtype`, `device`; float32 on cpu by default).
 pub fn dtype_device(opts: &Map) -> RhaiResult<(DType, Device)> {
-    let dtype = model::parse_dtype(&get_str(opts, "dtype")?.unwrap_or_else(|| "float32".into())).map_err(host)?;
+    let dtype =
+        model::parse_dtype(&get_str(opts, "dtype")?.unwrap_or_else(|| "float32".into())).map_err(host)?;
     let dev = device(&get_str(opts, "device")?.unwrap_or_else(|| "cpu".into()))?;
     Ok((dtype, dev))
 }
@@ -31,7 +32,8 @@ fn load(dir: &str, opts: &Map) -> RhaiResult<ModelHandle> {
     let dir = PathBuf::from(dir);
     let m = model::load(&dir, dtype, &dev).map_err(host)?;
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer = if tok_path.is_file() { Some(Tokenizer::from_file(&tok_path).map_err(host)?) } else { None };
+    let tokenizer =
+        if tok_path.is_file() { Some(Tokenizer::from_file(&tok_path).map_err(host)?) } else { None };
     Ok(ModelHandle(Arc::new(Mutex::new(ModelSlot { model: m, tokenizer, dir: Some(dir), opt: None }))))
 }
 
@@ -108,7 +110,10 @@ fn describe(m: &ModelHandle) -> String {
 
 fn tokenizer_of(m: &ModelHandle) -> RhaiResult<TokenizerHandle> {
     let s = lock(&m.0, "model")?;
-    s.tokenizer.clone().map(|t| TokenizerHandle(Arc::new(t))).ok_or_else(|| host("this model has no tokenizer (no tokenizer.json in its folder)"))
+    s.tokenizer
+        .clone()
+        .map(|t| TokenizerHandle(Arc::new(t)))
+        .ok_or_else(|| host("this model has no tokenizer (no tokenizer.json in its folder)"))
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
@@ -117,17 +122,39 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func!(engine, "init_model", "init_model(config) -> Model\nA randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json keys).\nExample: `let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});`", |cfg: Map| init(&cfg, &Map::new()));
     func!(engine, "init_model", "init_model(config, opts) -> Model\nopts: #{seed, std, dtype, device, tokenizer: \"dir or tokenizer.json\"} (vocab_size and eos follow the tokenizer).\nExample: `let m = init_model(#{}, #{tokenizer: \"models/tiny-qwen3\", seed: 1});`", |cfg: Map, opts: Map| init(&cfg, &opts));
     func!(engine, "save_model", "save_model(model, dir) -> string\nWrites the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.\nExample: `save_model(m, \"models/my-run\");`", |m: ModelHandle, dir: &str| save(&m, dir));
-    func!(engine, "save", "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`", |m: &mut ModelHandle, dir: &str| save(m, dir));
-    getter!(engine, "config", "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`", |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
-        let s = lock(&m.0, "model")?;
-        Ok(from_json(&s.model.config().to_hf_json()))
-    });
-    getter!(engine, "num_params", "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`", |m: &mut ModelHandle| -> RhaiResult<i64> {
-        Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
-    });
+    func!(
+        engine,
+        "save",
+        "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`",
+        |m: &mut ModelHandle, dir: &str| save(m, dir)
+    );
+    getter!(
+        engine,
+        "config",
+        "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`",
+        |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
+            let s = lock(&m.0, "model")?;
+            Ok(from_json(&s.model.config().to_hf_json()))
+        }
+    );
+    getter!(
+        engine,
+        "num_params",
+        "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`",
+        |m: &mut ModelHandle| -> RhaiResult<i64> {
+            Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
+        }
+    );
     getter!(engine, "tokenizer", "model.tokenizer -> Tokenizer\nThe model's tokenizer.\nExample: `let t = m.tokenizer; print(t.encode(\"1+1\"));`", |m: &mut ModelHandle| tokenizer_of(m));
-    func!(engine, "to_string", "to_string(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
-    func!(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| describe(m));
+    func!(
+        engine,
+        "to_string",
+        "to_string(model) -> string\nA one-line description.",
+        |m: &mut ModelHandle| describe(m)
+    );
+    func!(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| {
+        describe(m)
+    });
 
     func!(engine, "load_tokenizer", "load_tokenizer(path) -> Tokenizer\nLoads a tokenizer.json (or the one in a folder).\nExample: `let t = load_tokenizer(\"models/qwen3-tokenizer\");`", |p: &str| -> RhaiResult<TokenizerHandle> {
         let p = PathBuf::from(p);
@@ -141,10 +168,25 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
         let ids: Vec<u32> = ids.iter().map(|d| d.as_int().ok().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| bad_arg("decode", "expected an array of token ids"))).collect::<RhaiResult<_>>()?;
         t.0.decode(&ids, false).map_err(host)
     });
-    func!(engine, "token", "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`", |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
-        let id = u32::try_from(id).map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
-        Ok(t.0.token_str(id))
-    });
-    getter!(engine, "vocab_size", "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.", |t: &mut TokenizerHandle| t.0.vocab_size() as i64);
-    func!(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size()));
+    func!(
+        engine,
+        "token",
+        "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`",
+        |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
+            let id = u32::try_from(id)
+                .map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
+            Ok(t.0.token_str(id))
+        }
+    );
+    getter!(
+        engine,
+        "vocab_size",
+        "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.",
+        |t: &mut TokenizerHandle| t.0.vocab_size() as i64
+    );
+    func!(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!(
+        "Tokenizer({}, {} tokens)",
+        t.0.path().display(),
+        t.0.vocab_size()
+    ));
 }

@@ -16,7 +16,9 @@ fn score_builtin(r: &RolloutHandle) -> RhaiResult<Array> {
     let answers: Vec<Option<String>> = st.batch.prompts.iter().map(|p| p.answer.clone()).collect();
     let mut out = Array::new();
     for s in &mut st.batch.samples {
-        let gold = answers.get(s.prompt_index).cloned().flatten().ok_or_else(|| bad_arg("score", format!("prompt {} has no answer to check against", s.prompt_index)))?;
+        let gold = answers.get(s.prompt_index).cloned().flatten().ok_or_else(|| {
+            bad_arg("score", format!("prompt {} has no answer to check against", s.prompt_index))
+        })?;
         let v = reward::verify(&gold, &s.text, ExtractMode::Strict);
         let x = if v.correct { 1.0 } else { 0.0 };
         s.reward = Some(x);
@@ -31,7 +33,10 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
     // Copy what the closure needs, so the closure may itself use the rollout.
     let (pairs, answers): (Vec<(String, usize)>, Vec<Option<String>>) = {
         let st = lock(&r.0, "rollout")?;
-        (st.batch.samples.iter().map(|s| (s.text.clone(), s.prompt_index)).collect(), st.batch.prompts.iter().map(|p| p.answer.clone()).collect())
+        (
+            st.batch.samples.iter().map(|s| (s.text.clone(), s.prompt_index)).collect(),
+            st.batch.prompts.iter().map(|p| p.answer.clone()).collect(),
+        )
     };
     let mut rewards = Vec::with_capacity(pairs.len());
     for (text, pi) in pairs {
@@ -44,7 +49,12 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
                 0.0
             }
         } else {
-            num(&v).ok_or_else(|| bad_arg("score", format!("the reward function must return a bool or a number, found {}", v.type_name())))?
+            num(&v).ok_or_else(|| {
+                bad_arg(
+                    "score",
+                    format!("the reward function must return a bool or a number, found {}", v.type_name()),
+                )
+            })?
         };
         rewards.push(x as f32);
     }

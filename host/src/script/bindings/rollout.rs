@@ -34,16 +34,21 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
             (p.to_string(), format!("prompt-{i}"), None)
         } else if p.is_map() {
             let pm = p.clone().cast::<Map>();
-            let problem = get_str(&pm, "problem")?.ok_or_else(|| bad_arg("rollout", format!("prompt {i}: a map needs a `problem` string")))?;
+            let problem = get_str(&pm, "problem")?
+                .ok_or_else(|| bad_arg("rollout", format!("prompt {i}: a map needs a `problem` string")))?;
             let answer = pm.get("answer").filter(|a| !a.is_unit()).map(|a| a.to_string());
             (problem, get_str(&pm, "id")?.unwrap_or_else(|| format!("prompt-{i}")), answer)
         } else {
-            return Err(bad_arg("rollout", format!("prompt {i}: expected a string or a map with `problem`, found {}", p.type_name())));
+            return Err(bad_arg(
+                "rollout",
+                format!("prompt {i}: expected a string or a map with `problem`, found {}", p.type_name()),
+            ));
         };
         let text = tmpl.as_ref().map(|t| t.render(&problem)).unwrap_or(problem);
         infos.push(PromptInfo { id, text, answer });
     }
-    let ids: Vec<Vec<u32>> = infos.iter().map(|p| tok.encode(&p.text, false)).collect::<crate::Result<_>>().map_err(host)?;
+    let ids: Vec<Vec<u32>> =
+        infos.iter().map(|p| tok.encode(&p.text, false)).collect::<crate::Result<_>>().map_err(host)?;
     let mut params = sampling_from_map(&SamplingParams::default(), opts)?;
     for &e in tok.eos_ids() {
         if !params.stop_token_ids.contains(&e) {
@@ -52,7 +57,8 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
     }
     let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
     let hooks = GenerateHooks { cancel: Some(host_.cancel_flag()), ..GenerateHooks::default() };
-    let samples = rollout::generate_with(&slot.model, &ids, &params, tok.pad_id(), &decode, &hooks).map_err(host)?;
+    let samples =
+        rollout::generate_with(&slot.model, &ids, &params, tok.pad_id(), &decode, &hooks).map_err(host)?;
     Ok(RolloutHandle(Arc::new(Mutex::new(RolloutState {
         batch: RolloutBatch::new(samples, infos),
         tokenizer: Some(tok.clone()),
@@ -64,7 +70,11 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
 /// The token table of sample `i`.
 pub fn table(r: &RolloutHandle, i: usize) -> RhaiResult<String> {
     let st = lock(&r.0, "rollout")?;
-    let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("table", format!("sample {i} is outside 0..{}", st.batch.len())))?;
+    let s = st
+        .batch
+        .samples
+        .get(i)
+        .ok_or_else(|| bad_arg("table", format!("sample {i} is outside 0..{}", st.batch.len())))?;
     let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
     let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
     let rows = token_rows(s, st.tokenizer.as_ref(), adv, sil);
@@ -93,7 +103,11 @@ pub fn describe(r: &RolloutHandle) -> String {
 }
 
 fn sample_map(st: &RolloutState, i: usize) -> RhaiResult<Dynamic> {
-    let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("sample", format!("sample {i} is outside 0..{}", st.batch.len())))?;
+    let s = st
+        .batch
+        .samples
+        .get(i)
+        .ok_or_else(|| bad_arg("sample", format!("sample {i} is outside 0..{}", st.batch.len())))?;
     let mut m = to_dynamic(s)?.cast::<Map>();
     if let Some(a) = st.advantages.as_ref().and_then(|a| a.get(i)) {
         m.insert("advantage".into(), (*a as f64).into());
@@ -110,24 +124,54 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func!(engine, "rollout", "rollout(model, prompts, opts) -> Rollout\nSamples `opts.n` responses per prompt. prompts: strings or maps with `problem` (and `answer`, used by `score`). opts: #{n, temperature, top_p, top_k, max_tokens, stop, seed, template: \"raw\"|\"chat\"|\"none\"}.\nExample: `let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});`", move |m: ModelHandle, prompts: Array, opts: Map| run_rollout(&h, &m, &prompts, &opts));
     let h = host_.clone();
     func!(engine, "rollout", "rollout(model, prompts) -> Rollout\nSame with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).", move |m: ModelHandle, prompts: Array| run_rollout(&h, &m, &prompts, &Map::new()));
-    getter!(engine, "len", "rollout.len -> int\nNumber of samples.", |r: &mut RolloutHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "rollout")?.batch.len() as i64) });
-    getter!(engine, "texts", "rollout.texts -> array of string\nThe response texts.", |r: &mut RolloutHandle| -> RhaiResult<Array> {
-        Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
-    });
-    getter!(engine, "rewards", "rollout.rewards -> array\nRewards per sample (() before `score`).", |r: &mut RolloutHandle| -> RhaiResult<Array> {
-        Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64))).collect())
-    });
-    getter!(engine, "mean_reward", "rollout.mean_reward -> float or ()\nMean reward over the samples.", |r: &mut RolloutHandle| -> RhaiResult<Dynamic> {
-        Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
-    });
+    getter!(
+        engine,
+        "len",
+        "rollout.len -> int\nNumber of samples.",
+        |r: &mut RolloutHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "rollout")?.batch.len() as i64) }
+    );
+    getter!(
+        engine,
+        "texts",
+        "rollout.texts -> array of string\nThe response texts.",
+        |r: &mut RolloutHandle| -> RhaiResult<Array> {
+            Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
+        }
+    );
+    getter!(
+        engine,
+        "rewards",
+        "rollout.rewards -> array\nRewards per sample (() before `score`).",
+        |r: &mut RolloutHandle| -> RhaiResult<Array> {
+            Ok(lock(&r.0, "rollout")?
+                .batch
+                .samples
+                .iter()
+                .map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64)))
+                .collect())
+        }
+    );
+    getter!(
+        engine,
+        "mean_reward",
+        "rollout.mean_reward -> float or ()\nMean reward over the samples.",
+        |r: &mut RolloutHandle| -> RhaiResult<Dynamic> {
+            Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
+        }
+    );
     func!(engine, "sample", "rollout.sample(i) -> map\nSample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer, advantage, ...}.\nExample: `r.sample(0).text`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Dynamic> {
         let st = lock(&r.0, "rollout")?;
         sample_map(&st, usize::try_from(i).unwrap_or(usize::MAX))
     });
-    getter!(engine, "samples", "rollout.samples -> array of map\nEvery sample as in `rollout.sample(i)`.", |r: &mut RolloutHandle| -> RhaiResult<Array> {
-        let st = lock(&r.0, "rollout")?;
-        (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
-    });
+    getter!(
+        engine,
+        "samples",
+        "rollout.samples -> array of map\nEvery sample as in `rollout.sample(i)`.",
+        |r: &mut RolloutHandle| -> RhaiResult<Array> {
+            let st = lock(&r.0, "rollout")?;
+            (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
+        }
+    );
     func!(engine, "table", "rollout.table(i) -> string\nThe token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T.\nExample: `print(r.table(0));`", |r: &mut RolloutHandle, i: i64| table(r, usize::try_from(i).unwrap_or(usize::MAX)));
     func!(engine, "tokens", "rollout.tokens(i) -> array of map\nThe token table of sample i as data: #{pos, id, token, p, H, advantage, silenced}.\nExample: `r.tokens(0).filter(|t| t.silenced)`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Array> {
         let st = lock(&r.0, "rollout")?;
@@ -153,6 +197,11 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func!(engine, "save", "rollout.save(path)\nWrites the batch as JSONL (replayable with `stapo update`).\nExample: `r.save(\"rollouts.jsonl\");`", |r: &mut RolloutHandle, path: &str| -> RhaiResult<()> {
         lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
     });
-    func!(engine, "to_string", "to_string(rollout) -> string\nA summary and the token tables of the first samples.", |r: &mut RolloutHandle| describe(r));
+    func!(
+        engine,
+        "to_string",
+        "to_string(rollout) -> string\nA summary and the token tables of the first samples.",
+        |r: &mut RolloutHandle| describe(r)
+    );
     func!(engine, "to_debug", "to_debug(rollout) -> string", |r: &mut RolloutHandle| describe(r));
 }

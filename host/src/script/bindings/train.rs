@@ -15,7 +15,8 @@ use crate::script::train_loop;
 use crate::train::{self, AdamW, AdamWConfig, OldLogp, RunConfig, Sequence, UpdateConfig};
 
 fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
-    let mut obj = ObjectiveConfig::preset(&get_str(opts, "objective")?.unwrap_or_else(|| "stapo".into())).map_err(host)?;
+    let mut obj = ObjectiveConfig::preset(&get_str(opts, "objective")?.unwrap_or_else(|| "stapo".into()))
+        .map_err(host)?;
     if let Some(set) = opts.get("set") {
         if !set.is_map() {
             return Err(bad_arg("update", "`set` must be a map of objective overrides"));
@@ -46,7 +47,9 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let reward = s.reward.ok_or_else(|| bad_arg("update", format!("sample {i} has no reward; call score(r) first")))?;
+                let reward = s.reward.ok_or_else(|| {
+                    bad_arg("update", format!("sample {i} has no reward; call score(r) first"))
+                })?;
                 Ok(Sequence::from_sample(s, reward))
             })
             .collect::<RhaiResult<_>>()?
@@ -71,7 +74,9 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
 fn train_with(ctx: &NativeCallContext, h: &Arc<Host>, cfg: &Map, steps: Option<i64>) -> RhaiResult<Map> {
     let steps = match steps {
         Some(s) => s,
-        None => get_num(cfg, "steps")?.map(|s| s as i64).ok_or_else(|| bad_arg("train", "give the number of steps: train(cfg, steps) or cfg.steps"))?,
+        None => get_num(cfg, "steps")?
+            .map(|s| s as i64)
+            .ok_or_else(|| bad_arg("train", "give the number of steps: train(cfg, steps) or cfg.steps"))?,
     };
     train_loop::train(ctx.engine(), h, cfg, steps)
 }
@@ -83,10 +88,21 @@ fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
     let mut curves = Vec::new();
     let mut allowed = Vec::new();
     for (i, r) in runs.iter().enumerate() {
-        let m = r.clone().try_cast::<Map>().ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: expected a map #{{label, run_dir}}")))?;
-        let dir = std::path::PathBuf::from(get_str(&m, "run_dir")?.ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: missing run_dir")))?);
-        let label = get_str(&m, "label")?.unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
-        curves.push(train::plot::RunCurves { label, metrics: dir.join("metrics.jsonl"), eval: Some(dir.join("eval.jsonl")) });
+        let m = r
+            .clone()
+            .try_cast::<Map>()
+            .ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: expected a map #{{label, run_dir}}")))?;
+        let dir = std::path::PathBuf::from(
+            get_str(&m, "run_dir")?
+                .ok_or_else(|| bad_arg("plot_runs", format!("runs[{i}]: missing run_dir")))?,
+        );
+        let label = get_str(&m, "label")?
+            .unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        curves.push(train::plot::RunCurves {
+            label,
+            metrics: dir.join("metrics.jsonl"),
+            eval: Some(dir.join("eval.jsonl")),
+        });
         allowed.push(dir.clone());
         if let Some(p) = dir.parent() {
             allowed.push(p.to_path_buf());
@@ -95,7 +111,10 @@ fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
     let out = std::path::PathBuf::from(out);
     let parent = out.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
     if !allowed.contains(&parent) {
-        return Err(bad_arg("plot_runs", format!("{}: the figure must go into a run folder or its parent", out.display())));
+        return Err(bad_arg(
+            "plot_runs",
+            format!("{}: the figure must go into a run folder or its parent", out.display()),
+        ));
     }
     let panels = train::plot::standard_panels(&curves).map_err(host)?;
     let (png, svg) = train::plot::plot(&panels, &out).map_err(host)?;
@@ -110,7 +129,12 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
     func!(engine, "train", "train(cfg, steps) -> map\nRuns the training loop for `steps` steps in total (a resumed run continues): each step calls the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p, tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set, prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir, steps, final, checkpoint, seconds, stopped_early}.\nExample: `train(r::stapo(#{model: \"models/tiny-qwen3\"}), 200);`", move |ctx: NativeCallContext, cfg: Map, steps: i64| train_with(&ctx, &h, &cfg, Some(steps)));
     let h = host_.clone();
-    func!(engine, "train", "train(cfg) -> map\nSame, with the number of steps in `cfg.steps`.", move |ctx: NativeCallContext, cfg: Map| train_with(&ctx, &h, &cfg, None));
+    func!(
+        engine,
+        "train",
+        "train(cfg) -> map\nSame, with the number of steps in `cfg.steps`.",
+        move |ctx: NativeCallContext, cfg: Map| train_with(&ctx, &h, &cfg, None)
+    );
     let h = host_.clone();
     func!(engine, "trainer", "trainer(cfg) -> Run\nStarts a run (next run folder) to drive step by step: run.step(), run.rollout, run.evaluate(), run.checkpoint().\nExample: `let t = trainer(#{model: \"models/tiny-qwen3\", data: \"data/arith/train.jsonl\"}); t.step();`", move |cfg: Map| -> RhaiResult<RunHandle> {
         Ok(RunHandle(Arc::new(Mutex::new(train_loop::make_trainer(&h, &cfg)?))))
@@ -120,15 +144,29 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
     func!(engine, "step", "run.step(plan) -> map\nOne step with overrides: #{sampling: #{n, temperature, ...}, lr, tau_p, tau_h | tau_h_quantile}.\nExample: `t.step(#{tau_p: 0.01, sampling: #{temperature: 0.7}})`", move |r: &mut RunHandle, plan: Map| train_loop::step_once(&h, r, &plan));
     getter!(engine, "rollout", "run.rollout -> Rollout\nThe last step's rollout, with advantages and the S2T mask of the run's objective (print it for the token table).\nExample: `print(t.rollout.table(0));`", |r: &mut RunHandle| train_loop::last_rollout(r));
-    getter!(engine, "steps", "run.steps -> int\nSteps completed.", |r: &mut RunHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "run")?.step_count() as i64) });
-    getter!(engine, "run_dir", "run.run_dir -> string\nThe run folder.", |r: &mut RunHandle| -> RhaiResult<String> { Ok(lock(&r.0, "run")?.run_dir().display().to_string()) });
+    getter!(engine, "steps", "run.steps -> int\nSteps completed.", |r: &mut RunHandle| -> RhaiResult<i64> {
+        Ok(lock(&r.0, "run")?.step_count() as i64)
+    });
+    getter!(
+        engine,
+        "run_dir",
+        "run.run_dir -> string\nThe run folder.",
+        |r: &mut RunHandle| -> RhaiResult<String> { Ok(lock(&r.0, "run")?.run_dir().display().to_string()) }
+    );
     func!(engine, "checkpoint", "run.checkpoint() -> string\nWrites a checkpoint (model, optimizer, trainer state); returns its folder.", |r: &mut RunHandle| -> RhaiResult<String> {
         Ok(lock(&r.0, "run")?.checkpoint().map_err(host)?.display().to_string())
     });
-    func!(engine, "evaluate", "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, by source).", |r: &mut RunHandle| -> RhaiResult<Dynamic> {
-        let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
-        Ok(from_json(&serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass})))
-    });
+    func!(
+        engine,
+        "evaluate",
+        "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, by source).",
+        |r: &mut RunHandle| -> RhaiResult<Dynamic> {
+            let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
+            Ok(from_json(
+                &serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass}),
+            ))
+        }
+    );
     func!(engine, "silenced", "run.silenced(n) -> array\nThe n most often silenced tokens of the run so far, as [token, count].\nExample: `t.silenced(10)`", |r: &mut RunHandle, n: i64| -> RhaiResult<Array> {
         let v = lock(&r.0, "run")?.silenced_totals();
         Ok(v.into_iter().take(usize::try_from(n).unwrap_or(0)).map(|(t, c)| Dynamic::from_array(vec![t.into(), (c as i64).into()])).collect())
@@ -150,7 +188,14 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
     func!(engine, "smoke", "smoke() -> bool\nTrue in smoke mode (`--smoke`, STAPO_SMOKE=1); the same as the constant SMOKE, but callable inside functions.", move || h.opts.smoke);
     let h = host_.clone();
-    func!(engine, "args", "args() -> map\nThe `--set key=value` pairs (the constant ARGS), callable inside functions.", move || h.args_map());
+    func!(
+        engine,
+        "args",
+        "args() -> map\nThe `--set key=value` pairs (the constant ARGS), callable inside functions.",
+        move || h.args_map()
+    );
     let h = host_.clone();
-    func!(engine, "run_dir", "run_dir() -> string or ()\nThe session's run folder, when known.", move || h.run_dir().map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string())));
+    func!(engine, "run_dir", "run_dir() -> string or ()\nThe session's run folder, when known.", move || h
+        .run_dir()
+        .map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string())));
 }

@@ -70,11 +70,7 @@ fn layout(batch: &[(Vec<u32>, Vec<u32>)], pad_id: u32, model: &Qwen3) -> Result<
                 "sft: example {i} has an empty prompt (the first response token needs a context)"
             )));
         }
-        if let Some(bad) = prompt
-            .iter()
-            .chain(response)
-            .find(|&&id| id as usize >= vocab)
-        {
+        if let Some(bad) = prompt.iter().chain(response).find(|&&id| id as usize >= vocab) {
             return Err(Error::invalid(format!(
                 "sft: example {i} has token id {bad}, outside the model's vocabulary of {vocab}"
             )));
@@ -117,9 +113,8 @@ pub fn sft_loss(
     let hidden = model.forward_hidden(&l.tokens, grad)?;
     let h = hidden.narrow(1, l.p - 1, l.t)?;
     let logits = model.lm_head(&h, grad)?.to_dtype(DType::F32)?; // (B, T, V)
-    let logp = ops::log_softmax(&logits)?
-        .gather(&l.targets.unsqueeze(D::Minus1)?, D::Minus1)?
-        .squeeze(D::Minus1)?;
+    let logp =
+        ops::log_softmax(&logits)?.gather(&l.targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
     let nll = (logp * &l.mask)?.sum_all()?.neg()?;
     let loss = (nll / l.n_tokens as f64)?;
     Ok((loss, l.n_tokens))
@@ -140,21 +135,11 @@ pub fn sft_step(
     let value = loss.to_scalar::<f32>()?;
     if !value.is_finite() {
         eprintln!("warning: sft: non-finite loss {value}; step skipped, weights unchanged");
-        return Ok(SftMetrics {
-            loss: value,
-            tokens,
-            grad_norm: f32::NAN,
-            skipped: true,
-        });
+        return Ok(SftMetrics { loss: value, tokens, grad_norm: f32::NAN, skipped: true });
     }
     let grads = loss.backward()?;
     let report = opt.step(&grads, lr)?;
-    Ok(SftMetrics {
-        loss: value,
-        tokens,
-        grad_norm: report.grad_norm as f32,
-        skipped: report.skipped,
-    })
+    Ok(SftMetrics { loss: value, tokens, grad_norm: report.grad_norm as f32, skipped: report.skipped })
 }
 
 #[cfg(test)]
@@ -189,17 +174,9 @@ mod tests {
         let (mut nll, mut n) = (0f64, 0usize);
         for (p, r) in batch {
             let ids: Vec<u32> = p.iter().chain(r).copied().collect();
-            let tb = TokenBatch::left_padded(std::slice::from_ref(&ids), 0, &Device::Cpu)
-                .expect("batch");
-            let logits = model
-                .forward(&tb)
-                .expect("forward")
-                .squeeze(0)
-                .expect("squeeze");
-            let logp = ops::log_softmax(&logits)
-                .expect("lsm")
-                .to_vec2::<f32>()
-                .expect("vec");
+            let tb = TokenBatch::left_padded(std::slice::from_ref(&ids), 0, &Device::Cpu).expect("batch");
+            let logits = model.forward(&tb).expect("forward").squeeze(0).expect("squeeze");
+            let logp = ops::log_softmax(&logits).expect("lsm").to_vec2::<f32>().expect("vec");
             for j in 0..r.len() {
                 let pos = p.len() + j - 1;
                 nll -= logp[pos][ids[pos + 1] as usize] as f64;
@@ -217,10 +194,7 @@ mod tests {
         assert_eq!(n, 12);
         let got = loss.to_scalar::<f32>().expect("scalar") as f64;
         let want = reference_loss(&m, &b);
-        assert!(
-            (got - want).abs() < 1e-4,
-            "batched {got} vs per-example {want}"
-        );
+        assert!((got - want).abs() < 1e-4, "batched {got} vs per-example {want}");
         // Same loss whatever the padding id (pad positions carry no loss or attention).
         let (loss2, _) = sft_loss(&m, &b, 42, Grad::Off).expect("loss");
         assert!((loss2.to_scalar::<f32>().expect("scalar") as f64 - got).abs() < 1e-5);
@@ -233,40 +207,21 @@ mod tests {
         let m = tiny(2);
         let full = vec![(vec![3, 4, 5, 6], vec![7, 8, 9])];
         let short = vec![(vec![3, 4, 5, 6, 7], vec![8, 9])];
-        let lf = sft_loss(&m, &full, 0, Grad::Off)
-            .expect("loss")
-            .0
-            .to_scalar::<f32>()
-            .expect("s") as f64;
-        let ls = sft_loss(&m, &short, 0, Grad::Off)
-            .expect("loss")
-            .0
-            .to_scalar::<f32>()
-            .expect("s") as f64;
+        let lf = sft_loss(&m, &full, 0, Grad::Off).expect("loss").0.to_scalar::<f32>().expect("s") as f64;
+        let ls = sft_loss(&m, &short, 0, Grad::Off).expect("loss").0.to_scalar::<f32>().expect("s") as f64;
         assert!((ls - reference_loss(&m, &short)).abs() < 1e-4);
         // NLL(7 | 3..6) = 3 * lf - 2 * ls, computed independently:
         let tb = TokenBatch::left_padded(&[vec![3, 4, 5, 6]], 0, &Device::Cpu).expect("batch");
         let logits = m.forward(&tb).expect("fwd").squeeze(0).expect("sq");
-        let lp = ops::log_softmax(&logits)
-            .expect("lsm")
-            .to_vec2::<f32>()
-            .expect("v");
+        let lp = ops::log_softmax(&logits).expect("lsm").to_vec2::<f32>().expect("v");
         let nll7 = -(lp[3][7] as f64);
-        assert!(
-            (3.0 * lf - 2.0 * ls - nll7).abs() < 1e-4,
-            "{} vs {nll7}",
-            3.0 * lf - 2.0 * ls
-        );
+        assert!((3.0 * lf - 2.0 * ls - nll7).abs() < 1e-4, "{} vs {nll7}", 3.0 * lf - 2.0 * ls);
     }
 
     #[test]
     fn steps_decrease_the_loss() {
         let m = tiny(3);
-        let cfg = AdamWConfig {
-            lr: 1e-2,
-            weight_decay: 0.0,
-            ..AdamWConfig::default()
-        };
+        let cfg = AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..AdamWConfig::default() };
         let mut opt = AdamW::new(m.params(), cfg).expect("adamw");
         let b = batch();
         let first = sft_step(&m, &mut opt, &b, 1e-2, 0).expect("step");
@@ -276,12 +231,7 @@ mod tests {
         for _ in 0..20 {
             last = sft_step(&m, &mut opt, &b, 1e-2, 0).expect("step");
         }
-        assert!(
-            last.loss < 0.5 * first.loss,
-            "loss {} -> {}",
-            first.loss,
-            last.loss
-        );
+        assert!(last.loss < 0.5 * first.loss, "loss {} -> {}", first.loss, last.loss);
         assert_eq!(opt.step_count(), 21);
     }
 

@@ -225,9 +225,7 @@ pub fn evaluate(
 /// than double every sequence (about 16 extra tokens on ~40) and the tiny
 /// model needs no instruction: it always answers in `\boxed{}`.
 pub fn tiny_template() -> PromptTemplate {
-    PromptTemplate::Raw {
-        suffix: String::new(),
-    }
+    PromptTemplate::Raw { suffix: String::new() }
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
@@ -256,28 +254,18 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         task::write_jsonl(&dir.join("train.jsonl"), &train)?;
         task::write_jsonl(&dir.join("test.jsonl"), &test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
-        log(&format!(
-            "wrote {} train / {} test problems to {}",
-            train.len(),
-            test.len(),
-            dir.display()
-        ));
+        log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
     }
-    let seen: HashSet<String> = train
-        .iter()
-        .chain(&test)
-        .map(|p| p.problem.clone())
-        .collect();
+    let seen: HashSet<String> = train.iter().chain(&test).map(|p| p.problem.clone()).collect();
     let n_sft = cfg.max_steps * cfg.batch_size;
     let sft = task::generate_excluding(n_sft, cfg.sft_seed, &cfg.task, "sft", &seen, false)?;
 
     // 2. Tokenizer, trained on the RL training prompts and solutions.
     let tok = match &cfg.init_from {
         Some(dir) => Tokenizer::from_file(dir.join("tokenizer.json"))?,
-        None => task::train_tokenizer(
-            task::tokenizer_corpus(&train, |q| template.render(q)),
-            &cfg.tokenizer,
-        )?,
+        None => {
+            task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?
+        }
     };
     let eos = tok
         .id_of(crate::data::tokenizer::END_OF_TEXT)
@@ -305,9 +293,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let model = match &cfg.init_from {
         Some(dir) => {
             let m = model::load(dir, DType::F32, &device)?;
-            if m.config().vocab_size != mcfg.vocab_size
-                || m.config().eos_token_id != mcfg.eos_token_id
-            {
+            if m.config().vocab_size != mcfg.vocab_size || m.config().eos_token_id != mcfg.eos_token_id {
                 return Err(Error::invalid(format!(
                     "tiny: {} has vocabulary {} and eos {:?}, its tokenizer {} and {:?}",
                     dir.display(),
@@ -336,11 +322,8 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         min_lr_ratio: 0.1,
     };
     schedule.validate()?;
-    let mut report = TinyReport {
-        params: mcfg.num_params(),
-        vocab_size: mcfg.vocab_size,
-        ..TinyReport::default()
-    };
+    let mut report =
+        TinyReport { params: mcfg.num_params(), vocab_size: mcfg.vocab_size, ..TinyReport::default() };
     log(&format!("model: {} parameters", report.params));
 
     // 4. SFT until the periodic accuracy reaches the target.
@@ -354,18 +337,8 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let mut loss_ema = f32::NAN;
     for (step, chunk) in sft.chunks(cfg.batch_size).enumerate() {
         let batch: Vec<(Vec<u32>, Vec<u32>)> = chunk.iter().map(encode).collect::<Result<_>>()?;
-        let m = sft_step(
-            &model,
-            &mut opt,
-            &batch,
-            schedule.lr_at(cfg.lr, step as u64),
-            tok.pad_id(),
-        )?;
-        loss_ema = if loss_ema.is_nan() {
-            m.loss
-        } else {
-            0.95 * loss_ema + 0.05 * m.loss
-        };
+        let m = sft_step(&model, &mut opt, &batch, schedule.lr_at(cfg.lr, step as u64), tok.pad_id())?;
+        loss_ema = if loss_ema.is_nan() { m.loss } else { 0.95 * loss_ema + 0.05 * m.loss };
         report.steps = step + 1;
         report.final_loss = loss_ema;
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
@@ -416,16 +389,8 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
             cfg.max_new_tokens,
             cfg.eval_seed,
         )?);
-        report.test_greedy = Some(evaluate(
-            &model,
-            &tok,
-            &template,
-            &test,
-            1,
-            0.0,
-            cfg.max_new_tokens,
-            cfg.eval_seed,
-        )?);
+        report.test_greedy =
+            Some(evaluate(&model, &tok, &template, &test, 1, 0.0, cfg.max_new_tokens, cfg.eval_seed)?);
         log(&format!(
             "test: avg@{} (T=1.0) {:.3}, greedy {:.3} ({:.0}s)",
             cfg.eval_samples,
@@ -510,26 +475,17 @@ fn fmt_eval(e: &Option<EvalReport>) -> String {
     }
 }
 
-fn model_card(
-    cfg: &TinyConfig,
-    mcfg: &Config,
-    r: &TinyReport,
-    previous: Option<&str>,
-) -> Result<String> {
+fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport, previous: Option<&str>) -> Result<String> {
     // A second stage keeps the first stage's account, headings demoted.
     let earlier = match previous.and_then(|p| p.find("## How it was made").map(|i| &p[i..])) {
         Some(text) => format!(
             "\n## Earlier stage (the model this run started from, `init_from`)\n\n{}",
-            text.replacen("## How it was made", "", 1)
-                .replace("\n## ", "\n### ")
+            text.replacen("## How it was made", "", 1).replace("\n## ", "\n### ")
         ),
         None => String::new(),
     };
-    let evals: String = r
-        .evals
-        .iter()
-        .map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a))
-        .collect();
+    let evals: String =
+        r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
     Ok(format!(
         r#"# tiny-qwen3
 
@@ -612,10 +568,8 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         clip = cfg.max_grad_norm,
         sft_seed = cfg.sft_seed,
         init = match &cfg.init_from {
-            Some(dir) => format!(
-                "Started from `{}` (a first SFT stage, described at the end).",
-                dir.display()
-            ),
+            Some(dir) =>
+                format!("Started from `{}` (a first SFT stage, described at the end).", dir.display()),
             None => format!("Init: N(0, {}) with seed {}.", cfg.init_std, cfg.init_seed),
         },
         loss = r.final_loss,
@@ -671,13 +625,8 @@ mod tests {
         let ts = r.test_sampled.as_ref().expect("measured");
         assert_eq!((ts.problems, ts.samples), (8, 2));
         assert!(ts.mean_response_tokens > 0.0 && ts.mean_response_tokens <= 12.0);
-        for f in [
-            "config.json",
-            "model.safetensors",
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "README.md",
-        ] {
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"]
+        {
             assert!(cfg.model_dir.join(f).is_file(), "{f} missing");
         }
         let (train, test) = (
@@ -686,10 +635,7 @@ mod tests {
         );
         assert_eq!((train.len(), test.len()), (200, 8));
         let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
-        assert!(
-            card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"),
-            "{card}"
-        );
+        assert!(card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"), "{card}");
         let m = model::load(&cfg.model_dir, DType::F32, &Device::Cpu).expect("load");
         assert_eq!(m.config().vocab_size, r.vocab_size);
         let tok = Tokenizer::from_file(cfg.model_dir.join("tokenizer.json")).expect("tokenizer");
@@ -711,15 +657,9 @@ mod tests {
             ..cfg.clone()
         };
         let r2 = pretrain_tiny(&stage2, &mut |_| {}).expect("stage 2");
-        assert_eq!(
-            (r2.steps, r2.vocab_size, r2.params),
-            (2, r.vocab_size, r.params)
-        );
+        assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
-        assert!(
-            card2.contains("Earlier stage") && card2.contains("Started from"),
-            "{card2}"
-        );
+        assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
     }
 
     /// The committed `models/tiny-qwen3` loads with its tokenizer and solves
@@ -735,11 +675,7 @@ mod tests {
         let test = task::read_jsonl(&root.join("data/arith/test.jsonl")).expect("test set");
         assert_eq!(test.len(), 500);
         let e = evaluate(&m, &tok, &tiny_template(), &test[..40], 1, 0.0, 64, 0).expect("eval");
-        assert!(
-            (0.25..=0.85).contains(&e.avg_at_k),
-            "greedy accuracy {}",
-            e.avg_at_k
-        );
+        assert!((0.25..=0.85).contains(&e.avg_at_k), "greedy accuracy {}", e.avg_at_k);
         assert_eq!(e.truncation_rate, 0.0);
     }
 }
