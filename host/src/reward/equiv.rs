@@ -6,7 +6,10 @@
 //! bracket types matter, unordered sets and answer lists, unions, matrices,
 //! equations, `\pm`), and the leaves are compared as numbers or, when they
 //! contain variables, by evaluation at seeded random points
-//! (probabilistic identity testing) with a relative tolerance.
+//! (probabilistic identity testing) with a relative tolerance. A decimal
+//! compared with an exact value must also round to it at six decimal places of
+//! its written scale, as math-verify rounds floats (`float_rounding = 6`): a
+//! rounded decimal such as `6366.20` is not the closed form `\frac{20000}{\pi}`.
 
 use std::collections::HashMap;
 
@@ -14,12 +17,17 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::expr::{Expr, C};
-use super::normalize::{canonical, normalize};
+use super::normalize::{canonical, matching_brace, normalize};
 
 /// Answers longer than this (bytes) are only compared as trimmed strings.
 pub(crate) const MAX_ANSWER_LEN: usize = 2000;
 /// Relative tolerance for numeric agreement (math-verify rounds to 6 digits).
 const REL_TOL: f64 = 1e-6;
+/// Decimal places (of a decimal's written scale) at which a decimal must agree
+/// with an exact value: math-verify's `float_rounding`.
+const DECIMAL_PLACES: i32 = 6;
+/// Floating-point noise allowed when evaluating an exact closed form.
+const EVAL_NOISE: f64 = 1e-12;
 /// Rounding noise tolerated against an exact zero (`\sin\pi` vs `0`); tiny
 /// nonzero values (`1e-27` kg) still compare relatively.
 const ABS_TOL: f64 = 1e-14;
@@ -251,6 +259,33 @@ fn is_simple_lhs(s: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '{' | '}' | '\\' | '\''))
 }
 
+/// A name with one-token subscripts unbraced: `X_{d}` and `X_d` are one name,
+/// as are `\omega_{n}` and `\omega_n`.
+fn name_key(s: &str) -> String {
+    let s = canonical(s);
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s.as_str();
+    while let Some(p) = rest.find("_{") {
+        out.push_str(&rest[..=p]);
+        let group = &rest[p + 1..];
+        let inner = matching_brace(group, 0).map(|c| &group[1..c]);
+        let one_token = inner.is_some_and(|t| {
+            t.chars().count() == 1
+                || t.strip_prefix('\\')
+                    .is_some_and(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_alphabetic()))
+        });
+        match inner {
+            Some(t) if one_token => {
+                out.push_str(t);
+                rest = &group[t.len() + 2..];
+            }
+            _ => rest = group,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 fn compare(g: &Ans, p: &Ans) -> bool {
     use Ans::*;
     match (g, p) {
@@ -301,7 +336,7 @@ fn unordered(a: &[Ans], b: &[Ans]) -> bool {
 
 fn eq_equiv(gl: &str, gr: &str, pl: &str, pr: &str) -> bool {
     if is_simple_lhs(gl) && is_simple_lhs(pl) {
-        return canonical(gl) == canonical(pl) && compare(&Ans::parse(gr, 1), &Ans::parse(pr, 1));
+        return name_key(gl) == name_key(pl) && compare(&Ans::parse(gr, 1), &Ans::parse(pr, 1));
     }
     let parse = |s: &str| Expr::parse(s);
     let (Some(gl), Some(gr), Some(pl), Some(pr)) = (parse(gl), parse(gr), parse(pl), parse(pr)) else {
@@ -330,7 +365,66 @@ fn expr_equiv(a: &str, b: &str) -> bool {
     if let (Some(da), Some(db)) = (integer_digits(a), integer_digits(b)) {
         return da == db;
     }
-    same_function(&x, &y)
+    if !same_function(&x, &y) {
+        return false;
+    }
+    // A decimal against an exact value (an integer, a fraction, a closed form):
+    // it must also round to that value at its written scale.
+    match (decimal_scale(a), decimal_scale(b)) {
+        (Some(scale), None) | (None, Some(scale)) => rounds_to(&x, &y, scale),
+        _ => true,
+    }
+}
+
+/// `10^e` for a number written as a decimal with exponent `e` (0 when there is
+/// none): `6366.20`, `-.5`, `1.24e-8`, `1.24 \times 10^{-8}`, `12.5%`. `None`
+/// for integers (also `3 \times 10^{5}`) and anything else, which are exact.
+fn decimal_scale(s: &str) -> Option<f64> {
+    let s = canonical(s);
+    let s = s.strip_prefix(['-', '+']).unwrap_or(&s);
+    let s = s.strip_suffix('%').unwrap_or(s);
+    let int_len = s.bytes().take_while(u8::is_ascii_digit).count();
+    let (mut rest, mut has_point, mut digits) = (&s[int_len..], false, int_len);
+    if let Some(r) = rest.strip_prefix('.') {
+        let frac_len = r.bytes().take_while(u8::is_ascii_digit).count();
+        (rest, has_point, digits) = (&r[frac_len..], true, digits + frac_len);
+    }
+    if digits == 0 {
+        return None;
+    }
+    let exponent = |t: &str| -> Option<i32> {
+        let t = t.strip_prefix('{').and_then(|t| t.strip_suffix('}')).unwrap_or(t);
+        let body = t.strip_prefix(['-', '+']).unwrap_or(t);
+        (!body.is_empty() && body.len() <= 4 && body.bytes().all(|c| c.is_ascii_digit()))
+            .then(|| t.parse().ok())?
+    };
+    let (e, decimal) = if rest.is_empty() {
+        (0, has_point)
+    } else if let Some(t) = rest.strip_prefix(['e', 'E']) {
+        (exponent(t)?, true)
+    } else {
+        let t = ["\\times", "\\cdot", "*"].iter().find_map(|op| rest.strip_prefix(op))?;
+        let t = t.strip_prefix("10^")?;
+        // `10^5` but not `10^12` (TeX reads that as 10^1 \cdot 2).
+        if !t.starts_with('{') && t.len() != 1 {
+            return None;
+        }
+        (exponent(t)?, has_point)
+    };
+    decimal.then(|| 10f64.powi(e))
+}
+
+/// Whether constants `x` and `y` agree to [`DECIMAL_PLACES`] places at `scale`
+/// (half a unit there, plus evaluation noise); true when either has variables,
+/// where the identity test alone decides.
+fn rounds_to(x: &Expr, y: &Expr, scale: f64) -> bool {
+    if !(x.vars.is_empty() && y.vars.is_empty()) {
+        return true;
+    }
+    let env = HashMap::new();
+    let (a, b) = (x.eval(&env), y.eval(&env));
+    let tol = 0.5 * scale * 10f64.powi(-DECIMAL_PLACES) + EVAL_NOISE * a.norm().max(b.norm());
+    a.sub(b).norm() <= tol
 }
 
 /// Digits of an integer literal with its sign, leading zeros dropped.
@@ -551,6 +645,45 @@ mod tests {
             "\\begin{pmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{pmatrix}",
         ),
         ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", "(-1/3, 2/3, 5/3)"),
+        // issue 13: LaTeX thousands separators `{,}` and `\,`
+        ("1600", "1{,}600"),
+        ("1{,}600{,}000", "1600000"),
+        ("\\$1{,}600", "1600"),
+        ("1600", "1\\,600"),
+        ("1234567", "1\\,234\\,567"),
+        ("1\\,234.5", "1234.5"),
+        ("3.141\\,592", "3.141592"),
+        ("1\\,600", "1{,}600"),
+        // units written with LaTeX symbols
+        ("5.4", "5.4 \\mathrm{~\\AA}"),
+        ("5.4", "5.4 \\text{ \\AA}"),
+        ("1.5", "1.5~\\AA"),
+        ("2.1", "2.1 \\mathrm{~\\mu m}"),
+        ("3", "3 \\mathrm{~k \\Omega}"),
+        // subscripted names with and without braces
+        ("X_{d}=125-1.25 P", "X_d = 125 - 1.25P"),
+        ("v_{0}=3", "v_0 = 3"),
+        ("\\omega_{n}=2", "\\omega_n=2"),
+        // scientific notation
+        ("1.24e-8", "1.24 \\times 10^{-8}"),
+        ("1.24e-8", "1.24 \\cdot 10^{-8}"),
+        ("1.24e-8", "1.24\\times10^{-8}"),
+        ("1.24e-8", "1.24E-8"),
+        ("1.24e-8", "1.24 \\times 10^{-8} \\mathrm{~m}"),
+        ("1.24e-8", "0.0000000124"),
+        ("1.24e-8", "\\frac{31}{25} \\times 10^{-8}"),
+        ("3 \\times 10^{5}", "300000"),
+        ("6.5e-2", "0.065"),
+        // a decimal equals an exact value when it is that value, or rounds to it at
+        // six decimal places of its written scale (math-verify's float_rounding = 6)
+        ("\\frac{3}{8}", "0.375"),
+        ("\\frac{1}{3}", "0.3333333"),
+        ("\\frac{\\pi}{2}", "1.5707963"),
+        ("\\sqrt{2}", "1.41421356"),
+        ("\\frac{20000}{\\pi}", "6366.197724"),
+        ("\\frac{1}{30000}", "3.333333 \\times 10^{-5}"),
+        ("\\frac{31}{25} \\times 10^{-8}", "1.2400001e-8"),
+        ("2^{100}", "1.2676506e30"),
         // complex numbers
         ("-2 + 7i", "7i - 2"),
         ("1 - 12i", "1-12 i"),
@@ -733,6 +866,25 @@ mod tests {
         ("\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", "\\sinh(a t)"),
         ("2\\alpha + \\beta", "2\\beta + \\alpha"),
         ("n!", "n^n"),
+        // issue 13: separators, units, subscripts, scientific notation
+        ("1600", "1{,}601"),
+        ("1600", "16{,}00"),
+        ("1600", "1\\,6"),
+        ("5.4", "5.4 \\mathrm{~\\AA} + 1"),
+        ("X_{d}=3", "X_{e}=3"),
+        ("X_{d}=3", "X_{dd}=3"),
+        ("1.24e-8", "1.24 \\times 10^{-9}"),
+        ("1.24e-8", "1.24e8"),
+        ("1.24e-8", "1.24 \\times 10^{8}"),
+        ("1.24e-8", "1.2 \\times 10^{-8}"),
+        // a decimal rounded short of six places is not an exact closed form
+        ("\\frac{20000}{\\pi}", "6366.20"),
+        ("5\\sqrt[3]{4}", "7.937"),
+        ("\\frac{20000}{\\pi}", "6.3662 \\times 10^{3}"),
+        ("\\frac{31}{25} \\times 10^{-8}", "1.240001e-8"),
+        ("2^{100}", "1.26765e30"),
+        ("\\frac{1}{3}", "33.333\\%"),
+        ("\\frac{1}{30000}", "3.33333 \\times 10^{-5}"),
         // empty and garbage
         ("5", ""),
         ("5", "\\boxed{"),
@@ -756,6 +908,49 @@ mod tests {
     fn enough_cases() {
         assert!(EQUAL.len() + DIFFERENT.len() >= 150);
         assert!(EQUAL.len().abs_diff(DIFFERENT.len()) < 60);
+    }
+
+    #[test]
+    fn decimal_scale_reads_the_written_exponent() {
+        let cases: &[(&str, f64)] = &[
+            ("6366.20", 1.0),
+            ("-.5", 1.0),
+            ("4005.", 1.0),
+            ("12.5%", 1.0),
+            ("1.24e-8", 1e-8),
+            ("1E5", 1e5),
+            ("1.24 \\times 10^{-8}", 1e-8),
+            ("2.5 \\cdot 10^3", 1e3),
+            ("2.5*10^{+3}", 1e3),
+        ];
+        for (s, want) in cases {
+            let got = decimal_scale(s).unwrap_or_else(|| panic!("{s}: not a decimal"));
+            assert!((got / want - 1.0).abs() < 1e-12, "{s}: {got} != {want}");
+        }
+        for exact in [
+            "1600",
+            "-7",
+            "3 \\times 10^{5}",
+            "\\frac{1}{2}",
+            "2.5\\pi",
+            "1.2 \\times 10^12",
+            "1.2e",
+            ".",
+            "1.2.3",
+        ] {
+            assert_eq!(decimal_scale(exact), None, "{exact}");
+        }
+    }
+
+    #[test]
+    fn name_key_unbraces_one_token_subscripts() {
+        assert_eq!(name_key("X_{d}"), "X_d");
+        assert_eq!(name_key("\\omega_{n}"), "\\omega_n");
+        assert_eq!(name_key("v_{\\max}"), "v_\\max");
+        assert_eq!(name_key("R_{WD}"), "R_{WD}");
+        assert_eq!(name_key("x_{1}+y_{2}"), "x_1+y_2");
+        assert_eq!(name_key("a_{"), "a_{");
+        assert_eq!(name_key("a_{}"), "a_{}");
     }
 
     #[test]

@@ -223,6 +223,39 @@ mod tests {
         assert_eq!(verify("3", boxed, ExtractMode::Strict).reward(1.0, -1.0), -1.0);
     }
 
+    /// Every reference answer of the shipped benchmarks, boxed at the end of a
+    /// response, is judged equal to itself (extraction and normalisation keep it).
+    #[test]
+    fn benchmark_answers_equal_themselves() {
+        let dir = crate::data::test_support::repo_root().join("data/benchmarks");
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+            .collect();
+        files.sort();
+        assert!(files.len() >= 7, "benchmarks in {}", dir.display());
+        let (mut n, mut failures) = (0, Vec::new());
+        for path in &files {
+            let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+                let row: serde_json::Value = serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("{}:{}: {e}", path.display(), i + 1));
+                let gold = match &row["answer"] {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                n += 1;
+                let response = format!("So the answer is $\\boxed{{{gold}}}$.");
+                if !verify(&gold, &response, ExtractMode::Strict).correct || !is_equivalent(&gold, &gold) {
+                    failures.push(format!("{}:{}: {gold}", path.display(), i + 1));
+                }
+            }
+        }
+        assert!(n > 2800, "{n} answers");
+        assert!(failures.is_empty(), "{} of {n} not equal to themselves: {failures:#?}", failures.len());
+    }
+
     #[test]
     fn is_equivalent_unboxes() {
         assert!(is_equivalent("\\boxed{\\frac{1}{2}}", "0.5"));

@@ -2,8 +2,9 @@
 //!
 //! Follows the Hendrycks MATH `strip_string` / `is_equiv` normaliser and the
 //! LaTeX normalisation step of math-verify (Hugging Face): drop sizing and
-//! spacing commands (`\left`, `\right`, `\!`, `\,`), unify `\dfrac`/`\tfrac`,
-//! remove units in `\text{...}`, degrees, dollar signs, thousands separators,
+//! spacing commands (`\left`, `\right`, `\!`, `\,`, `~`), unify `\dfrac`/`\tfrac`,
+//! remove units in `\text{...}` (also symbol units such as `\mathrm{~\AA}`),
+//! degrees, dollar signs, thousands separators (`10,080`, `1{,}600`, `10\,000`),
 //! base subscripts and a leading `x \in`. The result is still LaTeX; the
 //! parser in [`super::expr`] reads it.
 
@@ -19,6 +20,9 @@ const UNIT_WORDS: &[&str] = &[
     "dollars", "cent", "cents", "degree", "degrees", "unit", "units", "square", "sq", "cubic", "percent",
 ];
 
+/// LaTeX symbols that name a unit (or begin one, `\mu m`) inside `\text{...}`.
+const UNIT_COMMANDS: &[&str] = &["\\AA", "\\angstrom", "\\mu", "\\micro", "\\Omega", "\\ohm"];
+
 /// Normalises an answer string (see the module docs).
 pub(crate) fn normalize(s: &str) -> String {
     let mut s = rewrite_commands(s.trim(), 0);
@@ -31,6 +35,11 @@ pub(crate) fn normalize(s: &str) -> String {
         ("^{\\prime}", "'"),
         ("^\\prime", "'"),
         ("np.", ""),
+        // `1{,}600`: braces keep TeX from spacing a comma used as a separator.
+        ("{,}", ","),
+        ("{.}", "."),
+        // `~` is a non-breaking space.
+        ("~", " "),
     ] {
         if s.contains(from) {
             s = s.replace(from, to);
@@ -121,6 +130,8 @@ fn rewrite_one(s: &str, i: usize, depth: usize, out: &mut String) -> usize {
         "ldots" | "cdots" | "dots" => "\\dots",
         "infin" => "\\infty",
         "degree" => "",
+        // `1.5~\AA`: a symbol unit after a number.
+        "AA" | "angstrom" if ends_with_number(out) => return skip_exponent(s, end),
         "text" | "textbf" | "textrm" | "textit" | "textnormal" | "textsf" | "mbox" | "mathrm" | "mathbf"
         | "mathit" | "mathsf" | "boldsymbol" | "operatorname" => return rewrite_text(s, end, depth, out),
         _ => {
@@ -142,7 +153,7 @@ fn rewrite_text(s: &str, end: usize, depth: usize, out: &mut String) -> usize {
     };
     let content = &s[open + 1..close];
     let inner = content.trim_matches(|c: char| c.is_whitespace() || c == '~');
-    let after_number = out.trim_end().ends_with(|c: char| c.is_ascii_digit() || matches!(c, '}' | ')' | '.'));
+    let after_number = ends_with_number(out);
     if matches!(inner, "and" | "or" | ",") {
         out.push(',');
         close + 1
@@ -157,11 +168,26 @@ fn rewrite_text(s: &str, end: usize, depth: usize, out: &mut String) -> usize {
     }
 }
 
-/// Text that reads as a unit: words, possibly with `/`, `^2`, `-`.
+/// Whether the text written so far ends with a number (or a group that may hold one).
+fn ends_with_number(out: &str) -> bool {
+    out.trim_end_matches(|c: char| c.is_whitespace() || c == '~')
+        .ends_with(|c: char| c.is_ascii_digit() || matches!(c, '}' | ')' | '.'))
+}
+
+/// Text that reads as a unit: words, possibly with `/`, `^2`, `-`, or a symbol
+/// unit (`\AA`, `\mu m`, `k\Omega`).
 fn is_unit(t: &str) -> bool {
-    t.starts_with(|c: char| c.is_ascii_alphabetic())
-        && t.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, ' ' | '~' | '/' | '^' | '.' | '-' | '{' | '}'))
+    let symbol_unit = |t: &str| {
+        UNIT_COMMANDS.iter().any(|c| {
+            t.strip_prefix(c).is_some_and(|rest| !rest.starts_with(|c: char| c.is_ascii_alphabetic()))
+        })
+    };
+    (t.starts_with(|c: char| c.is_ascii_alphabetic()) || symbol_unit(t))
+        && t.char_indices().all(|(i, c)| {
+            c.is_ascii_alphanumeric()
+                || matches!(c, ' ' | '~' | '/' | '^' | '.' | '-' | '{' | '}')
+                || (c == '\\' && symbol_unit(&t[i..]))
+        })
 }
 
 /// Skips the rest of a compound unit after a dropped one: `/ \mathrm{s}`,
@@ -279,19 +305,24 @@ fn strip_base_subscripts(s: String) -> String {
     out
 }
 
-/// `10,080`, `11,111,111,100`, `10 000` → digits alone.
+/// `10,080`, `11,111,111,100`, `10 000`, `3.141 592` → digits alone (a space
+/// may also group the digits after the point, as `\,` does in SI style).
 fn strip_thousands(s: String) -> String {
     let body = s.strip_prefix('-').unwrap_or(&s);
     let (int, frac) = body.split_once('.').unwrap_or((body, ""));
     let sep = if int.contains(',') { ',' } else { ' ' };
+    let digits = |g: &str| !g.is_empty() && g.bytes().all(|c| c.is_ascii_digit());
     let groups: Vec<&str> = int.split(sep).collect();
-    let is_grouped = groups.len() > 1
-        && (1..=3).contains(&groups[0].len())
-        && groups.iter().all(|g| !g.is_empty() && g.bytes().all(|c| c.is_ascii_digit()))
-        && groups[1..].iter().all(|g| g.len() == 3)
-        && frac.bytes().all(|c| c.is_ascii_digit());
-    if is_grouped {
-        s.replace(sep, "")
+    let int_grouped = (1..=3).contains(&groups[0].len())
+        && groups.iter().all(|g| digits(g))
+        && groups[1..].iter().all(|g| g.len() == 3);
+    let frac_groups: Vec<&str> = frac.split(' ').collect();
+    let frac_ok = frac.is_empty()
+        || (frac_groups.iter().all(|g| digits(g))
+            && frac_groups[..frac_groups.len() - 1].iter().all(|g| g.len() == 3));
+    let grouped = int_grouped && frac_ok && (groups.len() > 1 || frac_groups.len() > 1);
+    if grouped {
+        s.replace([sep, ' '], "")
     } else {
         s
     }
@@ -364,6 +395,20 @@ mod tests {
             ("\\left\\lfloor\\log _{2} n\\right\\rfloor", "\\lfloor\\log _{2} n\\rfloor"),
             ("\\left.\\frac{1}{2}\\right|", "\\frac{1}{2}|"),
             ("x \\leqslant 3", "x \\le 3"),
+            ("1{,}600", "1600"),
+            ("\\$1{,}600{,}000", "1600000"),
+            ("1\\,234\\,567.5", "1234567.5"),
+            ("3.141\\,592\\,65", "3.14159265"),
+            ("3.14\\,15", "3.14 15"),
+            ("5.4 \\mathrm{~\\AA}", "5.4"),
+            ("5.4 \\text{ \\AA}", "5.4"),
+            ("5.4 \\mathrm{~\\AA}^{2}", "5.4"),
+            ("1.5~\\AA", "1.5"),
+            ("2.1 \\mathrm{~\\mu m}", "2.1"),
+            ("3 \\mathrm{~k \\Omega}", "3"),
+            ("\\text{\\AA}", "\\AA"),
+            ("2 \\text{\\pi}", "2 \\pi"),
+            ("6.5~m", "6.5 m"),
         ];
         for (input, want) in cases {
             assert_eq!(normalize(input), *want, "input {input:?}");
