@@ -6,6 +6,7 @@
 
 pub mod algo;
 pub mod data;
+pub mod dist;
 pub mod error;
 pub mod eval;
 pub mod model;

@@ -16,6 +16,20 @@ fn main() -> ExitCode {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
     let cli = Cli::parse();
+    // Under an MPI launcher every rank runs this same command; only `run` is
+    // data-parallel, so the others would repeat each other's work and files.
+    let world = match stapo::dist::init() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if world.size() > 1 && !matches!(cli.command, Command::Run(_)) {
+        eprintln!("error: only `stapo run` runs on several MPI ranks; start other commands without mpirun");
+        stapo::dist::finalize();
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Run(a) => commands::run::run(a),
         Command::Repl(a) => commands::repl::run(a),
@@ -28,9 +42,15 @@ fn main() -> ExitCode {
         Command::Bench(a) => commands::bench::run(a),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            stapo::dist::finalize();
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
+            // The other ranks may be waiting in a collective: end them too.
+            stapo::dist::abort(1);
+            stapo::dist::finalize();
             ExitCode::FAILURE
         }
     }

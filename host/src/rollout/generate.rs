@@ -36,11 +36,15 @@ pub struct GenerateHooks<'a> {
     /// compacted. Compaction copies the whole cache, so doing it for every
     /// finished row would cost more than it saves on long caches.
     pub compact_fraction: f64,
+    /// Index of `prompts[0]` in the whole batch, for the per-response seeds: a
+    /// data-parallel rank that samples prompts `[lo, hi)` of a step's batch
+    /// passes `lo`, so every response is drawn as in a one-process run.
+    pub first_prompt_index: usize,
 }
 
 impl Default for GenerateHooks<'_> {
     fn default() -> Self {
-        Self { progress: None, cancel: None, max_rows: 256, compact_fraction: 0.125 }
+        Self { progress: None, cancel: None, max_rows: 256, compact_fraction: 0.125, first_prompt_index: 0 }
     }
 }
 
@@ -247,7 +251,11 @@ impl Run<'_> {
                 Row {
                     prompt_index,
                     sample_index,
-                    rng: StdRng::seed_from_u64(row_seed(self.params.seed, prompt_index, sample_index)),
+                    rng: StdRng::seed_from_u64(row_seed(
+                        self.params.seed,
+                        self.hooks.first_prompt_index + prompt_index,
+                        sample_index,
+                    )),
                     ids: Vec::with_capacity(self.params.max_new_tokens),
                     logprobs: Vec::with_capacity(self.params.max_new_tokens),
                     old_logprobs: Vec::with_capacity(self.params.max_new_tokens),
@@ -454,6 +462,28 @@ mod tests {
         for (x, y) in chunked.iter().zip(&run(&model, &prompts(), &params)) {
             assert_same_response(x, y);
         }
+    }
+
+    /// A data-parallel rank samples a shard of the step's prompts with
+    /// `first_prompt_index`: its responses are those of the whole batch.
+    #[test]
+    fn a_shard_samples_as_the_whole_batch() {
+        let model = tiny_model(Some(1), 4);
+        let params = SamplingParams { n: 2, max_new_tokens: 12, seed: 5, ..Default::default() };
+        let all = run(&model, &prompts(), &params);
+        let lo = 1;
+        let hooks = GenerateHooks { first_prompt_index: lo, ..GenerateHooks::default() };
+        let shard =
+            generate_with(&model, &prompts()[lo..], &params, 0, &angle_decode, &hooks).expect("generate");
+        let rest: Vec<&Sample> = all.iter().filter(|s| s.prompt_index >= lo).collect();
+        assert_eq!(shard.len(), rest.len());
+        for (x, y) in shard.iter().zip(rest) {
+            assert_eq!(x.prompt_index + lo, y.prompt_index);
+            assert_eq!(x.response_ids, y.response_ids);
+        }
+        // Without the offset the shard's draws differ (the seeds are per global index).
+        let plain = run(&model, &prompts()[lo..], &params);
+        assert!(plain.iter().zip(&shard).any(|(a, b)| a.response_ids != b.response_ids));
     }
 
     #[test]

@@ -1,0 +1,163 @@
+//! The MPI world (rsmpi over the system's MPI library, e.g. Debian's Open MPI).
+//!
+//! MPI is initialised with `MPI_THREAD_SERIALIZED` and every call goes through
+//! one mutex, so the library's threads (rayon, the script watcher) may call in
+//! from anywhere without two calls ever overlapping.
+
+use std::sync::{Arc, Mutex};
+
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::{Count, Threading};
+
+use super::Comm;
+use crate::{Error, Result};
+
+/// Kept until [`finalize`]; dropping it calls `MPI_Finalize`.
+static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
+
+/// The world communicator. rsmpi's handle is a raw MPI pointer and so not
+/// `Send`; it is only touched under the mutex, and MPI runs in
+/// `MPI_THREAD_SERIALIZED` mode, which allows calls from any thread as long
+/// as they do not overlap.
+struct World(SimpleCommunicator);
+// SAFETY: see `World`: serialized access under `Mpi::world`'s mutex.
+unsafe impl Send for World {}
+
+/// MPI's `MPI_COMM_WORLD`.
+pub(super) struct Mpi {
+    world: Mutex<World>,
+    rank: usize,
+    size: usize,
+}
+
+pub(super) fn init_world() -> Result<Arc<dyn Comm>> {
+    let mut slot = UNIVERSE.lock().map_err(|_| Error::invalid("mpi: init lock poisoned"))?;
+    let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+        .ok_or_else(|| Error::invalid("mpi: MPI was already initialised in this process"))?;
+    if matches!(provided, Threading::Single | Threading::Funneled) {
+        return Err(Error::invalid(format!(
+            "mpi: the MPI library offers thread level {provided:?}; stapo needs MPI_THREAD_SERIALIZED"
+        )));
+    }
+    let world = universe.world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    *slot = Some(universe);
+    Ok(Arc::new(Mpi { world: Mutex::new(World(world)), rank, size }))
+}
+
+pub(super) fn finalize() {
+    if let Ok(mut slot) = UNIVERSE.lock() {
+        // Dropping the universe calls MPI_Finalize.
+        slot.take();
+    }
+}
+
+pub(super) fn abort(code: i32) {
+    if let Ok(slot) = UNIVERSE.lock() {
+        if let Some(u) = slot.as_ref() {
+            u.world().abort(code);
+        }
+    }
+}
+
+fn count(n: usize, what: &str) -> Result<Count> {
+    Count::try_from(n)
+        .map_err(|_| Error::invalid(format!("mpi: {what} of {n} elements exceeds MPI's count limit")))
+}
+
+impl Mpi {
+    fn with<T>(&self, f: impl FnOnce(&SimpleCommunicator) -> Result<T>) -> Result<T> {
+        let w = self.world.lock().map_err(|_| Error::invalid("mpi: communicator lock poisoned"))?;
+        f(&w.0)
+    }
+
+    /// Lengths of every rank's `n`.
+    fn counts(w: &SimpleCommunicator, n: usize, size: usize) -> Result<(Vec<Count>, Vec<Count>, usize)> {
+        let mine = count(n, "all-gather")?;
+        let mut counts = vec![0 as Count; size];
+        w.all_gather_into(&mine, &mut counts[..]);
+        let mut displs = Vec::with_capacity(size);
+        let mut total = 0usize;
+        for &c in &counts {
+            displs.push(count(total, "all-gather")?);
+            total += c as usize;
+        }
+        Ok((counts, displs, total))
+    }
+}
+
+impl Comm for Mpi {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+    fn all_reduce_f64(&self, buf: &mut [f64]) -> Result<()> {
+        count(buf.len(), "all-reduce")?;
+        self.with(|w| {
+            let send = buf.to_vec();
+            w.all_reduce_into(&send[..], buf, SystemOperation::sum());
+            Ok(())
+        })
+    }
+    fn all_reduce_f32(&self, buf: &mut [f32]) -> Result<()> {
+        count(buf.len(), "all-reduce")?;
+        self.with(|w| {
+            let send = buf.to_vec();
+            w.all_reduce_into(&send[..], buf, SystemOperation::sum());
+            Ok(())
+        })
+    }
+    fn all_gather_f32(&self, local: &[f32]) -> Result<Vec<f32>> {
+        self.with(|w| {
+            let (counts, displs, total) = Self::counts(w, local.len(), self.size)?;
+            let mut out = vec![0f32; total];
+            let mut part = PartitionMut::new(&mut out[..], counts, &displs[..]);
+            w.all_gather_varcount_into(local, &mut part);
+            Ok(out)
+        })
+    }
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.with(|w| {
+            let (counts, displs, total) = Self::counts(w, local.len(), self.size)?;
+            let mut out = vec![0u8; total];
+            {
+                let mut part = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
+                w.all_gather_varcount_into(local, &mut part);
+            }
+            Ok(counts
+                .iter()
+                .zip(&displs)
+                .map(|(&c, &d)| out[d as usize..d as usize + c as usize].to_vec())
+                .collect())
+        })
+    }
+    fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
+        }
+        self.with(|w| {
+            let p = w.process_at_rank(root as i32);
+            let mut n = buf.len() as u64;
+            p.broadcast_into(&mut n);
+            buf.resize(n as usize, 0);
+            count(buf.len(), "broadcast")?;
+            p.broadcast_into(&mut buf[..]);
+            Ok(())
+        })
+    }
+    fn barrier(&self) -> Result<()> {
+        self.with(|w| {
+            w.barrier();
+            Ok(())
+        })
+    }
+}

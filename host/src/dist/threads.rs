@@ -1,0 +1,162 @@
+//! A group of ranks inside one process, one thread each: the same collectives
+//! as MPI over shared memory, so the data-parallel code paths (sharding, global
+//! normalisers, gradient all-reduce) run in the ordinary test suite without an
+//! MPI launcher. Sums are taken in rank order, as a deterministic MPI reduce
+//! of two ranks would, so every rank gets bitwise the same result.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+
+use super::{bytes_f32, bytes_f64, f32_bytes, f64_bytes, Comm};
+use crate::{Error, Result};
+
+struct Shared {
+    slots: Mutex<Vec<Vec<u8>>>,
+    barrier: Barrier,
+}
+
+/// One rank of an in-process group made by [`ThreadComm::group`]; give each
+/// rank to its own thread.
+pub struct ThreadComm {
+    rank: usize,
+    size: usize,
+    shared: Arc<Shared>,
+    calls: AtomicUsize,
+}
+
+impl ThreadComm {
+    /// `size` connected ranks.
+    pub fn group(size: usize) -> Vec<ThreadComm> {
+        let size = size.max(1);
+        let shared =
+            Arc::new(Shared { slots: Mutex::new(vec![Vec::new(); size]), barrier: Barrier::new(size) });
+        (0..size)
+            .map(|rank| ThreadComm { rank, size, shared: shared.clone(), calls: AtomicUsize::new(0) })
+            .collect()
+    }
+
+    /// Collectives this rank has taken part in (to check bucketing).
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Every rank's bytes, in rank order. Two barriers: all deposits are in
+    /// before anyone reads, and all reads are done before anyone deposits again.
+    fn exchange(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let poisoned = |_| Error::invalid("thread communicator: another rank panicked");
+        self.shared.slots.lock().map_err(poisoned)?[self.rank] = mine;
+        self.shared.barrier.wait();
+        let all = self.shared.slots.lock().map_err(poisoned)?.clone();
+        self.shared.barrier.wait();
+        Ok(all)
+    }
+}
+
+impl Comm for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+    fn all_reduce_f64(&self, buf: &mut [f64]) -> Result<()> {
+        let all = self.exchange(f64_bytes(buf))?;
+        buf.iter_mut().for_each(|x| *x = 0.0);
+        for part in &all {
+            let v = bytes_f64(part);
+            if v.len() != buf.len() {
+                return Err(Error::invalid(format!(
+                    "all-reduce: {} values on one rank, {} on another",
+                    buf.len(),
+                    v.len()
+                )));
+            }
+            buf.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+    fn all_reduce_f32(&self, buf: &mut [f32]) -> Result<()> {
+        let all = self.exchange(f32_bytes(buf))?;
+        buf.iter_mut().for_each(|x| *x = 0.0);
+        for part in &all {
+            let v = bytes_f32(part);
+            if v.len() != buf.len() {
+                return Err(Error::invalid(format!(
+                    "all-reduce: {} values on one rank, {} on another",
+                    buf.len(),
+                    v.len()
+                )));
+            }
+            buf.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+    fn all_gather_f32(&self, local: &[f32]) -> Result<Vec<f32>> {
+        Ok(self.exchange(f32_bytes(local))?.iter().flat_map(|b| bytes_f32(b)).collect())
+    }
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.exchange(local.to_vec())
+    }
+    fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
+        }
+        let mine = if self.rank == root { std::mem::take(buf) } else { Vec::new() };
+        *buf = self.exchange(mine)?.swap_remove(root);
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        self.exchange(Vec::new()).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on_ranks<T: Send>(n: usize, f: impl Fn(&ThreadComm) -> T + Sync) -> Vec<T> {
+        let comms = ThreadComm::group(n);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn collectives_by_hand() {
+        let out = on_ranks(3, |c| {
+            let r = c.rank();
+            let mut s = [r as f64, 1.0];
+            c.all_reduce_f64(&mut s).unwrap();
+            let mut f = [r as f32 * 0.5];
+            c.all_reduce_f32(&mut f).unwrap();
+            // Rank r contributes r values (rank 0 none).
+            let g = c.all_gather_f32(&vec![r as f32; r]).unwrap();
+            let mut b = if r == 1 { b"from one".to_vec() } else { b"x".to_vec() };
+            c.broadcast_bytes(1, &mut b).unwrap();
+            let bytes = c.all_gather_bytes(&[r as u8]).unwrap();
+            c.barrier().unwrap();
+            (s, f, g, b, bytes)
+        });
+        for (s, f, g, b, bytes) in out {
+            assert_eq!(s, [3.0, 3.0]);
+            assert_eq!(f, [1.5]);
+            assert_eq!(g, vec![1.0, 2.0, 2.0]);
+            assert_eq!(b, b"from one".to_vec());
+            assert_eq!(bytes, vec![vec![0u8], vec![1], vec![2]]);
+        }
+    }
+
+    #[test]
+    fn mismatched_lengths_are_an_error() {
+        let out = on_ranks(2, |c| {
+            let mut v = vec![1.0f32; 1 + c.rank()];
+            c.all_reduce_f32(&mut v).is_err()
+        });
+        assert_eq!(out, vec![true, true]);
+    }
+}
