@@ -1,4 +1,5 @@
-//! `stapo eval`: avg@n and pass@n of a model over benchmark files, as a table.
+//! `stapo eval`: avg@n and pass@k (k = n, or the `--pass-k` list) of a model
+//! over benchmark files, as a table.
 
 use std::path::PathBuf;
 
@@ -24,6 +25,9 @@ pub struct EvalArgs {
     /// Samples per problem (avg@n, pass@n).
     #[arg(long, default_value_t = 4)]
     pub n: usize,
+    /// Report unbiased pass@k for these k (each at most n), e.g. `--pass-k 1,4,16`; default: n.
+    #[arg(long = "pass-k", value_delimiter = ',')]
+    pub pass_k: Vec<usize>,
     #[arg(long, default_value_t = 0.7)]
     pub temperature: f64,
     #[arg(long, default_value_t = 0.9)]
@@ -62,6 +66,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let tpl = template(&a.template)?;
+    let ks = pass_k_list(&a.pass_k, a.n)?;
     let params = SamplingParams {
         n: a.n,
         temperature: a.temperature,
@@ -92,36 +97,85 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         bar.set_prefix(name.clone());
         let report = eval::evaluate(&m, &tok, examples, &tpl, &params, a.mode, a.batch, &|done| {
             bar.set_position(done as u64)
-        })?;
+        })?
+        .with_pass_k(&ks)?;
         bar.finish_and_clear();
         rows.push((name, report.overall.clone()));
         all_samples.extend(report.samples);
     }
     eval::write_samples(&a.out, &all_samples)?;
-    println!(
-        "{:<16} {:>8} {:>10} {:>10} {:>9}",
-        "benchmark",
-        "problems",
-        format!("avg@{}", a.n),
-        format!("pass@{}", a.n),
-        "mean len"
-    );
-    for (name, s) in &rows {
-        println!(
-            "{:<16} {:>8} {:>9.1}% {:>9.1}% {:>9.1}",
-            name,
-            s.problems,
-            100.0 * s.avg,
-            100.0 * s.pass,
-            s.mean_len
-        );
-    }
-    if rows.len() > 1 {
-        let k = rows.len() as f64;
-        let avg = rows.iter().map(|r| r.1.avg).sum::<f64>() / k;
-        let pass = rows.iter().map(|r| r.1.pass).sum::<f64>() / k;
-        println!("{:<16} {:>8} {:>9.1}% {:>9.1}%", "average", "", 100.0 * avg, 100.0 * pass);
-    }
+    print!("{}", table(&rows, a.n, &ks));
     eprintln!("samples written to {}", a.out.display());
     Ok(())
+}
+
+/// The k to report: `--pass-k` sorted and deduplicated, or n alone; each in 1..=n.
+fn pass_k_list(asked: &[usize], n: usize) -> anyhow::Result<Vec<usize>> {
+    let mut ks = if asked.is_empty() { vec![n] } else { asked.to_vec() };
+    ks.sort_unstable();
+    ks.dedup();
+    eval::check_pass_k(&ks, n).context("--pass-k")?;
+    Ok(ks)
+}
+
+/// The results table: one row per benchmark (and their average when there are
+/// several), columns avg@n, pass@k for each k, mean length.
+fn table(rows: &[(String, eval::Scores)], n: usize, ks: &[usize]) -> String {
+    use std::fmt::Write;
+    let mut out = format!("{:<16} {:>8} {:>10}", "benchmark", "problems", format!("avg@{n}"));
+    for k in ks {
+        let _ = write!(out, " {:>10}", format!("pass@{k}"));
+    }
+    out.push_str(&format!(" {:>9}\n", "mean len"));
+    let pass = |s: &eval::Scores, k: usize| s.pass_at_k.get(&k).copied().unwrap_or(f64::NAN);
+    for (name, s) in rows {
+        let _ = write!(out, "{:<16} {:>8} {:>9.1}%", name, s.problems, 100.0 * s.avg);
+        for &k in ks {
+            let _ = write!(out, " {:>9.1}%", 100.0 * pass(s, k));
+        }
+        let _ = writeln!(out, " {:>9.1}", s.mean_len);
+    }
+    if rows.len() > 1 {
+        let mean =
+            |f: &dyn Fn(&eval::Scores) -> f64| rows.iter().map(|r| f(&r.1)).sum::<f64>() / rows.len() as f64;
+        let _ = write!(out, "{:<16} {:>8} {:>9.1}%", "average", "", 100.0 * mean(&|s| s.avg));
+        for &k in ks {
+            let _ = write!(out, " {:>9.1}%", 100.0 * mean(&|s| pass(s, k)));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pass_k_list_defaults_to_n_and_checks_range() {
+        assert_eq!(pass_k_list(&[], 32).ok(), Some(vec![32]));
+        assert_eq!(pass_k_list(&[16, 1, 4, 4], 32).ok(), Some(vec![1, 4, 16]));
+        let err = pass_k_list(&[1, 64], 32).err().map(|e| format!("{e:#}")).unwrap_or_default();
+        assert!(err.contains("--pass-k") && err.contains("k = 64"), "{err}");
+        assert!(pass_k_list(&[0], 4).is_err());
+    }
+
+    #[test]
+    fn table_has_a_column_per_k_and_an_average_row() {
+        let s = |avg: f64, p1: f64, p4: f64| eval::Scores {
+            problems: 2,
+            samples_per_problem: 4,
+            avg,
+            pass: p4,
+            mean_len: 10.0,
+            pass_at_k: [(1, p1), (4, p4)].into_iter().collect(),
+        };
+        let rows = vec![("aime24".to_string(), s(0.25, 0.25, 0.5)), ("amc23".to_string(), s(0.5, 0.5, 1.0))];
+        let t = table(&rows, 4, &[1, 4]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(lines[0].contains("avg@4") && lines[0].contains("pass@1") && lines[0].contains("pass@4"));
+        assert!(lines[1].starts_with("aime24") && lines[1].contains("25.0%") && lines[1].contains("50.0%"));
+        assert!(lines[3].starts_with("average") && lines[3].contains("37.5%") && lines[3].contains("75.0%"));
+    }
 }

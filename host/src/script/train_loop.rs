@@ -119,9 +119,17 @@ pub fn smoke_clamp(rc: &mut RunConfig) {
     rc.prompts_per_step = rc.prompts_per_step.clamp(1, 2);
     clamp_sampling(&mut rc.sampling);
     rc.eval_n = rc.eval_n.min(1);
+    rc.eval_pass_k = smoke_pass_k(&rc.eval_pass_k, rc.eval_n);
     rc.eval_limit = Some(rc.eval_limit.unwrap_or(2).min(2));
     rc.save_every = 0;
     rc.epochs = rc.epochs.min(1);
+}
+
+/// Smoke mode: the pass@k list clamped to the smoke run's samples per problem.
+pub fn smoke_pass_k(ks: &[usize], n: usize) -> Vec<usize> {
+    let mut ks: Vec<usize> = ks.iter().map(|&k| k.min(n)).collect();
+    ks.dedup();
+    ks
 }
 
 fn clamp_sampling(s: &mut crate::rollout::SamplingParams) {

@@ -71,6 +71,8 @@ pub struct RunConfig {
     pub eval_limit: Option<usize>,
     pub eval_temperature: f64,
     pub eval_top_p: f64,
+    /// Also report unbiased pass@k for these k (each at most `eval_n`) in eval.jsonl.
+    pub eval_pass_k: Vec<usize>,
     /// Checkpoint every this many steps (0 = only when asked).
     pub save_every: usize,
     /// Checkpoints kept (older ones are removed).
@@ -106,6 +108,7 @@ impl Default for RunConfig {
             eval_limit: None,
             eval_temperature: 1.0,
             eval_top_p: 1.0,
+            eval_pass_k: Vec::new(),
             save_every: 0,
             keep_checkpoints: 2,
             dtype: "float32".into(),
@@ -189,6 +192,8 @@ impl Trainer {
                 run_dir.display()
             )));
         }
+        eval::check_pass_k(&cfg.eval_pass_k, cfg.eval_n)
+            .map_err(|e| Error::invalid(format!("eval_pass_k (eval_n = {}): {e}", cfg.eval_n)))?;
         std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
         let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
         write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())?;
@@ -456,7 +461,8 @@ impl Trainer {
             self.cfg.extract,
             64,
             &|_| {},
-        )?;
+        )?
+        .with_pass_k(&self.cfg.eval_pass_k)?;
         let dir = self.run_dir.join("eval");
         eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
         let summary =

@@ -361,6 +361,32 @@ fn limits_and_cancellation_stop_runaway_scripts() {
 }
 
 #[test]
+fn evaluate_reports_pass_at_k_for_a_list_of_k() {
+    let f = fixture();
+    let path = f.root.join("passk.rhai");
+    let src = format!(
+        r#"let m = load_model("{model}");
+let r = evaluate(m, "{data}", #{{ n: 4, pass_k: [1, 2, 4], limit: 3, max_tokens: 4 }});
+if r.pass_at_k.len() != 3 {{ throw `keys ${{r.pass_at_k.keys()}}`; }}
+if r.pass_at_k["4"] != r.pass {{ throw "pass@4 is not pass@n"; }}
+if abs(r.pass_at_k["1"] - r.avg) > 1e-9 {{ throw "pass@1 is not avg@n"; }}
+if r.pass_at_k["1"] > r.pass_at_k["2"] || r.pass_at_k["2"] > r.pass_at_k["4"] {{ throw "not monotone in k"; }}
+let msg = "no error";
+try {{ evaluate(m, "{data}", #{{ n: 2, pass_k: [4], limit: 1, max_tokens: 2 }}); }} catch (e) {{ msg = `${{e}}`; }}
+print(msg);
+"#,
+        model = f.model.display(),
+        data = f.data.display()
+    );
+    std::fs::write(&path, src).unwrap();
+    let (host, buf) = buffered(opts(&f, &f.root.join("run"), false));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    assert!(printed.contains("k = 4") && printed.contains("2 samples"), "{printed}");
+}
+
+#[test]
 fn a_resumed_run_continues_the_step_counter() {
     let f = fixture();
     let run_dir = f.root.join("run");

@@ -20,6 +20,7 @@ fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path:
     cfg.save_every = 2;
     cfg.eval_every = 3;
     cfg.eval_n = 2;
+    cfg.eval_pass_k = vec![1, 2];
     cfg.eval_limit = Some(4);
     cfg
 }
@@ -86,6 +87,20 @@ fn resume_equals_uninterrupted_run() {
     ] {
         assert!(b_dir.join(f).exists(), "missing {f}");
     }
+    // eval.jsonl reports pass@k for the configured k: pass@1 is avg@n, pass@n is pass.
+    let evals = std::fs::read_to_string(b_dir.join("eval.jsonl")).unwrap();
+    assert!(evals.lines().count() >= 2);
+    for line in evals.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let o = &v["overall"];
+        let k = |k: &str| o["pass_at_k"][k].as_f64().unwrap_or(f64::NAN);
+        assert!((k("1") - o["avg"].as_f64().unwrap()).abs() < 1e-12, "{line}");
+        assert!((k("2") - o["pass"].as_f64().unwrap()).abs() < 1e-12, "{line}");
+        assert!(
+            v["by_source"].as_object().unwrap().values().all(|s| s["pass_at_k"]["2"].is_number()),
+            "{line}"
+        );
+    }
 }
 
 #[test]
@@ -94,6 +109,9 @@ fn a_new_run_refuses_an_existing_run_folder() {
     let (model, train, test) = arith_fixture(dir.path());
     let cfg = config(model, train, test);
     let _a = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
-    let err = Trainer::new(cfg, &dir.path().join("run")).err().unwrap().to_string();
+    let err = Trainer::new(cfg.clone(), &dir.path().join("run")).err().unwrap().to_string();
     assert!(err.contains("already holds a run"), "{err}");
+    let bad = RunConfig { eval_pass_k: vec![1, 4], ..cfg };
+    let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
+    assert!(err.contains("eval_pass_k") && err.contains("k = 4"), "{err}");
 }

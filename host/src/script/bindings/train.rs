@@ -159,11 +159,11 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func!(
         engine,
         "evaluate",
-        "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, by source).",
+        "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, pass@k for the config's eval_pass_k, by source).",
         |r: &mut RunHandle| -> RhaiResult<Dynamic> {
             let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
             Ok(from_json(
-                &serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass}),
+                &serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k}),
             ))
         }
     );
