@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use stapo::data::{Dataset, DatasetOptions, PromptTemplate, Tokenizer};
+use stapo::data::{Dataset, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
@@ -19,9 +19,12 @@ pub struct EvalArgs {
     /// Model folder.
     #[arg(long)]
     pub model: PathBuf,
-    /// One or more JSONL files (e.g. data/benchmarks/aime24.jsonl ...).
+    /// One or more datasets: JSONL or Parquet files, folders of Hugging Face shards, `*` patterns
+    /// (e.g. data/benchmarks/aime24.jsonl ...).
     #[arg(long, num_args = 1.., required = true)]
     pub data: Vec<PathBuf>,
+    #[command(flatten)]
+    pub data_args: super::data_args::DataArgs,
     /// Samples per problem (avg@n, pass@n).
     #[arg(long, default_value_t = 4)]
     pub n: usize,
@@ -40,7 +43,7 @@ pub struct EvalArgs {
     /// Prompt template: raw (problem + boxed suffix), bare (problem only, as models/tiny-qwen3 expects), chat (Qwen3 chat, thinking off) or chat-think.
     #[arg(long, default_value = "raw")]
     pub template: String,
-    /// Answer extraction: strict or flexible.
+    /// Answer extraction: strict (last \boxed{}), flexible, or answer_line (DAPO-Math's last "Answer:" line).
     #[arg(long, default_value = "strict")]
     pub mode: ExtractMode,
     /// Prompts decoded together.
@@ -79,7 +82,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut all_samples = Vec::new();
     for path in &a.data {
-        let (ds, warnings) = Dataset::load(path, &DatasetOptions::default())?;
+        let (ds, warnings) = Dataset::load(path, &a.data_args.options())?;
         for w in warnings {
             eprintln!("warning: {w}");
         }

@@ -17,7 +17,8 @@ pub struct VerifyArgs {
     /// JSONL file with fields `gold` and `pred`; writes one JSON line per input.
     #[arg(long, required_unless_present = "gold")]
     pub input: Option<PathBuf>,
-    /// Answer extraction: strict (last \boxed{} only, the paper's setting) or flexible.
+    /// Answer extraction: strict (last \boxed{} only, the paper's setting), flexible, or answer_line
+    /// (the last "Answer:" line, as verl's math_dapo reward reads DAPO-Math responses).
     #[arg(long, default_value = "strict")]
     pub mode: ExtractMode,
 }

@@ -1,21 +1,33 @@
-//! Data: the tokenizer, Qwen3 chat prompts and prompt templates, JSONL task
-//! datasets and the seeded, resumable batch sampler.
+//! Data: the tokenizer, Qwen3 chat prompts and prompt templates, task
+//! datasets (JSONL and Parquet, verl's schema included) and the seeded,
+//! resumable epoch sampler.
 //!
 //! - [`tokenizer`]: Hugging Face `tokenizer.json` with Qwen3's special ids.
 //! - [`chat`]: the Qwen3 chat template reproduced exactly, and the prompt
 //!   templates that add the paper's `\boxed{}` instruction.
-//! - [`dataset`]: `{"problem","answer",...}` JSONL files, bad-line policy, and
-//!   the epoch sampler whose state goes into checkpoints.
+//! - [`dataset`]: loading JSONL and Parquet files, folders of Hugging Face
+//!   shards and `*` patterns, with a bad-record policy.
+//! - [`record`]: one record to an [`Example`]: field names (dotted paths),
+//!   verl's `prompt` chat messages, DAPO-Math's instruction wrapper.
+//! - [`parquet`]: Parquet rows as JSON objects, with schema checks.
+//! - [`sampler`]: the epoch sampler whose state goes into checkpoints.
 //! - [`task`]: the generated multi-step arithmetic task and its small BPE
 //!   tokenizer (for `data/arith` and `models/tiny-qwen3`).
 
 pub mod chat;
 pub mod dataset;
+pub mod parquet;
+pub mod record;
+pub mod sampler;
 pub mod task;
 pub mod tokenizer;
 
 pub use chat::{render_chat, Message, PromptTemplate, BOXED_SUFFIX, SUFFIX_SEPARATOR};
-pub use dataset::{BadLinePolicy, Dataset, DatasetOptions, Example, Sampler, SamplerState};
+pub use dataset::{resolve_files, Dataset};
+pub use record::{
+    strip_dapo_instruction, BadLinePolicy, DatasetOptions, Example, DAPO_PREFIX, DAPO_REMINDER,
+};
+pub use sampler::{EpochSampler, SamplerState};
 pub use task::{
     generate, generate_split, read_jsonl, save_tokenizer, tokenizer_corpus, train_tokenizer, write_jsonl,
     Problem, TaskConfig, TokenizerConfig,

@@ -5,6 +5,9 @@
 //! (nested braces balanced), `\boxed 5` or `\fbox{...}`. The flexible rule
 //! falls back, as math-verify and lm-eval-harness do, to "the answer is X",
 //! "Answer: X", GSM8K's "#### X", and finally the last number in the text.
+//! The answer-line rule is DAPO-Math's (verl `reward_score/math_dapo.py`,
+//! `is_correct_minerva`): the last match of `(?i)Answer\s*:\s*([^\n]+)` in
+//! the response's last 300 characters.
 //! Every scan is linear in the response length.
 
 use super::normalize::matching_brace;
@@ -77,6 +80,53 @@ fn last_number(s: &str) -> Option<String> {
     (!num.is_empty()).then(|| num.to_string())
 }
 
+/// verl's math_dapo only reads the end of a response (its longest MATH-500
+/// answer has 159 characters).
+const ANSWER_LINE_WINDOW: usize = 300;
+
+/// The answer on DAPO-Math's last "Answer:" line: the last non-overlapping
+/// match of `(?i)Answer\s*:\s*([^\n]+)` in the last 300 characters, as verl's
+/// `math_dapo.is_correct_minerva` finds it. A match runs to the end of its
+/// line, so an "Answer:" later on the same line is part of the earlier match.
+pub(crate) fn answer_line(s: &str) -> Option<String> {
+    let start = s.char_indices().rev().nth(ANSWER_LINE_WINDOW - 1).map_or(0, |(i, _)| i);
+    let tail = &s[start..];
+    let lower = tail.to_ascii_lowercase();
+    let b = lower.as_bytes();
+    let mut found = None;
+    let mut from = 0;
+    while let Some(p) = lower[from..].find("answer").map(|p| p + from) {
+        let mut i = p + "answer".len();
+        while i < b.len() && b[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if b.get(i) != Some(&b':') {
+            from = p + 1;
+            continue;
+        }
+        i += 1;
+        // `\s*` then `[^\n]+`: whitespace may run over newlines, but the
+        // capture needs one character that is not a newline (backtracking
+        // gives back a trailing space or tab when nothing else follows).
+        let ws_end = i + b[i..].iter().take_while(|c| c.is_ascii_whitespace()).count();
+        let cap_start = if ws_end < b.len() && b[ws_end] != b'\n' {
+            ws_end
+        } else {
+            match b[i..ws_end].iter().rposition(|&c| c != b'\n') {
+                Some(k) => i + k,
+                None => {
+                    from = p + 1;
+                    continue;
+                }
+            }
+        };
+        let cap_end = cap_start + b[cap_start..].iter().take_while(|&&c| c != b'\n').count();
+        found = Some(tail[cap_start..cap_end].trim().to_string());
+        from = cap_end;
+    }
+    found.filter(|a| !a.is_empty())
+}
+
 /// Whether the response contains a complete `\boxed{...}` answer.
 pub fn has_boxed(response: &str) -> bool {
     last_boxed(response).is_some()
@@ -111,6 +161,31 @@ mod tests {
             assert_eq!(last_boxed(input).as_deref(), *want, "input {input:?}");
             assert_eq!(has_boxed(input), want.is_some());
         }
+    }
+
+    #[test]
+    fn answer_line_cases() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("Work...\nAnswer: 42", Some("42")),
+            ("answer: 1\nmore work\nANSWER :  $\\frac{1}{2}$\n", Some("$\\frac{1}{2}$")),
+            // `\s*` runs over the newline after the colon.
+            ("Answer:\n7", Some("7")),
+            // One match to the end of the line: the later "Answer:" is inside it.
+            ("Answer: 3, Answer: 5", Some("3, Answer: 5")),
+            ("Final Answer: 12", Some("12")),
+            ("the answer is 4", None),
+            ("Answer:", None),
+            ("\\boxed{9}", None),
+            ("Answer: 8 \u{00e9}t\u{00e9}", Some("8 \u{00e9}t\u{00e9}")),
+        ];
+        for (input, want) in cases {
+            assert_eq!(answer_line(input).as_deref(), *want, "input {input:?}");
+        }
+        // Only the last 300 characters are read, as verl does.
+        let early = format!("Answer: 1\n{}", "x".repeat(300));
+        assert_eq!(answer_line(&early), None);
+        let multibyte = format!("Answer: 2\n{}", "\u{00e9}".repeat(280));
+        assert_eq!(answer_line(&multibyte).as_deref(), Some("2"));
     }
 
     #[test]

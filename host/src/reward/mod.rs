@@ -39,6 +39,10 @@ pub enum ExtractMode {
     /// The last `\boxed{...}`, else "the answer is X" / "Answer: X" / "#### X",
     /// else the last number in the response.
     Flexible,
+    /// DAPO-Math's last "Answer: X" line (verl's `math_dapo` reward), for
+    /// prompts that ask for that format instead of `\boxed{}`.
+    #[serde(rename = "answer_line")]
+    AnswerLine,
 }
 
 impl FromStr for ExtractMode {
@@ -48,9 +52,10 @@ impl FromStr for ExtractMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "strict" => Ok(ExtractMode::Strict),
             "flexible" => Ok(ExtractMode::Flexible),
-            other => {
-                Err(Error::invalid(format!("extract mode: expected `strict` or `flexible`, found `{other}`")))
-            }
+            "answer_line" | "answer-line" => Ok(ExtractMode::AnswerLine),
+            other => Err(Error::invalid(format!(
+                "extract mode: expected `strict`, `flexible` or `answer_line`, found `{other}`"
+            ))),
         }
     }
 }
@@ -60,6 +65,7 @@ impl fmt::Display for ExtractMode {
         f.write_str(match self {
             ExtractMode::Strict => "strict",
             ExtractMode::Flexible => "flexible",
+            ExtractMode::AnswerLine => "answer_line",
         })
     }
 }
@@ -76,6 +82,7 @@ pub fn extract_answer(response: &str, mode: ExtractMode) -> Option<String> {
     match mode {
         ExtractMode::Strict => extract::last_boxed(response),
         ExtractMode::Flexible => extract::flexible(response),
+        ExtractMode::AnswerLine => extract::answer_line(response),
     }
 }
 
@@ -203,6 +210,22 @@ mod tests {
         let json = serde_json::to_string(&ExtractMode::Flexible).unwrap_or_default();
         assert_eq!(json, "\"flexible\"");
         assert_eq!(serde_json::from_str::<ExtractMode>("\"strict\"").ok(), Some(ExtractMode::Strict));
+        assert_eq!("answer_line".parse::<ExtractMode>().ok(), Some(ExtractMode::AnswerLine));
+        assert_eq!(ExtractMode::AnswerLine.to_string(), "answer_line");
+        assert_eq!(
+            serde_json::from_str::<ExtractMode>("\"answer_line\"").ok(),
+            Some(ExtractMode::AnswerLine)
+        );
+    }
+
+    #[test]
+    fn verify_answer_line_as_dapo_math_asks() {
+        let response = "Let x = 3, then 2x = 6.\nAnswer: $\\frac{6}{2}$";
+        let v = verify("3", response, ExtractMode::AnswerLine);
+        assert_eq!(v, Verdict { correct: true, extracted: Some("$\\frac{6}{2}$".into()) });
+        // A boxed answer without the line does not count under this mode, and vice versa.
+        assert!(!verify("3", "so \\boxed{3}", ExtractMode::AnswerLine).correct);
+        assert!(!verify("3", response, ExtractMode::Strict).correct);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{MaskConfig, ObjectiveConfig, TauH};
-use crate::data::{Dataset, DatasetOptions, Example, PromptTemplate, Sampler, SamplerState, Tokenizer};
+use crate::data::{Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, SamplerState, Tokenizer};
 use crate::eval::{self, EvalReport};
 use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
@@ -37,7 +37,8 @@ use crate::{Error, Result};
 pub struct RunConfig {
     /// Model folder (HF layout with tokenizer.json).
     pub model: PathBuf,
-    /// Training problems (JSONL).
+    /// Training problems: a JSONL or Parquet file, a folder of Hugging Face
+    /// shards, or a `*` pattern (see `data::Dataset::load`).
     pub data: PathBuf,
     /// Held-out problems for periodic evaluation.
     pub test_data: Option<PathBuf>,
@@ -172,7 +173,7 @@ pub struct Trainer {
     tokenizer: Tokenizer,
     train: Dataset,
     test: Option<Dataset>,
-    sampler: Sampler,
+    sampler: EpochSampler,
     step: u64,
     run_dir: PathBuf,
     silenced_totals: HashMap<String, usize>,
@@ -264,8 +265,8 @@ impl Trainer {
             None => None,
         };
         let sampler = match state {
-            Some(s) => Sampler::restore(s.sampler.clone(), train.len())?,
-            None => Sampler::new(train.len(), cfg.seed)?,
+            Some(s) => EpochSampler::restore(s.sampler.clone(), train.len())?,
+            None => EpochSampler::new(train.len(), cfg.seed)?,
         };
         let reference = match &objective.kl {
             Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, m.dtype(), m.device())?),

@@ -7,19 +7,32 @@ use std::sync::Arc;
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::DatasetHandle;
-use crate::data::{task, Dataset, DatasetOptions, Example, PromptTemplate, Sampler, TaskConfig};
+use crate::data::{task, Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, TaskConfig};
 use crate::script::convert::{from_json, overlay, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::train::TinyConfig;
 
-/// An example as a script map: `#{id, problem, answer, source}`.
+/// An example as a script map: `#{id, problem, answer, source}`, plus
+/// `messages` (array of `#{role, content}`) when the dataset gave chat messages.
 pub fn example_map(e: &Example) -> Dynamic {
     let mut m = Map::new();
     m.insert("id".into(), e.id.clone().into());
     m.insert("problem".into(), e.problem.clone().into());
     m.insert("answer".into(), e.answer.clone().into());
     m.insert("source".into(), e.source.clone().into());
+    if let Some(msgs) = &e.messages {
+        let arr: Array = msgs
+            .iter()
+            .map(|x| {
+                let mut mm = Map::new();
+                mm.insert("role".into(), x.role.clone().into());
+                mm.insert("content".into(), x.content.clone().into());
+                Dynamic::from_map(mm)
+            })
+            .collect();
+        m.insert("messages".into(), arr.into());
+    }
     Dynamic::from_map(m)
 }
 
@@ -31,9 +44,19 @@ pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
 
 fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
     let n = usize_arg("n", n)?;
-    let mut s = Sampler::new(ds.0.len(), seed as u64).map_err(host)?;
+    let mut s = EpochSampler::new(ds.0.len(), seed as u64).map_err(host)?;
     let idx = s.next_batch(n).map_err(host)?;
     Ok(ds.0.select(&idx).map_err(host)?.into_iter().map(example_map).collect())
+}
+
+fn load_data(path: &str, opts: &Map) -> RhaiResult<DatasetHandle> {
+    let o: DatasetOptions = overlay(
+        "load_data",
+        &DatasetOptions::default(),
+        to_json("load_data", &Dynamic::from_map(opts.clone()))?,
+    )?;
+    let (ds, _warnings) = Dataset::load(path, &o).map_err(host)?;
+    Ok(DatasetHandle(Arc::new(ds)))
 }
 
 fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
@@ -44,10 +67,8 @@ fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
 }
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    func!(engine, "load_data", "load_data(path) -> Dataset\nLoads a JSONL task file ({\"problem\", \"answer\", ...} per line; bad lines are skipped with a warning).\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| -> RhaiResult<DatasetHandle> {
-        let (ds, _warnings) = Dataset::load(path, &DatasetOptions::default()).map_err(host)?;
-        Ok(DatasetHandle(Arc::new(ds)))
-    });
+    func!(engine, "load_data", "load_data(path) -> Dataset\nLoads a task dataset: a JSONL or Parquet file (verl's schema understood: `prompt` chat messages, `reward_model.ground_truth`, `data_source`, `extra_info.index`), a folder of Hugging Face shards, or a `*` pattern; bad records are skipped with a warning.\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| load_data(path, &Map::new()));
+    func!(engine, "load_data", "load_data(path, options) -> Dataset\noptions: #{problem_fields, answer_fields, id_fields, source_fields (a name or a list; dotted names reach into structs), strip_instruction, dedupe, split, bad_lines: \"skip\"|\"reject\"}.\nExample: `load_data(\"my.parquet\", #{problem_fields: \"question\", answer_fields: \"meta.gold\"})`", |path: &str, opts: Map| load_data(path, &opts));
     getter!(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len()
         as i64);
     func!(

@@ -59,20 +59,21 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     let slot = lock(&m.0, "model")?;
     let tok = slot.tokenizer.clone().ok_or_else(|| host("evaluate: the model has no tokenizer"))?;
     params.stop_token_ids.extend(tok.eos_ids());
-    let tmpl = super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?
-        .unwrap_or_else(PromptTemplate::raw);
-    let rep = eval::evaluate(
-        &slot.model,
-        &tok,
-        &ds.examples()[..limit],
-        &tmpl,
-        &params,
-        ExtractMode::Strict,
-        64,
-        &|_| {},
-    )
-    .and_then(|r| r.with_pass_k(&ks))
-    .map_err(host)?;
+    let tmpl = match opts.get("template") {
+        // A map spells a template as train() configs do: #{kind: "chat", suffix: "...", ...}.
+        Some(t) if t.is_map() => serde_json::from_value::<PromptTemplate>(to_json("template", t)?)
+            .map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
+        _ => super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?
+            .unwrap_or_else(PromptTemplate::raw),
+    };
+    let extract = match get_str(opts, "extract")? {
+        Some(s) => s.parse::<ExtractMode>().map_err(|e| bad_arg("evaluate", e.to_string()))?,
+        None => ExtractMode::Strict,
+    };
+    let rep =
+        eval::evaluate(&slot.model, &tok, &ds.examples()[..limit], &tmpl, &params, extract, 64, &|_| {})
+            .and_then(|r| r.with_pass_k(&ks))
+            .map_err(host)?;
     Ok(from_json(&serde_json::json!({
         "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k, "mean_len": rep.overall.mean_len,
         "problems": rep.overall.problems, "n": rep.overall.samples_per_problem, "by_source": rep.by_source,
@@ -81,7 +82,7 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
-    func!(engine, "evaluate", "evaluate(model, data, opts) -> map\navg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p (1.0), max_tokens (256), limit, template, seed, pass_k ([] ; e.g. [1, 4, 16])}. Returns #{avg, pass (pass@n), pass_at_k (#{\"1\": .., \"4\": ..}), mean_len, problems, n, by_source}.\nExample: `evaluate(m, \"data/arith/test.jsonl\", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k[\"4\"]`", move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts));
+    func!(engine, "evaluate", "evaluate(model, data, opts) -> map\navg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p (1.0), max_tokens (256), limit, template (name or map), extract (strict | flexible | answer_line), seed, pass_k ([] ; e.g. [1, 4, 16])}. Returns #{avg, pass (pass@n), pass_at_k (#{\"1\": .., \"4\": ..}), mean_len, problems, n, by_source}.\nExample: `evaluate(m, \"data/arith/test.jsonl\", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k[\"4\"]`", move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts));
     let h = host_.clone();
     func!(
         engine,
