@@ -16,22 +16,11 @@
 //! Masks are 0/1 f32 tensors on the device of the inputs; combine them with
 //! [`compose_masks`] (elementwise product).
 
-use candle_core::{DType, Tensor};
-use serde::{Deserialize, Serialize};
-
+use super::config::S2tThresholds;
+pub use super::config::TauH;
 use super::{dims_bt, expand_advantages, expect_bt};
 use crate::{Error, Result};
-
-/// The entropy threshold of the S2T mask.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TauH {
-    /// A fixed entropy threshold (nats).
-    Abs(f32),
-    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`]) of the candidates' entropies,
-    /// recomputed for every mini-batch.
-    Quantile(f32),
-}
+use candle_core::{DType, Tensor};
 
 /// What the S2T mask did, for metrics and the silenced-token report.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -122,16 +111,7 @@ pub fn s2t_mask(
     tau_p: f32,
     tau_h: TauH,
 ) -> Result<(Tensor, S2tStats)> {
-    if !(tau_p.is_finite() && tau_p > 0.0) {
-        return Err(Error::invalid(format!("s2t: tau_p = {tau_p}, expected a number > 0")));
-    }
-    match tau_h {
-        TauH::Quantile(q) if !(0.0..=1.0).contains(&q) => {
-            return Err(Error::invalid(format!("s2t: tau_h quantile = {q}, expected a number in [0, 1]")))
-        }
-        TauH::Abs(h) if h.is_nan() => return Err(Error::invalid("s2t: tau_h = NaN, expected a number")),
-        _ => {}
-    }
+    S2tThresholds { tau_p, tau_h }.validate()?;
     let (b, l) = dims_bt(logp, "s2t: logp")?;
     expect_bt(entropy, "s2t: entropy", b, l)?;
     expect_bt(response_mask, "s2t: response_mask", b, l)?;

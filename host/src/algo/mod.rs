@@ -9,11 +9,14 @@
 //! - [`objective`]: PPO-clip with clip-higher and dual-clip, GSPO (arXiv:2507.18071),
 //!   SAPO (arXiv:2511.20347), REINFORCE, k1/k2/k3 KL, entropy bonus and verl's loss
 //!   aggregation modes, following verl `trainer/ppo/core_algos.py`.
-//! - [`preset`]: [`ObjectiveConfig`], its named presets and `--set key=value` overrides.
+//! - [`config`]: the configuration types ([`ObjectiveConfig`], [`MaskConfig`], ...) and the
+//!   paper's S2T defaults, written once.
+//! - [`preset`]: named presets of [`ObjectiveConfig`] and `--set key=value` overrides.
 //!
 //! Tensors are `(B, T)` f32: B sequences of T response positions; masks are 0/1 f32.
 
 pub mod advantage;
+pub mod config;
 pub mod mask;
 pub mod objective;
 pub mod preset;
@@ -22,12 +25,13 @@ pub use advantage::{
     contiguous_group_ids, dynamic_sampling, group_advantages, AdvEstimator, Advantages, DynamicSampling,
     OverlongConfig, RewardScale, StdKind,
 };
-pub use mask::{compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TauH, TopEntropyStats};
-pub use objective::{
-    aggregate, compute_loss, AggMode, KlConfig, KlKind, LossInputs, LossMetrics, LossOutput, Normaliser,
-    ObjectiveKind,
+pub use config::{
+    AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, ObjectiveKind, S2tThresholds, TauH,
+    TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
 };
-pub use preset::{MaskConfig, ObjectiveConfig, PRESETS, SET_KEYS};
+pub use mask::{compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TopEntropyStats};
+pub use objective::{aggregate, compute_loss, LossInputs, LossMetrics, LossOutput, Normaliser};
+pub use preset::{PRESETS, SET_KEYS};
 
 use candle_core::Tensor;
 

@@ -28,7 +28,8 @@
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::preset::ObjectiveConfig;
+use super::config::ObjectiveConfig;
+pub use super::config::{AggMode, KlConfig, KlKind, ObjectiveKind};
 use super::{dims_bt, expand_advantages, expect_bt};
 use crate::{Error, Result};
 
@@ -36,85 +37,6 @@ use crate::{Error, Result};
 const LOG_RATIO_CLAMP: f32 = 20.0;
 /// verl clamps the GSPO log sequence ratio from above at this value.
 const GSPO_LOG_RATIO_MAX: f32 = 10.0;
-
-/// Which per-token policy objective to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ObjectiveKind {
-    /// PPO-clip (GRPO, DAPO, JustRL, STAPO), optionally dual-clipped.
-    Ppo,
-    /// GSPO: the sequence-level ratio, clipped.
-    Gspo,
-    /// SAPO: the soft-gated ratio, no hard clip.
-    Sapo,
-    /// Plain policy gradient `-A·r` (no clip).
-    Pg,
-}
-
-/// How per-token losses become one scalar (verl `loss_agg_mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AggMode {
-    /// Sum over all kept tokens / kept tokens of the mini-batch (DAPO).
-    #[serde(rename = "token-mean")]
-    TokenMean,
-    /// Per sequence: mean over its kept tokens; then sum / sequences of the mini-batch (GRPO).
-    #[serde(rename = "seq-mean-token-mean")]
-    SeqMeanTokenMean,
-    /// Per sequence: sum over its kept tokens; then sum / sequences of the mini-batch.
-    #[serde(rename = "seq-mean-token-sum")]
-    SeqMeanTokenSum,
-    /// Per sequence: sum over kept tokens / a constant length; then mean over sequences
-    /// (Dr.GRPO).
-    #[serde(rename = "seq-mean-token-sum-norm")]
-    SeqMeanTokenSumNorm,
-}
-
-impl AggMode {
-    /// All modes, in documentation order.
-    pub const ALL: [AggMode; 4] = [
-        AggMode::TokenMean,
-        AggMode::SeqMeanTokenMean,
-        AggMode::SeqMeanTokenSum,
-        AggMode::SeqMeanTokenSumNorm,
-    ];
-
-    /// The verl name (`token-mean`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            AggMode::TokenMean => "token-mean",
-            AggMode::SeqMeanTokenMean => "seq-mean-token-mean",
-            AggMode::SeqMeanTokenSum => "seq-mean-token-sum",
-            AggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
-        }
-    }
-
-    /// Parses a verl name; `_` is accepted for `-`.
-    pub fn parse(s: &str) -> Option<Self> {
-        let s = s.trim().to_ascii_lowercase().replace('_', "-");
-        AggMode::ALL.into_iter().find(|m| m.name() == s)
-    }
-}
-
-/// Which KL estimator to the reference policy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KlKind {
-    /// `logp - ref`.
-    K1,
-    /// `½ (logp - ref)²`.
-    K2,
-    /// `exp(ref - logp) - (ref - logp) - 1` (verl `low_var_kl`, DeepSeekMath).
-    K3,
-}
-
-/// A KL penalty to a frozen reference policy: `+beta · agg(KL)`.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct KlConfig {
-    /// The estimator.
-    pub kind: KlKind,
-    /// The coefficient (verl `kl_loss_coef`, default 0.001; DeepSeekMath 0.04).
-    pub beta: f32,
-}
 
 /// The tensors of one (micro-)batch. All are `(B, T)` f32 except `advantages`.
 #[derive(Clone, Copy, Debug)]
@@ -265,8 +187,140 @@ pub struct LossOutput {
     pub metrics: LossMetrics,
 }
 
+/// What a policy loss sees: the `(B, T)` tensors of one (micro-)batch, with every
+/// position outside `mask` already set to 0 (so padding holding `-inf`/NaN cannot leak).
+#[derive(Clone, Copy, Debug)]
+pub struct PolicyInputs<'a> {
+    /// The objective's settings (clip range, dual clip, SAPO temperatures).
+    pub cfg: &'a ObjectiveConfig,
+    /// Log-prob of the sampled token under the current policy (differentiable).
+    pub logp: &'a Tensor,
+    /// Per-token advantages (constant).
+    pub adv: &'a Tensor,
+    /// Kept tokens, 0/1 f32.
+    pub mask: &'a Tensor,
+    /// `logp - old_logp`.
+    pub log_ratio: &'a Tensor,
+    /// `exp(clamp(log_ratio, -20, 20))`.
+    pub ratio: &'a Tensor,
+}
+
+/// A policy loss per token, and where it clipped (0/1 f32 `(B, T)`, `None` = nowhere).
+#[derive(Clone, Debug)]
+pub struct PolicyTerms {
+    /// Per-token loss `(B, T)`.
+    pub loss: Tensor,
+    /// Tokens with `A < 0` whose ratio was clipped at `1 - eps_low`.
+    pub clip_low: Option<Tensor>,
+    /// Tokens with `A > 0` whose ratio was clipped at `1 + eps_high`.
+    pub clip_high: Option<Tensor>,
+    /// Tokens with `A < 0` where the dual-clip bound was active.
+    pub dual_clip: Option<Tensor>,
+}
+
+/// A per-token policy loss (verl `register_policy_loss`).
+pub type PolicyLossFn = fn(&PolicyInputs) -> Result<PolicyTerms>;
+
+/// The registry of policy losses, keyed by [`ObjectiveKind`] (verl `POLICY_LOSS_REGISTRY`).
+/// A new objective is one function here and one preset in `preset.rs`.
+pub const POLICY_LOSSES: [(ObjectiveKind, PolicyLossFn); 4] = [
+    (ObjectiveKind::Ppo, ppo_clip_loss),
+    (ObjectiveKind::Gspo, gspo_loss),
+    (ObjectiveKind::Sapo, sapo_loss),
+    (ObjectiveKind::Pg, pg_loss),
+];
+
+/// The registered policy loss of `kind`.
+pub fn policy_loss_fn(kind: ObjectiveKind) -> Result<PolicyLossFn> {
+    POLICY_LOSSES
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, f)| *f)
+        .ok_or_else(|| Error::invalid(format!("loss: no policy loss registered for {kind:?}")))
+}
+
+/// The 0/1 tokens whose ratio `r` lies outside `[lo, hi]` on the side that clips: below
+/// `lo` with `A < 0`, above `hi` with `A > 0`.
+fn clip_sides(r: &Tensor, adv: &Tensor, lo: f32, hi: f32) -> Result<(Tensor, Tensor)> {
+    let r = r.detach();
+    let low = r.lt(lo)?.to_dtype(DType::F32)?.mul(&adv.lt(0f32)?.to_dtype(DType::F32)?)?;
+    let high = r.gt(hi)?.to_dtype(DType::F32)?.mul(&adv.gt(0f32)?.to_dtype(DType::F32)?)?;
+    Ok((low, high))
+}
+
+/// `max(-A·r, -A·clip(r, lo, hi))` (the PPO surrogate) and its clip sides.
+fn clipped_surrogate(r: &Tensor, adv: &Tensor, lo: f32, hi: f32) -> Result<(Tensor, Tensor, Tensor)> {
+    let neg_adv = adv.neg()?;
+    let pg1 = r.mul(&neg_adv)?;
+    let pg2 = r.clamp(lo, hi)?.mul(&neg_adv)?;
+    let (low, high) = clip_sides(r, adv, lo, hi)?;
+    Ok((pg1.maximum(&pg2)?, low, high))
+}
+
+/// PPO-clip with DAPO clip-higher and optional dual-clip (verl `compute_policy_loss_vanilla`).
+pub fn ppo_clip_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
+    let (lo, hi) = (1.0 - x.cfg.eps_low, 1.0 + x.cfg.eps_high);
+    let (c1, low, high) = clipped_surrogate(x.ratio, x.adv, lo, hi)?;
+    let (loss, dual) = match x.cfg.dual_clip {
+        Some(c) => {
+            let a_neg = x.adv.lt(0f32)?;
+            let pg3 = x.adv.neg()?.affine(c as f64, 0.0)?;
+            let c2 = c1.minimum(&pg3)?;
+            let dual = c1.detach().gt(&pg3)?.to_dtype(DType::F32)?.mul(&a_neg.to_dtype(DType::F32)?)?;
+            (a_neg.where_cond(&c2, &c1)?, Some(dual))
+        }
+        None => (c1, None),
+    };
+    Ok(PolicyTerms { loss, clip_low: Some(low), clip_high: Some(high), dual_clip: dual })
+}
+
+/// GSPO (verl `compute_policy_loss_gspo`): the sequence ratio `s_i = exp(mean_t log r)` over
+/// the kept tokens of row `i`, in the straight-through form
+/// `log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]` (capped at 10), clipped like PPO.
+pub fn gspo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
+    let (lo, hi) = (1.0 - x.cfg.eps_low, 1.0 + x.cfg.eps_high);
+    let count = x.mask.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
+    let seq_log_ratio = x.log_ratio.detach().mul(x.mask)?.sum_keepdim(1)?.div(&count)?; // (B, 1)
+    let log_s = (x.logp - x.logp.detach())?.broadcast_add(&seq_log_ratio)?.minimum(GSPO_LOG_RATIO_MAX)?;
+    let (loss, low, high) = clipped_surrogate(&log_s.exp()?, x.adv, lo, hi)?;
+    Ok(PolicyTerms { loss, clip_low: Some(low), clip_high: Some(high), dual_clip: None })
+}
+
+/// SAPO (verl `compute_policy_loss_sapo`): `-A·f(r)`, `f(r) = sigmoid(tau·(r - 1))·4/tau`,
+/// `tau = tau_pos` where `A > 0`, else `tau_neg`. No hard clip.
+pub fn sapo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
+    let (dims, dev) = (x.adv.dims(), x.adv.device());
+    let pos = Tensor::full(x.cfg.sapo_tau_pos, dims, dev)?;
+    let neg = Tensor::full(x.cfg.sapo_tau_neg, dims, dev)?;
+    let tau = x.adv.gt(0f32)?.where_cond(&pos, &neg)?;
+    let z = x.ratio.affine(1.0, -1.0)?.mul(&tau)?;
+    let sig = z.neg()?.exp()?.affine(1.0, 1.0)?.recip()?; // sigmoid without overflow: |z| is bounded
+    let gate = sig.mul(&tau.recip()?.affine(4.0, 0.0)?)?;
+    Ok(PolicyTerms { loss: gate.mul(&x.adv.neg()?)?, clip_low: None, clip_high: None, dual_clip: None })
+}
+
+/// Plain policy gradient (REINFORCE with the importance ratio): `-A·r`.
+pub fn pg_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
+    Ok(PolicyTerms { loss: x.ratio.mul(&x.adv.neg()?)?, clip_low: None, clip_high: None, dual_clip: None })
+}
+
+/// The per-token KL estimator to the reference policy (verl `kl_penalty`): `d = logp - ref`,
+/// k1 `d`, k2 `d²/2`, k3 `exp(-d) + d - 1` (log-ratio clamped to ±20, k3 to ±10).
+pub fn kl_penalty(kind: KlKind, logp: &Tensor, ref_logp: &Tensor) -> Result<Tensor> {
+    let d = (logp - ref_logp)?;
+    Ok(match kind {
+        KlKind::K1 => d,
+        KlKind::K2 => d.sqr()?.affine(0.5, 0.0)?,
+        KlKind::K3 => {
+            let x = d.neg()?.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?; // ref - logp
+            (x.exp()? - &x)?.affine(1.0, -1.0)?.clamp(-10f32, 10f32)?
+        }
+    })
+}
+
 /// Computes `agg(pg + beta·KL - entropy_coef·H)` for one (micro-)batch under `cfg`, dividing
-/// by `norm` (count it over the whole mini-batch with [`Normaliser::from_masks`]).
+/// by `norm` (count it over the whole mini-batch with [`Normaliser::from_masks`]). The
+/// policy term is the registered [`PolicyLossFn`] of `cfg.kind`.
 ///
 /// Masked positions are replaced by 0 in every input before any arithmetic, so padding
 /// holding `-inf`/NaN log-probs yields neither NaN loss nor NaN gradients. An all-masked
@@ -287,78 +341,16 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     let logp = clean(inp.logp)?;
     let old = clean(&inp.old_logp.detach())?;
     let adv = clean(&expand_advantages(inp.advantages, b, l)?)?;
-    let neg_adv = adv.neg()?;
-    let a_neg = adv.lt(0f32)?;
-    let a_neg_f = a_neg.to_dtype(f32_)?;
-    let a_pos_f = adv.gt(0f32)?.to_dtype(f32_)?;
-
     let log_ratio = (&logp - &old)?;
     let ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?.exp()?;
-    let (lo, hi) = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high);
-    let clip_counts = |r: &Tensor| -> Result<(Tensor, Tensor)> {
-        let r = r.detach();
-        let low = r.lt(lo)?.to_dtype(f32_)?.mul(&a_neg_f)?;
-        let high = r.gt(hi)?.to_dtype(f32_)?.mul(&a_pos_f)?;
-        Ok((low, high))
-    };
-    let mut clip_low = zeros.clone();
-    let mut clip_high = zeros.clone();
-    let mut dual = zeros.clone();
-
-    let pg = match cfg.kind {
-        ObjectiveKind::Ppo => {
-            let pg1 = ratio.mul(&neg_adv)?;
-            let pg2 = ratio.clamp(lo, hi)?.mul(&neg_adv)?;
-            let c1 = pg1.maximum(&pg2)?;
-            (clip_low, clip_high) = clip_counts(&ratio)?;
-            match cfg.dual_clip {
-                Some(c) => {
-                    let pg3 = neg_adv.affine(c as f64, 0.0)?;
-                    let c2 = c1.minimum(&pg3)?;
-                    dual = c1.detach().gt(&pg3)?.to_dtype(f32_)?.mul(&a_neg_f)?;
-                    a_neg.where_cond(&c2, &c1)?
-                }
-                None => c1,
-            }
-        }
-        ObjectiveKind::Gspo => {
-            // sg[log s_i]: mean of the token log-ratios over the kept tokens of row i.
-            let count = m.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
-            let seq_log_ratio = log_ratio.detach().sum_keepdim(1)?.div(&count)?; // (B, 1)
-            let log_s =
-                (&logp - logp.detach())?.broadcast_add(&seq_log_ratio)?.minimum(GSPO_LOG_RATIO_MAX)?;
-            let s = log_s.exp()?;
-            let pg1 = s.mul(&neg_adv)?;
-            let pg2 = s.clamp(lo, hi)?.mul(&neg_adv)?;
-            (clip_low, clip_high) = clip_counts(&s)?;
-            pg1.maximum(&pg2)?
-        }
-        ObjectiveKind::Sapo => {
-            let pos = Tensor::full(cfg.sapo_tau_pos, (b, l), dev)?;
-            let neg = Tensor::full(cfg.sapo_tau_neg, (b, l), dev)?;
-            let tau = adv.gt(0f32)?.where_cond(&pos, &neg)?;
-            let x = ratio.affine(1.0, -1.0)?.mul(&tau)?;
-            let sig = x.neg()?.exp()?.affine(1.0, 1.0)?.recip()?; // sigmoid without overflow: |x| is bounded
-            let gate = sig.mul(&tau.recip()?.affine(4.0, 0.0)?)?;
-            gate.mul(&neg_adv)?
-        }
-        ObjectiveKind::Pg => ratio.mul(&neg_adv)?,
-    };
+    let x = PolicyInputs { cfg, logp: &logp, adv: &adv, mask: &m, log_ratio: &log_ratio, ratio: &ratio };
+    let terms = policy_loss_fn(cfg.kind)?(&x)?;
 
     let kl = match (&cfg.kl, inp.ref_logp) {
         (Some(k), _) if k.beta == 0.0 => None,
         (Some(k), Some(r)) => {
             expect_bt(r, "loss: ref_logp", b, l)?;
-            let d = (&logp - clean(&r.detach())?)?;
-            let v = match k.kind {
-                KlKind::K1 => d,
-                KlKind::K2 => d.sqr()?.affine(0.5, 0.0)?,
-                KlKind::K3 => {
-                    let x = d.neg()?.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?; // ref - logp
-                    (x.exp()? - &x)?.affine(1.0, -1.0)?.clamp(-10f32, 10f32)?
-                }
-            };
-            Some((v, k.beta))
+            Some((kl_penalty(k.kind, &logp, &clean(&r.detach())?)?, k.beta))
         }
         (Some(_), None) => {
             return Err(Error::invalid(
@@ -380,7 +372,7 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         None => None,
     };
 
-    let mut total = pg.clone();
+    let mut total = terms.loss.clone();
     if let Some((v, beta)) = &kl {
         total = (total + v.affine(*beta as f64, 0.0)?)?;
     }
@@ -390,39 +382,59 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         }
     }
     let loss = aggregate(&total, &m, cfg.agg, norm)?;
+    let metrics =
+        loss_metrics(cfg, &m, &terms, kl.as_ref().map(|(v, _)| v), ent.as_ref(), &log_ratio, &ratio, norm)?;
+    Ok(LossOutput { loss, metrics })
+}
 
-    // Metrics: one stacked vector, one device→host copy.
-    let masked_sum = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().mul(&m)?.sum_all()?) };
-    let lr = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
-    let k3_old_new = (lr.exp()? - &lr)?.affine(1.0, -1.0)?;
-    let zero = Tensor::zeros((), f32_, dev)?;
-    let agg_detached = |t: Option<&Tensor>| -> Result<Tensor> {
+/// The detached metrics of one loss call: one stacked vector, one device→host copy.
+#[allow(clippy::too_many_arguments)]
+fn loss_metrics(
+    cfg: &ObjectiveConfig,
+    m: &Tensor,
+    terms: &PolicyTerms,
+    kl: Option<&Tensor>,
+    ent: Option<&Tensor>,
+    log_ratio: &Tensor,
+    ratio: &Tensor,
+    norm: &Normaliser,
+) -> Result<LossMetrics> {
+    let zero = Tensor::zeros((), DType::F32, m.device())?;
+    let masked_sum = |t: Option<&Tensor>| -> Result<Tensor> {
         match t {
-            Some(t) => aggregate(&t.detach(), &m, cfg.agg, norm),
+            Some(t) => Ok(t.detach().mul(m)?.sum_all()?),
             None => Ok(zero.clone()),
         }
     };
-    let n_seqs = m.sum(1)?.gt(0f32)?.to_dtype(f32_)?.sum_all()?;
+    let agg_detached = |t: Option<&Tensor>| -> Result<Tensor> {
+        match t {
+            Some(t) => aggregate(&t.detach(), m, cfg.agg, norm),
+            None => Ok(zero.clone()),
+        }
+    };
+    let lr = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?;
+    let k3_old_new = (lr.exp()? - &lr)?.affine(1.0, -1.0)?;
+    let n_seqs = m.sum(1)?.gt(0f32)?.to_dtype(DType::F32)?.sum_all()?;
     let stats = Tensor::stack(
         &[
             m.sum_all()?,
             n_seqs,
-            agg_detached(Some(&pg))?,
-            agg_detached(kl.as_ref().map(|(v, _)| v))?,
-            agg_detached(ent.as_ref())?,
-            masked_sum(&clip_low)?,
-            masked_sum(&clip_high)?,
-            masked_sum(&dual)?,
-            masked_sum(&k3_old_new)?,
-            masked_sum(&log_ratio.neg()?)?,
-            masked_sum(&ratio)?,
+            agg_detached(Some(&terms.loss))?,
+            agg_detached(kl)?,
+            agg_detached(ent)?,
+            masked_sum(terms.clip_low.as_ref())?,
+            masked_sum(terms.clip_high.as_ref())?,
+            masked_sum(terms.dual_clip.as_ref())?,
+            masked_sum(Some(&k3_old_new))?,
+            masked_sum(Some(&log_ratio.neg()?))?,
+            masked_sum(Some(ratio))?,
         ],
         0,
     )?
     .to_vec1::<f32>()?;
     let n = stats[0];
     let mean = |s: f32| if n > 0.0 { s / n } else { 0.0 };
-    let metrics = LossMetrics {
+    Ok(LossMetrics {
         n_tokens: n.round() as usize,
         n_seqs: stats[1].round() as usize,
         pg_loss: stats[2],
@@ -435,14 +447,12 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         approx_kl: mean(stats[8]),
         ppo_kl: mean(stats[9]),
         ratio_mean: mean(stats[10]),
-    };
-    Ok(LossOutput { loss, metrics })
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::preset::ObjectiveConfig;
     use candle_core::{Device, Var};
 
     const TOL: f32 = 1e-6;
@@ -907,5 +917,13 @@ mod tests {
         let inp = LossInputs { old_logp: &mask, advantages: &bad_adv, ..inp };
         let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
         assert!(e.contains("advantages"), "{e}");
+    }
+
+    #[test]
+    fn every_kind_has_a_registered_loss() {
+        for kind in [ObjectiveKind::Ppo, ObjectiveKind::Gspo, ObjectiveKind::Sapo, ObjectiveKind::Pg] {
+            assert!(policy_loss_fn(kind).is_ok(), "{kind:?}");
+            assert_eq!(POLICY_LOSSES.iter().filter(|(k, _)| *k == kind).count(), 1, "{kind:?}");
+        }
     }
 }

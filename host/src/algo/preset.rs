@@ -1,5 +1,5 @@
-//! [`ObjectiveConfig`]: every knob of the update's math, its named presets (the objectives
-//! the STAPO paper compares) and `--set key=value` overrides.
+//! Named presets of [`ObjectiveConfig`] (the objectives the STAPO paper compares) and
+//! `--set key=value` overrides. The types themselves live in `config.rs`.
 //!
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
@@ -7,72 +7,11 @@
 //! tau_p = 0.002, tau_h = the 0.75-quantile, token-mean). verl `core_algos.py` names the
 //! aggregation modes.
 
-use serde::{Deserialize, Serialize};
-
 use super::advantage::{AdvEstimator, OverlongConfig, RewardScale, StdKind};
-use super::mask::TauH;
-use super::objective::{AggMode, KlConfig, KlKind, ObjectiveKind};
-use crate::{Error, Result};
-
-/// Which token mask (beyond the response mask) decides the kept tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MaskConfig {
-    /// Keep every response token.
-    None,
-    /// STAPO's S2T: silence tokens with `A > 0 && p < tau_p && H < tau_h`.
-    S2t {
-        /// Probability threshold of the sampled token (paper: 0.002).
-        tau_p: f32,
-        /// Entropy threshold, absolute or a quantile of the candidates (paper: 0.75-quantile).
-        tau_h: TauH,
-    },
-    /// 20-Entropy: keep the top `rho` fraction of response tokens by entropy (paper: 0.2).
-    TopEntropy {
-        /// Fraction kept, in (0, 1].
-        rho: f32,
-    },
-}
-
-/// Every knob of the loss, advantages and masks. Build one with [`ObjectiveConfig::preset`]
-/// and adjust with [`ObjectiveConfig::set`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ObjectiveConfig {
-    /// The per-token objective.
-    pub kind: ObjectiveKind,
-    /// Lower clip: ratio clipped at `1 - eps_low` (PPO, GSPO).
-    pub eps_low: f32,
-    /// Upper clip: ratio clipped at `1 + eps_high` (PPO, GSPO).
-    pub eps_high: f32,
-    /// Dual-clip bound `c > 1` for `A < 0` (PPO only; verl's default is 3.0, the papers use
-    /// none).
-    pub dual_clip: Option<f32>,
-    /// SAPO gate temperature for `A > 0`.
-    pub sapo_tau_pos: f32,
-    /// SAPO gate temperature for `A <= 0`.
-    pub sapo_tau_neg: f32,
-    /// KL penalty to a frozen reference policy.
-    pub kl: Option<KlConfig>,
-    /// Entropy bonus coefficient (the loss gets `-entropy_coef · agg(H)`).
-    pub entropy_coef: f32,
-    /// Loss aggregation mode.
-    pub agg: AggMode,
-    /// The constant length of `seq-mean-token-sum-norm`; `None` = the padded length.
-    pub norm_len: Option<usize>,
-    /// Advantage estimator.
-    pub adv: AdvEstimator,
-    /// Which std GRPO divides by (sample, as verl / torch.std).
-    pub std: StdKind,
-    /// The token mask.
-    pub mask: MaskConfig,
-    /// DAPO dynamic sampling: drop groups whose rewards are all equal.
-    pub dynamic_sampling: bool,
-    /// DAPO soft overlong punishment.
-    pub overlong: Option<OverlongConfig>,
-    /// 0/1 or -1/+1 rewards.
-    pub reward_scale: RewardScale,
-}
+use super::config::{
+    cfg_err, AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, ObjectiveKind, S2tThresholds,
+};
+use crate::Result;
 
 /// Names accepted by [`ObjectiveConfig::preset`].
 pub const PRESETS: [&str; 7] = ["grpo", "dapo", "gspo", "sapo", "entropy20", "justrl", "stapo"];
@@ -112,38 +51,8 @@ pub const SET_KEYS: [(&str, &str); 25] = [
 /// DAPO's overlong buffer: L_max = 20480, L_cache = 4096, factor 1 (set `overlong_max_len`
 /// to the run's max response length).
 const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
-/// STAPO's S2T defaults.
-const S2T_DEFAULT: MaskConfig = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.75) };
 /// verl's default `kl_loss_coef`.
 const DEFAULT_KL_BETA: f32 = 0.001;
-
-fn cfg_err(field: &str, msg: impl Into<String>) -> Error {
-    Error::Config { file: "objective config".into(), field: field.into(), msg: msg.into() }
-}
-
-impl Default for ObjectiveConfig {
-    /// The `grpo` preset.
-    fn default() -> Self {
-        ObjectiveConfig {
-            kind: ObjectiveKind::Ppo,
-            eps_low: 0.2,
-            eps_high: 0.2,
-            dual_clip: None,
-            sapo_tau_pos: 1.0,
-            sapo_tau_neg: 1.05,
-            kl: None,
-            entropy_coef: 0.0,
-            agg: AggMode::SeqMeanTokenMean,
-            norm_len: None,
-            adv: AdvEstimator::Grpo,
-            std: StdKind::Sample,
-            mask: MaskConfig::None,
-            dynamic_sampling: false,
-            overlong: None,
-            reward_scale: RewardScale::ZeroOne,
-        }
-    }
-}
 
 impl ObjectiveConfig {
     /// A named preset (case-insensitive, `-` and `_` ignored; `20entropy` is an alias of
@@ -178,7 +87,7 @@ impl ObjectiveConfig {
                 ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo }
             }
             "justrl" => ObjectiveConfig { eps_high: 0.28, agg: AggMode::TokenMean, ..grpo },
-            "stapo" => ObjectiveConfig { mask: S2T_DEFAULT, ..dapo },
+            "stapo" => ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo },
             _ => {
                 return Err(cfg_err(
                     "preset",
@@ -189,71 +98,29 @@ impl ObjectiveConfig {
         Ok(cfg)
     }
 
-    /// Checks every value's range; the error names the field.
-    pub fn validate(&self) -> Result<()> {
-        let finite = |f: &str, v: f32| {
-            if v.is_finite() {
-                Ok(())
-            } else {
-                Err(cfg_err(f, format!("expected a finite number, found {v}")))
-            }
+    /// A preset with `key = value` overrides (the form run configs, script maps and
+    /// `stapo update --set` give), validated; the error names the preset or the key.
+    /// Overrides are applied in a fixed order whatever order they come in: switches
+    /// (`mask`, `kl`, `overlong`, ...) before their parameters, and `overlong_max_len`
+    /// (which rescales the buffer) before `overlong_cache_len`.
+    pub fn with_overrides<K: AsRef<str>, V: AsRef<str>>(
+        name: &str,
+        overrides: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Self> {
+        let rank = |k: &str| match k.trim() {
+            "kind" | "mask" | "kl" | "overlong" | "eps" => 0,
+            "overlong_max_len" => 1,
+            _ => 2,
         };
-        finite("eps_low", self.eps_low)?;
-        finite("eps_high", self.eps_high)?;
-        if !(0.0..1.0).contains(&self.eps_low) {
-            return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {}", self.eps_low)));
+        let mut pairs: Vec<(K, V)> = overrides.into_iter().collect();
+        pairs
+            .sort_by(|a, b| rank(a.0.as_ref()).cmp(&rank(b.0.as_ref())).then(a.0.as_ref().cmp(b.0.as_ref())));
+        let mut o = ObjectiveConfig::preset(name)?;
+        for (k, v) in &pairs {
+            o.set(k.as_ref(), v.as_ref())?;
         }
-        if self.eps_high < 0.0 {
-            return Err(cfg_err("eps_high", format!("expected a number >= 0, found {}", self.eps_high)));
-        }
-        if let Some(c) = self.dual_clip {
-            if !(c.is_finite() && c > 1.0) {
-                return Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")));
-            }
-        }
-        for (f, v) in [("sapo_tau_pos", self.sapo_tau_pos), ("sapo_tau_neg", self.sapo_tau_neg)] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
-            }
-        }
-        if let Some(k) = &self.kl {
-            if !(k.beta.is_finite() && k.beta >= 0.0) {
-                return Err(cfg_err("kl_beta", format!("expected a number >= 0, found {}", k.beta)));
-            }
-        }
-        finite("entropy_coef", self.entropy_coef)?;
-        if self.norm_len == Some(0) {
-            return Err(cfg_err("norm_len", "expected a positive integer, found 0"));
-        }
-        match self.mask {
-            MaskConfig::None => {}
-            MaskConfig::S2t { tau_p, tau_h } => {
-                if !(tau_p.is_finite() && tau_p > 0.0) {
-                    return Err(cfg_err("tau_p", format!("expected a number > 0, found {tau_p}")));
-                }
-                match tau_h {
-                    TauH::Abs(h) if h.is_nan() => {
-                        return Err(cfg_err("tau_h", "expected a number, found NaN"))
-                    }
-                    TauH::Quantile(q) if !(0.0..=1.0).contains(&q) => {
-                        return Err(cfg_err(
-                            "tau_h_quantile",
-                            format!("expected a number in [0, 1], found {q}"),
-                        ))
-                    }
-                    _ => {}
-                }
-            }
-            MaskConfig::TopEntropy { rho } => {
-                if !(rho > 0.0 && rho <= 1.0) {
-                    return Err(cfg_err("rho", format!("expected a number in (0, 1], found {rho}")));
-                }
-            }
-        }
-        if let Some(o) = &self.overlong {
-            o.validate().map_err(|e| cfg_err("overlong", e.to_string()))?;
-        }
-        Ok(())
+        o.validate()?;
+        Ok(o)
     }
 
     /// Applies one `--set key=value` override, then validates; on error the config is left
@@ -332,22 +199,24 @@ impl ObjectiveConfig {
                 self.mask = match (lower.as_str(), self.mask) {
                     ("none" | "off", _) => MaskConfig::None,
                     ("s2t", m @ MaskConfig::S2t { .. }) => m,
-                    ("s2t", _) => S2T_DEFAULT,
+                    ("s2t", _) => MaskConfig::S2T_DEFAULT,
                     ("top_entropy", m @ MaskConfig::TopEntropy { .. }) => m,
                     ("top_entropy", _) => MaskConfig::TopEntropy { rho: 0.2 },
                     _ => return Err(bad(key)),
                 }
             }
             "tau_p" | "tau_h" | "tau_h_quantile" => {
-                let v = num(key)?;
-                match &mut self.mask {
-                    MaskConfig::S2t { tau_p, tau_h } => match key {
-                        "tau_p" => *tau_p = v,
-                        "tau_h" => *tau_h = TauH::Abs(v),
-                        _ => *tau_h = TauH::Quantile(v),
-                    },
-                    _ => return Err(cfg_err(key, "applies to mask=s2t only; set mask=s2t first")),
-                }
+                let v = Some(num(key)? as f64);
+                let cur = self
+                    .mask
+                    .s2t()
+                    .ok_or_else(|| cfg_err(key, "applies to mask=s2t only; set mask=s2t first"))?;
+                let t: S2tThresholds = match key {
+                    "tau_p" => cur.with(v, None, None)?,
+                    "tau_h" => cur.with(None, v, None)?,
+                    _ => cur.with(None, None, v)?,
+                };
+                self.mask = t.into();
             }
             "rho" => {
                 let v = num(key)?;
@@ -418,6 +287,7 @@ impl ObjectiveConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algo::config::TauH;
 
     #[test]
     fn presets_have_design_defaults() {
@@ -511,5 +381,19 @@ mod tests {
         assert!(c.set("overlong_cache_len", "99999").is_err()); // cache > max_len
         assert!(c.set_pair("eps_low").is_err());
         assert_eq!(c, before, "failed sets leave the config unchanged");
+    }
+
+    #[test]
+    fn overrides_apply_in_a_fixed_order() {
+        // Given cache first, L_max still comes first: 1024 rescales the DAPO buffer
+        // (round(0.2 · 1024) = 205), then the cache is set to 256.
+        let pairs = [("overlong_cache_len", "256"), ("overlong_max_len", "1024"), ("tau_p", "0.01")];
+        let c = ObjectiveConfig::with_overrides("stapo", pairs).unwrap();
+        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
+        // `mask` switches S2T on before its threshold is read, whatever the order.
+        let c = ObjectiveConfig::with_overrides("grpo", [("tau_p", "0.01"), ("mask", "s2t")]).unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.01, tau_h: TauH::Quantile(0.75) });
+        let e = ObjectiveConfig::with_overrides("grpo", [("tau_q", "1")]).unwrap_err().to_string();
+        assert!(e.contains("tau_q"), "{e}");
     }
 }

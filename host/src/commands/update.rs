@@ -5,10 +5,11 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::DType;
 use clap::Args;
-use stapo::algo::ObjectiveConfig;
+use std::collections::BTreeMap;
+
 use stapo::model;
 use stapo::rollout::RolloutBatch;
-use stapo::train::{self, AdamW, AdamWConfig, OldLogp, Sequence, UpdateConfig};
+use stapo::train::{self, AdamW, AdamWConfig, OldLogp, Sequence, UpdateOptions};
 
 use super::{model_dir, DeviceArgs};
 
@@ -52,10 +53,27 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
-    let mut objective = ObjectiveConfig::preset(&a.objective)?;
+    let mut set = BTreeMap::new();
     for kv in &a.set {
-        objective.set_pair(kv)?;
+        let (k, v) =
+            kv.split_once('=').with_context(|| format!("--set: expected KEY=VALUE, found `{kv}`"))?;
+        anyhow::ensure!(
+            set.insert(k.trim().to_string(), v.trim().to_string()).is_none(),
+            "--set: `{}` given twice",
+            k.trim()
+        );
     }
+    let opts = UpdateOptions {
+        objective: a.objective.clone(),
+        set,
+        lr: a.lr,
+        epochs: a.epochs,
+        mini_batch: a.minibatch,
+        micro_batch: a.microbatch,
+        old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
+        seed: a.seed,
+    };
+    let cfg = opts.to_config()?;
     let batch = RolloutBatch::load_jsonl(&a.rollouts)?;
     anyhow::ensure!(!batch.samples.is_empty(), "{}: no samples", a.rollouts.display());
     let seqs: Vec<Sequence> = batch
@@ -70,16 +88,11 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let pad_id = m.config().eos_token_id.unwrap_or(0);
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: a.lr, ..AdamWConfig::default() })?;
-    let cfg = UpdateConfig {
-        objective,
-        epochs: a.epochs,
-        mini_batch: a.minibatch,
-        micro_batch: a.microbatch,
-        old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
-        shuffle: a.epochs > 1,
-        seed: a.seed,
-    };
-    let metrics = train::update(&m, &mut opt, None, &seqs, &cfg, a.lr, pad_id)?;
+    let outcome = train::update(&m, &mut opt, None, &seqs, &cfg, a.lr, pad_id)?;
+    let metrics = outcome.metrics;
+    for w in &metrics.warnings {
+        eprintln!("warning: {w}");
+    }
     let save_dtype = model::parse_dtype(&m.config().torch_dtype).unwrap_or(DType::F32);
     model::checkpoint::write_atomically(&a.out, |tmp| {
         model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?;

@@ -143,14 +143,21 @@ pub fn metrics_map(m: &StepMetrics, plan: &StepPlan) -> RhaiResult<Map> {
     let v = serde_json::to_value(m).map_err(host_err)?;
     let mut map = from_json(&v).cast::<Map>();
     map.insert("reward".into(), (m.update.reward_mean as f64).into());
-    if let MaskConfig::S2t { tau_p, tau_h } = plan.objective.mask {
-        map.insert("tau_p".into(), clean_f64(tau_p).into());
-        match tau_h {
-            TauH::Abs(h) => map.insert("tau_h_abs".into(), clean_f64(h).into()),
+    // `tau_h` is already the entropy threshold applied; the configured one is `tau_h_abs`.
+    insert_thresholds(&mut map, &plan.objective.mask, "tau_h_abs");
+    Ok(map)
+}
+
+/// Inserts the S2T thresholds of `mask` (if it is S2T): `tau_p`, and `abs_key` or
+/// `tau_h_quantile`.
+fn insert_thresholds(map: &mut Map, mask: &MaskConfig, abs_key: &str) {
+    if let Some(t) = mask.s2t() {
+        map.insert("tau_p".into(), clean_f64(t.tau_p).into());
+        match t.tau_h {
+            TauH::Abs(h) => map.insert(abs_key.into(), clean_f64(h).into()),
             TauH::Quantile(q) => map.insert("tau_h_quantile".into(), clean_f64(q).into()),
         };
     }
-    Ok(map)
 }
 
 /// Applies a `sampling` hook's map to the plan.
@@ -162,19 +169,15 @@ pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<(
     Ok(())
 }
 
-/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile`) as the plan's S2T mask.
+/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile`) to the plan's S2T
+/// mask; what the map leaves out stays as configured (the paper's defaults when the
+/// objective had no S2T mask).
 pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
-    let (cur_p, cur_h) = match plan.objective.mask {
-        MaskConfig::S2t { tau_p, tau_h } => (tau_p, tau_h),
-        _ => (0.002, TauH::Quantile(0.75)),
-    };
-    let tau_p = get_num(m, "tau_p")?.map_or(cur_p, |x| x as f32);
-    let tau_h = match (get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?) {
-        (Some(h), _) => TauH::Abs(h as f32),
-        (None, Some(q)) => TauH::Quantile(q as f32),
-        (None, None) => cur_h,
-    };
-    plan.objective.mask = MaskConfig::S2t { tau_p, tau_h };
+    let cur = plan.objective.mask.s2t().unwrap_or_default();
+    let t = cur
+        .with(get_num(m, "tau_p")?, get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?)
+        .map_err(host_err)?;
+    plan.objective.mask = t.into();
     plan.objective.validate().map_err(host_err)
 }
 
@@ -182,13 +185,7 @@ pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
 fn threshold_stats(last: &Map, plan: &StepPlan, prev: &Map, step: u64) -> Map {
     let mut s = last.clone();
     s.insert("step".into(), (step as i64).into());
-    if let MaskConfig::S2t { tau_p, tau_h } = plan.objective.mask {
-        s.insert("tau_p".into(), clean_f64(tau_p).into());
-        match tau_h {
-            TauH::Abs(h) => s.insert("tau_h".into(), clean_f64(h).into()),
-            TauH::Quantile(q) => s.insert("tau_h_quantile".into(), clean_f64(q).into()),
-        };
-    }
+    insert_thresholds(&mut s, &plan.objective.mask, "tau_h");
     s.insert("prev".into(), Dynamic::from_map(prev.clone()));
     s
 }
@@ -386,6 +383,9 @@ fn run_steps(
             pb.tick();
         };
         let metrics = trainer.step(&plan, Some(&progress), Some(cancel))?;
+        for w in &metrics.update.warnings {
+            host.notice(&format!("warning: step {step}: {w}"));
+        }
         last = metrics_map(&metrics, &plan).map_err(|e| Error::invalid(e.to_string()))?;
         pb.set_position(trainer.step_count());
         pb.set_message(format!(
@@ -429,33 +429,25 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
         plan.lr = lr;
     }
     let m = t.step(&plan, None, Some(host.cancel_flag())).map_err(host_err)?;
+    for w in &m.update.warnings {
+        host.notice(&format!("warning: {w}"));
+    }
     metrics_map(&m, &plan)
 }
 
-/// The last rollout of a run as a [`RolloutHandle`], with advantages and the
-/// S2T mask of the run's objective filled in for the token table.
+/// The last rollout of a run as a [`RolloutHandle`], with the advantages and the
+/// S2T-silenced tokens the update actually used (its [`crate::train::UpdateRecord`]),
+/// so the token table cannot disagree with the update.
 pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
     let t = super::bindings::lock(&run.0, "run")?;
     let batch = t.last_rollout().cloned().ok_or_else(|| host_err("the run has not taken a step yet"))?;
-    let mut st =
-        RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages: None, silenced: None };
-    let obj = t.default_plan().objective;
-    if st.batch.samples.iter().all(|s| s.reward.is_some()) {
-        let mut o = Map::new();
-        o.insert(
-            "adv".into(),
-            (if obj.adv == crate::algo::AdvEstimator::DrGrpo { "dr_grpo" } else { "grpo" }).into(),
-        );
-        super::bindings::algo::compute_advantages(&mut st, &o)?;
-        if let MaskConfig::S2t { tau_p, tau_h } = obj.mask {
-            let mut th = Map::new();
-            th.insert("tau_p".into(), clean_f64(tau_p).into());
-            match tau_h {
-                TauH::Abs(h) => th.insert("tau_h".into(), clean_f64(h).into()),
-                TauH::Quantile(q) => th.insert("tau_h_quantile".into(), clean_f64(q).into()),
-            };
-            super::bindings::algo::compute_s2t(&mut st, &th)?;
+    let (advantages, silenced) = match t.last_update() {
+        Some(rec) if rec.advantages.len() == batch.samples.len() => {
+            let s2t = rec.silenced.iter().any(|v| !v.is_empty());
+            (Some(rec.advantages.clone()), s2t.then(|| rec.silenced.clone()))
         }
-    }
+        _ => (None, None),
+    };
+    let st = RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages, silenced };
     Ok(RolloutHandle(Arc::new(Mutex::new(st))))
 }

@@ -7,7 +7,10 @@ pub mod sft;
 pub mod step;
 pub mod trainer;
 
-pub use optim::{bench_adamw, is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
+pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
-pub use step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
+pub use step::{
+    update, AppliedThresholds, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateOptions, UpdateOutcome,
+    UpdateRecord,
+};
 pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};

@@ -1,20 +1,30 @@
-//! One RL update from a batch of scored responses: rewards → advantages →
-//! old-policy log-probs → PPO epochs over mini-batches, each accumulated over
-//! micro-batches, with the token mask (S2T or top-entropy) computed on the
-//! current policy for the whole mini-batch.
+//! One RL update from a batch of scored responses, in the seams of verl's
+//! `dp_actor.update_policy`:
 //!
-//! Follows verl's `dp_actor.update_policy`: the loss of every micro-batch is
-//! divided by the mini-batch's normaliser (kept tokens, or sequences), so that
-//! summed micro-batch gradients equal the full mini-batch gradient — the
-//! classic gradient-accumulation normalisation bug is avoided by construction.
+//! 1. [`score`]: rewards (scaled, overlong-shaped) → group advantages;
+//! 2. [`active_sequences`]: which sequences reach the loss (DAPO dynamic sampling);
+//! 3. old-policy (and reference) log-probs, before any parameter changes;
+//! 4. per mini-batch: the token mask ([`token_mask`]: S2T or top-entropy, decided on the
+//!    current policy over the whole mini-batch) and the loss normaliser;
+//! 5. per micro-batch: forward, loss, backward, gradients accumulated;
+//! 6. the optimizer step (skipped, with a warning in the metrics, on a non-finite loss);
+//! 7. metrics, and an [`UpdateRecord`] of what the update used (advantages, kept and
+//!    silenced tokens, thresholds, per-token p and H) for the REPL's token table.
+//!
+//! The loss of every micro-batch is divided by the mini-batch's normaliser (kept
+//! tokens, or sequences), so that summed micro-batch gradients equal the full
+//! mini-batch gradient — the classic gradient-accumulation normalisation bug is
+//! avoided by construction.
 //!
 //! Sequence layout of a micro-batch: `[left pad | prompt | response | right pad]`
 //! with prompts left-padded to the mini-batch's longest prompt `P` and responses
 //! right-padded to its longest response `T`. Response token `j` sits at `P + j`
 //! and is predicted by the hidden state at `P + j - 1`, so only `T` positions
 //! go through the LM head.
+//!
+//! The library prints nothing: warnings go to [`UpdateMetrics::warnings`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
@@ -23,7 +33,8 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{
-    self, compute_loss, group_advantages, LossInputs, LossMetrics, MaskConfig, Normaliser, ObjectiveConfig,
+    self, compute_loss, group_advantages, Advantages, LossInputs, LossMetrics, MaskConfig, Normaliser,
+    ObjectiveConfig, S2tStats,
 };
 use crate::model::{self, Grad, Qwen3, TokenBatch};
 use crate::rollout::Sample;
@@ -103,6 +114,72 @@ impl Default for UpdateConfig {
     }
 }
 
+impl UpdateConfig {
+    /// The one constructor of every entry point (the trainer, `stapo update`, the `update`
+    /// script binding): sequences are shuffled between epochs exactly when there are
+    /// several epochs.
+    pub fn new(
+        objective: ObjectiveConfig,
+        epochs: usize,
+        mini_batch: usize,
+        micro_batch: usize,
+        old_logp: OldLogp,
+        seed: u64,
+    ) -> Self {
+        UpdateConfig { objective, epochs, mini_batch, micro_batch, old_logp, shuffle: epochs > 1, seed }
+    }
+}
+
+/// The options of a single update as a user gives them (the `update` script binding's
+/// map, `stapo update`'s flags): a named objective preset with `key = value` overrides.
+/// Missing fields take their defaults; unknown fields are an error naming them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UpdateOptions {
+    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+    pub objective: String,
+    /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
+    pub set: BTreeMap<String, String>,
+    /// Learning rate of the step (paper: 1e-6).
+    pub lr: f64,
+    /// PPO epochs, sequences per optimizer step (0 = all), per forward (0 = mini-batch).
+    pub epochs: usize,
+    pub mini_batch: usize,
+    pub micro_batch: usize,
+    pub old_logp: OldLogp,
+    pub seed: u64,
+}
+
+impl Default for UpdateOptions {
+    fn default() -> Self {
+        UpdateOptions {
+            objective: "stapo".into(),
+            set: BTreeMap::new(),
+            lr: 1e-6,
+            epochs: 1,
+            mini_batch: 0,
+            micro_batch: 0,
+            old_logp: OldLogp::Recompute,
+            seed: 0,
+        }
+    }
+}
+
+impl UpdateOptions {
+    /// The update configuration: the preset, its overrides (validated), [`UpdateConfig::new`].
+    pub fn to_config(&self) -> Result<UpdateConfig> {
+        let objective = ObjectiveConfig::with_overrides(&self.objective, &self.set)?;
+        Ok(UpdateConfig::new(
+            objective,
+            self.epochs,
+            self.mini_batch,
+            self.micro_batch,
+            self.old_logp,
+            self.seed,
+        ))
+    }
+}
+
 /// What one update did: the per-step metrics researchers expect from verl/TRL.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct UpdateMetrics {
@@ -134,6 +211,56 @@ pub struct UpdateMetrics {
     pub skipped_steps: usize,
     /// Token id → times silenced in this update, most frequent first.
     pub silenced_token_ids: Vec<(u32, usize)>,
+    /// What went wrong without stopping the update (a skipped optimizer step, ...), for
+    /// the caller to show: the library prints nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// The S2T thresholds one mini-batch applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AppliedThresholds {
+    /// Epoch and mini-batch index within it.
+    pub epoch: usize,
+    pub mini_batch: usize,
+    pub tau_p: f32,
+    /// The entropy threshold used (`None`: a quantile over zero candidates).
+    pub tau_h: Option<f32>,
+    /// Tokens with `A > 0 && p < tau_p`, and those silenced.
+    pub candidates: usize,
+    pub silenced: usize,
+}
+
+/// What an update used, per input sequence (index = position in the `seqs` given to
+/// [`update`]), so that a token table shows exactly what the update did. Token-level
+/// fields are those of the first epoch (the policy that sampled, for `old_logp =
+/// recompute`); the metrics count every epoch.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateRecord {
+    /// Rewards after the objective's scale and overlong shaping.
+    pub rewards: Vec<f32>,
+    /// One advantage per sequence.
+    pub advantages: Vec<f32>,
+    /// False for sequences that never reached the loss (dropped by dynamic sampling, or
+    /// an empty response).
+    pub active: Vec<bool>,
+    /// Per response token: kept by the token mask (empty for inactive sequences).
+    pub kept: Vec<Vec<bool>>,
+    /// Per response token: silenced by S2T (empty when S2T was off or inactive).
+    pub silenced: Vec<Vec<bool>>,
+    /// Per response token: probability and entropy of the current policy at the first
+    /// epoch's training forward (empty for inactive sequences).
+    pub p: Vec<Vec<f32>>,
+    pub entropy: Vec<Vec<f32>>,
+    /// The S2T thresholds of every mini-batch (empty without S2T).
+    pub thresholds: Vec<AppliedThresholds>,
+}
+
+/// What [`update`] returns.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateOutcome {
+    pub metrics: UpdateMetrics,
+    pub record: UpdateRecord,
 }
 
 /// A micro-batch laid out for the forward pass.
@@ -180,6 +307,13 @@ fn layout(seqs: &[&Sequence], p: usize, t: usize, pad_id: u32, device: &Device) 
     })
 }
 
+/// Layout of a chunk padded to its own longest prompt and response.
+fn layout_for(ss: &[&Sequence], pad_id: u32, device: &Device) -> Result<Micro> {
+    let p = ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1);
+    let t = ss.iter().map(|s| s.response_ids.len()).max().unwrap_or(1).max(1);
+    layout(ss, p, t, pad_id, device)
+}
+
 /// Log-probs and entropies `(B, T)` of the response tokens of `mb` under `model`.
 fn response_logp(model: &Qwen3, mb: &Micro, grad: Grad) -> Result<(Tensor, Tensor)> {
     let hidden = model.forward_hidden(&mb.tokens, grad)?;
@@ -201,6 +335,317 @@ fn grid(vals: &[&Vec<f32>], t: usize, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(flat, (vals.len(), t), device)?)
 }
 
+// ---------------------------------------------------------------------------
+// 1-2. Rewards, advantages, the sequences that reach the loss
+// ---------------------------------------------------------------------------
+
+/// Rewards and advantages of a batch (verl `compute_advantage`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    /// Rewards on the objective's scale, overlong-shaped: what the advantages see.
+    pub rewards: Vec<f32>,
+    /// Rewards on the objective's scale before length shaping: what dynamic sampling sees
+    /// (DAPO filters groups on accuracy, before shaping makes equal rewards differ).
+    pub unshaped: Vec<f32>,
+    /// Group advantages of `rewards`.
+    pub advantages: Advantages,
+}
+
+/// Scales and shapes the rewards of `seqs` under `obj` and computes group advantages.
+pub fn score(seqs: &[Sequence], obj: &ObjectiveConfig) -> Result<Scored> {
+    let lens: Vec<usize> = seqs.iter().map(|s| s.response_ids.len()).collect();
+    let unshaped: Vec<f32> = seqs.iter().map(|s| obj.reward_scale.apply(s.reward)).collect();
+    let mut rewards = unshaped.clone();
+    if let Some(ol) = &obj.overlong {
+        ol.apply(&mut rewards, &lens)?;
+    }
+    let groups: Vec<usize> = seqs.iter().map(|s| s.group).collect();
+    let advantages = group_advantages(&rewards, &groups, obj.adv, obj.std)?;
+    Ok(Scored { rewards, unshaped, advantages })
+}
+
+/// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups.
+fn batch_metrics(seqs: &[Sequence], scored: &Scored, m: &mut UpdateMetrics) {
+    let n = seqs.len().max(1) as f32;
+    let rewards = &scored.rewards;
+    m.reward_mean = rewards.iter().sum::<f32>() / n;
+    m.reward_std = (rewards.iter().map(|r| (r - m.reward_mean).powi(2)).sum::<f32>() / n).sqrt();
+    m.accuracy = seqs.iter().filter(|s| s.reward > 0.5).count() as f32 / n;
+    m.response_len_mean = seqs.iter().map(|s| s.response_ids.len()).sum::<usize>() as f32 / n;
+    m.response_len_max = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
+    m.truncation_rate = seqs.iter().filter(|s| s.truncated).count() as f32 / n;
+    m.zero_var_group_frac = scored.advantages.zero_variance_fraction();
+}
+
+/// Indices of the sequences that reach the loss: non-empty responses, minus the groups
+/// DAPO's dynamic sampling drops (all rewards equal) when `obj.dynamic_sampling`.
+pub fn active_sequences(seqs: &[Sequence], obj: &ObjectiveConfig, scored: &Scored) -> Result<Vec<usize>> {
+    let mut active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].response_ids.is_empty()).collect();
+    if obj.dynamic_sampling {
+        let groups: Vec<usize> = seqs.iter().map(|s| s.group).collect();
+        let ds = algo::dynamic_sampling(&scored.unshaped, &groups)?;
+        active.retain(|&i| ds.keep[i]);
+    }
+    Ok(active)
+}
+
+// ---------------------------------------------------------------------------
+// 3. Old-policy and reference log-probs
+// ---------------------------------------------------------------------------
+
+/// The old-policy log-probs of the active sequences.
+enum OldLogps {
+    /// One epoch over one mini-batch: the policy is still the old one at its forward
+    /// pass, so the detached log-probs of that forward are the old log-probs.
+    FromForward,
+    /// Per sequence index.
+    Given(HashMap<usize, Vec<f32>>),
+}
+
+/// Log-probs of the response tokens of `idx` under `m`, no gradient, `chunk` at a time.
+fn logps_no_grad(
+    m: &Qwen3,
+    seqs: &[Sequence],
+    idx: &[usize],
+    chunk: usize,
+    pad_id: u32,
+) -> Result<HashMap<usize, Vec<f32>>> {
+    let mut out = HashMap::with_capacity(idx.len());
+    for part in idx.chunks(chunk.max(1)) {
+        let ss: Vec<&Sequence> = part.iter().map(|&i| &seqs[i]).collect();
+        let mb = layout_for(&ss, pad_id, m.device())?;
+        let (lp, _) = response_logp(m, &mb, Grad::Off)?;
+        out.extend(part.iter().copied().zip(rows(&lp, &ss)?));
+    }
+    Ok(out)
+}
+
+/// Old log-probs as `cfg.old_logp` says (verl `compute_log_prob` before the update).
+fn old_logprobs(
+    model: &Qwen3,
+    seqs: &[Sequence],
+    active: &[usize],
+    cfg: &UpdateConfig,
+    sizes: (usize, usize),
+    pad_id: u32,
+) -> Result<OldLogps> {
+    let (mb_size, micro_size) = sizes;
+    Ok(match cfg.old_logp {
+        OldLogp::Recompute if cfg.epochs.max(1) == 1 && active.len() <= mb_size => OldLogps::FromForward,
+        OldLogp::Recompute => OldLogps::Given(logps_no_grad(model, seqs, active, micro_size, pad_id)?),
+        OldLogp::Rollout => OldLogps::Given(
+            active
+                .iter()
+                .map(|&i| {
+                    let lp = seqs[i].rollout_logprobs.clone().ok_or_else(|| {
+                        Error::invalid(format!(
+                            "update: old_logp = rollout but sequence {i} has no rollout log-probs"
+                        ))
+                    })?;
+                    if lp.len() != seqs[i].response_ids.len() {
+                        return Err(Error::invalid(format!(
+                            "update: sequence {i} has {} rollout log-probs for {} response tokens",
+                            lp.len(),
+                            seqs[i].response_ids.len()
+                        )));
+                    }
+                    Ok((i, lp))
+                })
+                .collect::<Result<_>>()?,
+        ),
+    })
+}
+
+/// Reference-policy log-probs when a KL penalty is configured.
+fn reference_logprobs(
+    reference: Option<&Qwen3>,
+    obj: &ObjectiveConfig,
+    seqs: &[Sequence],
+    active: &[usize],
+    micro_size: usize,
+    pad_id: u32,
+) -> Result<Option<HashMap<usize, Vec<f32>>>> {
+    match (&obj.kl, reference) {
+        (Some(kl), Some(r)) if kl.beta != 0.0 => {
+            Ok(Some(logps_no_grad(r, seqs, active, micro_size, pad_id)?))
+        }
+        (Some(kl), None) if kl.beta != 0.0 => {
+            Err(Error::invalid("update: a KL penalty is configured but no reference model was given"))
+        }
+        _ => Ok(None),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 4. The mini-batch token mask
+// ---------------------------------------------------------------------------
+
+/// The kept-token mask of one mini-batch: the response mask times the objective's token
+/// mask, decided from the current policy's log-probs and entropies `stats` (required
+/// unless the mask is [`MaskConfig::None`]). Returns the S2T statistics when S2T ran.
+pub fn token_mask(
+    mask: &MaskConfig,
+    stats: Option<(&Tensor, &Tensor)>,
+    advantages: &Tensor,
+    response: &Tensor,
+) -> Result<(Tensor, Option<S2tStats>)> {
+    let need = || Error::invalid("update: the token mask needs the policy's log-probs and entropies");
+    match mask {
+        MaskConfig::None => Ok((response.clone(), None)),
+        MaskConfig::S2t { tau_p, tau_h } => {
+            let (lp, h) = stats.ok_or_else(need)?;
+            let (m, st) = algo::s2t_mask(lp, h, advantages, response, *tau_p, *tau_h)?;
+            Ok((algo::compose_masks(&[&m, response])?, Some(st)))
+        }
+        MaskConfig::TopEntropy { rho } => {
+            let (_, h) = stats.ok_or_else(need)?;
+            let (m, _) = algo::top_entropy_mask(h, response, *rho)?;
+            Ok((algo::compose_masks(&[&m, response])?, None))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 5-6. Micro-batch forward + loss accumulation, the optimizer step
+// ---------------------------------------------------------------------------
+
+/// Running sums over the micro-batches of an update.
+#[derive(Default)]
+struct Totals {
+    loss_metrics: LossMetrics,
+    entropy_sum: f64,
+    entropy_count: usize,
+    tau_h_sum: f64,
+    tau_h_count: usize,
+    loss_sum: f64,
+    grad_norm_sum: f64,
+    silenced: HashMap<u32, usize>,
+}
+
+/// One mini-batch, laid out and masked.
+struct MiniBatch<'a> {
+    /// Indices into `seqs` and the sequences themselves.
+    idx: &'a [usize],
+    ss: Vec<&'a Sequence>,
+    /// Longest prompt and response.
+    p: usize,
+    t: usize,
+    /// `(start, len)` of each micro-batch within it.
+    micros: Vec<(usize, usize)>,
+    /// `(B,)` advantages.
+    adv: Tensor,
+}
+
+/// The forward (with gradient) of one micro-batch: its layout, log-probs, entropies.
+type Forward = (Micro, Tensor, Tensor);
+
+/// Forward, loss and backward of micro-batch `(s, len)` of `mb`; adds its gradients to
+/// `acc`. Returns the loss value, or `None` (no backward) when it is not finite.
+#[allow(clippy::too_many_arguments)]
+fn micro_step(
+    model: &Qwen3,
+    opt: &AdamW,
+    mb: &MiniBatch,
+    (s, len): (usize, usize),
+    fwd: Option<Forward>,
+    losses: (&ObjectiveConfig, &Tensor, &Normaliser),
+    old: &OldLogps,
+    reference: Option<&HashMap<usize, Vec<f32>>>,
+    pad_id: u32,
+    totals: &mut Totals,
+    acc: &mut GradStore,
+) -> Result<(Option<f32>, Tensor, Tensor)> {
+    let (obj, token_mask, norm) = losses;
+    let device = model.device();
+    let part = &mb.ss[s..s + len];
+    let ids = &mb.idx[s..s + len];
+    let (micro, logp, entropy) = match fwd {
+        Some(f) => f,
+        None => {
+            let micro = layout(part, mb.p, mb.t, pad_id, device)?;
+            let (lp, h) = response_logp(model, &micro, Grad::Track)?;
+            (micro, lp, h)
+        }
+    };
+    let old_t = match old {
+        OldLogps::FromForward => logp.detach(),
+        OldLogps::Given(o) => grid(&ids.iter().map(|i| &o[i]).collect::<Vec<_>>(), mb.t, device)?,
+    };
+    let ref_t = match reference {
+        Some(r) => Some(grid(&ids.iter().map(|i| &r[i]).collect::<Vec<_>>(), mb.t, device)?),
+        None => None,
+    };
+    let mask = token_mask.narrow(0, s, len)?;
+    let adv = mb.adv.narrow(0, s, len)?;
+    let out = compute_loss(
+        obj,
+        &LossInputs {
+            logp: &logp,
+            old_logp: &old_t,
+            advantages: &adv,
+            mask: &mask,
+            ref_logp: ref_t.as_ref(),
+            entropy: (obj.entropy_coef != 0.0).then_some(&entropy),
+        },
+        norm,
+    )?;
+    let l = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    // Entropy metric over the response tokens of this micro-batch.
+    let em = entropy.detach().to_dtype(DType::F32)?.mul(&micro.resp_mask)?.sum_all()?.to_scalar::<f32>()?;
+    totals.entropy_sum += em as f64;
+    totals.entropy_count += part.iter().map(|s| s.response_ids.len()).sum::<usize>();
+    totals.loss_metrics.merge(&out.metrics);
+    let (lp, h) = (logp.detach(), entropy.detach());
+    if !l.is_finite() {
+        return Ok((None, lp, h));
+    }
+    let mut grads = out.loss.backward()?;
+    for (_, var) in opt.params() {
+        if let Some(g) = grads.remove(var.as_tensor()) {
+            let g = match acc.remove(var.as_tensor()) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            acc.insert(var.as_tensor(), g);
+        }
+    }
+    Ok((Some(l), lp, h))
+}
+
+/// The optimizer step of one mini-batch (skipped, with a warning, when its loss was not
+/// finite or AdamW finds a non-finite gradient norm).
+fn optimizer_step(
+    opt: &mut AdamW,
+    acc: &GradStore,
+    lr: f64,
+    loss: Option<f64>,
+    metrics: &mut UpdateMetrics,
+    totals: &mut Totals,
+) -> Result<()> {
+    let Some(loss) = loss else {
+        metrics.warnings.push("non-finite loss; optimizer step skipped, weights unchanged".into());
+        metrics.skipped_steps += 1;
+        return Ok(());
+    };
+    let report = opt.step(acc, lr)?;
+    if report.skipped {
+        metrics.warnings.push(format!(
+            "gradient norm is {}; optimizer step skipped (weights and moments unchanged)",
+            report.grad_norm
+        ));
+        metrics.skipped_steps += 1;
+    } else {
+        metrics.optimizer_steps += 1;
+        totals.loss_sum += loss;
+        totals.grad_norm_sum += report.grad_norm;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// The update
+// ---------------------------------------------------------------------------
+
 /// Runs one update of `model` on `seqs` (see the module docs). `lr` is this
 /// step's learning rate (after any schedule). `reference` is the frozen model
 /// for a KL penalty.
@@ -212,7 +657,7 @@ pub fn update(
     cfg: &UpdateConfig,
     lr: f64,
     pad_id: u32,
-) -> Result<UpdateMetrics> {
+) -> Result<UpdateOutcome> {
     let obj = &cfg.objective;
     obj.validate()?;
     if seqs.is_empty() {
@@ -221,264 +666,446 @@ pub fn update(
     let device = model.device().clone();
     let mut metrics = UpdateMetrics::default();
 
-    // Rewards (scaled, overlong-shaped) and group advantages.
-    let lens: Vec<usize> = seqs.iter().map(|s| s.response_ids.len()).collect();
-    let mut rewards: Vec<f32> = seqs.iter().map(|s| obj.reward_scale.apply(s.reward)).collect();
-    // DAPO filters groups on accuracy, before length shaping makes equal rewards differ.
-    let unshaped = rewards.clone();
-    if let Some(ol) = &obj.overlong {
-        ol.apply(&mut rewards, &lens)?;
-    }
-    let groups: Vec<usize> = seqs.iter().map(|s| s.group).collect();
-    let adv = group_advantages(&rewards, &groups, obj.adv, obj.std)?;
-    let n = seqs.len() as f32;
-    metrics.reward_mean = rewards.iter().sum::<f32>() / n;
-    metrics.reward_std = (rewards.iter().map(|r| (r - metrics.reward_mean).powi(2)).sum::<f32>() / n).sqrt();
-    metrics.accuracy = seqs.iter().filter(|s| s.reward > 0.5).count() as f32 / n;
-    metrics.response_len_mean = lens.iter().sum::<usize>() as f32 / n;
-    metrics.response_len_max = lens.iter().copied().max().unwrap_or(0);
-    metrics.truncation_rate = seqs.iter().filter(|s| s.truncated).count() as f32 / n;
-    metrics.zero_var_group_frac = adv.zero_variance_fraction();
-
-    // DAPO dynamic sampling: drop groups whose rewards are all equal.
-    let mut active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].response_ids.is_empty()).collect();
-    if obj.dynamic_sampling {
-        let ds = algo::dynamic_sampling(&unshaped, &groups)?;
-        active.retain(|&i| ds.keep[i]);
-    }
-    metrics.dropped_seqs = seqs.len() - active.len();
+    // 1-2. Rewards, advantages, the sequences that reach the loss.
+    let scored = score(seqs, obj)?;
+    batch_metrics(seqs, &scored, &mut metrics);
+    let active = active_sequences(seqs, obj, &scored)?;
+    let n = seqs.len();
+    let mut record = UpdateRecord {
+        rewards: scored.rewards.clone(),
+        advantages: scored.advantages.values.clone(),
+        active: (0..n).map(|i| active.contains(&i)).collect(),
+        kept: vec![Vec::new(); n],
+        silenced: vec![Vec::new(); n],
+        p: vec![Vec::new(); n],
+        entropy: vec![Vec::new(); n],
+        thresholds: Vec::new(),
+    };
+    metrics.dropped_seqs = n - active.len();
     if active.is_empty() {
-        return Ok(metrics);
+        return Ok(UpdateOutcome { metrics, record });
     }
-
     let mb_size = if cfg.mini_batch == 0 { active.len() } else { cfg.mini_batch };
     let micro_size = if cfg.micro_batch == 0 { mb_size } else { cfg.micro_batch.min(mb_size) };
 
-    // Old-policy (and reference) log-probs, before any parameter changes.
-    let by_micro = |idx: &[usize], m: &Qwen3| -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(idx.len());
-        for chunk in idx.chunks(micro_size) {
-            let ss: Vec<&Sequence> = chunk.iter().map(|&i| &seqs[i]).collect();
-            let mb = layout_for(&ss, pad_id, &device)?;
-            let (lp, _) = response_logp(m, &mb, Grad::Off)?;
-            out.extend(rows(&lp, &ss)?);
-        }
-        Ok(out)
-    };
-    // With one epoch over one mini-batch the policy is still the old one at
-    // its forward pass: its detached log-probs are the old log-probs, and the
-    // separate no-grad pass would only repeat them.
-    let reuse_old = cfg.old_logp == OldLogp::Recompute && cfg.epochs.max(1) == 1 && active.len() <= mb_size;
-    let old: HashMap<usize, Vec<f32>> = match cfg.old_logp {
-        OldLogp::Recompute if reuse_old => HashMap::new(),
-        OldLogp::Recompute => active.iter().copied().zip(by_micro(&active, model)?).collect(),
-        OldLogp::Rollout => active
-            .iter()
-            .map(|&i| {
-                let lp = seqs[i].rollout_logprobs.clone().ok_or_else(|| {
-                    Error::invalid(format!(
-                        "update: old_logp = rollout but sequence {i} has no rollout log-probs"
-                    ))
-                })?;
-                if lp.len() != seqs[i].response_ids.len() {
-                    return Err(Error::invalid(format!(
-                        "update: sequence {i} has {} rollout log-probs for {} response tokens",
-                        lp.len(),
-                        seqs[i].response_ids.len()
-                    )));
-                }
-                Ok((i, lp))
-            })
-            .collect::<Result<_>>()?,
-    };
-    let reference_logp: Option<HashMap<usize, Vec<f32>>> = match (&obj.kl, reference) {
-        (Some(kl), Some(r)) if kl.beta != 0.0 => {
-            Some(active.iter().copied().zip(by_micro(&active, r)?).collect())
-        }
-        (Some(kl), None) if kl.beta != 0.0 => {
-            return Err(Error::invalid("update: a KL penalty is configured but no reference model was given"))
-        }
-        _ => None,
-    };
+    // 3. Old-policy (and reference) log-probs, before any parameter changes.
+    let old = old_logprobs(model, seqs, &active, cfg, (mb_size, micro_size), pad_id)?;
+    let reference_logp = reference_logprobs(reference, obj, seqs, &active, micro_size, pad_id)?;
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-    let mut silenced: HashMap<u32, usize> = HashMap::new();
-    let (mut entropy_sum, mut entropy_count) = (0f64, 0usize);
-    let mut loss_metrics = LossMetrics::default();
-    let (mut tau_h_sum, mut tau_h_count) = (0f64, 0usize);
-    let (mut loss_sum, mut grad_norm_sum) = (0f64, 0f64);
-    for _epoch in 0..cfg.epochs.max(1) {
+    let mut totals = Totals::default();
+    for epoch in 0..cfg.epochs.max(1) {
         let mut order = active.clone();
         if cfg.shuffle {
             order.shuffle(&mut rng);
         }
-        for mini in order.chunks(mb_size) {
+        for (k, mini) in order.chunks(mb_size).enumerate() {
             let ss: Vec<&Sequence> = mini.iter().map(|&i| &seqs[i]).collect();
-            let p = ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1);
-            let t = ss.iter().map(|s| s.response_ids.len()).max().unwrap_or(1);
-            let micros: Vec<(usize, usize)> =
-                (0..mini.len()).step_by(micro_size).map(|s| (s, micro_size.min(mini.len() - s))).collect();
-            let adv_all = Tensor::from_vec(
-                mini.iter().map(|&i| adv.values[i]).collect::<Vec<f32>>(),
-                mini.len(),
-                &device,
-            )?;
-            let resp_all = layout(&ss, p, t, pad_id, &device)?.resp_mask;
+            let mb = MiniBatch {
+                p: ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1),
+                t: ss.iter().map(|s| s.response_ids.len()).max().unwrap_or(1),
+                micros: (0..mini.len())
+                    .step_by(micro_size)
+                    .map(|s| (s, micro_size.min(mini.len() - s)))
+                    .collect(),
+                adv: Tensor::from_vec(
+                    mini.iter().map(|&i| scored.advantages.values[i]).collect::<Vec<f32>>(),
+                    mini.len(),
+                    &device,
+                )?,
+                idx: mini,
+                ss,
+            };
+            let resp_all = layout(&mb.ss, mb.p, mb.t, pad_id, &device)?.resp_mask;
 
-            // The token mask needs the current policy's p and H over the whole
+            // 4. The token mask needs the current policy's p and H over the whole
             // mini-batch: from the gradient forward when the mini-batch is one
             // micro-batch, else from one no-grad pass over its micro-batches.
             let needs_stats = !matches!(obj.mask, MaskConfig::None);
-            let mut single = if micros.len() == 1 {
-                let mb = layout(&ss, p, t, pad_id, &device)?;
-                let (lp, h) = response_logp(model, &mb, Grad::Track)?;
-                Some((mb, lp, h))
+            let mut single: Option<Forward> = if mb.micros.len() == 1 {
+                let micro = layout(&mb.ss, mb.p, mb.t, pad_id, &device)?;
+                let (lp, h) = response_logp(model, &micro, Grad::Track)?;
+                Some((micro, lp, h))
             } else {
                 None
             };
-            let stats = if let (true, Some((_, lp, h))) = (needs_stats, &single) {
-                Some((lp.detach(), h.detach()))
-            } else if needs_stats {
-                let mut lps = Vec::new();
-                let mut hs = Vec::new();
-                for &(s, len) in &micros {
-                    let mb = layout(&ss[s..s + len], p, t, pad_id, &device)?;
-                    let (lp, h) = response_logp(model, &mb, Grad::Off)?;
-                    lps.push(lp);
-                    hs.push(h);
-                }
-                Some((Tensor::cat(&lps, 0)?, Tensor::cat(&hs, 0)?))
-            } else {
-                None
-            };
-            let token_mask = match (&obj.mask, &stats) {
-                (MaskConfig::S2t { tau_p, tau_h }, Some((lp, h))) => {
-                    let (m, st) = algo::s2t_mask(lp, h, &adv_all, &resp_all, *tau_p, *tau_h)?;
-                    metrics.silenced_tokens += st.n_silenced;
-                    if let Some(th) = st.tau_h {
-                        tau_h_sum += th as f64;
-                        tau_h_count += 1;
+            let stats = match (&single, needs_stats) {
+                (_, false) => None,
+                (Some((_, lp, h)), true) => Some((lp.detach(), h.detach())),
+                (None, true) => {
+                    let (mut lps, mut hs) = (Vec::new(), Vec::new());
+                    for &(s, len) in &mb.micros {
+                        let micro = layout(&mb.ss[s..s + len], mb.p, mb.t, pad_id, &device)?;
+                        let (lp, h) = response_logp(model, &micro, Grad::Off)?;
+                        lps.push(lp);
+                        hs.push(h);
                     }
-                    for (b, j) in st.positions {
-                        *silenced.entry(ss[b].response_ids[j]).or_default() += 1;
-                    }
-                    algo::compose_masks(&[&m, &resp_all])?
+                    Some((Tensor::cat(&lps, 0)?, Tensor::cat(&hs, 0)?))
                 }
-                (MaskConfig::TopEntropy { rho }, Some((_, h))) => {
-                    let (m, _) = algo::top_entropy_mask(h, &resp_all, *rho)?;
-                    algo::compose_masks(&[&m, &resp_all])?
-                }
-                _ => resp_all.clone(),
             };
-            let norm = Normaliser::from_masks(&[&token_mask], obj.norm_len)?;
+            let (mask, s2t) = token_mask(&obj.mask, stats.as_ref().map(|(l, h)| (l, h)), &mb.adv, &resp_all)?;
+            if let Some(st) = &s2t {
+                metrics.silenced_tokens += st.n_silenced;
+                if let Some(th) = st.tau_h {
+                    totals.tau_h_sum += th as f64;
+                    totals.tau_h_count += 1;
+                }
+                for &(b, j) in &st.positions {
+                    *totals.silenced.entry(mb.ss[b].response_ids[j]).or_default() += 1;
+                }
+                if let MaskConfig::S2t { tau_p, .. } = obj.mask {
+                    record.thresholds.push(AppliedThresholds {
+                        epoch,
+                        mini_batch: k,
+                        tau_p,
+                        tau_h: st.tau_h,
+                        candidates: st.n_candidates,
+                        silenced: st.n_silenced,
+                    });
+                }
+            }
+            if epoch == 0 {
+                record_mask(&mut record, &mb, &mask, s2t.as_ref())?;
+            }
+            let norm = Normaliser::from_masks(&[&mask], obj.norm_len)?;
 
-            // Forward + backward per micro-batch, gradients summed.
+            // 5. Forward + backward per micro-batch, gradients summed.
             let mut acc = GradStore::default();
-            let mut step_loss = 0f64;
-            let mut finite = true;
-            for &(s, len) in &micros {
-                let part = &ss[s..s + len];
-                let (mb, logp, entropy) = match single.take() {
-                    Some(fwd) => fwd,
-                    None => {
-                        let mb = layout(part, p, t, pad_id, &device)?;
-                        let (lp, h) = response_logp(model, &mb, Grad::Track)?;
-                        (mb, lp, h)
-                    }
-                };
-                let old_t = if reuse_old {
-                    logp.detach()
-                } else {
-                    grid(&mini[s..s + len].iter().map(|i| &old[i]).collect::<Vec<_>>(), t, &device)?
-                };
-                let ref_t = match &reference_logp {
-                    Some(r) => {
-                        Some(grid(&mini[s..s + len].iter().map(|i| &r[i]).collect::<Vec<_>>(), t, &device)?)
-                    }
-                    None => None,
-                };
-                let mask = token_mask.narrow(0, s, len)?;
-                let adv_t = adv_all.narrow(0, s, len)?;
-                let ent_for_loss = (obj.entropy_coef != 0.0).then_some(&entropy);
-                let out = compute_loss(
-                    obj,
-                    &LossInputs {
-                        logp: &logp,
-                        old_logp: &old_t,
-                        advantages: &adv_t,
-                        mask: &mask,
-                        ref_logp: ref_t.as_ref(),
-                        entropy: ent_for_loss,
-                    },
-                    &norm,
+            let mut step_loss = Some(0f64);
+            for &micro in &mb.micros {
+                let (l, lp, h) = micro_step(
+                    model,
+                    opt,
+                    &mb,
+                    micro,
+                    single.take(),
+                    (obj, &mask, &norm),
+                    &old,
+                    reference_logp.as_ref(),
+                    pad_id,
+                    &mut totals,
+                    &mut acc,
                 )?;
-                let l = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-                // Entropy metric over response tokens of this micro-batch.
-                let em = entropy
-                    .detach()
-                    .to_dtype(DType::F32)?
-                    .mul(&mb.resp_mask)?
-                    .sum_all()?
-                    .to_scalar::<f32>()?;
-                entropy_sum += em as f64;
-                entropy_count += part.iter().map(|s| s.response_ids.len()).sum::<usize>();
-                loss_metrics.merge(&out.metrics);
-                if !l.is_finite() {
-                    finite = false;
-                    break;
+                if epoch == 0 {
+                    let (s, len) = micro;
+                    let part = &mb.ss[s..s + len];
+                    for ((&i, lp), h) in mb.idx[s..s + len].iter().zip(rows(&lp, part)?).zip(rows(&h, part)?)
+                    {
+                        record.p[i] = lp.iter().map(|x| x.exp()).collect();
+                        record.entropy[i] = h;
+                    }
                 }
-                step_loss += l as f64;
-                let mut grads = out.loss.backward()?;
-                for (_, var) in opt.params() {
-                    if let Some(g) = grads.remove(var.as_tensor()) {
-                        let g = match acc.remove(var.as_tensor()) {
-                            Some(prev) => (prev + g)?,
-                            None => g,
-                        };
-                        acc.insert(var.as_tensor(), g);
+                match l {
+                    Some(l) => step_loss = step_loss.map(|s| s + l as f64),
+                    None => {
+                        step_loss = None;
+                        break;
                     }
                 }
             }
             metrics.response_tokens += resp_all.sum_all()?.to_scalar::<f32>()? as usize;
             metrics.kept_tokens += norm.tokens as usize;
-            if !finite {
-                eprintln!("warning: non-finite loss; optimizer step skipped, weights unchanged");
-                metrics.skipped_steps += 1;
-                continue;
-            }
-            let report = opt.step(&acc, lr)?;
-            if report.skipped {
-                metrics.skipped_steps += 1;
-            } else {
-                metrics.optimizer_steps += 1;
-                loss_sum += step_loss;
-                grad_norm_sum += report.grad_norm;
-            }
+
+            // 6. The optimizer step.
+            optimizer_step(opt, &acc, lr, step_loss, &mut metrics, &mut totals)?;
         }
     }
+    finish_metrics(&mut metrics, totals);
+    Ok(UpdateOutcome { metrics, record })
+}
+
+/// Stores the first epoch's kept and silenced tokens of a mini-batch in the record.
+fn record_mask(
+    record: &mut UpdateRecord,
+    mb: &MiniBatch,
+    mask: &Tensor,
+    s2t: Option<&S2tStats>,
+) -> Result<()> {
+    for (&i, row) in mb.idx.iter().zip(rows(mask, &mb.ss)?) {
+        record.kept[i] = row.iter().map(|&x| x > 0.5).collect();
+        if s2t.is_some() {
+            record.silenced[i] = vec![false; row.len()];
+        }
+    }
+    if let Some(st) = s2t {
+        for &(b, j) in &st.positions {
+            record.silenced[mb.idx[b]][j] = true;
+        }
+    }
+    Ok(())
+}
+
+/// 7. Means over optimizer steps and tokens; the most silenced token ids.
+fn finish_metrics(metrics: &mut UpdateMetrics, totals: Totals) {
     let steps = metrics.optimizer_steps.max(1) as f64;
-    metrics.loss = (loss_sum / steps) as f32;
-    metrics.grad_norm = (grad_norm_sum / steps) as f32;
-    metrics.entropy = if entropy_count == 0 { 0.0 } else { (entropy_sum / entropy_count as f64) as f32 };
-    metrics.tau_h = (tau_h_count > 0).then(|| (tau_h_sum / tau_h_count as f64) as f32);
-    metrics.clip_frac_low = loss_metrics.clip_frac_low;
-    metrics.clip_frac_high = loss_metrics.clip_frac_high;
-    metrics.approx_kl = loss_metrics.approx_kl;
+    metrics.loss = (totals.loss_sum / steps) as f32;
+    metrics.grad_norm = (totals.grad_norm_sum / steps) as f32;
+    metrics.entropy = if totals.entropy_count == 0 {
+        0.0
+    } else {
+        (totals.entropy_sum / totals.entropy_count as f64) as f32
+    };
+    metrics.tau_h = (totals.tau_h_count > 0).then(|| (totals.tau_h_sum / totals.tau_h_count as f64) as f32);
+    metrics.clip_frac_low = totals.loss_metrics.clip_frac_low;
+    metrics.clip_frac_high = totals.loss_metrics.clip_frac_high;
+    metrics.approx_kl = totals.loss_metrics.approx_kl;
     metrics.silenced_ratio = if metrics.response_tokens == 0 {
         0.0
     } else {
         metrics.silenced_tokens as f32 / metrics.response_tokens as f32
     };
-    let mut top: Vec<(u32, usize)> = silenced.into_iter().collect();
+    let mut top: Vec<(u32, usize)> = totals.silenced.into_iter().collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     top.truncate(20);
     metrics.silenced_token_ids = top;
-    Ok(metrics)
 }
 
-/// Layout of a chunk padded to its own longest prompt and response.
-fn layout_for(ss: &[&Sequence], pad_id: u32, device: &Device) -> Result<Micro> {
-    let p = ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1);
-    let t = ss.iter().map(|s| s.response_ids.len()).max().unwrap_or(1).max(1);
-    layout(ss, p, t, pad_id, device)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::{OverlongConfig, TauH};
+    use crate::model::Config;
+
+    const TOL: f32 = 1e-6;
+
+    fn seq(group: usize, reward: f32, prompt: &[u32], response: &[u32]) -> Sequence {
+        Sequence {
+            prompt_ids: prompt.to_vec(),
+            response_ids: response.to_vec(),
+            rollout_logprobs: None,
+            reward,
+            group,
+            truncated: false,
+        }
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
+        }
+    }
+
+    fn t2(v: &[f32], b: usize, l: usize) -> Tensor {
+        Tensor::from_slice(v, (b, l), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn score_shapes_then_advantages_and_filters_unshaped() {
+        // Overlong L_max 4, L_cache 2: penalty 0 up to 2 tokens, -0.5 at 3, -1 at 4 and beyond.
+        // Group 0: R = [1, 0, 0, 0], lengths [1, 3, 4, 5] → shaped [1, -0.5, -1, -1];
+        //   mean -0.375, sample std sqrt(2.6875 / 3) = 0.9464847,
+        //   A = [1.4527425, -0.1320675, -0.6603375, -0.6603375].
+        // Group 1: R = [1, 1], lengths [1, 4] → shaped [1, 0]: A = ±0.5 / (0.7071068 + 1e-6)
+        //   = ±0.7071058, yet dynamic sampling drops it: its *unshaped* rewards are equal.
+        let r = |n: usize| vec![3u32; n];
+        let seqs = vec![
+            seq(0, 1., &[1], &r(1)),
+            seq(0, 0., &[1], &r(3)),
+            seq(0, 0., &[1], &r(4)),
+            seq(0, 0., &[1], &r(5)),
+            seq(1, 1., &[1], &r(1)),
+            seq(1, 1., &[1], &r(4)),
+        ];
+        let mut obj = ObjectiveConfig::preset("dapo").unwrap();
+        obj.overlong = Some(OverlongConfig { max_len: 4, cache_len: 2, factor: 1.0 });
+        let s = score(&seqs, &obj).unwrap();
+        close(&s.unshaped, &[1., 0., 0., 0., 1., 1.], 0.0, "unshaped");
+        close(&s.rewards, &[1., -0.5, -1., -1., 1., 0.], TOL, "shaped");
+        let want = [1.4527425, -0.1320675, -0.6603375, -0.6603375, 0.7071058, -0.7071058];
+        close(&s.advantages.values, &want, 2e-6, "advantages");
+        assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 1, 2, 3]);
+        obj.dynamic_sampling = false;
+        assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+
+        // Batch metrics over the shaped rewards: mean -1/12, population std 0.8374896;
+        // accuracy 3/6; lengths mean 18/6 = 3, max 5.
+        let mut m = UpdateMetrics::default();
+        batch_metrics(&seqs, &s, &mut m);
+        assert!((m.reward_mean + 1. / 12.).abs() < TOL && (m.reward_std - 0.8374896).abs() < 1e-5, "{m:?}");
+        assert!((m.accuracy - 0.5).abs() < TOL && (m.response_len_mean - 3.).abs() < TOL);
+        assert_eq!(m.response_len_max, 5);
+        assert_eq!(m.zero_var_group_frac, 0.0);
+    }
+
+    #[test]
+    fn empty_responses_never_reach_the_loss() {
+        let seqs = vec![seq(0, 1., &[1], &[2, 3]), seq(0, 0., &[1], &[]), seq(0, 0., &[1], &[4])];
+        let mut obj = ObjectiveConfig::preset("grpo").unwrap();
+        obj.dynamic_sampling = false;
+        let s = score(&seqs, &obj).unwrap();
+        assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn layout_pads_prompts_left_and_responses_right() {
+        // Prompts [5, 6] and [8] → P = 2; responses [7] and [9, 10] → T = 2.
+        let (a, b) = (seq(0, 0., &[5, 6], &[7]), seq(0, 0., &[8], &[9, 10]));
+        let mb = layout(&[&a, &b], 2, 2, 0, &Device::Cpu).unwrap();
+        assert_eq!(mb.tokens.ids.to_vec2::<u32>().unwrap(), vec![vec![5, 6, 7, 0], vec![0, 8, 9, 10]]);
+        assert_eq!(mb.tokens.mask, vec![vec![1, 1, 1, 0], vec![0, 1, 1, 1]]);
+        assert_eq!(mb.targets.to_vec2::<u32>().unwrap(), vec![vec![7, 0], vec![9, 10]]);
+        assert_eq!(mb.resp_mask.to_vec2::<f32>().unwrap(), vec![vec![1., 0.], vec![1., 1.]]);
+        let empty_prompt = seq(0, 0., &[], &[1]);
+        assert!(layout(&[&empty_prompt], 1, 1, 0, &Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn token_mask_by_hand() {
+        // Row 0 (A = +1): p [0.001, 0.5, 0.001, 0.001], H [0.2, 0.1, 0.9, 0.3], last position padding.
+        // Row 1 (A = -1): p [0.001, 0.001, 0.2, 0.2], H 0.1 everywhere, two response tokens.
+        let ln = |p: f32| p.ln();
+        let lp =
+            t2(&[ln(0.001), ln(0.5), ln(0.001), ln(0.001), ln(0.001), ln(0.001), ln(0.2), ln(0.2)], 2, 4);
+        let h = t2(&[0.2, 0.1, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1], 2, 4);
+        let adv = Tensor::from_slice(&[1f32, -1.], 2, &Device::Cpu).unwrap();
+        let resp = t2(&[1., 1., 1., 0., 1., 1., 0., 0.], 2, 4);
+        // S2T, tau_p 0.002, tau_h 0.5: candidates (0,0) H 0.2 and (0,2) H 0.9 (padding and A < 0
+        // never are); only (0,0) is below tau_h.
+        let s2t = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.5) };
+        let (m, st) = token_mask(&s2t, Some((&lp, &h)), &adv, &resp).unwrap();
+        assert_eq!(m.to_vec2::<f32>().unwrap(), vec![vec![0., 1., 1., 0.], vec![1., 1., 0., 0.]]);
+        let st = st.unwrap();
+        assert_eq!((st.n_candidates, st.n_silenced, st.positions.clone()), (2, 1, vec![(0, 0)]));
+        // Top-entropy rho 0.5 over 5 response tokens: k = ceil(2.5) = 3: H 0.9, 0.2, then the
+        // first of the 0.1 ties in row-major order, (0, 1).
+        let top = MaskConfig::TopEntropy { rho: 0.5 };
+        let (m, st) = token_mask(&top, Some((&lp, &h)), &adv, &resp).unwrap();
+        assert_eq!(m.to_vec2::<f32>().unwrap(), vec![vec![1., 1., 1., 0.], vec![0., 0., 0., 0.]]);
+        assert!(st.is_none());
+        // No mask: the response mask; no statistics needed.
+        let (m, _) = token_mask(&MaskConfig::None, None, &adv, &resp).unwrap();
+        assert_eq!(m.to_vec2::<f32>().unwrap(), resp.to_vec2::<f32>().unwrap());
+        assert!(token_mask(&s2t, None, &adv, &resp).is_err());
+    }
+
+    #[test]
+    fn skipped_steps_become_warnings_not_prints() {
+        let w = candle_core::Var::from_slice(&[1f32, 2.], 2, &Device::Cpu).unwrap();
+        let mut opt = AdamW::new(vec![("w".into(), w.clone())], Default::default()).unwrap();
+        let (mut m, mut totals) = (UpdateMetrics::default(), Totals::default());
+        optimizer_step(&mut opt, &GradStore::default(), 0.1, None, &mut m, &mut totals).unwrap();
+        assert_eq!((m.skipped_steps, m.optimizer_steps, opt.step_count()), (1, 0, 0));
+        assert!(m.warnings[0].contains("non-finite loss"), "{:?}", m.warnings);
+        let mut g = GradStore::default();
+        g.insert(w.as_tensor(), Tensor::from_slice(&[f32::NAN, 1.], 2, &Device::Cpu).unwrap());
+        optimizer_step(&mut opt, &g, 0.1, Some(1.0), &mut m, &mut totals).unwrap();
+        assert_eq!((m.skipped_steps, opt.step_count()), (2, 0));
+        assert!(m.warnings[1].contains("gradient norm is NaN"), "{:?}", m.warnings);
+        assert_eq!(w.to_vec1::<f32>().unwrap(), vec![1., 2.]);
+        // A finite gradient steps and counts its loss.
+        g.insert(w.as_tensor(), Tensor::from_slice(&[0.5f32, 1.], 2, &Device::Cpu).unwrap());
+        optimizer_step(&mut opt, &g, 0.1, Some(2.5), &mut m, &mut totals).unwrap();
+        assert_eq!((m.optimizer_steps, opt.step_count(), m.warnings.len()), (1, 1, 2));
+        assert_eq!(totals.loss_sum, 2.5);
+    }
+
+    #[test]
+    fn finish_metrics_by_hand() {
+        let mut m = UpdateMetrics {
+            optimizer_steps: 2,
+            silenced_tokens: 3,
+            response_tokens: 12,
+            ..Default::default()
+        };
+        let totals = Totals {
+            loss_sum: 3.0,
+            grad_norm_sum: 1.5,
+            entropy_sum: 6.0,
+            entropy_count: 4,
+            tau_h_sum: 1.2,
+            tau_h_count: 2,
+            silenced: [(5, 2), (3, 2), (9, 1)].into_iter().collect(),
+            ..Default::default()
+        };
+        finish_metrics(&mut m, totals);
+        assert_eq!((m.loss, m.grad_norm, m.entropy, m.silenced_ratio), (1.5, 0.75, 1.5, 0.25));
+        assert!((m.tau_h.unwrap() - 0.6).abs() < TOL);
+        assert_eq!(m.silenced_token_ids, vec![(3, 2), (5, 2), (9, 1)]);
+    }
+
+    #[test]
+    fn options_build_the_config_and_reject_unknown_fields() {
+        let o: UpdateOptions =
+            serde_json::from_str(r#"{"objective": "grpo", "set": {"eps_high": "0.28"}, "epochs": 2}"#)
+                .unwrap();
+        let c = o.to_config().unwrap();
+        assert_eq!(c.objective.eps_high, 0.28);
+        assert!(c.shuffle && c.epochs == 2 && o.lr == 1e-6);
+        let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
+        assert!(e.contains("epoch"), "{e}");
+        assert!(serde_json::from_str::<UpdateOptions>(r#"{"epochs": -1}"#).is_err());
+        let bad = UpdateOptions { set: [("tau_p".into(), "-1".into())].into(), ..Default::default() };
+        assert!(bad.to_config().unwrap_err().to_string().contains("tau_p"));
+    }
+
+    /// A random 2-layer, 64-wide Qwen3 over 97 tokens.
+    fn tiny() -> Qwen3 {
+        let text = r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true,
+            "eos_token_id": 1, "torch_dtype": "float32"}"#;
+        let cfg = Config::from_json_str(text, "tiny").unwrap();
+        crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn the_record_is_what_the_update_used() {
+        // Groups 0-2 mixed (rewards [0, 1, 0, 1] → A = ±0.5 / (sqrt(1/3) + 1e-6) = ±0.8660239);
+        // group 3 all correct, dropped by dynamic sampling.
+        let mut seqs = Vec::new();
+        for g in 0..4u32 {
+            for i in 0..4u32 {
+                let prompt: Vec<u32> = (0..3 + g).map(|t| (t * 13 + g * 7 + 2) % 97).collect();
+                let response: Vec<u32> = (0..4 + i + g).map(|t| (t * 29 + i * 5 + g + 3) % 97).collect();
+                let reward = if g == 3 { 1.0 } else { (i % 2) as f32 };
+                seqs.push(seq(g as usize, reward, &prompt, &response));
+            }
+        }
+        let m = tiny();
+        let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+        let mut obj = ObjectiveConfig::preset("stapo").unwrap();
+        obj.set("tau_p", "0.03").unwrap();
+        let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+        let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
+        let (rec, met) = (&out.record, &out.metrics);
+        let a = 0.8660239f32;
+        for (i, s) in seqs.iter().enumerate() {
+            let g = s.group;
+            let want = if g == 3 {
+                0.0
+            } else if i % 2 == 1 {
+                a
+            } else {
+                -a
+            };
+            assert!((rec.advantages[i] - want).abs() < 2e-6, "A[{i}] = {}", rec.advantages[i]);
+            assert_eq!(rec.active[i], g != 3, "active[{i}]");
+            let n = if g == 3 { 0 } else { s.response_ids.len() };
+            assert_eq!((rec.kept[i].len(), rec.silenced[i].len(), rec.p[i].len()), (n, n, n), "{i}");
+        }
+        assert_eq!(met.dropped_seqs, 4);
+        // One mini-batch: one set of thresholds, and the S2T rule holds token by token.
+        assert_eq!(rec.thresholds.len(), 1);
+        let th = rec.thresholds[0];
+        assert_eq!(th.tau_p, 0.03);
+        let tau_h = th.tau_h.expect("candidates exist at tau_p 0.03");
+        let mut silenced = 0;
+        for i in (0..seqs.len()).filter(|&i| rec.active[i]) {
+            for j in 0..rec.p[i].len() {
+                let spurious = rec.advantages[i] > 0.0 && rec.p[i][j] < 0.03 && rec.entropy[i][j] < tau_h;
+                assert_eq!(
+                    rec.silenced[i][j], spurious,
+                    "({i}, {j}): p {} H {}",
+                    rec.p[i][j], rec.entropy[i][j]
+                );
+                assert_eq!(rec.kept[i][j], !spurious);
+                silenced += spurious as usize;
+            }
+        }
+        assert!(silenced > 0);
+        assert_eq!((silenced, th.silenced), (met.silenced_tokens, met.silenced_tokens));
+        let kept: usize = rec.kept.iter().flatten().filter(|&&k| k).count();
+        assert_eq!(kept, met.kept_tokens);
+    }
 }

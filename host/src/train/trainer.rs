@@ -26,7 +26,7 @@ use crate::reward::{self, ExtractMode};
 use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
-use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics};
+use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
 
@@ -121,12 +121,7 @@ impl Default for RunConfig {
 impl RunConfig {
     /// The objective: preset plus overrides, validated.
     pub fn objective_config(&self) -> Result<ObjectiveConfig> {
-        let mut o = ObjectiveConfig::preset(&self.objective)?;
-        for (k, v) in &self.set {
-            o.set(k, v)?;
-        }
-        o.validate()?;
-        Ok(o)
+        ObjectiveConfig::with_overrides(&self.objective, &self.set)
     }
 }
 
@@ -178,6 +173,11 @@ pub struct Trainer {
     run_dir: PathBuf,
     silenced_totals: HashMap<String, usize>,
     last_rollout: Option<RolloutBatch>,
+    /// What the last update used, one entry per sample of `last_rollout`.
+    last_update: Option<UpdateRecord>,
+    /// Warnings not yet reported (data lines skipped at load); the next step's metrics
+    /// carry them, since the library prints nothing.
+    pending_warnings: Vec<String>,
     last_eval: Option<EvalReport>,
     /// (step, avg@n, pass@n) of every held-out evaluation of this run.
     evals: Vec<(u64, f64, f64)>,
@@ -257,9 +257,6 @@ impl Trainer {
         let tok_path = cfg.model.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         let (train, warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
-        for w in warnings {
-            eprintln!("warning: {w}");
-        }
         let test = match &cfg.test_data {
             Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
             None => None,
@@ -286,6 +283,8 @@ impl Trainer {
             run_dir: run_dir.to_path_buf(),
             silenced_totals: state.map(|s| s.silenced_totals.iter().cloned().collect()).unwrap_or_default(),
             last_rollout: None,
+            last_update: None,
+            pending_warnings: warnings,
             last_eval: None,
             evals: read_evals(&run_dir.join("eval.jsonl"), state.map_or(u64::MAX, |s| s.step)),
             model: m,
@@ -311,6 +310,11 @@ impl Trainer {
     }
     pub fn last_rollout(&self) -> Option<&RolloutBatch> {
         self.last_rollout.as_ref()
+    }
+    /// What the last update used (advantages, kept and silenced tokens, thresholds),
+    /// one entry per sample of [`Trainer::last_rollout`].
+    pub fn last_update(&self) -> Option<&UpdateRecord> {
+        self.last_update.as_ref()
     }
     /// (step, avg@n, pass@n) of every held-out evaluation so far.
     pub fn eval_history(&self) -> &[(u64, f64, f64)] {
@@ -378,17 +382,20 @@ impl Trainer {
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
-        let ucfg = UpdateConfig {
-            objective: plan.objective.clone(),
-            epochs: self.cfg.epochs,
-            mini_batch: self.cfg.mini_batch,
-            micro_batch: self.cfg.micro_batch,
-            old_logp: self.cfg.old_logp,
-            shuffle: self.cfg.epochs > 1,
-            seed: mix(self.cfg.seed ^ 0x5eed, step),
-        };
-        let mut um =
+        let ucfg = UpdateConfig::new(
+            plan.objective.clone(),
+            self.cfg.epochs,
+            self.cfg.mini_batch,
+            self.cfg.micro_batch,
+            self.cfg.old_logp,
+            mix(self.cfg.seed ^ 0x5eed, step),
+        );
+        let outcome =
             update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        let mut um = outcome.metrics;
+        let mut warnings = std::mem::take(&mut self.pending_warnings);
+        warnings.append(&mut um.warnings);
+        um.warnings = warnings;
         if um.response_tokens == 0 {
             // Nothing reached the update (e.g. dynamic sampling dropped every
             // group): report the policy's entropy from the rollout instead.
@@ -407,6 +414,7 @@ impl Trainer {
             .map(|(e, t)| PromptInfo { id: e.id.clone(), text: t.clone(), answer: Some(e.answer.clone()) })
             .collect();
         self.last_rollout = Some(RolloutBatch::new(samples, prompts_info));
+        self.last_update = Some(outcome.record);
         self.step += 1;
 
         let mut m = StepMetrics {

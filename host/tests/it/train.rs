@@ -51,7 +51,7 @@ fn run(preset: &str, micro: usize, tau_p: Option<f32>) -> (Vec<f32>, Vec<f32>, t
     }
     objective.dynamic_sampling = false;
     let cfg = UpdateConfig { objective, micro_batch: micro, ..Default::default() };
-    let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, 1e3, 0).unwrap();
+    let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, 1e3, 0).unwrap().metrics;
     (before, flat_params(&m), metrics)
 }
 
@@ -108,7 +108,7 @@ fn non_finite_loss_skips_the_step_and_leaves_weights_untouched() {
     let before = bits(&flat_params(&m));
     let mut opt = linearish_opt(&m);
     let cfg = UpdateConfig { objective: ObjectiveConfig::preset("grpo").unwrap(), ..Default::default() };
-    let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, 1e-3, 0).unwrap();
+    let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, 1e-3, 0).unwrap().metrics;
     assert_eq!(metrics.skipped_steps, 1, "{name}: {metrics:?}");
     assert_eq!(metrics.optimizer_steps, 0);
     assert_eq!(bits(&flat_params(&m)), before);

@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::{lock, RolloutHandle, RolloutState};
-use crate::algo::{self, AdvEstimator, ObjectiveConfig, StdKind, TauH, PRESETS, SET_KEYS};
+use crate::algo::{self, AdvEstimator, ObjectiveConfig, S2tThresholds, StdKind, PRESETS, SET_KEYS};
 use crate::script::convert::{clean_f64, get_num, get_str, to_dynamic};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
@@ -62,11 +62,10 @@ pub fn compute_s2t(st: &mut RolloutState, opts: &Map) -> RhaiResult<Map> {
         compute_advantages(st, &Map::new())?;
     }
     let adv = st.advantages.clone().unwrap_or_default();
-    let tau_p = get_num(opts, "tau_p")?.unwrap_or(0.002) as f32;
-    let tau_h = match (get_num(opts, "tau_h")?, get_num(opts, "tau_h_quantile")?) {
-        (Some(h), _) => TauH::Abs(h as f32),
-        (None, q) => TauH::Quantile(q.unwrap_or(0.75) as f32),
-    };
+    let th = S2tThresholds::default()
+        .with(get_num(opts, "tau_p")?, get_num(opts, "tau_h")?, get_num(opts, "tau_h_quantile")?)
+        .map_err(host)?;
+    let (tau_p, tau_h) = (th.tau_p, th.tau_h);
     let samples = &st.batch.samples;
     let t = samples.iter().map(|s| s.response_ids.len()).max().unwrap_or(0).max(1);
     let logp: Vec<&[f32]> = samples.iter().map(|s| s.old_logprobs.as_slice()).collect();
@@ -100,11 +99,8 @@ pub fn compute_s2t(st: &mut RolloutState, opts: &Map) -> RhaiResult<Map> {
 }
 
 fn objective(name: &str, overrides: &Map) -> RhaiResult<Dynamic> {
-    let mut o = ObjectiveConfig::preset(name).map_err(host)?;
-    for (k, v) in overrides {
-        o.set(k, &v.to_string()).map_err(host)?;
-    }
-    to_dynamic(&o)
+    let pairs = overrides.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+    to_dynamic(&ObjectiveConfig::with_overrides(name, pairs).map_err(host)?)
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {

@@ -7,39 +7,29 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
 
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
-use crate::algo::ObjectiveConfig;
 use crate::script::convert::{from_json, get_num, get_str, overlay, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::train_loop;
-use crate::train::{self, AdamW, AdamWConfig, OldLogp, RunConfig, Sequence, UpdateConfig};
+use crate::train::{self, AdamW, AdamWConfig, RunConfig, Sequence, UpdateOptions};
 
+/// `update(model, rollout, opts)`: `opts` are [`UpdateOptions`] (the same constructor as
+/// `stapo update`) plus `adamw`, the optimizer settings of its first call.
 fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
-    let mut obj = ObjectiveConfig::preset(&get_str(opts, "objective")?.unwrap_or_else(|| "stapo".into()))
-        .map_err(host)?;
-    if let Some(set) = opts.get("set") {
-        if !set.is_map() {
-            return Err(bad_arg("update", "`set` must be a map of objective overrides"));
-        }
-        for (k, v) in set.clone().cast::<Map>() {
-            obj.set(&k, &v.to_string()).map_err(host)?;
+    let mut o = opts.clone();
+    let adamw = o.remove("adamw");
+    let mut v = to_json("update options", &Dynamic::from_map(o))?;
+    // Objective overrides are strings to `ObjectiveConfig::set`; scripts write numbers.
+    if let Some(serde_json::Value::Object(set)) = v.get_mut("set") {
+        for val in set.values_mut() {
+            if !val.is_string() {
+                *val = serde_json::Value::String(val.to_string());
+            }
         }
     }
-    let lr = get_num(opts, "lr")?.unwrap_or(1e-6);
-    let old_logp = match get_str(opts, "old_logp")?.as_deref() {
-        None | Some("recompute") => OldLogp::Recompute,
-        Some("rollout") => OldLogp::Rollout,
-        Some(o) => return Err(bad_arg("old_logp", format!("expected recompute or rollout, found {o:?}"))),
-    };
-    let ucfg = UpdateConfig {
-        objective: obj,
-        epochs: get_num(opts, "epochs")?.map_or(1, |x| x as usize),
-        mini_batch: get_num(opts, "mini_batch")?.map_or(0, |x| x as usize),
-        micro_batch: get_num(opts, "micro_batch")?.map_or(0, |x| x as usize),
-        old_logp,
-        shuffle: false,
-        seed: get_num(opts, "seed")?.map_or(0, |x| x as u64),
-    };
+    let uo: UpdateOptions = serde_json::from_value(v).map_err(|e| bad_arg("update", e))?;
+    let ucfg = uo.to_config().map_err(host)?;
+    let lr = uo.lr;
     let seqs: Vec<Sequence> = {
         let st = lock(&r.0, "rollout")?;
         st.batch
@@ -57,7 +47,7 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let mut slot = lock(&m.0, "model")?;
     if slot.opt.is_none() {
         let mut acfg = AdamWConfig { lr, ..AdamWConfig::default() };
-        if let Some(a) = opts.get("adamw") {
+        if let Some(a) = &adamw {
             acfg = overlay("adamw", &acfg, to_json("adamw", a)?)?;
         }
         slot.opt = Some(AdamW::new(slot.model.params(), acfg).map_err(host)?);
@@ -65,7 +55,7 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
     let slot = &mut *slot;
     let opt = slot.opt.as_mut().ok_or_else(|| host("no optimizer"))?;
-    let um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?;
+    let um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?.metrics;
     let mut out = to_dynamic(&um)?.cast::<Map>();
     out.insert("reward".into(), (um.reward_mean as f64).into());
     Ok(out)
@@ -175,7 +165,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         Ok(t) => format!("Run({}, {} steps)", t.run_dir().display(), t.step_count()),
         Err(_) => "Run(<unusable>)".into(),
     });
-    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs, mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", adamw: #{..}}. The optimizer state stays with the model.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
+    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", seed, adamw: #{..}}; other keys are an error. The optimizer state stays with the model; warnings (a skipped step) are in the result's `warnings`.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
     func!(engine, "default_config", "default_config() -> map\nEvery RunConfig field with its default.\nExample: `default_config().sampling`", || to_dynamic(&RunConfig::default()));
     func!(engine, "format_number", "format_number(x, digits) -> string\n`x` with `digits` decimals, in scientific notation when 0 < |x| < 1e-3.\nExample: `format_number(0.0000021, 2)` gives \"2.10e-6\"", |x: f64, digits: i64| -> String {
         let d = digits.clamp(0, 12) as usize;

@@ -1,288 +1,15 @@
-//! The optimizer: AdamW with decoupled weight decay, global-norm gradient
-//! clipping and learning-rate schedules.
-//!
-//! AdamW is Loshchilov & Hutter, "Decoupled Weight Decay Regularization"
-//! (ICLR 2019, arXiv:1711.05101), in the form PyTorch's `torch.optim.AdamW`
-//! implements it (`torch/optim/adamw.py`, `_single_tensor_adamw`), step for step:
-//!
-//! ```text
-//! p  <- p * (1 - lr * wd)                      // decoupled decay, before the Adam update
-//! m  <- b1 * m + (1 - b1) * g
-//! v  <- b2 * v + (1 - b2) * g^2
-//! p  <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-//! ```
-//!
-//! which is `p -= lr * m_hat / (sqrt(v_hat) + eps)` with `m_hat = m / (1 - b1^t)`,
-//! `v_hat = v / (1 - b2^t)`. As in PyTorch, `t` counts per parameter the steps in
-//! which that parameter had a gradient, and a parameter without a gradient is
-//! left alone (no decay either). Clipping follows `torch.nn.utils.clip_grad_norm_`:
-//! `coef = min(1, max_norm / (total_norm + 1e-6))`.
-//!
-//! Why not `candle_nn::AdamW`: it runs op by op, allocating about ten whole-tensor
-//! temporaries per parameter per step (45 s per step over 0.6B parameters on a
-//! 2-core CPU). Here, on the CPU, each parameter is updated by one fused pass
-//! that reads `p, g, m, v` and writes `p, m, v` in place, parallel over chunks
-//! with rayon, with no temporaries; gradient clipping is folded into that pass
-//! as a scalar, so the gradients are never rewritten. Peak memory is params +
-//! grads + m + v. Other devices (CUDA, Metal) take a device-generic path made of
-//! candle ops, which is correct but allocates temporaries.
-//!
-//! # How the in-place update is sound
-//! candle keeps a tensor's storage behind a `RwLock` and gives mutable access only
-//! through its in-place custom ops. The fused update is
-//! `p.inplace_op2(g, op)`: candle write-locks `p`'s storage, read-locks `g`'s
-//! (refusing the call if `g` shares `p`'s storage), and hands the op
-//! `&mut CpuStorage` for `p` and `&CpuStorage` for `g`. Inside, the op runs
-//! `m.inplace_op1(..)` and, inside that, `v.inplace_op1(..)`, each of which
-//! write-locks one more storage and yields its `&mut CpuStorage`. So the kernel
-//! receives four slices whose exclusivity is guaranteed by candle's locks and by
-//! the borrow checker: no `unsafe`, no raw pointers. The ops carry their closures
-//! in a `RefCell<Option<_>>` because candle calls `cpu_fwd(&self, ..)`.
-//! `m` and `v` are storages this optimizer allocates itself (loading state copies
-//! into them), so they never alias `p`, `g` or each other. Locks are always taken
-//! in the order (p, g) -> m -> v; the only way to deadlock would be for another
-//! thread to hold a moment tensor returned by [`AdamW::state_tensors`] locked
-//! while it waits on a parameter, during a step.
-//!
-//! # Precision
-//! Moments are always f32. Parameters may be f32, bf16 or f16 (the fused path
-//! widens to f32, updates, and rounds back to the nearest representable value);
-//! note that with bf16 weights an update smaller than half a bf16 ulp is lost,
-//! which is why f32 weights are the default for training.
+//! The optimizer: [`AdamW`] over named parameters, its step (global-norm clipping
+//! folded into the update), saved state, and the device-generic update path.
 
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
-use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, Var};
-use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
+use candle_core::{DType, Tensor, Var};
+use serde::Serialize;
 
+use super::config::AdamWConfig;
+use super::kernels::{fused_supported, grad_sum_sq, update_fused};
 use crate::{Error, Result};
-
-/// Elements per rayon task in the fused passes: 64 Ki elements (256 KiB of f32) is
-/// large enough to amortise scheduling and small enough to balance two cores.
-const CHUNK: usize = 1 << 16;
-
-/// The name used in configuration errors.
-const CONFIG_NAME: &str = "adamw config";
-
-// ---------------------------------------------------------------------------
-// Configuration
-// ---------------------------------------------------------------------------
-
-/// AdamW hyper-parameters. Defaults are PyTorch's except `lr` and `max_grad_norm`,
-/// which follow the STAPO paper (lr 1e-6, clip at 1.0).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AdamWConfig {
-    /// Base learning rate (a schedule scales it; [`AdamW::step`] takes the final value).
-    #[serde(default = "default_lr")]
-    pub lr: f64,
-    /// Decay rate of the first moment.
-    #[serde(default = "default_beta1")]
-    pub beta1: f64,
-    /// Decay rate of the second moment.
-    #[serde(default = "default_beta2")]
-    pub beta2: f64,
-    /// Added to the bias-corrected root second moment.
-    #[serde(default = "default_eps")]
-    pub eps: f64,
-    /// Decoupled weight decay: each step multiplies weights by `1 - lr * weight_decay`.
-    #[serde(default = "default_weight_decay")]
-    pub weight_decay: f64,
-    /// Clip the global L2 norm of all gradients to this value; `null` disables clipping.
-    #[serde(default = "default_max_grad_norm")]
-    pub max_grad_norm: Option<f64>,
-}
-
-fn default_lr() -> f64 {
-    1e-6
-}
-fn default_beta1() -> f64 {
-    0.9
-}
-fn default_beta2() -> f64 {
-    0.999
-}
-fn default_eps() -> f64 {
-    1e-8
-}
-fn default_weight_decay() -> f64 {
-    0.01
-}
-fn default_max_grad_norm() -> Option<f64> {
-    Some(1.0)
-}
-
-impl Default for AdamWConfig {
-    fn default() -> Self {
-        Self {
-            lr: default_lr(),
-            beta1: default_beta1(),
-            beta2: default_beta2(),
-            eps: default_eps(),
-            weight_decay: default_weight_decay(),
-            max_grad_norm: default_max_grad_norm(),
-        }
-    }
-}
-
-impl AdamWConfig {
-    /// Checks every field's range, naming the first bad field.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, msg: String| {
-            Err(Error::Config { file: CONFIG_NAME.into(), field: field.into(), msg })
-        };
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad("lr", format!("expected a finite value >= 0, found {}", self.lr));
-        }
-        for (field, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
-            if !(0.0..1.0).contains(&b) {
-                return bad(field, format!("expected a value in [0, 1), found {b}"));
-            }
-        }
-        if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad("eps", format!("expected a finite value > 0, found {}", self.eps));
-        }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad("weight_decay", format!("expected a finite value >= 0, found {}", self.weight_decay));
-        }
-        if let Some(n) = self.max_grad_norm {
-            if !(n.is_finite() && n > 0.0) {
-                return bad("max_grad_norm", format!("expected a finite value > 0 or null, found {n}"));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The usual weight-decay exclusion for transformer weights: RMSNorm/LayerNorm
-/// scales (Qwen3's `*_layernorm.weight`, `q_norm.weight`, `k_norm.weight`,
-/// `model.norm.weight`) and biases. Pass it to [`AdamW::with_no_decay`].
-pub fn is_norm_or_bias(name: &str) -> bool {
-    name.ends_with("norm.weight") || name.ends_with(".bias") || name == "bias"
-}
-
-// ---------------------------------------------------------------------------
-// Learning-rate schedules
-// ---------------------------------------------------------------------------
-
-/// A learning-rate schedule: a multiplier of the base learning rate as a function
-/// of the step index. Every kind starts with a linear warm-up.
-///
-/// Serialised with a `kind` tag, e.g.
-/// `{"kind": "cosine", "warmup_steps": 10, "total_steps": 500, "min_lr_ratio": 0.1}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum LrSchedule {
-    /// Warm-up, then the base learning rate for ever.
-    Constant {
-        /// Steps of linear warm-up (0 for none).
-        #[serde(default)]
-        warmup_steps: u64,
-    },
-    /// Warm-up, then linear decay to `min_lr_ratio * base` at `total_steps`, flat after.
-    Linear {
-        /// Steps of linear warm-up (0 for none).
-        #[serde(default)]
-        warmup_steps: u64,
-        /// The step at which the decay reaches its floor.
-        total_steps: u64,
-        /// The floor, as a fraction of the base learning rate.
-        #[serde(default)]
-        min_lr_ratio: f64,
-    },
-    /// Warm-up, then half-cosine decay to `min_lr_ratio * base` at `total_steps`, flat after.
-    Cosine {
-        /// Steps of linear warm-up (0 for none).
-        #[serde(default)]
-        warmup_steps: u64,
-        /// The step at which the decay reaches its floor.
-        total_steps: u64,
-        /// The floor, as a fraction of the base learning rate.
-        #[serde(default)]
-        min_lr_ratio: f64,
-    },
-}
-
-impl Default for LrSchedule {
-    fn default() -> Self {
-        LrSchedule::Constant { warmup_steps: 0 }
-    }
-}
-
-impl LrSchedule {
-    /// The learning rate for the step with 0-based index `step` (the number of
-    /// optimizer steps already taken).
-    ///
-    /// Warm-up gives step `s < warmup` the factor `(s + 1) / warmup`, so the first
-    /// step already moves the weights and step `warmup - 1` uses the full rate
-    /// (Hugging Face's `get_*_schedule_with_warmup` uses `s / warmup`, wasting step 0).
-    /// After warm-up, `progress = (s - warmup) / (total - warmup)` clamped to [0, 1]:
-    /// linear gives `min + (1 - min)(1 - progress)`, cosine
-    /// `min + (1 - min)(1 + cos(pi * progress)) / 2`.
-    pub fn lr_at(&self, base_lr: f64, step: u64) -> f64 {
-        let warmup = match *self {
-            LrSchedule::Constant { warmup_steps }
-            | LrSchedule::Linear { warmup_steps, .. }
-            | LrSchedule::Cosine { warmup_steps, .. } => warmup_steps,
-        };
-        if step < warmup {
-            return base_lr * (step + 1) as f64 / warmup as f64;
-        }
-        let factor = match *self {
-            LrSchedule::Constant { .. } => 1.0,
-            LrSchedule::Linear { total_steps, min_lr_ratio, .. } => {
-                let p = progress(step, warmup, total_steps);
-                min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - p)
-            }
-            LrSchedule::Cosine { total_steps, min_lr_ratio, .. } => {
-                let p = progress(step, warmup, total_steps);
-                min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
-            }
-        };
-        base_lr * factor
-    }
-
-    /// Checks that `min_lr_ratio` is in [0, 1] and `total_steps >= warmup_steps`.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, msg: String| {
-            Err(Error::Config { file: "lr schedule".into(), field: field.into(), msg })
-        };
-        match *self {
-            LrSchedule::Constant { .. } => Ok(()),
-            LrSchedule::Linear { warmup_steps, total_steps, min_lr_ratio }
-            | LrSchedule::Cosine { warmup_steps, total_steps, min_lr_ratio } => {
-                if !(0.0..=1.0).contains(&min_lr_ratio) {
-                    return bad("min_lr_ratio", format!("expected a value in [0, 1], found {min_lr_ratio}"));
-                }
-                if total_steps < warmup_steps {
-                    return bad(
-                        "total_steps",
-                        format!("expected at least warmup_steps ({warmup_steps}), found {total_steps}"),
-                    );
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
-/// Fraction of the decay phase done at `step`, in [0, 1]; 1 from `total` on
-/// (so a schedule with `total == warmup` goes straight to its floor).
-fn progress(step: u64, warmup: u64, total: u64) -> f64 {
-    if step >= total {
-        return 1.0;
-    }
-    let span = total.saturating_sub(warmup).max(1) as f64;
-    (step.saturating_sub(warmup) as f64 / span).clamp(0.0, 1.0)
-}
-
-// ---------------------------------------------------------------------------
-// The optimizer
-// ---------------------------------------------------------------------------
 
 /// What one call to [`AdamW::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -298,17 +25,17 @@ pub struct StepReport {
 }
 
 /// One parameter and its optimizer state.
-struct ParamState {
-    name: String,
-    var: Var,
+pub(super) struct ParamState {
+    pub(super) name: String,
+    pub(super) var: Var,
     /// First moment (`exp_avg` in PyTorch), f32, same shape, own storage.
-    m: Var,
+    pub(super) m: Var,
     /// Second moment (`exp_avg_sq`), f32, same shape, own storage.
-    v: Var,
+    pub(super) v: Var,
     /// Steps in which this parameter had a gradient (PyTorch's `state['step']`).
-    steps: u64,
+    pub(super) steps: u64,
     /// Whether weight decay applies.
-    decay: bool,
+    pub(super) decay: bool,
 }
 
 /// AdamW over named parameters, updated in place. See the module docs.
@@ -333,20 +60,20 @@ impl std::fmt::Debug for AdamW {
 
 /// Per-parameter scalars of one fused update, in f32 as the kernel uses them.
 #[derive(Debug, Clone, Copy)]
-struct Hyper {
-    b1: f32,
-    b2: f32,
-    one_minus_b1: f32,
-    one_minus_b2: f32,
+pub(super) struct Hyper {
+    pub(super) b1: f32,
+    pub(super) b2: f32,
+    pub(super) one_minus_b1: f32,
+    pub(super) one_minus_b2: f32,
     /// `lr / (1 - b1^t)`.
-    step_size: f32,
+    pub(super) step_size: f32,
     /// `1 / sqrt(1 - b2^t)`.
-    inv_sqrt_bc2: f32,
-    eps: f32,
+    pub(super) inv_sqrt_bc2: f32,
+    pub(super) eps: f32,
     /// `1 - lr * wd`, or 1 without decay.
-    decay: f32,
+    pub(super) decay: f32,
     /// Gradient clipping factor.
-    clip: f32,
+    pub(super) clip: f32,
 }
 
 impl AdamW {
@@ -446,10 +173,7 @@ impl AdamW {
         }
         let (grad_norm, missing) = self.grad_norm(grads)?;
         if !grad_norm.is_finite() {
-            eprintln!(
-                "warning: adamw: gradient norm is {grad_norm}; skipping step {} (weights and moments unchanged)",
-                self.step + 1
-            );
+            // The caller reports it (the library prints nothing): `report.skipped`.
             return Ok(StepReport {
                 grad_norm,
                 skipped: true,
@@ -570,266 +294,6 @@ fn hyper(cfg: &AdamWConfig, lr: f64, t: u64, decay: bool, clip: f64) -> Hyper {
 }
 
 // ---------------------------------------------------------------------------
-// Fused CPU path
-// ---------------------------------------------------------------------------
-
-/// Element types the fused kernels read and write; arithmetic is in f32.
-trait Elem: Copy + Send + Sync {
-    fn to_f32(self) -> f32;
-    fn from_f32(x: f32) -> Self;
-}
-
-impl Elem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-
-impl Elem for half::bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-}
-
-impl Elem for half::f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
-}
-
-/// Whether `var` can take the fused path: a contiguous f32/bf16/f16 CPU tensor.
-fn fused_supported(var: &Var) -> bool {
-    var.device().is_cpu()
-        && var.is_contiguous()
-        && matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16)
-}
-
-/// `sum(g^2)` in f64: one read-only pass on the CPU, candle ops elsewhere.
-fn grad_sum_sq(g: &Tensor) -> Result<f64> {
-    let fused = {
-        let (storage, layout) = g.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(s), Some((a, b))) => match s {
-                CpuStorage::F32(x) => x.get(a..b).map(sum_sq),
-                CpuStorage::BF16(x) => x.get(a..b).map(sum_sq),
-                CpuStorage::F16(x) => x.get(a..b).map(sum_sq),
-                _ => None,
-            },
-            _ => None,
-        }
-    };
-    match fused {
-        Some(s) => Ok(s),
-        // Other devices and dtypes, or a strided gradient. f32 because Metal lacks f64.
-        None => Ok(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64),
-    }
-}
-
-/// Deterministic parallel `sum(x^2)`: per-chunk sums are collected in order and
-/// added sequentially, so the result does not depend on rayon's scheduling.
-fn sum_sq<T: Elem>(x: &[T]) -> f64 {
-    let partial: Vec<f64> = x.par_chunks(CHUNK).map(sum_sq_chunk).collect();
-    partial.iter().sum()
-}
-
-/// `sum(x^2)` over one chunk with eight independent f64 accumulators: float
-/// addition is not associative, so a single accumulator would be a serial chain
-/// the compiler may not vectorise; eight lanes it can.
-#[inline]
-fn sum_sq_chunk<T: Elem>(x: &[T]) -> f64 {
-    const LANES: usize = 8;
-    let mut acc = [0f64; LANES];
-    let mut blocks = x.chunks_exact(LANES);
-    for blk in &mut blocks {
-        for j in 0..LANES {
-            let v = blk[j].to_f32() as f64;
-            acc[j] += v * v;
-        }
-    }
-    let mut s: f64 = blocks.remainder().iter().map(|v| (v.to_f32() as f64).powi(2)).sum();
-    for a in acc {
-        s += a;
-    }
-    s
-}
-
-/// The fused update of one chunk: one pass reading `p, g, m, v` and writing
-/// `p, m, v`. Slices are re-sliced to a common length first so the compiler
-/// drops bounds checks and vectorises the loop.
-#[inline]
-fn adamw_chunk<T: Elem>(p: &mut [T], g: &[T], m: &mut [f32], v: &mut [f32], h: &Hyper) {
-    let n = p.len();
-    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-    for i in 0..n {
-        let gi = g[i].to_f32() * h.clip;
-        let mi = h.b1 * m[i] + h.one_minus_b1 * gi;
-        let vi = h.b2 * v[i] + h.one_minus_b2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        let denom = vi.sqrt() * h.inv_sqrt_bc2 + h.eps;
-        p[i] = T::from_f32(p[i].to_f32() * h.decay - h.step_size * mi / denom);
-    }
-}
-
-/// The fused update over a whole parameter, parallel over chunks.
-fn adamw_slices<T: Elem>(
-    p: &mut [T],
-    g: &[T],
-    m: &mut [f32],
-    v: &mut [f32],
-    h: &Hyper,
-) -> candle_core::Result<()> {
-    if g.len() != p.len() || m.len() != p.len() || v.len() != p.len() {
-        candle_core::bail!(
-            "adamw: length mismatch: param {}, grad {}, exp_avg {}, exp_avg_sq {}",
-            p.len(),
-            g.len(),
-            m.len(),
-            v.len()
-        );
-    }
-    p.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|(((p, g), m), v)| adamw_chunk(p, g, m, v, h));
-    Ok(())
-}
-
-/// An in-place op that hands candle's locked, mutable storage of one tensor to a
-/// closure. `cpu_fwd` takes `&self`, hence the `RefCell<Option<_>>` to move the
-/// `FnOnce` out; candle calls it at most once per `inplace_op1`.
-struct WithCpuMut<F>(RefCell<Option<F>>);
-
-impl<F> InplaceOp1 for WithCpuMut<F>
-where
-    F: FnOnce(&mut CpuStorage, &Layout) -> candle_core::Result<()>,
-{
-    fn name(&self) -> &'static str {
-        "stapo-adamw-state"
-    }
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        match self.0.borrow_mut().take() {
-            Some(f) => f(storage, layout),
-            None => candle_core::bail!("stapo-adamw-state: op applied twice"),
-        }
-    }
-}
-
-/// The same for a destination and one read-only source (the parameter and its gradient).
-struct WithCpuMut2<F>(RefCell<Option<F>>);
-
-impl<F> InplaceOp2 for WithCpuMut2<F>
-where
-    F: FnOnce(&mut CpuStorage, &Layout, &CpuStorage, &Layout) -> candle_core::Result<()>,
-{
-    fn name(&self) -> &'static str {
-        "stapo-adamw-param"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        match self.0.borrow_mut().take() {
-            Some(f) => f(s1, l1, s2, l2),
-            None => candle_core::bail!("stapo-adamw-param: op applied twice"),
-        }
-    }
-}
-
-/// The contiguous f32 elements of a moment tensor's storage.
-fn f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut [f32]> {
-    let range = l.contiguous_offsets();
-    match (s, range) {
-        (CpuStorage::F32(x), Some((a, b))) => match x.get_mut(a..b) {
-            Some(x) => Ok(x),
-            None => candle_core::bail!("adamw: moment layout {a}..{b} outside its storage"),
-        },
-        _ => candle_core::bail!("adamw: moments must be contiguous f32"),
-    }
-}
-
-/// Locks `m` then `v` (both private to the optimizer) and runs the fused kernel.
-fn with_moments<T: Elem>(p: &mut [T], g: &[T], m: &Var, v: &Var, h: &Hyper) -> candle_core::Result<()> {
-    m.inplace_op1(&WithCpuMut(RefCell::new(Some(|ms: &mut CpuStorage, ml: &Layout| {
-        let m = f32_mut(ms, ml)?;
-        v.inplace_op1(&WithCpuMut(RefCell::new(Some(|vs: &mut CpuStorage, vl: &Layout| {
-            let v = f32_mut(vs, vl)?;
-            adamw_slices(p, g, m, v, h)
-        }))))
-    }))))
-}
-
-/// Borrows the contiguous range of `x` described by `l`.
-fn range_of<'a, T>(x: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
-    match l.contiguous_offsets().and_then(|(a, b)| x.get(a..b)) {
-        Some(x) => Ok(x),
-        None => candle_core::bail!("adamw: {what} is not contiguous"),
-    }
-}
-
-/// Mutable version of [`range_of`].
-fn range_of_mut<'a, T>(x: &'a mut [T], l: &Layout, what: &str) -> candle_core::Result<&'a mut [T]> {
-    match l.contiguous_offsets().and_then(|(a, b)| x.get_mut(a..b)) {
-        Some(x) => Ok(x),
-        None => candle_core::bail!("adamw: {what} is not contiguous"),
-    }
-}
-
-/// The fused in-place update of one CPU parameter. See the module docs for why it is sound.
-fn update_fused(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
-    // The kernel wants a contiguous gradient of the parameter's dtype. Backprop's
-    // accumulated gradients are; anything else is converted (the one case that
-    // allocates a temporary).
-    let g_owned;
-    let g = if g.dtype() != p.var.dtype() || !g.is_contiguous() || !g.device().is_cpu() {
-        g_owned = g.to_device(p.var.device())?.to_dtype(p.var.dtype())?.contiguous()?;
-        &g_owned
-    } else {
-        g
-    };
-    let (m, v) = (&p.m, &p.v);
-    let op = |ps: &mut CpuStorage, pl: &Layout, gs: &CpuStorage, gl: &Layout| -> candle_core::Result<()> {
-        match (ps, gs) {
-            (CpuStorage::F32(pd), CpuStorage::F32(gd)) => {
-                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
-            }
-            (CpuStorage::BF16(pd), CpuStorage::BF16(gd)) => {
-                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
-            }
-            (CpuStorage::F16(pd), CpuStorage::F16(gd)) => {
-                with_moments(range_of_mut(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)
-            }
-            (ps, gs) => candle_core::bail!(
-                "adamw: no fused kernel for param dtype {:?} with grad dtype {:?}",
-                ps.dtype(),
-                gs.dtype()
-            ),
-        }
-    };
-    p.var.inplace_op2(g, &WithCpuMut2(RefCell::new(Some(op))))?;
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------
 // Device-generic path
 // ---------------------------------------------------------------------------
 
@@ -849,48 +313,11 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     Ok(())
 }
 
-// ---------------------------------------------------------------------------
-// Benchmark
-// ---------------------------------------------------------------------------
-
-/// Times [`AdamW::step`] over `n_params` f32 parameters on the CPU (split into
-/// tensors of at most 4 Mi elements, like a transformer's matrices, with random
-/// weights and gradients, clipping on) and returns the mean seconds per step over
-/// `steps` steps, after one untimed warm-up step (which pays the first-touch page
-/// faults of the zero-initialised moments). Needs about 16 bytes per parameter.
-pub fn bench_adamw(n_params: usize, steps: usize) -> Result<f64> {
-    if n_params == 0 || steps == 0 {
-        return Err(Error::invalid("bench_adamw: n_params and steps must be positive"));
-    }
-    let (params, grads) = bench_problem(n_params)?;
-    let mut opt = AdamW::new(params, AdamWConfig { lr: 1e-4, ..AdamWConfig::default() })?;
-    opt.step(&grads, 1e-4)?;
-    let start = std::time::Instant::now();
-    for _ in 0..steps {
-        opt.step(&grads, 1e-4)?;
-    }
-    Ok(start.elapsed().as_secs_f64() / steps as f64)
-}
-
-/// Random parameters (uniform in [-1, 1]) and gradients (in [-1e-3, 1e-3]).
-fn bench_problem(n_params: usize) -> Result<(Vec<(String, Var)>, GradStore)> {
-    const MAX_TENSOR: usize = 1 << 22;
-    let dev = candle_core::Device::Cpu;
-    let mut params = Vec::new();
-    let mut grads = GradStore::default();
-    let mut left = n_params;
-    while left > 0 {
-        let n = left.min(MAX_TENSOR);
-        let var = Var::rand_f64(-1.0, 1.0, n, DType::F32, &dev)?;
-        grads.insert(var.as_tensor(), Tensor::rand(-1e-3f32, 1e-3, n, &dev)?);
-        params.push((format!("bench.{}.weight", params.len()), var));
-        left -= n;
-    }
-    Ok((params, grads))
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::config::is_norm_or_bias;
+    use super::super::kernels::CHUNK;
+    use super::super::schedule::LrSchedule;
     use super::*;
     use candle_core::Device;
 
@@ -1163,61 +590,6 @@ mod tests {
     }
 
     #[test]
-    fn schedules() {
-        let close = |a: f64, b: f64| assert!((a - b).abs() < 1e-12, "{a} vs {b}");
-        let c = LrSchedule::Constant { warmup_steps: 10 };
-        close(c.lr_at(1.0, 0), 0.1);
-        close(c.lr_at(1.0, 4), 0.5);
-        close(c.lr_at(1.0, 9), 1.0);
-        close(c.lr_at(2.0, 1000), 2.0);
-        close(LrSchedule::default().lr_at(3.0, 0), 3.0);
-        // Decay from step 10 to 110 (progress = (s - 10) / 100), floor 0.1.
-        let l = LrSchedule::Linear { warmup_steps: 10, total_steps: 110, min_lr_ratio: 0.1 };
-        close(l.lr_at(1.0, 0), 0.1);
-        close(l.lr_at(1.0, 10), 1.0);
-        close(l.lr_at(1.0, 60), 0.1 + 0.9 * 0.5);
-        close(l.lr_at(1.0, 110), 0.1);
-        close(l.lr_at(1.0, 500), 0.1);
-        let k = LrSchedule::Cosine { warmup_steps: 10, total_steps: 110, min_lr_ratio: 0.1 };
-        close(k.lr_at(1.0, 10), 1.0);
-        // progress 0.25: 0.1 + 0.9 * (1 + cos(pi/4)) / 2
-        close(k.lr_at(1.0, 35), 0.1 + 0.45 * (1.0 + std::f64::consts::FRAC_1_SQRT_2));
-        close(k.lr_at(1.0, 60), 0.55);
-        close(k.lr_at(1.0, 110), 0.1);
-        close(k.lr_at(1.0, 111), 0.1);
-        // No warm-up, zero-length decay: straight to the floor.
-        close(LrSchedule::Linear { warmup_steps: 0, total_steps: 0, min_lr_ratio: 0.5 }.lr_at(1.0, 0), 0.5);
-
-        let json = r#"{"kind":"cosine","warmup_steps":10,"total_steps":110,"min_lr_ratio":0.1}"#;
-        assert_eq!(serde_json::from_str::<LrSchedule>(json).unwrap(), k);
-        let back: LrSchedule = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
-        assert_eq!(back, l);
-        assert_eq!(
-            serde_json::from_str::<LrSchedule>(r#"{"kind":"constant"}"#).unwrap(),
-            LrSchedule::default()
-        );
-        assert!(LrSchedule::Linear { warmup_steps: 10, total_steps: 5, min_lr_ratio: 0.0 }
-            .validate()
-            .is_err());
-        assert!(LrSchedule::Cosine { warmup_steps: 0, total_steps: 5, min_lr_ratio: 1.5 }
-            .validate()
-            .is_err());
-    }
-
-    #[test]
-    fn config_defaults_and_validation() {
-        let cfg: AdamWConfig = serde_json::from_str(r#"{"lr": 2e-6}"#).unwrap();
-        assert_eq!(cfg, AdamWConfig { lr: 2e-6, ..AdamWConfig::default() });
-        let off: AdamWConfig = serde_json::from_str(r#"{"max_grad_norm": null}"#).unwrap();
-        assert_eq!(off.max_grad_norm, None);
-        assert!(serde_json::from_str::<AdamWConfig>(r#"{"betta1": 0.9}"#).is_err());
-        match (AdamWConfig { beta2: 1.0, ..AdamWConfig::default() }).validate() {
-            Err(Error::Config { field, .. }) => assert_eq!(field, "beta2"),
-            other => panic!("expected a config error, got {other:?}"),
-        }
-    }
-
-    #[test]
     fn save_load_continue_equals_uninterrupted() {
         let dev = Device::Cpu;
         let init: Vec<Tensor> =
@@ -1283,35 +655,5 @@ mod tests {
             }
             other => panic!("expected a shape error, got {other:?}"),
         }
-    }
-
-    /// `cargo test --release -- --ignored --nocapture bench_vs_candle_nn`; set
-    /// STAPO_BENCH_PARAMS (default 16.8M) and STAPO_BENCH_STEPS (default 3).
-    #[test]
-    #[ignore]
-    fn bench_vs_candle_nn() {
-        use candle_nn::Optimizer;
-        let n: usize =
-            std::env::var("STAPO_BENCH_PARAMS").ok().and_then(|s| s.parse().ok()).unwrap_or(16_800_000);
-        let steps: usize = std::env::var("STAPO_BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
-        let ours = bench_adamw(n, steps).unwrap();
-        println!("stapo AdamW (fused): {n} params, {ours:.4} s/step over {steps} steps");
-        if std::env::var("STAPO_BENCH_SKIP_CANDLE").is_ok() {
-            return;
-        }
-        let (params, grads) = bench_problem(n).unwrap();
-        let vars = params.into_iter().map(|(_, v)| v).collect();
-        let mut opt =
-            candle_nn::AdamW::new(vars, candle_nn::ParamsAdamW { lr: 1e-4, ..Default::default() }).unwrap();
-        opt.step(&grads).unwrap();
-        let start = std::time::Instant::now();
-        for _ in 0..steps {
-            opt.step(&grads).unwrap();
-        }
-        let theirs = start.elapsed().as_secs_f64() / steps as f64;
-        println!(
-            "candle_nn AdamW:     {n} params, {theirs:.4} s/step over {steps} steps ({:.1}x)",
-            theirs / ours
-        );
     }
 }

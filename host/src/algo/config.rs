@@ -1,0 +1,321 @@
+//! The configuration types of the update's math, in one place: which objective
+//! ([`ObjectiveKind`]), how it aggregates ([`AggMode`]), KL ([`KlConfig`]), the token mask
+//! ([`MaskConfig`], [`TauH`], [`S2tThresholds`]) and all of it together
+//! ([`ObjectiveConfig`], validated field by field).
+//!
+//! `objective.rs` (the losses), `mask.rs` (the masks) and `preset.rs` (named presets and
+//! `--set` overrides) all read these types; none of them depends on another for a type.
+//! STAPO's paper defaults (tau_p = 0.002, tau_h = the 0.75-quantile of the candidates'
+//! entropies) are written once, here: [`TAU_P_DEFAULT`], [`TAU_H_QUANTILE_DEFAULT`].
+
+use serde::{Deserialize, Serialize};
+
+use super::advantage::{AdvEstimator, OverlongConfig, RewardScale, StdKind};
+use crate::{Error, Result};
+
+/// STAPO's probability threshold of the sampled token (paper v1 appendix).
+pub const TAU_P_DEFAULT: f32 = 0.002;
+/// STAPO's entropy threshold: this quantile of the candidates' entropies (paper v1 appendix).
+pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.75;
+
+/// The entropy threshold of the S2T mask.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TauH {
+    /// A fixed entropy threshold (nats).
+    Abs(f32),
+    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`]) of the candidates' entropies,
+    /// recomputed for every mini-batch.
+    Quantile(f32),
+}
+
+/// The two thresholds of STAPO's S2T mask.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct S2tThresholds {
+    /// Probability threshold of the sampled token.
+    pub tau_p: f32,
+    /// Entropy threshold, absolute or a quantile of the candidates.
+    pub tau_h: TauH,
+}
+
+impl Default for S2tThresholds {
+    /// The paper's: tau_p = 0.002, tau_h = the 0.75-quantile.
+    fn default() -> Self {
+        S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::Quantile(TAU_H_QUANTILE_DEFAULT) }
+    }
+}
+
+impl S2tThresholds {
+    /// The one parser of thresholds given as numbers (a script map, a hook's result, a
+    /// `--set` value): `tau_p` replaces the probability threshold; `tau_h` (absolute)
+    /// or else `tau_h_quantile` replaces the entropy threshold; what is not given stays.
+    /// Validated; the error names the field.
+    pub fn with(self, tau_p: Option<f64>, tau_h: Option<f64>, tau_h_quantile: Option<f64>) -> Result<Self> {
+        let out = S2tThresholds {
+            tau_p: tau_p.map_or(self.tau_p, |x| x as f32),
+            tau_h: match (tau_h, tau_h_quantile) {
+                (Some(h), _) => TauH::Abs(h as f32),
+                (None, Some(q)) => TauH::Quantile(q as f32),
+                (None, None) => self.tau_h,
+            },
+        };
+        out.validate()?;
+        Ok(out)
+    }
+
+    /// Checks `tau_p > 0` (finite), an absolute `tau_h` that is not NaN and a quantile in
+    /// `[0, 1]`; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.tau_p.is_finite() && self.tau_p > 0.0) {
+            return Err(cfg_err("tau_p", format!("expected a number > 0, found {}", self.tau_p)));
+        }
+        match self.tau_h {
+            TauH::Abs(h) if h.is_nan() => Err(cfg_err("tau_h", "expected a number, found NaN")),
+            TauH::Quantile(q) if !(0.0..=1.0).contains(&q) => {
+                Err(cfg_err("tau_h_quantile", format!("expected a number in [0, 1], found {q}")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Which per-token policy objective to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObjectiveKind {
+    /// PPO-clip (GRPO, DAPO, JustRL, STAPO), optionally dual-clipped.
+    Ppo,
+    /// GSPO: the sequence-level ratio, clipped.
+    Gspo,
+    /// SAPO: the soft-gated ratio, no hard clip.
+    Sapo,
+    /// Plain policy gradient `-A·r` (no clip).
+    Pg,
+}
+
+/// How per-token losses become one scalar (verl `loss_agg_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AggMode {
+    /// Sum over all kept tokens / kept tokens of the mini-batch (DAPO).
+    #[serde(rename = "token-mean")]
+    TokenMean,
+    /// Per sequence: mean over its kept tokens; then sum / sequences of the mini-batch (GRPO).
+    #[serde(rename = "seq-mean-token-mean")]
+    SeqMeanTokenMean,
+    /// Per sequence: sum over its kept tokens; then sum / sequences of the mini-batch.
+    #[serde(rename = "seq-mean-token-sum")]
+    SeqMeanTokenSum,
+    /// Per sequence: sum over kept tokens / a constant length; then mean over sequences
+    /// (Dr.GRPO).
+    #[serde(rename = "seq-mean-token-sum-norm")]
+    SeqMeanTokenSumNorm,
+}
+
+impl AggMode {
+    /// All modes, in documentation order.
+    pub const ALL: [AggMode; 4] = [
+        AggMode::TokenMean,
+        AggMode::SeqMeanTokenMean,
+        AggMode::SeqMeanTokenSum,
+        AggMode::SeqMeanTokenSumNorm,
+    ];
+
+    /// The verl name (`token-mean`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            AggMode::TokenMean => "token-mean",
+            AggMode::SeqMeanTokenMean => "seq-mean-token-mean",
+            AggMode::SeqMeanTokenSum => "seq-mean-token-sum",
+            AggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
+        }
+    }
+
+    /// Parses a verl name; `_` is accepted for `-`.
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.trim().to_ascii_lowercase().replace('_', "-");
+        AggMode::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+/// Which KL estimator to the reference policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlKind {
+    /// `logp - ref`.
+    K1,
+    /// `½ (logp - ref)²`.
+    K2,
+    /// `exp(ref - logp) - (ref - logp) - 1` (verl `low_var_kl`, DeepSeekMath).
+    K3,
+}
+
+/// A KL penalty to a frozen reference policy: `+beta · agg(KL)`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlConfig {
+    /// The estimator.
+    pub kind: KlKind,
+    /// The coefficient (verl `kl_loss_coef`, default 0.001; DeepSeekMath 0.04).
+    pub beta: f32,
+}
+
+/// Which token mask (beyond the response mask) decides the kept tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaskConfig {
+    /// Keep every response token.
+    None,
+    /// STAPO's S2T: silence tokens with `A > 0 && p < tau_p && H < tau_h`.
+    S2t {
+        /// Probability threshold of the sampled token (paper: 0.002).
+        tau_p: f32,
+        /// Entropy threshold, absolute or a quantile of the candidates (paper: 0.75-quantile).
+        tau_h: TauH,
+    },
+    /// 20-Entropy: keep the top `rho` fraction of response tokens by entropy (paper: 0.2).
+    TopEntropy {
+        /// Fraction kept, in (0, 1].
+        rho: f32,
+    },
+}
+
+/// Every knob of the loss, advantages and masks. Build one with [`ObjectiveConfig::preset`]
+/// and adjust with [`ObjectiveConfig::set`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectiveConfig {
+    /// The per-token objective.
+    pub kind: ObjectiveKind,
+    /// Lower clip: ratio clipped at `1 - eps_low` (PPO, GSPO).
+    pub eps_low: f32,
+    /// Upper clip: ratio clipped at `1 + eps_high` (PPO, GSPO).
+    pub eps_high: f32,
+    /// Dual-clip bound `c > 1` for `A < 0` (PPO only; verl's default is 3.0, the papers use
+    /// none).
+    pub dual_clip: Option<f32>,
+    /// SAPO gate temperature for `A > 0`.
+    pub sapo_tau_pos: f32,
+    /// SAPO gate temperature for `A <= 0`.
+    pub sapo_tau_neg: f32,
+    /// KL penalty to a frozen reference policy.
+    pub kl: Option<KlConfig>,
+    /// Entropy bonus coefficient (the loss gets `-entropy_coef · agg(H)`).
+    pub entropy_coef: f32,
+    /// Loss aggregation mode.
+    pub agg: AggMode,
+    /// The constant length of `seq-mean-token-sum-norm`; `None` = the padded length.
+    pub norm_len: Option<usize>,
+    /// Advantage estimator.
+    pub adv: AdvEstimator,
+    /// Which std GRPO divides by (sample, as verl / torch.std).
+    pub std: StdKind,
+    /// The token mask.
+    pub mask: MaskConfig,
+    /// DAPO dynamic sampling: drop groups whose rewards are all equal.
+    pub dynamic_sampling: bool,
+    /// DAPO soft overlong punishment.
+    pub overlong: Option<OverlongConfig>,
+    /// 0/1 or -1/+1 rewards.
+    pub reward_scale: RewardScale,
+}
+
+impl MaskConfig {
+    /// STAPO's S2T mask with the paper's thresholds.
+    pub const S2T_DEFAULT: MaskConfig =
+        MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::Quantile(TAU_H_QUANTILE_DEFAULT) };
+
+    /// The S2T thresholds, when this is the S2T mask.
+    pub fn s2t(&self) -> Option<S2tThresholds> {
+        match *self {
+            MaskConfig::S2t { tau_p, tau_h } => Some(S2tThresholds { tau_p, tau_h }),
+            _ => None,
+        }
+    }
+}
+
+impl From<S2tThresholds> for MaskConfig {
+    fn from(t: S2tThresholds) -> Self {
+        MaskConfig::S2t { tau_p: t.tau_p, tau_h: t.tau_h }
+    }
+}
+
+/// A configuration error naming the field.
+pub(crate) fn cfg_err(field: &str, msg: impl Into<String>) -> Error {
+    Error::Config { file: "objective config".into(), field: field.into(), msg: msg.into() }
+}
+
+impl Default for ObjectiveConfig {
+    /// The `grpo` preset.
+    fn default() -> Self {
+        ObjectiveConfig {
+            kind: ObjectiveKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.2,
+            dual_clip: None,
+            sapo_tau_pos: 1.0,
+            sapo_tau_neg: 1.05,
+            kl: None,
+            entropy_coef: 0.0,
+            agg: AggMode::SeqMeanTokenMean,
+            norm_len: None,
+            adv: AdvEstimator::Grpo,
+            std: StdKind::Sample,
+            mask: MaskConfig::None,
+            dynamic_sampling: false,
+            overlong: None,
+            reward_scale: RewardScale::ZeroOne,
+        }
+    }
+}
+
+impl ObjectiveConfig {
+    /// Checks every value's range; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let finite = |f: &str, v: f32| {
+            if v.is_finite() {
+                Ok(())
+            } else {
+                Err(cfg_err(f, format!("expected a finite number, found {v}")))
+            }
+        };
+        finite("eps_low", self.eps_low)?;
+        finite("eps_high", self.eps_high)?;
+        if !(0.0..1.0).contains(&self.eps_low) {
+            return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {}", self.eps_low)));
+        }
+        if self.eps_high < 0.0 {
+            return Err(cfg_err("eps_high", format!("expected a number >= 0, found {}", self.eps_high)));
+        }
+        if let Some(c) = self.dual_clip {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")));
+            }
+        }
+        for (f, v) in [("sapo_tau_pos", self.sapo_tau_pos), ("sapo_tau_neg", self.sapo_tau_neg)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
+            }
+        }
+        if let Some(k) = &self.kl {
+            if !(k.beta.is_finite() && k.beta >= 0.0) {
+                return Err(cfg_err("kl_beta", format!("expected a number >= 0, found {}", k.beta)));
+            }
+        }
+        finite("entropy_coef", self.entropy_coef)?;
+        if self.norm_len == Some(0) {
+            return Err(cfg_err("norm_len", "expected a positive integer, found 0"));
+        }
+        match self.mask {
+            MaskConfig::None => {}
+            MaskConfig::S2t { tau_p, tau_h } => S2tThresholds { tau_p, tau_h }.validate()?,
+            MaskConfig::TopEntropy { rho } => {
+                if !(rho > 0.0 && rho <= 1.0) {
+                    return Err(cfg_err("rho", format!("expected a number in (0, 1], found {rho}")));
+                }
+            }
+        }
+        if let Some(o) = &self.overlong {
+            o.validate().map_err(|e| cfg_err("overlong", e.to_string()))?;
+        }
+        Ok(())
+    }
+}
