@@ -3,7 +3,8 @@
 //! - S2T ("silence spurious tokens"), STAPO (2026), the heart of this project:
 //!   `I_{i,t} = 0` iff `A_i > 0 && p_{i,t} < tau_p && H_{i,t} < tau_h`, else 1, where
 //!   `p = exp(logp of the sampled token)` and `H` the full-vocabulary entropy, both from the
-//!   training forward at temperature 1 and detached. `tau_h` is either absolute or the
+//!   training forward and detached (of the tempered policy when the update divides the
+//!   logits by the rollout temperature, as verl does). `tau_h` is either absolute or the
 //!   `q`-quantile of `H` over the *candidates* (response tokens with `A > 0 && p < tau_p`)
 //!   of the mini-batch — paper default `tau_p = 0.002`, `q = 0.75`.
 //! - Top-entropy ("20-Entropy"), Wang et al. 2025, "Beyond the 80/20 Rule" (arXiv:2506.01939):

@@ -54,6 +54,12 @@ pub struct LossInputs<'a> {
     pub ref_logp: Option<&'a Tensor>,
     /// Differentiable per-token entropy; required when `entropy_coef != 0`.
     pub entropy: Option<&'a Tensor>,
+    /// The response mask and its normaliser (counted over the whole mini-batch), when the
+    /// token mask keeps fewer tokens than the response (S2T, top-entropy): masks limit the
+    /// policy-gradient term only, so the KL and entropy terms and GSPO's sequence ratio
+    /// use the response (verl; the 20-Entropy authors' code). `None`: `mask` and the
+    /// normaliser given to [`compute_loss`].
+    pub response: Option<(&'a Tensor, &'a Normaliser)>,
 }
 
 /// The denominators of the aggregation, counted once over the whole mini-batch.
@@ -203,6 +209,10 @@ pub struct PolicyInputs<'a> {
     pub log_ratio: &'a Tensor,
     /// `exp(clamp(log_ratio, -20, 20))`.
     pub ratio: &'a Tensor,
+    /// Response tokens, 0/1 f32 (a superset of `mask`), and `logp - old_logp` on them
+    /// (0 elsewhere): what sequence-level ratios average over.
+    pub response: &'a Tensor,
+    pub response_log_ratio: &'a Tensor,
 }
 
 /// A policy loss per token, and where it clipped (0/1 f32 `(B, T)`, `None` = nowhere).
@@ -275,12 +285,13 @@ pub fn ppo_clip_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
 }
 
 /// GSPO (verl `compute_policy_loss_gspo`): the sequence ratio `s_i = exp(mean_t log r)` over
-/// the kept tokens of row `i`, in the straight-through form
+/// the response tokens of row `i` (all of them, also those a token mask drops from the
+/// policy-gradient term), in the straight-through form
 /// `log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]` (capped at 10), clipped like PPO.
 pub fn gspo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
     let (lo, hi) = (1.0 - x.cfg.eps_low, 1.0 + x.cfg.eps_high);
-    let count = x.mask.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
-    let seq_log_ratio = x.log_ratio.detach().mul(x.mask)?.sum_keepdim(1)?.div(&count)?; // (B, 1)
+    let count = x.response.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
+    let seq_log_ratio = x.response_log_ratio.detach().sum_keepdim(1)?.div(&count)?; // (B, 1)
     let log_s = (x.logp - x.logp.detach())?.broadcast_add(&seq_log_ratio)?.minimum(GSPO_LOG_RATIO_MAX)?;
     let (loss, low, high) = clipped_surrogate(&log_s.exp()?, x.adv, lo, hi)?;
     Ok(PolicyTerms { loss, clip_low: Some(low), clip_high: Some(high), dual_clip: None })
@@ -338,19 +349,37 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     let m = keep.to_dtype(f32_)?;
     let clean = |t: &Tensor| -> Result<Tensor> { Ok(keep.where_cond(&t.to_dtype(f32_)?, &zeros)?) };
 
+    let (resp_in, resp_norm) = inp.response.unwrap_or((inp.mask, norm));
+    expect_bt(resp_in, "loss: response mask", b, l)?;
+    let keep_r = resp_in.to_dtype(f32_)?.gt(0.5f32)?;
+    let r = keep_r.to_dtype(f32_)?;
+    let clean_r = |t: &Tensor| -> Result<Tensor> { Ok(keep_r.where_cond(&t.to_dtype(f32_)?, &zeros)?) };
+
     let logp = clean(inp.logp)?;
     let old = clean(&inp.old_logp.detach())?;
     let adv = clean(&expand_advantages(inp.advantages, b, l)?)?;
     let log_ratio = (&logp - &old)?;
     let ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)?.exp()?;
-    let x = PolicyInputs { cfg, logp: &logp, adv: &adv, mask: &m, log_ratio: &log_ratio, ratio: &ratio };
+    let logp_r = clean_r(inp.logp)?;
+    let resp_log_ratio = (&logp_r - clean_r(&inp.old_logp.detach())?)?;
+    let x = PolicyInputs {
+        cfg,
+        logp: &logp,
+        adv: &adv,
+        mask: &m,
+        log_ratio: &log_ratio,
+        ratio: &ratio,
+        response: &r,
+        response_log_ratio: &resp_log_ratio,
+    };
     let terms = policy_loss_fn(cfg.kind)?(&x)?;
 
+    // KL and entropy over the response tokens.
     let kl = match (&cfg.kl, inp.ref_logp) {
         (Some(k), _) if k.beta == 0.0 => None,
-        (Some(k), Some(r)) => {
-            expect_bt(r, "loss: ref_logp", b, l)?;
-            Some((kl_penalty(k.kind, &logp, &clean(&r.detach())?)?, k.beta))
+        (Some(k), Some(rf)) => {
+            expect_bt(rf, "loss: ref_logp", b, l)?;
+            Some((kl_penalty(k.kind, &logp_r, &clean_r(&rf.detach())?)?, k.beta))
         }
         (Some(_), None) => {
             return Err(Error::invalid(
@@ -362,7 +391,7 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     let ent = match inp.entropy {
         Some(h) => {
             expect_bt(h, "loss: entropy", b, l)?;
-            Some(clean(h)?)
+            Some(clean_r(h)?)
         }
         None if cfg.entropy_coef != 0.0 => {
             return Err(Error::invalid(
@@ -372,29 +401,39 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         None => None,
     };
 
-    let mut total = terms.loss.clone();
+    let mut loss = aggregate(&terms.loss, &m, cfg.agg, norm)?;
     if let Some((v, beta)) = &kl {
-        total = (total + v.affine(*beta as f64, 0.0)?)?;
+        loss = (loss + aggregate(v, &r, cfg.agg, resp_norm)?.affine(*beta as f64, 0.0)?)?;
     }
     if let Some(h) = &ent {
         if cfg.entropy_coef != 0.0 {
-            total = (total - h.affine(cfg.entropy_coef as f64, 0.0)?)?;
+            loss = (loss - aggregate(h, &r, cfg.agg, resp_norm)?.affine(cfg.entropy_coef as f64, 0.0)?)?;
         }
     }
-    let loss = aggregate(&total, &m, cfg.agg, norm)?;
-    let metrics =
-        loss_metrics(cfg, &m, &terms, kl.as_ref().map(|(v, _)| v), ent.as_ref(), &log_ratio, &ratio, norm)?;
+    let extra = Terms {
+        kl: kl.as_ref().map(|(v, _)| v),
+        entropy: ent.as_ref(),
+        response: &r,
+        response_norm: resp_norm,
+    };
+    let metrics = loss_metrics(cfg, &m, &terms, &extra, &log_ratio, &ratio, norm)?;
     Ok(LossOutput { loss, metrics })
 }
 
+/// The KL and entropy terms and what they aggregate over.
+struct Terms<'a> {
+    kl: Option<&'a Tensor>,
+    entropy: Option<&'a Tensor>,
+    response: &'a Tensor,
+    response_norm: &'a Normaliser,
+}
+
 /// The detached metrics of one loss call: one stacked vector, one device→host copy.
-#[allow(clippy::too_many_arguments)]
 fn loss_metrics(
     cfg: &ObjectiveConfig,
     m: &Tensor,
     terms: &PolicyTerms,
-    kl: Option<&Tensor>,
-    ent: Option<&Tensor>,
+    extra: &Terms,
     log_ratio: &Tensor,
     ratio: &Tensor,
     norm: &Normaliser,
@@ -406,9 +445,9 @@ fn loss_metrics(
             None => Ok(zero.clone()),
         }
     };
-    let agg_detached = |t: Option<&Tensor>| -> Result<Tensor> {
+    let agg_detached = |t: Option<&Tensor>, mask: &Tensor, norm: &Normaliser| -> Result<Tensor> {
         match t {
-            Some(t) => aggregate(&t.detach(), m, cfg.agg, norm),
+            Some(t) => aggregate(&t.detach(), mask, cfg.agg, norm),
             None => Ok(zero.clone()),
         }
     };
@@ -419,9 +458,9 @@ fn loss_metrics(
         &[
             m.sum_all()?,
             n_seqs,
-            agg_detached(Some(&terms.loss))?,
-            agg_detached(kl)?,
-            agg_detached(ent)?,
+            agg_detached(Some(&terms.loss), m, norm)?,
+            agg_detached(extra.kl, extra.response, extra.response_norm)?,
+            agg_detached(extra.entropy, extra.response, extra.response_norm)?,
             masked_sum(terms.clip_low.as_ref())?,
             masked_sum(terms.clip_high.as_ref())?,
             masked_sum(terms.dual_clip.as_ref())?,
@@ -496,6 +535,7 @@ mod tests {
             mask,
             ref_logp: None,
             entropy: None,
+            response: None,
         };
         let norm = Normaliser::from_masks(&[mask], None).unwrap();
         let out = compute_loss(c, &inp, &norm).unwrap();
@@ -657,6 +697,7 @@ mod tests {
                 mask: &mask,
                 ref_logp: Some(&zeros),
                 entropy: None,
+                response: None,
             };
             let norm = Normaliser::from_masks(&[&mask], None).unwrap();
             let out = compute_loss(&c, &inp, &norm).unwrap();
@@ -689,6 +730,7 @@ mod tests {
             mask: &mask,
             ref_logp: None,
             entropy: Some(h.as_tensor()),
+            response: None,
         };
         let norm = Normaliser::from_masks(&[&mask], None).unwrap();
         let out = compute_loss(&c, &inp, &norm).unwrap();
@@ -778,6 +820,7 @@ mod tests {
                 mask: &m,
                 ref_logp: Some(&r),
                 entropy: Some(hv.as_tensor()),
+                response: None,
             };
             let full = compute_loss(&c, &inp, &norm).unwrap();
             let g = full.loss.backward().unwrap();
@@ -805,6 +848,7 @@ mod tests {
                     mask: &masks[k],
                     ref_logp: Some(&r),
                     entropy: Some(hv.as_tensor()),
+                    response: None,
                 };
                 let out = compute_loss(&c, &inp, &mnorm).unwrap();
                 let g = out.loss.backward().unwrap();
@@ -847,8 +891,15 @@ mod tests {
         let z = t2(&[0.; 3], 1, 3);
         let a = t1(&[1.]);
         let loss = |m: &Tensor, n: &Normaliser| {
-            let inp =
-                LossInputs { logp: &z, old_logp: &z, advantages: &a, mask: m, ref_logp: None, entropy: None };
+            let inp = LossInputs {
+                logp: &z,
+                old_logp: &z,
+                advantages: &a,
+                mask: m,
+                ref_logp: None,
+                entropy: None,
+                response: None,
+            };
             compute_loss(&c, &inp, n).unwrap().loss.to_scalar::<f32>().unwrap()
         };
         assert_eq!(loss(&m1, &global) + loss(&m2, &global), -1.0);
@@ -873,6 +924,7 @@ mod tests {
                 mask: &mask,
                 ref_logp: Some(&rf),
                 entropy: Some(hv.as_tensor()),
+                response: None,
             };
             let norm = Normaliser::from_masks(&[&mask], c.norm_len).unwrap();
             let out = compute_loss(&c, &inp, &norm).unwrap();
@@ -909,6 +961,7 @@ mod tests {
             mask: &mask,
             ref_logp: None,
             entropy: None,
+            response: None,
         };
         let norm = Normaliser::from_masks(&[&mask], None).unwrap();
         let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
@@ -925,5 +978,78 @@ mod tests {
             assert!(policy_loss_fn(kind).is_ok(), "{kind:?}");
             assert_eq!(POLICY_LOSSES.iter().filter(|(k, _)| *k == kind).count(), 1, "{kind:?}");
         }
+    }
+
+    #[test]
+    fn kl_and_entropy_use_the_response_not_the_token_mask() {
+        // A = 0, so only the KL and entropy terms remain. The token mask drops the middle token
+        // (as S2T would); the response keeps all three. token-mean.
+        // KL k1, beta 1, d = logp - ref = [0.5, -0.2, 0.3]: (0.5 - 0.2 + 0.3)/3 = 0.2 and
+        // d loss / d logp = 1/3 everywhere (over the kept tokens only it would be 0.4, [0.5, 0, 0.5]).
+        let mask = t2(&[1., 0., 1.], 1, 3);
+        let resp = t2(&[1., 1., 1.], 1, 3);
+        let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+        let rnorm = Normaliser::from_masks(&[&resp], None).unwrap();
+        let logp = var(&[0.5, -0.2, 0.3], 1, 3);
+        let old = logp.as_tensor().detach();
+        let zeros = t2(&[0.; 3], 1, 3);
+        let adv = t1(&[0.]);
+        let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        c.kl = Some(KlConfig { kind: KlKind::K1, beta: 1.0 });
+        let inp = LossInputs {
+            logp: logp.as_tensor(),
+            old_logp: &old,
+            advantages: &adv,
+            mask: &mask,
+            ref_logp: Some(&zeros),
+            entropy: None,
+            response: Some((&resp, &rnorm)),
+        };
+        let out = compute_loss(&c, &inp, &norm).unwrap();
+        assert!((out.loss.to_scalar::<f32>().unwrap() - 0.2).abs() < TOL);
+        assert!((out.metrics.kl_loss - 0.2).abs() < TOL);
+        let g = out.loss.backward().unwrap();
+        close(&vec(g.get(logp.as_tensor()).unwrap()), &[1. / 3.; 3], TOL, "dKL");
+
+        // Entropy bonus 0.1, H = [1, 5, 3]: -0.1·9/3 = -0.3, dH = -0.1/3 each
+        // (over the kept tokens it would be -0.2 and [-0.05, 0, -0.05]).
+        let h = var(&[1., 5., 3.], 1, 3);
+        let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        c.entropy_coef = 0.1;
+        let inp = LossInputs { ref_logp: None, entropy: Some(h.as_tensor()), ..inp };
+        let out = compute_loss(&c, &inp, &norm).unwrap();
+        assert!((out.loss.to_scalar::<f32>().unwrap() + 0.3).abs() < TOL);
+        let g = out.loss.backward().unwrap();
+        close(&vec(g.get(h.as_tensor()).unwrap()), &[-0.1 / 3.; 3], TOL, "dH");
+    }
+
+    #[test]
+    fn gspo_sequence_ratio_averages_over_the_whole_response() {
+        // A = 1, old = 0, logp = [1e-4, 2e-4, 0], token mask [1, 0, 1], response all three.
+        // log s = (1e-4 + 2e-4 + 0)/3 = 1e-4 → s = 1.0001000 (inside [0.9997, 1.0004]);
+        // over the kept tokens only it would be 5e-5 → 1.0000500.
+        // seq-mean-token-mean over the 2 kept tokens: loss -s; grads -s/2 at kept tokens.
+        let logp = var(&[1e-4, 2e-4, 0.], 1, 3);
+        let old = t2(&[0.; 3], 1, 3);
+        let adv = t1(&[1.]);
+        let mask = t2(&[1., 0., 1.], 1, 3);
+        let resp = t2(&[1., 1., 1.], 1, 3);
+        let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+        let rnorm = Normaliser::from_masks(&[&resp], None).unwrap();
+        let c = ObjectiveConfig::preset("gspo").unwrap();
+        let inp = LossInputs {
+            logp: logp.as_tensor(),
+            old_logp: &old,
+            advantages: &adv,
+            mask: &mask,
+            ref_logp: None,
+            entropy: None,
+            response: Some((&resp, &rnorm)),
+        };
+        let out = compute_loss(&c, &inp, &norm).unwrap();
+        let s = (1e-4f64).exp() as f32;
+        assert!((out.loss.to_scalar::<f32>().unwrap() + s).abs() < 1e-6, "{}", out.loss);
+        let g = out.loss.backward().unwrap();
+        close(&vec(g.get(logp.as_tensor()).unwrap()), &[-s / 2., 0., -s / 2.], 1e-6, "grad");
     }
 }

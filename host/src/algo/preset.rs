@@ -14,7 +14,7 @@ use super::config::{
 use crate::Result;
 
 /// Names accepted by [`ObjectiveConfig::preset`].
-pub const PRESETS: [&str; 7] = ["grpo", "dapo", "gspo", "sapo", "entropy20", "justrl", "stapo"];
+pub const PRESETS: [&str; 8] = ["grpo", "dapo", "gspo", "sapo", "entropy20", "justrl", "stapo", "drgrpo"];
 
 /// Keys accepted by [`ObjectiveConfig::set`], with the value each expects.
 pub const SET_KEYS: [(&str, &str); 25] = [
@@ -48,9 +48,9 @@ pub const SET_KEYS: [(&str, &str); 25] = [
     ("reward_scale", "zero_one|plus_minus_one"),
 ];
 
-/// DAPO's overlong buffer: L_max = 20480, L_cache = 4096, factor 1 (set `overlong_max_len`
-/// to the run's max response length).
-const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
+/// DAPO's overlong buffer: L_max = 20480, L_cache = 4096, factor 1. Entry points size it
+/// to the run's response budget with [`ObjectiveConfig::fit_to_run`].
+pub const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
 /// verl's default `kl_loss_coef`.
 const DEFAULT_KL_BETA: f32 = 0.001;
 
@@ -67,6 +67,7 @@ impl ObjectiveConfig {
     /// | entropy20 | dapo + top-entropy mask rho 0.2 |
     /// | justrl | eps 0.2/0.28, token-mean, no KL, no dynamic sampling, no overlong |
     /// | stapo | dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile), token-mean |
+    /// | drgrpo | grpo with Dr.GRPO advantages (no std) and seq-mean-token-sum-norm over a constant length (the run's max_tokens, see [`ObjectiveConfig::fit_to_run`]) |
     pub fn preset(name: &str) -> Result<Self> {
         let key: String =
             name.trim().to_ascii_lowercase().chars().filter(|c| *c != '-' && *c != '_').collect();
@@ -88,6 +89,9 @@ impl ObjectiveConfig {
             }
             "justrl" => ObjectiveConfig { eps_high: 0.28, agg: AggMode::TokenMean, ..grpo },
             "stapo" => ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo },
+            "drgrpo" => {
+                ObjectiveConfig { adv: AdvEstimator::DrGrpo, agg: AggMode::SeqMeanTokenSumNorm, ..grpo }
+            }
             _ => {
                 return Err(cfg_err(
                     "preset",
@@ -121,6 +125,42 @@ impl ObjectiveConfig {
         }
         o.validate()?;
         Ok(o)
+    }
+
+    /// Sizes the settings that depend on the run's response budget `max_tokens` (every
+    /// entry point calls it: the trainer each step, `stapo update --max-tokens`, the
+    /// `update` binding's `max_tokens`):
+    /// - DAPO's overlong buffer, while it is still the preset's ([`DAPO_OVERLONG`]): L_max =
+    ///   `max_tokens`, L_cache the same fraction of it (0.2), as `set overlong_max_len` does;
+    /// - seq-mean-token-sum-norm's constant length, when unset: `max_tokens` (Dr.GRPO).
+    ///
+    /// Returns a note for a setting that cannot take effect: an overlong buffer that starts
+    /// at or beyond `max_tokens` never fires.
+    pub fn fit_to_run(&mut self, max_tokens: usize) -> Vec<String> {
+        let mut notes = Vec::new();
+        if max_tokens == 0 {
+            return notes;
+        }
+        if self.overlong == Some(DAPO_OVERLONG) {
+            let frac = DAPO_OVERLONG.cache_len as f64 / DAPO_OVERLONG.max_len as f64;
+            let cache_len = ((max_tokens as f64 * frac).round() as usize).clamp(1, max_tokens);
+            self.overlong = Some(OverlongConfig { max_len: max_tokens, cache_len, ..DAPO_OVERLONG });
+        }
+        if let Some(o) = &self.overlong {
+            let start = o.max_len.saturating_sub(o.cache_len);
+            if start >= max_tokens {
+                notes.push(format!(
+                    "the overlong penalty can never fire: responses stop at max_tokens = {max_tokens} but \
+                     it starts after {start} tokens (L_max {} - L_cache {}); set overlong_max_len to \
+                     the run's max_tokens",
+                    o.max_len, o.cache_len
+                ));
+            }
+        }
+        if self.agg == AggMode::SeqMeanTokenSumNorm && self.norm_len.is_none() {
+            self.norm_len = Some(max_tokens);
+        }
+        notes
     }
 
     /// Applies one `--set key=value` override, then validates; on error the config is left
@@ -395,5 +435,23 @@ mod tests {
         assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.01, tau_h: TauH::Quantile(0.75) });
         let e = ObjectiveConfig::with_overrides("grpo", [("tau_q", "1")]).unwrap_err().to_string();
         assert!(e.contains("tau_q"), "{e}");
+    }
+
+    #[test]
+    fn drgrpo_preset_and_fitting_to_the_run() {
+        let mut d = ObjectiveConfig::preset("dr_grpo").unwrap();
+        assert_eq!((d.adv, d.agg, d.norm_len), (AdvEstimator::DrGrpo, AggMode::SeqMeanTokenSumNorm, None));
+        assert!(d.fit_to_run(512).is_empty());
+        assert_eq!(d.norm_len, Some(512));
+        // DAPO's preset buffer follows the run: 20480/4096 → 64/13 (round(0.2 · 64)).
+        let mut s = ObjectiveConfig::preset("stapo").unwrap();
+        assert!(s.fit_to_run(64).is_empty());
+        assert_eq!(s.overlong, Some(OverlongConfig { max_len: 64, cache_len: 13, factor: 1.0 }));
+        assert_eq!(s.norm_len, None); // token-mean: no constant length
+                                      // A buffer the user set is kept, and one that starts beyond the budget is a note.
+        let mut u = ObjectiveConfig::with_overrides("dapo", [("overlong_max_len", "1024")]).unwrap();
+        let notes = u.fit_to_run(64);
+        assert_eq!(u.overlong.unwrap().max_len, 1024);
+        assert!(notes.len() == 1 && notes[0].contains("never fire"), "{notes:?}");
     }
 }

@@ -37,6 +37,15 @@ pub struct UpdateArgs {
     /// Sequences per forward/backward (0 = the mini-batch).
     #[arg(long, default_value_t = 0)]
     pub microbatch: usize,
+    /// The rollouts' sampling temperature: the update divides the logits by it (as verl
+    /// does, so the ratio is on-policy); 1 for untempered sampling.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// The rollouts' response budget: sizes the preset's overlong buffer (DAPO, STAPO) and
+    /// Dr.GRPO's normaliser to it. Without it they keep the preset's values (a warning says
+    /// when the overlong penalty can never fire).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
     /// Take old log-probs from the rollouts instead of recomputing them.
     #[arg(long)]
     pub rollout_logprobs: bool,
@@ -72,8 +81,13 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         micro_batch: a.microbatch,
         old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
         seed: a.seed,
+        temperature: a.temperature,
+        max_tokens: a.max_tokens,
     };
-    let cfg = opts.to_config()?;
+    let (cfg, notes) = opts.to_config()?;
+    for n in &notes {
+        eprintln!("warning: {n}");
+    }
     let batch = RolloutBatch::load_jsonl(&a.rollouts)?;
     anyhow::ensure!(!batch.samples.is_empty(), "{}: no samples", a.rollouts.display());
     let seqs: Vec<Sequence> = batch

@@ -8,7 +8,8 @@
 //! 1. `sampling(step)` → map merged into the step's `SamplingParams`
 //!    (`n`, `temperature`, `top_p`, `top_k`, `max_tokens`, ...);
 //! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile}`,
-//!    applied as the step's S2T mask. `stats` holds the previous step's
+//!    applied to the step's S2T mask (S2T objectives only: with another objective
+//!    the hook is not called and a note says so once). `stats` holds the previous step's
 //!    metrics (`silenced_ratio`, `entropy`, ...; empty at the first step), the
 //!    thresholds in force (`tau_p`, `tau_h`/`tau_h_quantile`) and `prev`, the
 //!    map the hook returned last time (extra keys included), so a hook can
@@ -27,7 +28,8 @@
 //! are only visible to the script as `ARGS.key`.
 //!
 //! In smoke mode every run is clamped to at most 2 steps of 2 prompts × 2
-//! samples × 8 tokens, evaluation to 2 problems × 1 sample, no periodic saves.
+//! samples × 8 tokens (at most 2 generation batches per step), evaluation to 2
+//! problems × 1 sample, no periodic saves.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -123,6 +125,7 @@ pub fn smoke_clamp(rc: &mut RunConfig) {
     rc.eval_limit = Some(rc.eval_limit.unwrap_or(2).min(2));
     rc.save_every = 0;
     rc.epochs = rc.epochs.min(1);
+    rc.max_num_gen_batches = rc.max_num_gen_batches.clamp(1, 2);
 }
 
 /// Smoke mode: the pass@k list clamped to the smoke run's samples per problem.
@@ -170,15 +173,32 @@ pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<(
 }
 
 /// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile`) to the plan's S2T
-/// mask; what the map leaves out stays as configured (the paper's defaults when the
-/// objective had no S2T mask).
+/// mask; what the map leaves out stays as configured. Thresholds apply to S2T only: for
+/// an objective without the S2T mask this is an error (it never switches the mask on).
 pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
-    let cur = plan.objective.mask.s2t().unwrap_or_default();
+    let cur = plan.objective.mask.s2t().ok_or_else(|| {
+        bad_arg(
+            "thresholds",
+            format!(
+                "the objective has no S2T mask (mask = {}); thresholds apply to S2T only \
+                 (set mask = \"s2t\" or use the stapo preset)",
+                mask_name(&plan.objective.mask)
+            ),
+        )
+    })?;
     let t = cur
         .with(get_num(m, "tau_p")?, get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?)
         .map_err(host_err)?;
     plan.objective.mask = t.into();
     plan.objective.validate().map_err(host_err)
+}
+
+fn mask_name(m: &MaskConfig) -> &'static str {
+    match m {
+        MaskConfig::None => "none",
+        MaskConfig::S2t { .. } => "s2t",
+        MaskConfig::TopEntropy { .. } => "top_entropy",
+    }
 }
 
 /// The `stats` argument of `thresholds(step, stats)`.
@@ -350,6 +370,7 @@ fn run_steps(
 ) -> Result<(Map, bool)> {
     let mut last = Map::new();
     let mut prev_thresholds = Map::new();
+    let mut told_no_s2t = false;
     let cancel = host.cancel_flag();
     while trainer.step_count() < steps {
         if host.cancelled() {
@@ -366,8 +387,23 @@ fn run_steps(
             let m = expect_map(host, "sampling", v)?;
             apply_sampling(&mut plan, &m, host.opts.smoke).map_err(|e| Error::invalid(e.to_string()))?;
         }
-        let stats = threshold_stats(&last, &plan, &prev_thresholds, step);
-        if let Some(v) = call_hook(engine, host, "thresholds", vec![s.clone(), Dynamic::from_map(stats)])? {
+        let has_thresholds = host.hooks().has("thresholds", 2);
+        if has_thresholds && plan.objective.mask.s2t().is_none() {
+            // A thresholds hook only affects S2T: a logged no-op for other objectives (it
+            // must never turn GRPO or 20-Entropy into STAPO).
+            if !told_no_s2t {
+                host.notice(&format!(
+                    "note: the thresholds hook is ignored: the objective has no S2T mask (mask = {})",
+                    mask_name(&plan.objective.mask)
+                ));
+                told_no_s2t = true;
+            }
+        } else if let Some(v) = call_hook(
+            engine,
+            host,
+            "thresholds",
+            vec![s.clone(), Dynamic::from_map(threshold_stats(&last, &plan, &prev_thresholds, step))],
+        )? {
             let m = expect_map(host, "thresholds", v)?;
             apply_thresholds(&mut plan, &m).map_err(|e| Error::invalid(e.to_string()))?;
             prev_thresholds = m;

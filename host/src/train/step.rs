@@ -98,6 +98,19 @@ pub struct UpdateConfig {
     /// Shuffle sequences between epochs (seeded).
     pub shuffle: bool,
     pub seed: u64,
+    /// The logits are divided by this in every forward of the update (old log-probs and
+    /// training), as verl does with the rollout temperature so that the ratio is
+    /// on-policy at T != 1; p and H of the S2T rule are then the tempered policy's.
+    #[serde(default = "one")]
+    pub temperature: f64,
+    /// Record each response token's logit-gradient norm (first epoch) and the per-step
+    /// shares of silenced and top-0.01% tokens; costs one softmax over the logits.
+    #[serde(default)]
+    pub token_grad_norms: bool,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl Default for UpdateConfig {
@@ -110,6 +123,8 @@ impl Default for UpdateConfig {
             old_logp: OldLogp::Recompute,
             shuffle: false,
             seed: 0,
+            temperature: 1.0,
+            token_grad_norms: false,
         }
     }
 }
@@ -126,7 +141,22 @@ impl UpdateConfig {
         old_logp: OldLogp,
         seed: u64,
     ) -> Self {
-        UpdateConfig { objective, epochs, mini_batch, micro_batch, old_logp, shuffle: epochs > 1, seed }
+        UpdateConfig {
+            objective,
+            epochs,
+            mini_batch,
+            micro_batch,
+            old_logp,
+            shuffle: epochs > 1,
+            seed,
+            temperature: 1.0,
+            token_grad_norms: false,
+        }
+    }
+
+    /// The same, with the logits divided by `temperature` (see [`UpdateConfig::temperature`]).
+    pub fn with_temperature(self, temperature: f64) -> Self {
+        UpdateConfig { temperature, ..self }
     }
 }
 
@@ -148,6 +178,11 @@ pub struct UpdateOptions {
     pub micro_batch: usize,
     pub old_logp: OldLogp,
     pub seed: u64,
+    /// The rollout's sampling temperature: the update divides the logits by it (verl).
+    pub temperature: f64,
+    /// The rollout's response budget (`max_tokens`): sizes DAPO's overlong buffer and
+    /// Dr.GRPO's normaliser when the preset's are in force ([`ObjectiveConfig::fit_to_run`]).
+    pub max_tokens: Option<usize>,
 }
 
 impl Default for UpdateOptions {
@@ -161,22 +196,38 @@ impl Default for UpdateOptions {
             micro_batch: 0,
             old_logp: OldLogp::Recompute,
             seed: 0,
+            temperature: 1.0,
+            max_tokens: None,
         }
     }
 }
 
 impl UpdateOptions {
     /// The update configuration: the preset, its overrides (validated), [`UpdateConfig::new`].
-    pub fn to_config(&self) -> Result<UpdateConfig> {
-        let objective = ObjectiveConfig::with_overrides(&self.objective, &self.set)?;
-        Ok(UpdateConfig::new(
+    /// With `max_tokens`, also returns the notes of [`ObjectiveConfig::fit_to_run`].
+    pub fn to_config(&self) -> Result<(UpdateConfig, Vec<String>)> {
+        let mut objective = ObjectiveConfig::with_overrides(&self.objective, &self.set)?;
+        let notes = match self.max_tokens {
+            Some(n) => objective.fit_to_run(n),
+            None => Vec::new(),
+        };
+        if !(self.temperature.is_finite() && self.temperature > 0.0) {
+            return Err(Error::Config {
+                file: "update options".into(),
+                field: "temperature".into(),
+                msg: format!("expected a number > 0, found {}", self.temperature),
+            });
+        }
+        let cfg = UpdateConfig::new(
             objective,
             self.epochs,
             self.mini_batch,
             self.micro_batch,
             self.old_logp,
             self.seed,
-        ))
+        )
+        .with_temperature(self.temperature);
+        Ok((cfg, notes))
     }
 }
 
@@ -211,6 +262,15 @@ pub struct UpdateMetrics {
     pub skipped_steps: usize,
     /// Token id → times silenced in this update, most frequent first.
     pub silenced_token_ids: Vec<(u32, usize)>,
+    /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.
+    #[serde(default)]
+    pub s2t_candidates: usize,
+    /// Shares of the summed per-token logit-gradient norm carried by the silenced tokens
+    /// and by the top 0.01% of tokens (first epoch; with `token_grad_norms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub silenced_grad_share: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_grad_share: Option<f32>,
     /// What went wrong without stopping the update (a skipped optimizer step, ...), for
     /// the caller to show: the library prints nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -252,6 +312,10 @@ pub struct UpdateRecord {
     /// epoch's training forward (empty for inactive sequences).
     pub p: Vec<Vec<f32>>,
     pub entropy: Vec<Vec<f32>>,
+    /// Per response token, with `token_grad_norms`: the collision probability `Σ_j p_j²` and
+    /// the logit-gradient norm `|A|·sqrt((1 - p_y)² + Σ_{j≠y} p_j²)` (see [`logit_grad_norm`]).
+    pub collision: Vec<Vec<f32>>,
+    pub grad_norm: Vec<Vec<f32>>,
     /// The S2T thresholds of every mini-batch (empty without S2T).
     pub thresholds: Vec<AppliedThresholds>,
 }
@@ -314,12 +378,40 @@ fn layout_for(ss: &[&Sequence], pad_id: u32, device: &Device) -> Result<Micro> {
     layout(ss, p, t, pad_id, device)
 }
 
-/// Log-probs and entropies `(B, T)` of the response tokens of `mb` under `model`.
-fn response_logp(model: &Qwen3, mb: &Micro, grad: Grad) -> Result<(Tensor, Tensor)> {
+/// Log-probs and entropies `(B, T)` of the response tokens of `mb` under `model`, with
+/// the logits divided by `temperature`.
+fn response_logp(model: &Qwen3, mb: &Micro, grad: Grad, temperature: f64) -> Result<(Tensor, Tensor)> {
+    let (lp, h, _) = response_stats(model, mb, grad, temperature, false)?;
+    Ok((lp, h))
+}
+
+/// [`response_logp`], plus (when `collision`) the collision probability `sum_j p_j^2` of
+/// each position's distribution, detached, for the logit-gradient norms of the analysis.
+///
+/// Seam: the collision probability is computed here from the materialised logits (one
+/// more `(B, T, V)` temporary); once the model's fused log-prob/entropy kernel returns it
+/// from the same pass, take it from there.
+fn response_stats(
+    model: &Qwen3,
+    mb: &Micro,
+    grad: Grad,
+    temperature: f64,
+    collision: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let hidden = model.forward_hidden(&mb.tokens, grad)?;
     let h = hidden.narrow(1, mb.p - 1, mb.t)?;
-    let logits = model.lm_head(&h, grad)?;
-    model::logprob_entropy(&logits, &mb.targets)
+    let mut logits = model.lm_head(&h, grad)?;
+    if temperature != 1.0 {
+        logits = logits.affine(1.0 / temperature, 0.0)?;
+    }
+    let c = if collision {
+        let probs = candle_nn::ops::softmax_last_dim(&logits.detach().to_dtype(DType::F32)?)?;
+        Some(probs.sqr()?.sum(candle_core::D::Minus1)?)
+    } else {
+        None
+    };
+    let (lp, ent) = model::logprob_entropy(&logits, &mb.targets)?;
+    Ok((lp, ent, c))
 }
 
 /// Per-sequence vectors of a `(B, T)` tensor, cut to each response's length.
@@ -365,7 +457,7 @@ pub fn score(seqs: &[Sequence], obj: &ObjectiveConfig) -> Result<Scored> {
 }
 
 /// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups.
-fn batch_metrics(seqs: &[Sequence], scored: &Scored, m: &mut UpdateMetrics) {
+pub fn batch_metrics(seqs: &[Sequence], scored: &Scored, m: &mut UpdateMetrics) {
     let n = seqs.len().max(1) as f32;
     let rewards = &scored.rewards;
     m.reward_mean = rewards.iter().sum::<f32>() / n;
@@ -375,6 +467,33 @@ fn batch_metrics(seqs: &[Sequence], scored: &Scored, m: &mut UpdateMetrics) {
     m.response_len_max = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
     m.truncation_rate = seqs.iter().filter(|s| s.truncated).count() as f32 / n;
     m.zero_var_group_frac = scored.advantages.zero_variance_fraction();
+}
+
+/// Settings that a caller left at values that do not fit the run: DAPO's overlong buffer
+/// at the preset's L_max while responses stop (truncated) far below it, and
+/// seq-mean-token-sum-norm without a constant length (it then divides by the padded length).
+fn run_setting_warnings(obj: &ObjectiveConfig, seqs: &[Sequence]) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(o) = &obj.overlong {
+        let longest_cut = seqs.iter().filter(|s| s.truncated).map(|s| s.response_ids.len()).max();
+        if let Some(cut) = longest_cut.filter(|&c| c <= o.max_len.saturating_sub(o.cache_len)) {
+            out.push(format!(
+                "the overlong penalty can never fire: responses are cut at {cut} tokens but it starts \
+                 after {} (L_max {} - L_cache {}); set overlong_max_len to the run's max_tokens",
+                o.max_len.saturating_sub(o.cache_len),
+                o.max_len,
+                o.cache_len
+            ));
+        }
+    }
+    if obj.agg == crate::algo::AggMode::SeqMeanTokenSumNorm && obj.norm_len.is_none() {
+        out.push(
+            "seq-mean-token-sum-norm without norm_len divides by the mini-batch's padded length; \
+             set norm_len to the run's max_tokens (Dr.GRPO)"
+                .into(),
+        );
+    }
+    out
 }
 
 /// Indices of the sequences that reach the loss: non-empty responses, minus the groups
@@ -407,14 +526,14 @@ fn logps_no_grad(
     m: &Qwen3,
     seqs: &[Sequence],
     idx: &[usize],
-    chunk: usize,
+    (chunk, temperature): (usize, f64),
     pad_id: u32,
 ) -> Result<HashMap<usize, Vec<f32>>> {
     let mut out = HashMap::with_capacity(idx.len());
     for part in idx.chunks(chunk.max(1)) {
         let ss: Vec<&Sequence> = part.iter().map(|&i| &seqs[i]).collect();
         let mb = layout_for(&ss, pad_id, m.device())?;
-        let (lp, _) = response_logp(m, &mb, Grad::Off)?;
+        let (lp, _) = response_logp(m, &mb, Grad::Off, temperature)?;
         out.extend(part.iter().copied().zip(rows(&lp, &ss)?));
     }
     Ok(out)
@@ -432,7 +551,16 @@ fn old_logprobs(
     let (mb_size, micro_size) = sizes;
     Ok(match cfg.old_logp {
         OldLogp::Recompute if cfg.epochs.max(1) == 1 && active.len() <= mb_size => OldLogps::FromForward,
-        OldLogp::Recompute => OldLogps::Given(logps_no_grad(model, seqs, active, micro_size, pad_id)?),
+        OldLogp::Recompute => {
+            OldLogps::Given(logps_no_grad(model, seqs, active, (micro_size, cfg.temperature), pad_id)?)
+        }
+        OldLogp::Rollout if cfg.temperature != 1.0 => {
+            return Err(Error::invalid(format!(
+                "update: old_logp = rollout holds log-probs at temperature 1, but the update divides \
+                 the logits by {}; use old_logp = recompute",
+                cfg.temperature
+            )))
+        }
         OldLogp::Rollout => OldLogps::Given(
             active
                 .iter()
@@ -459,15 +587,15 @@ fn old_logprobs(
 /// Reference-policy log-probs when a KL penalty is configured.
 fn reference_logprobs(
     reference: Option<&Qwen3>,
-    obj: &ObjectiveConfig,
+    cfg: &UpdateConfig,
     seqs: &[Sequence],
     active: &[usize],
     micro_size: usize,
     pad_id: u32,
 ) -> Result<Option<HashMap<usize, Vec<f32>>>> {
-    match (&obj.kl, reference) {
+    match (&cfg.objective.kl, reference) {
         (Some(kl), Some(r)) if kl.beta != 0.0 => {
-            Ok(Some(logps_no_grad(r, seqs, active, micro_size, pad_id)?))
+            Ok(Some(logps_no_grad(r, seqs, active, (micro_size, cfg.temperature), pad_id)?))
         }
         (Some(kl), None) if kl.beta != 0.0 => {
             Err(Error::invalid("update: a KL penalty is configured but no reference model was given"))
@@ -536,8 +664,13 @@ struct MiniBatch<'a> {
     adv: Tensor,
 }
 
-/// The forward (with gradient) of one micro-batch: its layout, log-probs, entropies.
-type Forward = (Micro, Tensor, Tensor);
+/// The forward (with gradient) of one micro-batch: its layout, log-probs, entropies and,
+/// when asked for, collision probabilities.
+type Forward = (Micro, Tensor, Tensor, Option<Tensor>);
+
+/// What one micro-batch step returns: its loss (`None` when not finite) and the detached
+/// log-probs, entropies and collision probabilities of its forward.
+type MicroOut = (Option<f32>, Tensor, Tensor, Option<Tensor>);
 
 /// Forward, loss and backward of micro-batch `(s, len)` of `mb`; adds its gradients to
 /// `acc`. Returns the loss value, or `None` (no backward) when it is not finite.
@@ -548,23 +681,24 @@ fn micro_step(
     mb: &MiniBatch,
     (s, len): (usize, usize),
     fwd: Option<Forward>,
-    losses: (&ObjectiveConfig, &Tensor, &Normaliser),
+    losses: (&UpdateConfig, &Tensor, &Normaliser, &Tensor, &Normaliser),
     old: &OldLogps,
     reference: Option<&HashMap<usize, Vec<f32>>>,
-    pad_id: u32,
+    (pad_id, collision): (u32, bool),
     totals: &mut Totals,
     acc: &mut GradStore,
-) -> Result<(Option<f32>, Tensor, Tensor)> {
-    let (obj, token_mask, norm) = losses;
+) -> Result<MicroOut> {
+    let (cfg, token_mask, norm, response, response_norm) = losses;
+    let obj = &cfg.objective;
     let device = model.device();
     let part = &mb.ss[s..s + len];
     let ids = &mb.idx[s..s + len];
-    let (micro, logp, entropy) = match fwd {
+    let (micro, logp, entropy, coll) = match fwd {
         Some(f) => f,
         None => {
             let micro = layout(part, mb.p, mb.t, pad_id, device)?;
-            let (lp, h) = response_logp(model, &micro, Grad::Track)?;
-            (micro, lp, h)
+            let (lp, h, c) = response_stats(model, &micro, Grad::Track, cfg.temperature, collision)?;
+            (micro, lp, h, c)
         }
     };
     let old_t = match old {
@@ -576,6 +710,7 @@ fn micro_step(
         None => None,
     };
     let mask = token_mask.narrow(0, s, len)?;
+    let resp = response.narrow(0, s, len)?;
     let adv = mb.adv.narrow(0, s, len)?;
     let out = compute_loss(
         obj,
@@ -586,6 +721,7 @@ fn micro_step(
             mask: &mask,
             ref_logp: ref_t.as_ref(),
             entropy: (obj.entropy_coef != 0.0).then_some(&entropy),
+            response: Some((&resp, response_norm)),
         },
         norm,
     )?;
@@ -597,7 +733,7 @@ fn micro_step(
     totals.loss_metrics.merge(&out.metrics);
     let (lp, h) = (logp.detach(), entropy.detach());
     if !l.is_finite() {
-        return Ok((None, lp, h));
+        return Ok((None, lp, h, coll));
     }
     let mut grads = out.loss.backward()?;
     for (_, var) in opt.params() {
@@ -609,7 +745,7 @@ fn micro_step(
             acc.insert(var.as_tensor(), g);
         }
     }
-    Ok((Some(l), lp, h))
+    Ok((Some(l), lp, h, coll))
 }
 
 /// The optimizer step of one mini-batch (skipped, with a warning, when its loss was not
@@ -670,6 +806,7 @@ pub fn update(
     let scored = score(seqs, obj)?;
     batch_metrics(seqs, &scored, &mut metrics);
     let active = active_sequences(seqs, obj, &scored)?;
+    metrics.warnings.extend(run_setting_warnings(obj, seqs));
     let n = seqs.len();
     let mut record = UpdateRecord {
         rewards: scored.rewards.clone(),
@@ -679,6 +816,8 @@ pub fn update(
         silenced: vec![Vec::new(); n],
         p: vec![Vec::new(); n],
         entropy: vec![Vec::new(); n],
+        collision: vec![Vec::new(); n],
+        grad_norm: vec![Vec::new(); n],
         thresholds: Vec::new(),
     };
     metrics.dropped_seqs = n - active.len();
@@ -690,7 +829,7 @@ pub fn update(
 
     // 3. Old-policy (and reference) log-probs, before any parameter changes.
     let old = old_logprobs(model, seqs, &active, cfg, (mb_size, micro_size), pad_id)?;
-    let reference_logp = reference_logprobs(reference, obj, seqs, &active, micro_size, pad_id)?;
+    let reference_logp = reference_logprobs(reference, cfg, seqs, &active, micro_size, pad_id)?;
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut totals = Totals::default();
@@ -722,21 +861,22 @@ pub fn update(
             // mini-batch: from the gradient forward when the mini-batch is one
             // micro-batch, else from one no-grad pass over its micro-batches.
             let needs_stats = !matches!(obj.mask, MaskConfig::None);
+            let collision = cfg.token_grad_norms && epoch == 0;
             let mut single: Option<Forward> = if mb.micros.len() == 1 {
                 let micro = layout(&mb.ss, mb.p, mb.t, pad_id, &device)?;
-                let (lp, h) = response_logp(model, &micro, Grad::Track)?;
-                Some((micro, lp, h))
+                let (lp, h, c) = response_stats(model, &micro, Grad::Track, cfg.temperature, collision)?;
+                Some((micro, lp, h, c))
             } else {
                 None
             };
             let stats = match (&single, needs_stats) {
                 (_, false) => None,
-                (Some((_, lp, h)), true) => Some((lp.detach(), h.detach())),
+                (Some((_, lp, h, _)), true) => Some((lp.detach(), h.detach())),
                 (None, true) => {
                     let (mut lps, mut hs) = (Vec::new(), Vec::new());
                     for &(s, len) in &mb.micros {
                         let micro = layout(&mb.ss[s..s + len], mb.p, mb.t, pad_id, &device)?;
-                        let (lp, h) = response_logp(model, &micro, Grad::Off)?;
+                        let (lp, h) = response_logp(model, &micro, Grad::Off, cfg.temperature)?;
                         lps.push(lp);
                         hs.push(h);
                     }
@@ -746,6 +886,7 @@ pub fn update(
             let (mask, s2t) = token_mask(&obj.mask, stats.as_ref().map(|(l, h)| (l, h)), &mb.adv, &resp_all)?;
             if let Some(st) = &s2t {
                 metrics.silenced_tokens += st.n_silenced;
+                metrics.s2t_candidates += st.n_candidates;
                 if let Some(th) = st.tau_h {
                     totals.tau_h_sum += th as f64;
                     totals.tau_h_count += 1;
@@ -768,21 +909,22 @@ pub fn update(
                 record_mask(&mut record, &mb, &mask, s2t.as_ref())?;
             }
             let norm = Normaliser::from_masks(&[&mask], obj.norm_len)?;
+            let resp_norm = Normaliser::from_masks(&[&resp_all], obj.norm_len)?;
 
             // 5. Forward + backward per micro-batch, gradients summed.
             let mut acc = GradStore::default();
             let mut step_loss = Some(0f64);
             for &micro in &mb.micros {
-                let (l, lp, h) = micro_step(
+                let (l, lp, h, coll) = micro_step(
                     model,
                     opt,
                     &mb,
                     micro,
                     single.take(),
-                    (obj, &mask, &norm),
+                    (cfg, &mask, &norm, &resp_all, &resp_norm),
                     &old,
                     reference_logp.as_ref(),
-                    pad_id,
+                    (pad_id, collision),
                     &mut totals,
                     &mut acc,
                 )?;
@@ -793,6 +935,11 @@ pub fn update(
                     {
                         record.p[i] = lp.iter().map(|x| x.exp()).collect();
                         record.entropy[i] = h;
+                    }
+                    if let Some(c) = &coll {
+                        for (&i, c) in mb.idx[s..s + len].iter().zip(rows(c, part)?) {
+                            record.collision[i] = c;
+                        }
                     }
                 }
                 match l {
@@ -811,7 +958,59 @@ pub fn update(
         }
     }
     finish_metrics(&mut metrics, totals);
+    if cfg.token_grad_norms {
+        record_grad_norms(&mut record, &mut metrics);
+    }
     Ok(UpdateOutcome { metrics, record })
+}
+
+/// The norm of the gradient of `-A·log p_y` with respect to the logits: `-A·(e_y - p)`, so
+/// `|A|·sqrt((1 - p_y)² + Σ_{j≠y} p_j²)` with `Σ_{j≠y} p_j² = collision - p_y²` (STAPO's
+/// argument: it grows as p_y and the entropy fall).
+pub fn logit_grad_norm(advantage: f32, p: f32, collision: f32) -> f32 {
+    let (p, c) = (p as f64, collision as f64);
+    (advantage.abs() as f64 * ((1.0 - p).powi(2) + (c - p * p).max(0.0)).sqrt()) as f32
+}
+
+/// Shares of `Σ g` carried by the `silenced` tokens and by the top `top_frac` of tokens by
+/// `g` (at least one token); `(0, 0)` when `Σ g = 0`.
+pub fn grad_shares(g: &[f32], silenced: &[bool], top_frac: f64) -> (f32, f32) {
+    let total: f64 = g.iter().map(|&x| x as f64).sum();
+    if g.is_empty() || total <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let sil: f64 = g.iter().zip(silenced).filter(|(_, &s)| s).map(|(&x, _)| x as f64).sum();
+    let mut sorted = g.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let k = ((g.len() as f64 * top_frac).ceil() as usize).clamp(1, g.len());
+    let top: f64 = sorted[..k].iter().map(|&x| x as f64).sum();
+    ((sil / total) as f32, (top / total) as f32)
+}
+
+/// The share of the logit-gradient norm the top 0.01% of tokens carry (the paper's
+/// spurious-token fraction).
+pub const TOP_GRAD_FRAC: f64 = 1e-4;
+
+/// Per-token logit-gradient norms of the first epoch (active sequences) and their shares.
+fn record_grad_norms(record: &mut UpdateRecord, metrics: &mut UpdateMetrics) {
+    let (mut all, mut sil) = (Vec::new(), Vec::new());
+    for i in 0..record.p.len() {
+        let (p, c) = (&record.p[i], &record.collision[i]);
+        if p.len() != c.len() {
+            continue;
+        }
+        let a = record.advantages[i];
+        let g: Vec<f32> = p.iter().zip(c).map(|(&p, &c)| logit_grad_norm(a, p, c)).collect();
+        let s = &record.silenced[i];
+        sil.extend((0..g.len()).map(|j| s.get(j).copied().unwrap_or(false)));
+        all.extend_from_slice(&g);
+        record.grad_norm[i] = g;
+    }
+    if !all.is_empty() {
+        let (s, t) = grad_shares(&all, &sil, TOP_GRAD_FRAC);
+        metrics.silenced_grad_share = Some(s);
+        metrics.top_grad_share = Some(t);
+    }
 }
 
 /// Stores the first epoch's kept and silenced tokens of a mini-batch in the record.
@@ -1029,12 +1228,19 @@ mod tests {
         let o: UpdateOptions =
             serde_json::from_str(r#"{"objective": "grpo", "set": {"eps_high": "0.28"}, "epochs": 2}"#)
                 .unwrap();
-        let c = o.to_config().unwrap();
+        let (c, notes) = o.to_config().unwrap();
+        assert!(notes.is_empty());
         assert_eq!(c.objective.eps_high, 0.28);
         assert!(c.shuffle && c.epochs == 2 && o.lr == 1e-6);
         let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
         assert!(e.contains("epoch"), "{e}");
         assert!(serde_json::from_str::<UpdateOptions>(r#"{"epochs": -1}"#).is_err());
+        // max_tokens sizes the preset's overlong buffer (stapo: 20480/4096 → 64/13).
+        let o = UpdateOptions { max_tokens: Some(64), temperature: 0.7, ..Default::default() };
+        let (c, _) = o.to_config().unwrap();
+        assert_eq!(c.objective.overlong.map(|o| (o.max_len, o.cache_len)), Some((64, 13)));
+        assert_eq!(c.temperature, 0.7);
+        assert!(UpdateOptions { temperature: 0.0, ..Default::default() }.to_config().is_err());
         let bad = UpdateOptions { set: [("tau_p".into(), "-1".into())].into(), ..Default::default() };
         assert!(bad.to_config().unwrap_err().to_string().contains("tau_p"));
     }
@@ -1107,5 +1313,104 @@ mod tests {
         assert_eq!((silenced, th.silenced), (met.silenced_tokens, met.silenced_tokens));
         let kept: usize = rec.kept.iter().flatten().filter(|&&k| k).count();
         assert_eq!(kept, met.kept_tokens);
+    }
+
+    #[test]
+    fn the_update_sees_the_tempered_policy() {
+        // One sequence, prompt [5, 6, 7], response [8, 9]; T = 2. The record's p must be the
+        // sampled token's probability under softmax(logits / 2), computed here on the host
+        // from the model's full logits; its H the entropy of that distribution.
+        let m = tiny();
+        let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
+        let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
+        let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+        let (mut want_p, mut want_h) = (Vec::new(), Vec::new());
+        for (pos, target) in [(2usize, 8usize), (3, 9)] {
+            let z: Vec<f64> = logits[0][pos].iter().map(|x| x / 2.0).collect();
+            let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            want_p.push((e[target] / sum) as f32);
+            want_h.push(-e.iter().map(|x| x / sum * (x / sum).ln()).sum::<f64>() as f32);
+        }
+        let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+        let cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0)
+            .with_temperature(2.0);
+        let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
+        close(&out.record.p[0], &want_p, 1e-5, "p at T = 2");
+        close(&out.record.entropy[0], &want_h, 1e-4, "H at T = 2");
+        // Log-probs recorded at T = 1 cannot serve as old log-probs of a tempered update.
+        let cfg = UpdateConfig { old_logp: OldLogp::Rollout, ..cfg };
+        let mut with_lp = seqs.clone();
+        for s in &mut with_lp {
+            s.rollout_logprobs = Some(vec![-1.0; 2]);
+        }
+        let e = update(&m, &mut opt, None, &with_lp, &cfg, 0.0, 0).unwrap_err().to_string();
+        assert!(e.contains("temperature 1"), "{e}");
+    }
+
+    #[test]
+    fn settings_that_cannot_fire_are_warned() {
+        // DAPO's preset buffer starts after 20480 - 4096 tokens; responses cut at 3 tokens.
+        let mut s = seq(0, 1., &[1], &[2, 3, 4]);
+        s.truncated = true;
+        let w = run_setting_warnings(&ObjectiveConfig::preset("dapo").unwrap(), &[s.clone()]);
+        assert!(w.len() == 1 && w[0].contains("never fire") && w[0].contains("16384"), "{w:?}");
+        let mut fitted = ObjectiveConfig::preset("dapo").unwrap();
+        assert!(fitted.fit_to_run(3).is_empty());
+        assert!(run_setting_warnings(&fitted, &[s.clone()]).is_empty());
+        let dr = ObjectiveConfig::preset("drgrpo").unwrap();
+        assert!(run_setting_warnings(&dr, &[s])[0].contains("norm_len"));
+    }
+
+    #[test]
+    fn logit_grad_norm_and_shares_by_hand() {
+        // p = [1/6, 2/6, 3/6], y = 2, A = 2: the gradient -A·(e_y - p) = [1/3, 2/3, -1] has norm
+        // sqrt(1/9 + 4/9 + 1) = sqrt(14/9) = 1.2472191; collision = 14/36.
+        let g = logit_grad_norm(2.0, 0.5, 14.0 / 36.0);
+        assert!((g - 1.2472191).abs() < 1e-6, "{g}");
+        assert_eq!(logit_grad_norm(0.0, 0.5, 0.4), 0.0);
+        // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4; top 0.01% of 5 tokens → 1 token, 5 → 0.5.
+        let (s, t) = grad_shares(&[5., 1., 0., 3., 1.], &[false, true, false, true, false], 1e-4);
+        assert!((s - 0.4).abs() < 1e-7 && (t - 0.5).abs() < 1e-7, "{s} {t}");
+        assert_eq!(grad_shares(&[0., 0.], &[true, false], 1e-4), (0.0, 0.0));
+    }
+
+    #[test]
+    fn grad_norms_are_recorded_from_the_collision_probability() {
+        // One group of two, prompt [5, 6, 7]; the record's collision probability must be
+        // Σ p² of softmax(logits), computed on the host from the model's full logits.
+        let m = tiny();
+        let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
+        let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
+        let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+        let want_c: Vec<f32> = [2usize, 3]
+            .iter()
+            .map(|&pos| {
+                let z = &logits[0][pos];
+                let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                e.iter().map(|x| (x / sum).powi(2)).sum::<f64>() as f32
+            })
+            .collect();
+        let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+        let mut cfg =
+            UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0);
+        cfg.token_grad_norms = true;
+        let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
+        let rec = &out.record;
+        close(&rec.collision[0], &want_c, 1e-6, "collision");
+        for i in 0..2 {
+            for j in 0..2 {
+                let want = logit_grad_norm(rec.advantages[i], rec.p[i][j], rec.collision[i][j]);
+                assert_eq!(rec.grad_norm[i][j], want);
+                assert!(want > 0.0);
+            }
+        }
+        assert_eq!(out.metrics.silenced_grad_share, Some(0.0));
+        // The largest of 4 tokens, which come in equal pairs (the two responses are the same).
+        let top = out.metrics.top_grad_share.unwrap();
+        assert!((0.25..=0.5).contains(&top), "{top}");
     }
 }

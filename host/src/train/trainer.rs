@@ -18,15 +18,15 @@ use std::time::Instant;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::algo::{MaskConfig, ObjectiveConfig, TauH};
+use crate::algo::{ObjectiveConfig, S2tThresholds, TauH};
 use crate::data::{Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, SamplerState, Tokenizer};
 use crate::eval::{self, EvalReport};
 use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, SamplingParams};
+use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
-use crate::train::step::{update, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::step::{self, update, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
 
@@ -64,6 +64,17 @@ pub struct RunConfig {
     pub mini_batch: usize,
     pub micro_batch: usize,
     pub old_logp: OldLogp,
+    /// With dynamic sampling: at most this many prompt batches per step to fill
+    /// `prompts_per_step` groups with mixed rewards (verl `max_num_gen_batches`; 0 = no
+    /// limit); when hit, the step updates on fewer groups and warns.
+    pub max_num_gen_batches: usize,
+    /// Divide the logits by the sampling temperature in the update's forward passes (old
+    /// log-probs and training), as verl does, so the ratio is on-policy at T != 1; the
+    /// S2T rule's p and H then refer to the tempered policy.
+    pub scale_logits_by_temperature: bool,
+    /// Record every response token's logit-gradient norm and report the shares of silenced
+    /// and top-0.01% tokens each step (STAPO's analysis; one extra softmax over the logits).
+    pub token_grad_norms: bool,
     pub seed: u64,
     /// Evaluate on `test_data` every this many steps (0 = never).
     pub eval_every: usize,
@@ -103,6 +114,9 @@ impl Default for RunConfig {
             mini_batch: 0,
             micro_batch: 0,
             old_logp: OldLogp::Recompute,
+            max_num_gen_batches: 10,
+            scale_logits_by_temperature: true,
+            token_grad_norms: true,
             seed: 0,
             eval_every: 0,
             eval_n: 8,
@@ -145,6 +159,12 @@ pub struct StepMetrics {
     pub rollout_secs: f64,
     pub update_secs: f64,
     pub rollout_tokens_per_sec: f64,
+    /// Prompt batches generated this step (more than 1 when dynamic sampling refilled).
+    #[serde(default)]
+    pub gen_batches: usize,
+    /// Groups dynamic sampling dropped before the update (all rewards equal).
+    #[serde(default)]
+    pub groups_dropped: usize,
     /// Held-out avg@n when this step evaluated.
     pub eval_avg: Option<f64>,
     pub eval_pass: Option<f64>,
@@ -178,6 +198,8 @@ pub struct Trainer {
     /// Warnings not yet reported (data lines skipped at load); the next step's metrics
     /// carry them, since the library prints nothing.
     pending_warnings: Vec<String>,
+    /// Notes already reported once (settings that cannot take effect).
+    warned: std::collections::HashSet<String>,
     last_eval: Option<EvalReport>,
     /// (step, avg@n, pass@n) of every held-out evaluation of this run.
     evals: Vec<(u64, f64, f64)>,
@@ -285,6 +307,7 @@ impl Trainer {
             last_rollout: None,
             last_update: None,
             pending_warnings: warnings,
+            warned: Default::default(),
             last_eval: None,
             evals: read_evals(&run_dir.join("eval.jsonl"), state.map_or(u64::MAX, |s| s.step)),
             model: m,
@@ -339,9 +362,19 @@ impl Trainer {
         }
     }
 
-    /// Sets the S2T thresholds of the objective used by later default plans.
-    pub fn set_thresholds(&mut self, tau_p: f32, tau_h: TauH) {
-        self.objective.mask = MaskConfig::S2t { tau_p, tau_h };
+    /// Sets the S2T thresholds of the objective used by later default plans; an error when
+    /// the objective has no S2T mask (thresholds never switch it on).
+    pub fn set_thresholds(&mut self, tau_p: f32, tau_h: TauH) -> Result<()> {
+        if self.objective.mask.s2t().is_none() {
+            return Err(Error::invalid(format!(
+                "set_thresholds: the objective `{}` has no S2T mask; thresholds apply to S2T only",
+                self.cfg.objective
+            )));
+        }
+        let t = S2tThresholds { tau_p, tau_h };
+        t.validate()?;
+        self.objective.mask = t.into();
+        Ok(())
     }
 
     /// One RL step under `plan`. `progress` receives rollout tokens so far.
@@ -356,44 +389,85 @@ impl Trainer {
         if step == 0 && self.cfg.eval_every > 0 && self.test.is_some() && self.evals.is_empty() {
             self.evaluate(None)?;
         }
-        let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
-        let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
-        let prompt_texts: Vec<String> =
-            examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
-        let prompts: Vec<Vec<u32>> =
-            prompt_texts.iter().map(|t| self.tokenizer.encode(t, false)).collect::<Result<_>>()?;
-        let mut sampling = plan.sampling.clone();
-        sampling.seed = mix(self.cfg.seed, step);
-        add_stop_ids(&mut sampling, self.tokenizer.eos_ids());
-
-        let t0 = Instant::now();
-        let tok = &self.tokenizer;
-        let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
-        let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
-        let mut samples =
-            rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
-        let rollout_secs = t0.elapsed().as_secs_f64();
-        let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
-        for s in &mut samples {
-            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
-            s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+        // Roll out and score. With dynamic sampling, keep generating batches of prompts
+        // until `prompts_per_step` groups have mixed rewards (verl `filter_groups`), at most
+        // `max_num_gen_batches` batches (0 = no limit).
+        let target = self.cfg.prompts_per_step;
+        let dynamic = plan.objective.dynamic_sampling;
+        let mut kept = Gathered::default();
+        let mut last_round = Gathered::default();
+        let mut all_seqs: Vec<Sequence> = Vec::new();
+        let (mut rollout_secs, mut n_tokens, mut gen_batches, mut groups_dropped) =
+            (0f64, 0usize, 0usize, 0usize);
+        let mut warnings = std::mem::take(&mut self.pending_warnings);
+        loop {
+            let t0 = Instant::now();
+            let round = self.roll_out(plan, gen_batches as u64, progress, cancel)?;
+            rollout_secs += t0.elapsed().as_secs_f64();
+            n_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
+            let offset = all_seqs.len();
+            all_seqs.extend(round.samples.iter().map(|s| {
+                let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
+                q.group += offset; // unique across batches, for the batch metrics
+                q
+            }));
+            gen_batches += 1;
+            if !dynamic {
+                kept = round;
+                break;
+            }
+            groups_dropped += kept.add_mixed(&round, target);
+            last_round = round;
+            if kept.examples.len() >= target {
+                break;
+            }
+            if self.cfg.max_num_gen_batches > 0 && gen_batches >= self.cfg.max_num_gen_batches {
+                warnings.push(format!(
+                    "dynamic sampling: {} of {target} groups with mixed rewards after {gen_batches} \
+                     generation batches (max_num_gen_batches); updating on fewer",
+                    kept.examples.len()
+                ));
+                break;
+            }
         }
+        if kept.samples.is_empty() {
+            // No group had mixed rewards: the update drops them all and reports it.
+            kept = last_round;
+        }
+        let Gathered { examples, texts: prompt_texts, samples } = kept;
         let seqs: Vec<Sequence> =
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
+        let tok = &self.tokenizer;
+        let mut objective = plan.objective.clone();
+        for note in objective.fit_to_run(plan.sampling.max_new_tokens) {
+            if self.warned.insert(note.clone()) {
+                warnings.push(note);
+            }
+        }
+        // verl divides the logits by the sampling temperature for the old log-probs and the
+        // training forward alike, so that the ratio is on-policy (T <= 0 is greedy: none).
+        let t = plan.sampling.temperature;
+        let temperature = if self.cfg.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
         let ucfg = UpdateConfig::new(
-            plan.objective.clone(),
+            objective.clone(),
             self.cfg.epochs,
             self.cfg.mini_batch,
             self.cfg.micro_batch,
             self.cfg.old_logp,
             mix(self.cfg.seed ^ 0x5eed, step),
-        );
+        )
+        .with_temperature(temperature);
+        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
         let outcome =
             update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
         let mut um = outcome.metrics;
-        let mut warnings = std::mem::take(&mut self.pending_warnings);
+        // Batch metrics over everything sampled this step (also groups dynamic sampling
+        // dropped before the update).
+        let scored_all = step::score(&all_seqs, &objective)?;
+        step::batch_metrics(&all_seqs, &scored_all, &mut um);
+        um.dropped_seqs += all_seqs.len() - seqs.len();
         warnings.append(&mut um.warnings);
         um.warnings = warnings;
         if um.response_tokens == 0 {
@@ -425,6 +499,8 @@ impl Trainer {
             rollout_secs,
             update_secs,
             rollout_tokens_per_sec: n_tokens as f64 / rollout_secs.max(1e-9),
+            gen_batches,
+            groups_dropped,
             eval_avg: None,
             eval_pass: None,
         };
@@ -441,6 +517,36 @@ impl Trainer {
             self.checkpoint()?;
         }
         Ok(m)
+    }
+
+    /// Generation batch `round` of this step: the next `prompts_per_step` prompts, rolled
+    /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
+    fn roll_out(
+        &mut self,
+        plan: &StepPlan,
+        round: u64,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<Gathered> {
+        let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
+        let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
+        let texts: Vec<String> = examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
+        let prompts: Vec<Vec<u32>> =
+            texts.iter().map(|t| self.tokenizer.encode(t, false)).collect::<Result<_>>()?;
+        let mut sampling = plan.sampling.clone();
+        let seed = mix(self.cfg.seed, self.step);
+        sampling.seed = if round == 0 { seed } else { mix(seed, round) };
+        add_stop_ids(&mut sampling, self.tokenizer.eos_ids());
+        let tok = &self.tokenizer;
+        let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+        let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
+        let mut samples =
+            rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
+        for s in &mut samples {
+            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
+            s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+        }
+        Ok(Gathered { examples, texts, samples })
     }
 
     /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
@@ -554,6 +660,44 @@ impl Trainer {
     }
 }
 
+/// The prompts and scored samples of a step, gathered over one or more generation
+/// batches; sample `prompt_index` and `group` index `examples`.
+#[derive(Debug, Default)]
+struct Gathered {
+    examples: Vec<Example>,
+    texts: Vec<String>,
+    samples: Vec<Sample>,
+}
+
+impl Gathered {
+    /// Appends the groups of `round` whose rewards are mixed (DAPO dynamic sampling;
+    /// a single-sample group is all-equal), renumbered, until `target` groups are held.
+    /// Returns how many all-equal groups were dropped.
+    fn add_mixed(&mut self, round: &Gathered, target: usize) -> usize {
+        let mut dropped = 0;
+        for (p, (ex, text)) in round.examples.iter().zip(&round.texts).enumerate() {
+            let members: Vec<&Sample> = round.samples.iter().filter(|s| s.prompt_index == p).collect();
+            if !members.windows(2).any(|w| w[0].reward != w[1].reward) {
+                dropped += 1;
+                continue;
+            }
+            if self.examples.len() >= target {
+                continue;
+            }
+            let new = self.examples.len();
+            for s in members {
+                let mut s = s.clone();
+                s.prompt_index = new;
+                s.group = new;
+                self.samples.push(s);
+            }
+            self.examples.push(ex.clone());
+            self.texts.push(text.clone());
+        }
+        dropped
+    }
+}
+
 /// Keeps full precision when the weights in memory are wider than on disk.
 trait MaxPrecision {
     fn max_precision(self, other: DType) -> DType;
@@ -598,4 +742,61 @@ fn read_evals(path: &Path, before_step: u64) -> Vec<(u64, f64, f64)> {
         })
         .filter(|e| e.0 <= before_step)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Finish;
+
+    fn round(rewards: &[&[f32]]) -> Gathered {
+        let mut g = Gathered::default();
+        for (p, rs) in rewards.iter().enumerate() {
+            g.examples.push(Example {
+                id: format!("q{p}"),
+                problem: String::new(),
+                answer: String::new(),
+                source: String::new(),
+                messages: None,
+            });
+            g.texts.push(format!("prompt {p}"));
+            for (i, &r) in rs.iter().enumerate() {
+                g.samples.push(Sample {
+                    group: p,
+                    prompt_index: p,
+                    sample_index: i,
+                    prompt_ids: vec![1],
+                    response_ids: vec![2, p as u32],
+                    logprobs: vec![0.; 2],
+                    old_logprobs: vec![0.; 2],
+                    entropies: vec![0.; 2],
+                    text: String::new(),
+                    finish: Finish::Eos,
+                    truncated: false,
+                    reward: Some(r),
+                });
+            }
+        }
+        g
+    }
+
+    #[test]
+    fn dynamic_sampling_refills_to_the_target() {
+        // Target 3 groups. Batch 1: q0 mixed, q1 all wrong, q2 mixed → 2 kept, 1 dropped.
+        // Batch 2: q0 all right, q1 mixed, q2 mixed → q1 fills the third place; q2 is surplus.
+        let mut kept = Gathered::default();
+        assert_eq!(kept.add_mixed(&round(&[&[1., 0.], &[0., 0.], &[0., 1.]]), 3), 1);
+        assert_eq!(kept.examples.len(), 2);
+        assert_eq!(kept.add_mixed(&round(&[&[1., 1.], &[1., 0.], &[0., 1.]]), 3), 1);
+        let ids: Vec<&str> = kept.examples.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(ids, ["q0", "q2", "q1"]);
+        assert_eq!(kept.texts, ["prompt 0", "prompt 2", "prompt 1"]);
+        // Renumbered: group and prompt index follow the kept order; the samples are the
+        // originals (their response's second token is the original prompt index).
+        let seen: Vec<(usize, usize, u32)> =
+            kept.samples.iter().map(|s| (s.group, s.prompt_index, s.response_ids[1])).collect();
+        assert_eq!(seen, [(0, 0, 0), (0, 0, 0), (1, 1, 2), (1, 1, 2), (2, 2, 1), (2, 2, 1)]);
+        // A single sample per prompt is never mixed.
+        assert_eq!(Gathered::default().add_mixed(&round(&[&[1.], &[0.]]), 3), 2);
+    }
 }

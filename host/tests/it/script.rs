@@ -225,6 +225,36 @@ print(`summary steps=${{res.steps}} early=${{res.stopped_early}}`);
     assert!(run_dir.join("script.rhai").is_file());
 }
 
+#[test]
+fn a_thresholds_hook_never_turns_another_objective_into_stapo() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("grpo_thresholds.rhai");
+    std::fs::write(
+        &path,
+        format!(
+            r#"fn thresholds(step, stats) {{ #{{ tau_p: 0.9, tau_h: 100.0 }} }}
+let res = train({}, 1);
+print(`has_tau_p=${{"tau_p" in res.final}} silenced=${{res.final.silenced_tokens}}`);
+let t = trainer({});
+let err = "";
+try {{ t.step(#{{ tau_p: 0.5 }}); }} catch (e) {{ err = `${{e}}`; }}
+print(`step_error=${{err}}`);
+"#,
+            tiny_cfg(&f, "grpo"),
+            tiny_cfg(&f, "grpo")
+        ),
+    )
+    .unwrap();
+    let (host, buf) = buffered(opts(&f, &run_dir, false));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    assert!(printed.contains("has_tau_p=false silenced=0"), "{printed}");
+    assert!(printed.contains("thresholds hook is ignored"), "{printed}");
+    assert!(printed.contains("step_error=") && printed.contains("no S2T mask"), "{printed}");
+}
+
 /// Writes `text` to `path` the way editors do: a new file renamed over the old one.
 fn save_by_rename(path: &Path, text: &str) {
     let tmp = path.with_extension("rhai.swp");

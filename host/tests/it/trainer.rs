@@ -42,9 +42,15 @@ fn resume_equals_uninterrupted_run() {
 
     let mut a = Trainer::new(cfg.clone(), &dir.path().join("run-a")).unwrap();
     let mut metrics_a = Vec::new();
+    let mut nonzero_adv = 0;
     for _ in 0..3 {
         metrics_a.push(a.step(&a.default_plan(), None, None).unwrap());
+        let rec = a.last_update().unwrap();
+        nonzero_adv += rec.advantages.iter().filter(|x| **x != 0.0).count();
     }
+    // The comparison below means something only if the policy gradient moved the
+    // weights, not weight decay alone.
+    assert!(nonzero_adv > 0, "every advantage was 0: {metrics_a:?}");
 
     let b_dir = dir.path().join("run-b");
     let mut b = Trainer::new(cfg, &b_dir).unwrap();
@@ -57,6 +63,7 @@ fn resume_equals_uninterrupted_run() {
     let mut b = Trainer::resume(&b_dir).unwrap();
     assert_eq!(b.step_count(), 2);
     let m = b.step(&b.default_plan(), None, None).unwrap();
+    assert!(b.last_update().unwrap().advantages.iter().any(|x| *x != 0.0), "resumed step: all advantages 0");
 
     assert_eq!(weights(&a), weights(&b), "weights differ after resume");
     let (ma, mb) = (serde_json::to_value(&metrics_a[2]).unwrap(), serde_json::to_value(&m).unwrap());
@@ -114,4 +121,34 @@ fn a_new_run_refuses_an_existing_run_folder() {
     let bad = RunConfig { eval_pass_k: vec![1, 4], ..cfg };
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
     assert!(err.contains("eval_pass_k") && err.contains("k = 4"), "{err}");
+}
+
+#[test]
+fn dynamic_sampling_refills_or_warns_at_the_limit() {
+    // A random model almost never answers right: no group has mixed rewards, so dynamic
+    // sampling keeps generating until max_num_gen_batches and says so.
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    cfg.objective = "dapo".into();
+    cfg.set.clear();
+    cfg.extract = ExtractMode::Strict;
+    cfg.eval_every = 0;
+    cfg.save_every = 0;
+    cfg.max_num_gen_batches = 3;
+    let mut t = Trainer::new(cfg, &dir.path().join("run")).unwrap();
+    let m = t.step(&t.default_plan(), None, None).unwrap();
+    assert_eq!(m.gen_batches, 3, "{m:?}");
+    assert_eq!(m.groups_dropped, 9);
+    assert!(m.update.warnings.iter().any(|w| w.contains("max_num_gen_batches")), "{:?}", m.update.warnings);
+    // The overlong buffer followed the run's max_tokens (12): a truncated response is cut
+    // at L_max and gets the full penalty -1 on top of its reward.
+    let rec = t.last_update().unwrap();
+    let batch = t.last_rollout().unwrap();
+    for (s, r) in batch.samples.iter().zip(&rec.rewards) {
+        if s.truncated {
+            assert_eq!(*r, s.reward.unwrap() - 1.0);
+        }
+    }
+    assert!(batch.samples.iter().any(|s| s.truncated));
 }

@@ -28,7 +28,7 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
         }
     }
     let uo: UpdateOptions = serde_json::from_value(v).map_err(|e| bad_arg("update", e))?;
-    let ucfg = uo.to_config().map_err(host)?;
+    let (ucfg, notes) = uo.to_config().map_err(host)?;
     let lr = uo.lr;
     let seqs: Vec<Sequence> = {
         let st = lock(&r.0, "rollout")?;
@@ -55,7 +55,10 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
     let slot = &mut *slot;
     let opt = slot.opt.as_mut().ok_or_else(|| host("no optimizer"))?;
-    let um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?.metrics;
+    let mut um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?.metrics;
+    let mut warnings = notes;
+    warnings.append(&mut um.warnings);
+    um.warnings = warnings;
     let mut out = to_dynamic(&um)?.cast::<Map>();
     out.insert("reward".into(), (um.reward_mean as f64).into());
     Ok(out)
@@ -165,7 +168,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         Ok(t) => format!("Run({}, {} steps)", t.run_dir().display(), t.step_count()),
         Err(_) => "Run(<unusable>)".into(),
     });
-    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", seed, adamw: #{..}}; other keys are an error. The optimizer state stays with the model; warnings (a skipped step) are in the result's `warnings`.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
+    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", seed, temperature (the rollout's; logits are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state stays with the model; warnings (a skipped step) are in the result's `warnings`.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
     func!(engine, "default_config", "default_config() -> map\nEvery RunConfig field with its default.\nExample: `default_config().sampling`", || to_dynamic(&RunConfig::default()));
     func!(engine, "format_number", "format_number(x, digits) -> string\n`x` with `digits` decimals, in scientific notation when 0 < |x| < 1e-3.\nExample: `format_number(0.0000021, 2)` gives \"2.10e-6\"", |x: f64, digits: i64| -> String {
         let d = digits.clamp(0, 12) as usize;
