@@ -229,8 +229,8 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     let fwd = update_forward_flops(cfg, b, a.seq, resp);
     let logp_of = |grad: Grad| -> anyhow::Result<(Tensor, Tensor)> {
         let h = m.forward_hidden(&tokens, grad)?.narrow(1, p - 1, resp)?;
-        let logits = m.lm_head(&h, grad)?;
-        Ok(model::logprob_entropy(&logits, &targets)?)
+        let s = m.token_stats(&h, &targets, grad)?;
+        Ok((s.logp, s.entropy))
     };
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let (mut t_old, mut t_fwd, mut t_bwd, mut t_opt) = (0f64, 0f64, 0f64, 0f64);
