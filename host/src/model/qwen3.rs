@@ -289,7 +289,7 @@ impl Qwen3 {
             norm,
             lm_head,
             inv_freq,
-            recompute: RecomputeCell::new(Recompute::default()),
+            recompute: RecomputeCell::new(Recompute::from_env()?),
         })
     }
 
