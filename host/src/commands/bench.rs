@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use anyhow::Context;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use clap::{Args, ValueEnum};
@@ -38,9 +39,11 @@ pub struct BenchArgs {
     /// Sequences per batch.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    pub seq: usize,
+    /// Tokens per sequence; for `train`, a comma-separated list (1024,2048,...)
+    /// prints one row per length: full update time, tokens/s, peak memory and
+    /// the memory growth per token from the previous length.
+    #[arg(long = "seq", value_delimiter = ',', default_value = "128")]
+    pub seqs: Vec<usize>,
     /// Response tokens per sequence for `train` (the rest is prompt); default seq / 2.
     #[arg(long)]
     pub response: Option<usize>,
@@ -50,6 +53,14 @@ pub struct BenchArgs {
     /// New tokens per sequence for `generate`.
     #[arg(long, default_value_t = 64)]
     pub new_tokens: usize,
+    /// Long-answer cases for `generate`: new tokens per sequence, comma-separated
+    /// (e.g. 1024,4096), each timed once with its KV-cache size and peak memory.
+    #[arg(long, value_delimiter = ',')]
+    pub long: Vec<usize>,
+    /// Activation checkpointing for `train`: auto, on or off (default:
+    /// $STAPO_RECOMPUTE, else auto).
+    #[arg(long)]
+    pub recompute: Option<String>,
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -143,6 +154,8 @@ pub fn time<F: FnMut() -> anyhow::Result<()>>(reps: usize, mut f: F) -> anyhow::
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let (device, dtype) = a.device.resolve()?;
     let cfg = a.shape.config()?;
+    let seq = *a.seqs.first().context("--seq: give at least one length")?;
+    anyhow::ensure!(a.seqs.iter().all(|&s| s >= 2), "--seq: every length must be at least 2");
     println!(
         "shape: {:.1}M params, {} layers, hidden {}, heads {}/{}, head_dim {}, intermediate {}, vocab {}; batch {} x {}; {:?} on {:?}",
         cfg.num_params() as f64 / 1e6,
@@ -154,7 +167,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         cfg.intermediate_size,
         cfg.vocab_size,
         a.batch,
-        a.seq,
+        a.seqs.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
         dtype,
         device_name(&device)
     );
@@ -162,12 +175,18 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
+    if let Some(r) = &a.recompute {
+        m.set_recompute(model::Recompute::parse(r, "--recompute")?);
+    }
+    if a.what == What::Train && a.seqs.len() > 1 {
+        return train_table(&m, &cfg, &a);
+    }
     let rows: Vec<Vec<u32>> = (0..a.batch)
-        .map(|b| (0..a.seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())
+        .map(|b| (0..seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())
         .collect();
     let batch = TokenBatch::left_padded(&rows, 0, &device)?;
     if a.what == What::Matmul {
-        return bench_matmul(&cfg, &a, &device);
+        return bench_matmul(&cfg, &a, seq, &device);
     }
     if matches!(a.what, What::Forward | What::All) {
         let secs = time(a.reps, || {
@@ -176,10 +195,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             logits.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
             Ok(())
         })?;
-        report("forward (no grad)", secs, Some(forward_flops(&cfg, a.batch, a.seq)), a.batch * a.seq);
+        report("forward (no grad)", secs, Some(forward_flops(&cfg, a.batch, seq)), a.batch * seq);
     }
     if matches!(a.what, What::Train | What::All) {
-        bench_train(&m, &cfg, &a)?;
+        bench_train(&m, &cfg, &a, seq)?;
     }
     if matches!(a.what, What::Generate | What::All) {
         bench_generate(&m, &a)?;
@@ -208,11 +227,11 @@ fn synthetic_sequences(cfg: &Config, batch: usize, seq: usize, resp: usize) -> V
 }
 
 /// Times the pieces of one update; see [`What::Train`].
-fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
+fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Result<()> {
     let device = m.device().clone();
-    let resp = a.response.unwrap_or(a.seq / 2).clamp(1, a.seq.saturating_sub(1).max(1));
-    let (b, p) = (a.batch, a.seq - resp);
-    let seqs = synthetic_sequences(cfg, b, a.seq, resp);
+    let resp = a.response.unwrap_or(seq / 2).clamp(1, seq.saturating_sub(1).max(1));
+    let (b, p) = (a.batch, seq - resp);
+    let seqs = synthetic_sequences(cfg, b, seq, resp);
     let rows: Vec<Vec<u32>> =
         seqs.iter().map(|s| [s.prompt_ids.clone(), s.response_ids.clone()].concat()).collect();
     let tokens = TokenBatch::left_padded(&rows, 0, &device)?;
@@ -226,11 +245,11 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
         (b, 1),
         &device,
     )?;
-    let fwd = update_forward_flops(cfg, b, a.seq, resp);
+    let fwd = update_forward_flops(cfg, b, seq, resp);
     let logp_of = |grad: Grad| -> anyhow::Result<(Tensor, Tensor)> {
         let h = m.forward_hidden(&tokens, grad)?.narrow(1, p - 1, resp)?;
-        let logits = m.lm_head(&h, grad)?;
-        Ok(model::logprob_entropy(&logits, &targets)?)
+        let s = m.token_stats(&h, &targets, grad)?;
+        Ok((s.logp, s.entropy))
     };
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let (mut t_old, mut t_fwd, mut t_bwd, mut t_opt) = (0f64, 0f64, 0f64, 0f64);
@@ -276,10 +295,10 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     let r = reps as f64;
-    let n = b * a.seq;
+    let n = b * seq;
     println!(
         "update pieces: {b} x {} tokens ({p} prompt + {resp} response), mean of {reps} after a warm-up",
-        a.seq
+        seq
     );
     report("old-policy forward (no grad)", t_old / r, Some(fwd), n);
     report("forward + loss", t_fwd / r, Some(fwd), n);
@@ -325,9 +344,59 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Asks Linux to restart the peak-RSS count (`VmHWM`) from the current RSS.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// One full `train::update` (AdamW, one mini-batch) per length of `--seq`:
+/// time, tokens/s, peak RSS during that length's steps, and the growth of the
+/// peak per extra token from the previous length.
+fn train_table(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
+    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
+    let ucfg = UpdateConfig::default();
+    let reps = a.reps.max(1);
+    println!(
+        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, mean of {reps}",
+        a.batch,
+        a.response.map_or("seq/2".to_string(), |r| r.to_string()),
+        m.recompute().name()
+    );
+    println!(
+        "{:>7} {:>8} {:>10} {:>9} {:>9} {:>10}",
+        "seq", "tokens", "time (s)", "tok/s", "peak GB", "MB/token"
+    );
+    let mut prev: Option<(usize, u64)> = None;
+    for &seq in &a.seqs {
+        let resp = a.response.unwrap_or(seq / 2).clamp(1, seq - 1);
+        let seqs = synthetic_sequences(cfg, a.batch, seq, resp);
+        reset_peak_rss();
+        let start = Instant::now();
+        for _ in 0..reps {
+            stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
+        }
+        let secs = start.elapsed().as_secs_f64() / reps as f64;
+        let peak = peak_rss().unwrap_or(0);
+        let tokens = a.batch * seq;
+        let growth = match prev {
+            Some((t, p)) if tokens > t => {
+                format!("{:>10.3}", (peak as f64 - p as f64) / 1e6 / (tokens - t) as f64)
+            }
+            _ => format!("{:>10}", "-"),
+        };
+        println!(
+            "{seq:>7} {tokens:>8} {secs:>10.2} {:>9.0} {:>9.2} {growth}",
+            tokens as f64 / secs,
+            peak as f64 / 1e9
+        );
+        prev = Some((tokens, peak));
+    }
+    Ok(())
+}
+
 /// Times `a @ b` for the shapes of the step, with `b` contiguous or a transposed view.
-fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<()> {
-    let n = a.batch * a.seq;
+fn bench_matmul(cfg: &Config, a: &BenchArgs, seq: usize, device: &Device) -> anyhow::Result<()> {
+    let n = a.batch * seq;
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
     let r = |s: &[usize]| Tensor::randn(0f32, 1.0, s, device);
     for (name, m, k, nn) in [
@@ -365,7 +434,7 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, device: &Device) -> anyhow::Result<
     report("dW: copy dy^T then @ x", t2, Some(flops), n);
     report("dW: (x^T @ dy)^T", t3, Some(flops), n);
     let (nkv, g, d, l) =
-        (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, a.seq);
+        (cfg.num_key_value_heads, cfg.num_attention_heads / cfg.num_key_value_heads, cfg.head_dim, seq);
     let q = r(&[a.batch, nkv, g * l, d])?;
     let k = r(&[a.batch, nkv, l, d])?;
     let flops = 2.0 * (a.batch * nkv * g * l * l * d) as f64;
@@ -393,6 +462,21 @@ fn bench_generate(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         best,
         a.reps.max(1)
     );
+    // Long answers: one run each; the KV cache holds 2 x layers x kv_heads x
+    // head_dim values per token and sequence.
+    let c = m.config();
+    let per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * m.dtype().size_in_bytes();
+    for &n in &a.long {
+        reset_peak_rss();
+        let tps = stapo::rollout::bench_generate(m, a.batch, a.prompt, n)?;
+        println!(
+            "generate long (batch {}, prompt {}, {n} new tokens): {tps:.0} tok/s, KV cache {:.1} MB, peak {:.2} GB",
+            a.batch,
+            a.prompt,
+            (a.batch * (a.prompt + n) * per_token) as f64 / 1e6,
+            peak_rss().unwrap_or(0) as f64 / 1e9
+        );
+    }
     Ok(())
 }
 

@@ -172,12 +172,13 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
         anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
     }
     let batch = TokenBatch::left_padded(std::slice::from_ref(&ids), 0, &device)?;
-    let logits = m.lm_head(&m.forward_hidden(&batch, Grad::Off)?, Grad::Off)?.squeeze(0)?;
+    let hidden = m.forward_hidden(&batch, Grad::Off)?.squeeze(0)?;
     let n = ids.len();
     let (logp, entropy) = if n > 1 {
         let targets = Tensor::new(&ids[1..], &device)?;
-        let (lp, h) = model::logprob_entropy(&logits.narrow(0, 0, n - 1)?, &targets)?;
-        (lp.to_dtype(DType::F32)?.to_vec1::<f32>()?, h.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        // Through the head in tiles: no (T, V) logits (model::head).
+        let s = m.token_stats(&hidden.narrow(0, 0, n - 1)?, &targets, Grad::Off)?;
+        (s.logp.to_dtype(DType::F32)?.to_vec1::<f32>()?, s.entropy.to_dtype(DType::F32)?.to_vec1::<f32>()?)
     } else {
         (vec![], vec![])
     };

@@ -51,6 +51,10 @@ pub struct UpdateArgs {
     pub rollout_logprobs: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Activation checkpointing: auto (from 2048 tokens per forward), on or off
+    /// (default: $STAPO_RECOMPUTE, else auto).
+    #[arg(long)]
+    pub recompute: Option<String>,
     /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
     #[arg(long)]
     pub out: PathBuf,
@@ -62,6 +66,9 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    if let Some(r) = &a.recompute {
+        m.set_recompute(model::Recompute::parse(r, "--recompute")?);
+    }
     let mut set = BTreeMap::new();
     for kv in &a.set {
         let (k, v) =

@@ -4,9 +4,13 @@
 pub mod checkpoint;
 pub mod config;
 pub mod fused;
+pub mod head;
 pub mod ops;
 pub mod qwen3;
+pub mod recompute;
 
 pub use checkpoint::{init, load, save};
 pub use config::{dtype_name, parse_device, parse_dtype, Config};
+pub use head::{token_stats, TokenStats};
 pub use qwen3::{logprob_entropy, Grad, KvCache, Qwen3, TokenBatch, WeightSource};
+pub use recompute::Recompute;

@@ -18,7 +18,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::Config;
+use super::head::TokenStats;
 use super::ops;
+use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
 
 /// Whether a forward pass records the autograd graph.
@@ -31,7 +33,8 @@ pub enum Grad {
 }
 
 /// The weights of one decoder layer.
-struct Layer {
+#[derive(Clone)]
+pub(super) struct Layer {
     q_proj: Var,
     k_proj: Var,
     v_proj: Var,
@@ -45,6 +48,29 @@ struct Layer {
     gate_proj: Var,
     up_proj: Var,
     down_proj: Var,
+}
+
+impl Layer {
+    /// Every weight of the layer, in a fixed order (for recomputation).
+    pub(super) fn vars(&self) -> Vec<&Var> {
+        let mut v = vec![
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.q_norm,
+            &self.k_norm,
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ];
+        if let Some(bs) = &self.biases {
+            v.extend(bs.iter());
+        }
+        v
+    }
 }
 
 /// Keys and values of the positions seen so far, for incremental decoding.
@@ -195,6 +221,8 @@ pub struct Qwen3 {
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<Var>,
     inv_freq: Tensor,
+    /// When decoder layers are recomputed in the backward pass.
+    recompute: RecomputeCell,
 }
 
 /// Where the model reads its named weights from when it is built.
@@ -261,6 +289,7 @@ impl Qwen3 {
             norm,
             lm_head,
             inv_freq,
+            recompute: RecomputeCell::new(Recompute::from_env()?),
         })
     }
 
@@ -277,6 +306,18 @@ impl Qwen3 {
     /// The device holding the weights.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// When decoder layers are recomputed in the backward pass (activation
+    /// checkpointing; see [`super::recompute`]).
+    pub fn recompute(&self) -> Recompute {
+        self.recompute.get()
+    }
+
+    /// Sets when decoder layers are recomputed in the backward pass; gradients
+    /// are the same either way, memory and time are not.
+    pub fn set_recompute(&self, r: Recompute) {
+        self.recompute.set(r)
     }
 
     /// Every trainable parameter with its Hugging Face name, in a fixed order.
@@ -336,6 +377,15 @@ impl Qwen3 {
         ops::linear(hidden, &w, None)
     }
 
+    /// Log-prob of `targets`, entropy and collision probability at every
+    /// position of `hidden` (`(.., hidden)`, targets shaped like it without the
+    /// last dimension), through the LM head without materialising the
+    /// `(.., vocab)` logits (see [`super::head`]).
+    pub fn token_stats(&self, hidden: &Tensor, targets: &Tensor, grad: Grad) -> Result<TokenStats> {
+        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), grad);
+        super::head::token_stats(hidden, &w, targets)
+    }
+
     /// Appends `ids` (`(B, T)`, e.g. the left-padded prompts, then one token at a
     /// time) to `cache` and returns the logits at the last new position, `(B, vocab)`.
     /// `mask` marks the real tokens of this chunk (None = all real).
@@ -375,10 +425,7 @@ impl Qwen3 {
     }
 
     fn w(&self, v: &Var, grad: Grad) -> Tensor {
-        match grad {
-            Grad::Track => v.as_tensor().clone(),
-            Grad::Off => v.as_tensor().detach(),
-        }
+        weight(v, grad)
     }
 
     /// The decoder stack. `pad_bias` is `(B, 1, 1, S)` over all keys (cached and
@@ -412,60 +459,84 @@ impl Qwen3 {
         let mask = ops::causal_bias(l, s, offset, &self.device)?
             .broadcast_add(pad_bias)?
             .to_dtype(ops::compute_dtype(self.dtype))?;
+        let ctx = LayerCtx { cfg: self.cfg.clone(), cos, sin, mask };
+        // Activation checkpointing: keep only each layer's input, rerun the
+        // layer in the backward pass (model::recompute).
+        let recompute =
+            grad == Grad::Track && cache.is_none() && self.recompute().active(b * l, &self.device);
         for (i, layer) in self.layers.iter().enumerate() {
-            let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
-            x = self.layer(layer, &x, &cos, &sin, &mask, offset, kv, grad)?;
+            x = if recompute {
+                super::recompute::layer(layer, &ctx, &x)?
+            } else {
+                let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
+                layer_forward(layer, &ctx, &x, offset, kv, grad)?
+            };
         }
         ops::rms_norm(&x, &self.w(&self.norm, grad), self.cfg.rms_norm_eps)
     }
+}
 
-    #[allow(clippy::too_many_arguments)]
-    fn layer(
-        &self,
-        layer: &Layer,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
-        offset: usize,
-        cache: Option<(&Tensor, &Tensor)>,
-        grad: Grad,
-    ) -> Result<Tensor> {
-        let c = &self.cfg;
-        let (b, l, _) = x.dims3()?;
-        let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let w = |v: &Var| self.w(v, grad);
-        let bias = |i: usize| layer.biases.as_ref().map(|bs| self.w(&bs[i], grad));
+/// What a decoder layer reads besides its weights and input: the config, the
+/// rotary tables `(B, 1, L, D/2)` and the additive mask `(B, 1, L, S)`.
+#[derive(Clone)]
+pub(super) struct LayerCtx {
+    pub cfg: Config,
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub mask: Tensor,
+}
 
-        // Attention block.
-        let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-        let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?; // (B, L, Hq * D)
-        let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?; // (B, L, Hkv * D)
-        let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
-        // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
-        let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
-        let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
-        // (B, H, L, D) view; attention reads it strided.
-        let v = v.transpose(1, 2)?;
-        let (k, v) = match cache {
-            Some((ck, cv)) => {
-                ck.slice_set(&k.contiguous()?, 2, offset)?;
-                cv.slice_set(&v.contiguous()?, 2, offset)?;
-                (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
-            }
-            None => (k, v),
-        };
-        let ctx = ops::attention(&q, &k, &v, mask, nkv)?; // (B, L, H*D)
-        let attn = ops::linear(&ctx, &w(&layer.o_proj), bias(3).as_ref())?;
-        let x = (x + attn)?;
-
-        // MLP block: down(silu(gate(h)) * up(h)).
-        let h = ops::rms_norm(&x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-        let gate = ops::linear(&h, &w(&layer.gate_proj), None)?;
-        let up = ops::linear(&h, &w(&layer.up_proj), None)?;
-        let mlp = ops::linear(&ops::swiglu(&gate, &up)?, &w(&layer.down_proj), None)?;
-        Ok((x + mlp)?)
+/// The weight `v` as the forward uses it: tracked, or a detached view.
+pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
+    match grad {
+        Grad::Track => v.as_tensor().clone(),
+        Grad::Off => v.as_tensor().detach(),
     }
+}
+
+/// One decoder layer, `(B, L, hidden)` -> `(B, L, hidden)`. `offset` is the
+/// number of cached keys before this chunk, `cache` this layer's `(k, v)`.
+pub(super) fn layer_forward(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    x: &Tensor,
+    offset: usize,
+    cache: Option<(&Tensor, &Tensor)>,
+    grad: Grad,
+) -> Result<Tensor> {
+    let LayerCtx { cfg: c, cos, sin, mask } = ctx;
+    let (b, l, _) = x.dims3()?;
+    let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let w = |v: &Var| weight(v, grad);
+    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], grad));
+    // Attention block.
+    let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
+    let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?; // (B, L, Hq * D)
+    let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?; // (B, L, Hkv * D)
+    let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
+    // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
+    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
+    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
+    // (B, H, L, D) view; attention reads it strided.
+    let v = v.transpose(1, 2)?;
+    let (k, v) = match cache {
+        Some((ck, cv)) => {
+            ck.slice_set(&k.contiguous()?, 2, offset)?;
+            cv.slice_set(&v.contiguous()?, 2, offset)?;
+            (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
+        }
+        None => (k, v),
+    };
+    let ctx = ops::attention(&q, &k, &v, mask, nkv)?; // (B, L, H*D)
+    let attn = ops::linear(&ctx, &w(&layer.o_proj), bias(3).as_ref())?;
+    let x = (x + attn)?;
+
+    // MLP block: down(silu(gate(h)) * up(h)).
+    let h = ops::rms_norm(&x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
+    let gate = ops::linear(&h, &w(&layer.gate_proj), None)?;
+    let up = ops::linear(&h, &w(&layer.up_proj), None)?;
+    let mlp = ops::linear(&ops::swiglu(&gate, &up)?, &w(&layer.down_proj), None)?;
+    Ok((x + mlp)?)
 }
 
 /// Log-probabilities of `targets` and full-vocabulary entropies from logits

@@ -36,7 +36,7 @@ use crate::algo::{
     self, compute_loss, group_advantages, Advantages, LossInputs, LossMetrics, MaskConfig, Normaliser,
     ObjectiveConfig, S2tStats,
 };
-use crate::model::{self, Grad, Qwen3, TokenBatch};
+use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::rollout::Sample;
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
@@ -388,9 +388,8 @@ fn response_logp(model: &Qwen3, mb: &Micro, grad: Grad, temperature: f64) -> Res
 /// [`response_logp`], plus (when `collision`) the collision probability `sum_j p_j^2` of
 /// each position's distribution, detached, for the logit-gradient norms of the analysis.
 ///
-/// Seam: the collision probability is computed here from the materialised logits (one
-/// more `(B, T, V)` temporary); once the model's fused log-prob/entropy kernel returns it
-/// from the same pass, take it from there.
+/// The collision probability comes from the same tiled pass as the log-probs
+/// (`Qwen3::token_stats`), with no `(B, T, V)` logits.
 fn response_stats(
     model: &Qwen3,
     mb: &Micro,
@@ -400,18 +399,12 @@ fn response_stats(
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let hidden = model.forward_hidden(&mb.tokens, grad)?;
     let h = hidden.narrow(1, mb.p - 1, mb.t)?;
-    let mut logits = model.lm_head(&h, grad)?;
-    if temperature != 1.0 {
-        logits = logits.affine(1.0 / temperature, 0.0)?;
-    }
-    let c = if collision {
-        let probs = candle_nn::ops::softmax_last_dim(&logits.detach().to_dtype(DType::F32)?)?;
-        Some(probs.sqr()?.sum(candle_core::D::Minus1)?)
-    } else {
-        None
-    };
-    let (lp, ent) = model::logprob_entropy(&logits, &mb.targets)?;
-    Ok((lp, ent, c))
+    // Through the head in tiles: no (B, T, V) logits (model::head). logits / T
+    // = (h / T) w^T, so the temperature scales the hidden states.
+    let h = if temperature != 1.0 { h.affine(1.0 / temperature, 0.0)? } else { h };
+    let s = model.token_stats(&h, &mb.targets, grad)?;
+    let c = if collision { Some(s.collision.detach().to_dtype(DType::F32)?) } else { None };
+    Ok((s.logp, s.entropy, c))
 }
 
 /// Per-sequence vectors of a `(B, T)` tensor, cut to each response's length.

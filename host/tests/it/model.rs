@@ -309,3 +309,83 @@ fn logprob_entropy_matches_hand_computation() {
     assert!((logp - 0.5f64.ln()).abs() < 1e-6);
     assert!((h - expected_h).abs() < 1e-6);
 }
+
+/// A loss over every statistic of the chunked head, masked to real positions.
+fn stats_loss(m: &model::Qwen3, batch: &TokenBatch, targets: &Tensor, chunked: bool) -> Tensor {
+    let hidden = m.forward_hidden(batch, Grad::Track).unwrap();
+    let (logp, ent, coll) = if chunked {
+        let s = m.token_stats(&hidden, targets, Grad::Track).unwrap();
+        (s.logp, s.entropy, s.collision)
+    } else {
+        // The composed path on full (B, T, V) logits.
+        let logits = m.lm_head(&hidden, Grad::Track).unwrap();
+        let (lp, h) = model::ops::logprob_entropy_composed(&logits, targets).unwrap();
+        let coll = model::ops::softmax(&logits).unwrap().sqr().unwrap().sum(2).unwrap();
+        (lp, h, coll)
+    };
+    let mask: Vec<f32> = batch.mask.iter().flatten().map(|&x| x as f32).collect();
+    let mask = Tensor::from_vec(mask, logp.shape(), &Device::Cpu).unwrap().to_dtype(logp.dtype()).unwrap();
+    let mix = ((logp + ent.affine(0.3, 0.0).unwrap()).unwrap() + coll.affine(2.0, 0.0).unwrap()).unwrap();
+    (mix * mask).unwrap().sum_all().unwrap()
+}
+
+/// Max |a - b| over max |b| across every parameter's gradient.
+fn grad_rel_diff(
+    m: &model::Qwen3,
+    a: &candle_core::backprop::GradStore,
+    b: &candle_core::backprop::GradStore,
+) -> f64 {
+    let (mut num, mut den) = (0f64, 1e-30f64);
+    for (name, var) in m.params() {
+        let ga = a.get(var.as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}"));
+        let gb = b.get(var.as_tensor()).unwrap_or_else(|| panic!("no reference gradient for {name}"));
+        num = num.max(max_abs_diff(ga, gb));
+        den = den.max(
+            gb.abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+        );
+    }
+    num / den
+}
+
+#[test]
+fn chunked_head_matches_full_logits_tied_and_untied() {
+    for tied in [true, false] {
+        let m = tiny_model(tied, DType::F64, 12);
+        let batch = TokenBatch::left_padded(&[ids(7, 1), ids(10, 4)], 0, &Device::Cpu).unwrap();
+        let targets = Tensor::from_vec(ids(20, 9), (2, 10), &Device::Cpu).unwrap();
+        let (a, b) = (stats_loss(&m, &batch, &targets, true), stats_loss(&m, &batch, &targets, false));
+        assert!(max_abs_diff(&a, &b) < 1e-9 * b.abs().unwrap().to_scalar::<f64>().unwrap().max(1.0));
+        let e = grad_rel_diff(&m, &a.backward().unwrap(), &b.backward().unwrap());
+        assert!(e < 1e-10, "tied={tied}: gradient error {e:e}");
+    }
+}
+
+#[test]
+fn recomputed_layers_give_the_same_gradients() {
+    for tied in [true, false] {
+        let m = tiny_model(tied, DType::F32, 13);
+        let batch = TokenBatch::left_padded(&[ids(7, 1), ids(10, 4)], 0, &Device::Cpu).unwrap();
+        let targets = Tensor::from_vec(ids(20, 9), (2, 10), &Device::Cpu).unwrap();
+        m.set_recompute(model::Recompute::Off);
+        let la = stats_loss(&m, &batch, &targets, true);
+        let plain = la.backward().unwrap();
+        m.set_recompute(model::Recompute::On);
+        let lb = stats_loss(&m, &batch, &targets, true);
+        let recomputed = lb.backward().unwrap();
+        assert_eq!(max_abs_diff(&la, &lb), 0.0, "same loss");
+        let e = grad_rel_diff(&m, &recomputed, &plain);
+        assert!(e < 1e-6, "tied={tied}: gradient difference {e:e}");
+        // Auto stays off below its token count (20 tokens here).
+        assert!(!model::Recompute::Auto.active(20, &Device::Cpu));
+        assert!(model::Recompute::Auto.active(model::Recompute::AUTO_TOKENS, &Device::Cpu));
+    }
+}

@@ -30,6 +30,25 @@ fn lse_and_mean<T: Real>(x: &[T]) -> (f64, f64) {
     (lse, t / s + mx.to_f64())
 }
 
+/// `(lse, sum_j p_j x_j, sum_j p_j^2)` of one row, accumulated in f64 (the
+/// collision probability from the same exp pass: `sum e^2 / (sum e)^2`).
+#[inline]
+pub(super) fn row_stats<T: Real>(x: &[T]) -> (f64, f64, f64) {
+    let mx = x.iter().fold(T::from_f64(f64::NEG_INFINITY), |a, &v| a.fmax(v));
+    let (mut s, mut t, mut s2) = (0f64, 0f64, 0f64);
+    for &v in x {
+        let z = v - mx;
+        let e = z.exp().to_f64();
+        s += e;
+        s2 += e * e;
+        if e > 0.0 {
+            t += e * z.to_f64();
+        }
+    }
+    let lse = mx.to_f64() + s.ln();
+    (lse, t / s + mx.to_f64(), s2 / (s * s))
+}
+
 impl CustomOp2 for LogpEntropy {
     fn name(&self) -> &'static str {
         "fused-logp-entropy"

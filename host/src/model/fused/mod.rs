@@ -13,9 +13,10 @@
 //! are also the reference each file's tests check values and gradients against.
 //!
 //! One file per op: [`linear`], [`norm`] (RMSNorm), [`rope`] (per-head norm +
-//! rotary), [`attention`], [`swiglu`], [`head`] (log-prob and entropy over the
-//! vocabulary). This file holds what they share: dtype dispatch, raw slices and
-//! the gemm wrappers.
+//! rotary), [`attention`], [`swiglu`], [`head`] (log-prob and entropy from
+//! logits), [`vocab`] (the same from hidden states, in tiles, no logits kept).
+//! This file holds what they share: dtype dispatch, raw slices and the gemm
+//! wrappers.
 
 use std::ops::Neg;
 
@@ -109,6 +110,7 @@ pub mod rope;
 pub mod swiglu;
 #[cfg(test)]
 pub(crate) mod test_util;
+pub mod vocab;
 
 pub use attention::attention;
 pub use head::logprob_entropy;
@@ -116,6 +118,7 @@ pub use linear::linear;
 pub use norm::rms_norm;
 pub use rope::norm_rope;
 pub use swiglu::swiglu;
+pub use vocab::{vocab_stats, Tiles};
 
 /// A raw pointer that rayon tasks may share to write disjoint elements.
 #[derive(Clone, Copy)]

@@ -16,10 +16,10 @@
 
 pub mod tiny;
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ops, Grad, Qwen3, TokenBatch};
+use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
 
@@ -112,9 +112,8 @@ pub fn sft_loss(
     // (B, P+T, hidden) -> the T positions that predict response tokens.
     let hidden = model.forward_hidden(&l.tokens, grad)?;
     let h = hidden.narrow(1, l.p - 1, l.t)?;
-    let logits = model.lm_head(&h, grad)?.to_dtype(DType::F32)?; // (B, T, V)
-    let logp =
-        ops::log_softmax(&logits)?.gather(&l.targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+    // Through the head in tiles: no (B, T, V) logits (model::head).
+    let logp = model.token_stats(&h, &l.targets, grad)?.logp.to_dtype(DType::F32)?;
     let nll = (logp * &l.mask)?.sum_all()?.neg()?;
     let loss = (nll / l.n_tokens as f64)?;
     Ok((loss, l.n_tokens))
@@ -145,7 +144,7 @@ pub fn sft_step(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{self, Config};
+    use crate::model::{self, ops, Config};
     use crate::train::optim::AdamWConfig;
     use candle_core::Device;
 

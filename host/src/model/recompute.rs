@@ -1,0 +1,221 @@
+//! Activation checkpointing per decoder layer: the forward keeps only each
+//! layer's input; the backward reruns the layer with the graph recorded and
+//! backpropagates through it (Chen et al., 2016, "Training deep nets with
+//! sublinear memory cost"; `torch.utils.checkpoint` as verl and TRL use it).
+//!
+//! candle has no checkpoint primitive, so a layer becomes one custom op over
+//! `(x, token)`: its forward returns the output of a graph-free run of the
+//! layer, its backward reruns the layer on a copy of `x` and takes `dx` and the
+//! weights' gradients from that nested backward. The weight gradients reach
+//! the outer graph through `token`, a scalar zero computed from every weight
+//! of the layer by [`Inject`] nodes: `token` is an input of the layer op, so
+//! candle runs the layer's backward first and the [`Inject`] backwards after
+//! it, and each hands its weight the gradient the layer's backward left in a
+//! shared stash. The recomputation repeats the same kernels on the same
+//! inputs, so the gradients equal those of the plain graph.
+//!
+//! The custom op's forward is written for CPU storage; other devices keep the
+//! plain graph ([`Recompute::active`]).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
+
+use super::qwen3::{layer_forward, Grad, Layer, LayerCtx};
+use crate::{Error, Result};
+
+/// When decoder layers are recomputed in the backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Never: every layer keeps its activations for the backward pass.
+    Off,
+    /// Always (when a graph is recorded).
+    On,
+    /// From [`Recompute::AUTO_TOKENS`] tokens per forward pass.
+    #[default]
+    Auto,
+}
+
+impl Recompute {
+    /// Tokens per forward pass (batch × length) from which `Auto` recomputes.
+    pub const AUTO_TOKENS: usize = 2048;
+
+    /// Parses `off`, `on` or `auto`; `what` names the field in the error.
+    pub fn parse(s: &str, what: &str) -> Result<Self> {
+        match s {
+            "off" | "false" => Ok(Self::Off),
+            "on" | "true" => Ok(Self::On),
+            "auto" => Ok(Self::Auto),
+            _ => Err(Error::invalid(format!("{what}: expected \"auto\", \"on\" or \"off\", got {s:?}"))),
+        }
+    }
+
+    /// The setting named by `$STAPO_RECOMPUTE` (the default for every model
+    /// built, so configs and scripts can switch it), else `Auto`.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("STAPO_RECOMPUTE") {
+            Ok(s) => Self::parse(&s, "STAPO_RECOMPUTE"),
+            Err(_) => Ok(Self::default()),
+        }
+    }
+
+    /// The name [`Recompute::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::On => "on",
+            Self::Auto => "auto",
+        }
+    }
+
+    /// Whether a forward pass of `tokens` tokens on `device` recomputes.
+    pub fn active(self, tokens: usize, device: &Device) -> bool {
+        device.is_cpu()
+            && match self {
+                Self::Off => false,
+                Self::On => true,
+                Self::Auto => tokens >= Self::AUTO_TOKENS,
+            }
+    }
+
+    pub(super) fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    pub(super) fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Off,
+            1 => Self::On,
+            _ => Self::Auto,
+        }
+    }
+}
+
+/// A [`Recompute`] setting shared by every holder of a model.
+#[derive(Debug, Default)]
+pub(super) struct RecomputeCell(AtomicU8);
+
+impl RecomputeCell {
+    pub(super) fn new(r: Recompute) -> Self {
+        Self(AtomicU8::new(r.to_u8()))
+    }
+    pub(super) fn get(&self) -> Recompute {
+        Recompute::from_u8(self.0.load(Ordering::Relaxed))
+    }
+    pub(super) fn set(&self, r: Recompute) {
+        self.0.store(r.to_u8(), Ordering::Relaxed)
+    }
+}
+
+/// Weight gradients left by a layer's backward for its [`Inject`] nodes.
+type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
+
+fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("recomputed layer: {e}"))
+}
+
+/// A decoder layer whose activations are recomputed in the backward pass;
+/// same value as [`layer_forward`] with a recorded graph.
+pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
+    let vars = layer.vars();
+    let stash: Stash = Arc::new(Mutex::new(vec![None; vars.len()]));
+    let mut token: Option<Tensor> = None;
+    for (i, v) in vars.iter().enumerate() {
+        let z = v.as_tensor().apply_op1(Inject { stash: stash.clone(), index: i })?;
+        token = Some(match token {
+            None => z,
+            Some(t) => (t + z)?,
+        });
+    }
+    let token = token.ok_or_else(|| Error::invalid("recomputed layer: a layer without weights"))?;
+    let y = layer_forward(layer, ctx, &x.detach(), 0, None, Grad::Off)?;
+    let op = Checkpoint { layer: layer.clone(), ctx: ctx.clone(), y: Mutex::new(Some(y)), stash };
+    Ok(x.apply_op2(&token, op)?)
+}
+
+/// The layer op over `(x, token)`; see the module docs.
+struct Checkpoint {
+    layer: Layer,
+    ctx: LayerCtx,
+    /// The graph-free output, moved into the op's storage by the forward.
+    y: Mutex<Option<Tensor>>,
+    stash: Stash,
+}
+
+impl CustomOp2 for Checkpoint {
+    fn name(&self) -> &'static str {
+        "recomputed-layer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self.y.lock().map_err(op_err)?.take().ok_or_else(|| op_err("forward ran twice"))?;
+        let shape = y.shape().clone();
+        let y = y.flatten_all()?;
+        let storage = match y.dtype() {
+            DType::F32 => CpuStorage::F32(y.to_vec1()?),
+            DType::F64 => CpuStorage::F64(y.to_vec1()?),
+            DType::BF16 => CpuStorage::BF16(y.to_vec1()?),
+            DType::F16 => CpuStorage::F16(y.to_vec1()?),
+            dt => return Err(op_err(format!("unsupported dtype {dt:?}"))),
+        };
+        Ok((storage, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        token: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let xv = Var::from_tensor(&x.detach())?;
+        let y =
+            layer_forward(&self.layer, &self.ctx, xv.as_tensor(), 0, None, Grad::Track).map_err(op_err)?;
+        let grads = (y * dy.detach())?.sum_all()?.backward()?;
+        let dx = grads.get(xv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the input"))?;
+        let mut stash = self.stash.lock().map_err(op_err)?;
+        for (slot, v) in stash.iter_mut().zip(self.layer.vars()) {
+            *slot = Some(match grads.get(v.as_tensor()) {
+                Some(g) => g.clone(),
+                None => v.as_tensor().zeros_like()?,
+            });
+        }
+        Ok((Some(dx), Some(token.zeros_like()?)))
+    }
+}
+
+/// A scalar zero computed from one weight, whose backward returns that
+/// weight's gradient from the stash of its layer.
+struct Inject {
+    stash: Stash,
+    index: usize,
+}
+
+impl CustomOp1 for Inject {
+    fn name(&self) -> &'static str {
+        "recomputed-layer-weight"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let zero = match s {
+            CpuStorage::F32(_) => CpuStorage::F32(vec![0.0]),
+            CpuStorage::F64(_) => CpuStorage::F64(vec![0.0]),
+            CpuStorage::BF16(_) => CpuStorage::BF16(vec![half::bf16::ZERO]),
+            CpuStorage::F16(_) => CpuStorage::F16(vec![half::f16::ZERO]),
+            _ => return Err(op_err("unsupported weight dtype")),
+        };
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(&self, _w: &Tensor, _res: &Tensor, _grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let g = self.stash.lock().map_err(op_err)?.get_mut(self.index).and_then(Option::take);
+        g.map(Some).ok_or_else(|| op_err("weight gradient missing (layer backward did not run first)"))
+    }
+}
