@@ -28,6 +28,11 @@ pub enum Error {
     /// A Rhai script failed; `pos` is `file:line:col` when known.
     #[error("script error at {pos}: {msg}")]
     Script { pos: String, msg: String },
+    /// A host function called by a script failed (I/O, a bad argument, a tensor
+    /// error); `pos` is the call's `file:line:col`. Scripts cannot raise this
+    /// kind themselves (see `script::error::HostError`).
+    #[error("host error at {pos}: {msg}")]
+    Host { pos: String, msg: String },
     /// An argument or value is outside what the function accepts.
     #[error("{0}")]
     Invalid(String),

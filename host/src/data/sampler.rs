@@ -67,10 +67,8 @@ impl TryFrom<SamplerState> for EpochSampler {
 fn epoch_order(seed: u64, epoch: u64, len: usize, shuffle: bool) -> Vec<usize> {
     let mut order: Vec<usize> = (0..len).collect();
     if shuffle {
-        let mut z = seed ^ epoch.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z =
+            crate::util::splitmix64(seed ^ epoch.wrapping_add(1).wrapping_mul(crate::util::SPLITMIX64_GAMMA));
         order.shuffle(&mut StdRng::seed_from_u64(z));
     }
     order

@@ -263,18 +263,7 @@ pub fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
 
 /// Reads problems written by [`write_jsonl`] (all five fields required).
 pub fn read_jsonl(path: &Path) -> Result<Vec<Problem>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| Error::Parse {
-                path: path.into(),
-                line: i + 1,
-                msg: e.to_string(),
-            })
-        })
-        .collect()
+    crate::util::read_jsonl(path)
 }
 
 /// How the tokenizer is trained.

@@ -19,6 +19,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::SamplingParams;
+use crate::util::splitmix64;
 use crate::{Error, Result};
 
 /// One sampled token and the statistics recorded for it.
@@ -56,14 +57,6 @@ const TOP_P_FIRST: usize = 64;
 /// same way on every run.
 fn by_logit_desc(logits: &[f32]) -> impl Fn(&u32, &u32) -> Ordering + '_ {
     move |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
-}
-
-/// The SplitMix64 finaliser: a bijective 64-bit mix.
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476C_E5E4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Seed of the generator of one response, from the run's seed, the prompt's

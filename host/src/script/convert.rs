@@ -9,6 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::error::{bad_arg, host, RhaiResult};
+use crate::rollout::SamplingParams;
 
 /// A Rhai value as JSON (maps, arrays, strings, numbers, booleans, `()` → null).
 pub fn to_json(what: &str, d: &Dynamic) -> RhaiResult<Value> {
@@ -91,9 +92,52 @@ pub fn merge_json(base: &mut Value, over: Value) {
 /// `T` from `base` with the fields of the script map `over` laid on top;
 /// `what` names the argument in errors (e.g. `sampling`).
 pub fn overlay<T: Serialize + DeserializeOwned>(what: &str, base: &T, over: Value) -> RhaiResult<T> {
-    let mut v = serde_json::to_value(base).map_err(host)?;
-    merge_json(&mut v, over);
-    serde_json::from_value(v).map_err(|e| bad_arg(what, e))
+    let base = serde_json::to_value(base).map_err(host)?;
+    deserialize(what, &base, over)
+}
+
+/// The one converter from a script's option map to a typed option struct
+/// (`#[serde(default, deny_unknown_fields)]`): absent keys take the struct's
+/// defaults, an unknown key is an error listing the valid ones, and a value of
+/// the wrong type or range (a negative count, a string for a number) is an
+/// error naming its key. `what` names the argument (e.g. `evaluate opts`).
+pub fn options<T: DeserializeOwned>(what: &str, m: &Map) -> RhaiResult<T> {
+    deserialize(what, &Value::Object(Default::default()), to_json(what, &Dynamic::from_map(m.clone()))?)
+}
+
+/// `T` from `base` deep-merged with `over`. serde names an unknown key itself
+/// (with the valid ones), but not the key of a value it cannot convert: that
+/// key is found by laying `over`'s keys on `base` one at a time.
+fn deserialize<T: DeserializeOwned>(what: &str, base: &Value, over: Value) -> RhaiResult<T> {
+    let mut v = base.clone();
+    merge_json(&mut v, over.clone());
+    let e = match serde_json::from_value::<T>(v) {
+        Ok(t) => return Ok(t),
+        Err(e) => e,
+    };
+    let msg = e.to_string();
+    if msg.starts_with("unknown field") || msg.starts_with("unknown variant") {
+        return Err(bad_arg(what, msg));
+    }
+    if let Value::Object(o) = over {
+        for (k, x) in o {
+            let mut one = base.clone();
+            merge_json(&mut one, Value::Object([(k.clone(), x)].into_iter().collect()));
+            if let Err(e) = serde_json::from_value::<T>(one) {
+                return Err(bad_arg(what, format!("`{k}`: {e}")));
+            }
+        }
+    }
+    Err(bad_arg(what, msg))
+}
+
+/// `SamplingParams` from a script map laid over `base` (`n`, `temperature`,
+/// `top_p`, `top_k`, `max_tokens`/`max_new_tokens`, `stop`/`stop_strings`,
+/// `seed`, ...); keys that are not sampling fields (`template`) are ignored here.
+pub fn sampling_from_map(base: &SamplingParams, m: &Map) -> RhaiResult<SamplingParams> {
+    let mut m = m.clone();
+    m.remove("template");
+    overlay("sampling", base, sampling_json(to_json("sampling", &Dynamic::from_map(m))?))
 }
 
 /// Sampling options as scripts write them: `max_tokens` is accepted for
@@ -140,9 +184,14 @@ pub fn get_str(m: &Map, key: &str) -> RhaiResult<Option<String>> {
     }
 }
 
-/// A non-negative integer argument.
+/// A count or index argument: a negative number is an error naming `what`.
 pub fn usize_arg(what: &str, i: i64) -> RhaiResult<usize> {
     usize::try_from(i).map_err(|_| bad_arg(what, format!("expected a non-negative integer, found {i}")))
+}
+
+/// A seed argument: a negative number is an error naming `what`.
+pub fn u64_arg(what: &str, i: i64) -> RhaiResult<u64> {
+    u64::try_from(i).map_err(|_| bad_arg(what, format!("expected a non-negative integer, found {i}")))
 }
 
 /// Parses a `--set` value: integer, float, bool, else string.
@@ -163,7 +212,7 @@ pub fn parse_cli_value(s: &str) -> Dynamic {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::SamplingParams;
+    use crate::script::error::message;
 
     #[test]
     fn overlay_keeps_defaults_and_names_bad_fields() {
@@ -179,7 +228,41 @@ mod tests {
             to_json("s", &Dynamic::from_map(bad)).unwrap(),
         )
         .unwrap_err();
-        assert!(e.to_string().contains("nn"), "{e}");
+        let e = message(&e);
+        assert!(e.contains("nn"), "{e}");
+    }
+
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    #[serde(default, deny_unknown_fields)]
+    struct Opts {
+        n: usize,
+        name: String,
+        lr: f64,
+    }
+
+    impl Default for Opts {
+        fn default() -> Self {
+            Opts { n: 4, name: "x".into(), lr: 0.5 }
+        }
+    }
+
+    fn opts(src: &str) -> Result<Opts, String> {
+        let m: Map = rhai::Engine::new().eval(src).unwrap();
+        options("f opts", &m).map_err(|e| message(&e))
+    }
+
+    #[test]
+    fn options_take_defaults_and_name_the_bad_key() {
+        assert_eq!(opts("#{}").unwrap(), Opts::default());
+        assert_eq!(opts("#{ n: 2, lr: 1 }").unwrap(), Opts { n: 2, lr: 1.0, ..Opts::default() });
+        // A negative count is an error naming it, never a wrapped usize.
+        let e = opts("#{ name: \"a\", n: -3 }").unwrap_err();
+        assert!(e.contains("f opts: `n`:") && e.contains("-3"), "{e}");
+        let e = opts("#{ name: 5 }").unwrap_err();
+        assert!(e.contains("`name`") && e.contains("expected a string"), "{e}");
+        // An unknown key lists the valid ones.
+        let e = opts("#{ nn: 1 }").unwrap_err();
+        assert!(e.contains("`nn`") && e.contains("`n`, `name`, `lr`"), "{e}");
     }
 
     #[test]

@@ -5,26 +5,50 @@
 //! [`Error::Script`]`{ pos: "file:line:col", msg }`, following the chain of
 //! function calls and modules down to the innermost error (the line the user
 //! has to fix). Every binding raises host failures through [`host`], which
-//! tags the message with `[host]`, so a script error ("Variable not found")
-//! and a host error ("[host] models/x/config.json: No such file") stay
-//! distinguishable both to `try/catch` in scripts and in the final report.
+//! throws an opaque [`HostError`] value (a registered type no script function
+//! can construct), so a script error ("Variable not found", `throw "..."`) and
+//! a host error ("models/x/config.json: No such file") stay distinguishable,
+//! unforgeably, both to `try/catch` in scripts (`e.type_of() == "HostError"`)
+//! and in the final report ([`Error::Script`] versus [`Error::Host`]).
 
-use std::fmt::Display;
+use std::fmt::{self, Display};
+use std::sync::Arc;
 
-use rhai::{EvalAltResult, ParseError, Position};
+use rhai::{Dynamic, EvalAltResult, ParseError, Position};
 
 use crate::Error;
 
 /// The result type of native functions registered into the engine.
 pub type RhaiResult<T> = Result<T, Box<EvalAltResult>>;
 
-/// The prefix of every host error raised inside a script.
-pub const HOST_TAG: &str = "[host] ";
+/// A host failure as a script sees it: `catch (e)` gets this value; it prints
+/// as its message (`e.message`, `${e}`) and can be rethrown, but scripts have
+/// no way to make one, so only the host raises host errors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostError(Arc<str>);
+
+impl HostError {
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Display for HostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
 /// A host-side failure (I/O, bad config, tensor error) raised into the script
 /// as a catchable runtime error. The position is filled in by Rhai at the call.
 pub fn host(e: impl Display) -> Box<EvalAltResult> {
-    EvalAltResult::ErrorRuntime(format!("{HOST_TAG}{e}").into(), Position::NONE).into()
+    host_at(e, Position::NONE)
+}
+
+/// A host failure at a known position (module resolution).
+pub fn host_at(e: impl Display, pos: Position) -> Box<EvalAltResult> {
+    EvalAltResult::ErrorRuntime(Dynamic::from(HostError(e.to_string().into())), pos).into()
 }
 
 /// A bad argument to a binding (wrong key, wrong type): also a host error, but
@@ -91,23 +115,42 @@ pub fn from_eval(file: &str, e: Box<EvalAltResult>) -> Error {
                 for c in chain.iter().rev() {
                     msg.push_str(&format!("\n  {c}"));
                 }
-                return Error::Script { pos: here, msg };
+                return if is_host(&leaf) {
+                    Error::Host { pos: here, msg }
+                } else {
+                    Error::Script { pos: here, msg }
+                };
             }
         }
     }
 }
 
-/// The message of an error without Rhai's position suffix; host errors keep
-/// their `[host]` tag, thrown values are shown as thrown.
+/// The message of a Rhai error without its position: a host error's own text
+/// (Rhai itself would print a custom type's name), a thrown value as thrown.
+pub fn message(e: &EvalAltResult) -> String {
+    leaf_message(e)
+}
+
+/// A binding's error as a library error, for host code that calls a binding
+/// helper outside any script position (the training loop).
+pub fn into_error(e: Box<EvalAltResult>) -> Error {
+    Error::invalid(message(&e))
+}
+
+/// True when `e` is a host failure (a [`HostError`] thrown by a binding).
+fn is_host(e: &EvalAltResult) -> bool {
+    matches!(e, EvalAltResult::ErrorRuntime(d, _) if d.is::<HostError>())
+}
+
+/// The message of an error without Rhai's position suffix; thrown values are
+/// shown as thrown.
 fn leaf_message(e: &EvalAltResult) -> String {
     match e {
+        EvalAltResult::ErrorRuntime(d, _) if d.is::<HostError>() => {
+            d.clone().try_cast::<HostError>().map(|h| h.to_string()).unwrap_or_default()
+        }
         EvalAltResult::ErrorRuntime(d, _) if d.is_string() => {
-            let s = d.clone().into_string().unwrap_or_default();
-            if s.starts_with(HOST_TAG) {
-                s
-            } else {
-                format!("runtime error: {s}")
-            }
+            format!("runtime error: {}", d.clone().into_string().unwrap_or_default())
         }
         EvalAltResult::ErrorTerminated(d, _) => {
             let s = d.to_string();
@@ -126,7 +169,7 @@ fn leaf_message(e: &EvalAltResult) -> String {
 
 /// True when a converted error came from the host rather than the script.
 pub fn is_host_error(e: &Error) -> bool {
-    matches!(e, Error::Script { msg, .. } if msg.starts_with(HOST_TAG))
+    matches!(e, Error::Host { .. })
 }
 
 #[cfg(test)]
@@ -160,16 +203,48 @@ mod tests {
         }
     }
 
+    fn engine_with_boom() -> rhai::Engine {
+        let mut e = rhai::Engine::new();
+        e.register_type_with_name::<HostError>("HostError")
+            .register_fn("to_string", |e: &mut HostError| e.to_string())
+            .register_get("message", |e: &mut HostError| e.to_string());
+        e.register_fn("boom", || -> RhaiResult<()> { Err(host("disk on fire")) });
+        e
+    }
+
     #[test]
-    fn host_errors_are_tagged() {
-        let engine = {
-            let mut e = rhai::Engine::new();
-            e.register_fn("boom", || -> RhaiResult<()> { Err(host("disk on fire")) });
-            e
-        };
+    fn host_errors_are_host_errors_with_positions() {
+        let engine = engine_with_boom();
         let e = engine.run("let a = 1;\nboom();").unwrap_err();
         let err = from_eval("c.rhai", e);
         assert!(is_host_error(&err), "{err}");
-        assert!(err.to_string().contains("c.rhai:2:"), "{err}");
+        assert_eq!(err.to_string(), "host error at c.rhai:2:1: disk on fire");
+        // Inside a function, rethrown after a catch: still the host's, at the innermost call.
+        let e = engine.run("fn f() {\n  try { boom() } catch (e) { throw e; }\n}\nf();").unwrap_err();
+        let err = from_eval("d.rhai", e);
+        assert!(is_host_error(&err), "{err}");
+        assert!(err.to_string().starts_with("host error at d.rhai:2:"), "{err}");
+    }
+
+    #[test]
+    fn scripts_cannot_forge_host_errors() {
+        let engine = engine_with_boom();
+        for src in ["throw \"[host] disk on fire\";", "throw \"disk on fire\";", "throw #{ message: \"x\" };"]
+        {
+            let err = from_eval("e.rhai", engine.run(src).unwrap_err());
+            assert!(!is_host_error(&err) && matches!(err, Error::Script { .. }), "{src}: {err}");
+        }
+        // What a script catches: the opaque type, printable, with its message.
+        let (ty, msg, text): (String, String, String) = {
+            let v: rhai::Array = engine
+                .eval("let v = []; try { boom(); } catch (e) { v = [type_of(e), e.message, `${e}`]; } v")
+                .unwrap();
+            let s: Vec<String> = v.into_iter().map(|d| d.into_string().unwrap()).collect();
+            (s[0].clone(), s[1].clone(), s[2].clone())
+        };
+        assert_eq!((ty.as_str(), msg.as_str(), text.as_str()), ("HostError", "disk on fire", "disk on fire"));
+        let thrown: String =
+            engine.eval("let t = (); try { throw \"[host] x\"; } catch (e) { t = type_of(e); } t").unwrap();
+        assert_eq!(thrown, "string");
     }
 }

@@ -20,6 +20,7 @@
 pub mod bindings;
 pub mod convert;
 pub mod error;
+pub mod handles;
 pub mod hooks;
 pub mod host;
 pub mod resolver;
@@ -34,7 +35,7 @@ use std::sync::Arc;
 
 use rhai::{Dynamic, Engine, Scope};
 
-pub use error::{from_eval, from_parse, is_host_error};
+pub use error::{from_eval, from_parse, is_host_error, HostError};
 pub use hooks::HookSet;
 pub use host::{Console, Host, HostOptions};
 pub use runner::{run_file, RunOutcome};

@@ -17,6 +17,7 @@ use rhai::{Engine, EvalAltResult, Module, ModuleResolver, Position, Scope};
 /// A compiled module, shared (`rhai::SharedModule` under the `sync` feature).
 type SharedModule = Arc<Module>;
 
+use super::error::host_at;
 use super::host::Host;
 
 /// The module resolver of [`super::build_engine`].
@@ -68,11 +69,7 @@ impl ModuleResolver for Resolver {
         if rel.is_absolute() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
             return Err(EvalAltResult::ErrorInModule(
                 path.to_string(),
-                EvalAltResult::ErrorRuntime(
-                    format!("[host] import \"{path}\": expected a relative name without `..`").into(),
-                    pos,
-                )
-                .into(),
+                host_at(format!("import \"{path}\": expected a relative name without `..`"), pos),
                 pos,
             )
             .into());

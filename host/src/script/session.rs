@@ -200,6 +200,8 @@ fn collect_docs(engine: &Engine) -> Vec<FnDoc> {
                             .trim()
                             .to_string()
                     })
+                    // Code fences are for rustdoc-style readers; the REPL shows the code as is.
+                    .filter(|l| !l.starts_with("```"))
                     .collect::<Vec<_>>()
             })
             .collect();

@@ -39,9 +39,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rhai::{Dynamic, Engine, Map, Scope};
 use serde_json::Value;
 
-use super::bindings::{RolloutHandle, RolloutState, RunHandle};
-use super::convert::{clean_f64, from_json, get_num, num, parse_cli_value, sampling_json, to_json};
-use super::error::{bad_arg, host as host_err, RhaiResult};
+use super::convert::{
+    clean_f64, from_json, get_num, num, parse_cli_value, sampling_from_map, sampling_json, to_json,
+};
+use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
+use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
 use super::hooks::{hook_type_error, HookSet};
 use super::host::{timestamp, Host};
 use crate::algo::{MaskConfig, TauH, SET_KEYS};
@@ -165,7 +167,7 @@ fn insert_thresholds(map: &mut Map, mask: &MaskConfig, abs_key: &str) {
 
 /// Applies a `sampling` hook's map to the plan.
 pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<()> {
-    plan.sampling = super::bindings::rollout::sampling_from_map(&plan.sampling, m)?;
+    plan.sampling = sampling_from_map(&plan.sampling, m)?;
     if smoke {
         clamp_sampling(&mut plan.sampling);
     }
@@ -270,7 +272,7 @@ fn expect_map(host: &Host, name: &str, v: Dynamic) -> Result<Map> {
 fn to_rhai(e: Error) -> Box<rhai::EvalAltResult> {
     // A hook's error already carries its own position; keep it in the message.
     match e {
-        Error::Script { pos, msg } => host_err(format!("in hook at {pos}: {msg}")),
+        Error::Script { pos, msg } | Error::Host { pos, msg } => host_err(format!("in hook at {pos}: {msg}")),
         other => host_err(other),
     }
 }
@@ -385,7 +387,7 @@ fn run_steps(
         let s = Dynamic::from(step as i64);
         if let Some(v) = call_hook(engine, host, "sampling", vec![s.clone()])? {
             let m = expect_map(host, "sampling", v)?;
-            apply_sampling(&mut plan, &m, host.opts.smoke).map_err(|e| Error::invalid(e.to_string()))?;
+            apply_sampling(&mut plan, &m, host.opts.smoke).map_err(into_error)?;
         }
         let has_thresholds = host.hooks().has("thresholds", 2);
         if has_thresholds && plan.objective.mask.s2t().is_none() {
@@ -405,7 +407,7 @@ fn run_steps(
             vec![s.clone(), Dynamic::from_map(threshold_stats(&last, &plan, &prev_thresholds, step))],
         )? {
             let m = expect_map(host, "thresholds", v)?;
-            apply_thresholds(&mut plan, &m).map_err(|e| Error::invalid(e.to_string()))?;
+            apply_thresholds(&mut plan, &m).map_err(into_error)?;
             prev_thresholds = m;
         }
         if let Some(v) = call_hook(engine, host, "lr", vec![s.clone()])? {
@@ -422,7 +424,7 @@ fn run_steps(
         for w in &metrics.update.warnings {
             host.notice(&format!("warning: step {step}: {w}"));
         }
-        last = metrics_map(&metrics, &plan).map_err(|e| Error::invalid(e.to_string()))?;
+        last = metrics_map(&metrics, &plan).map_err(into_error)?;
         pb.set_position(trainer.step_count());
         pb.set_message(format!(
             "reward {:.3}  acc {:.3}  H {:.3}  silenced {}",
@@ -447,7 +449,7 @@ fn run_steps(
 /// `run.step(plan)` for the REPL: one step with optional overrides
 /// (`#{sampling: #{..}, lr, tau_p, tau_h, tau_h_quantile}`), no hooks.
 pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
-    let mut t = super::bindings::lock(&run.0, "run")?;
+    let mut t = lock(&run.0, "run")?;
     let mut plan = t.default_plan();
     if host.opts.smoke {
         clamp_sampling(&mut plan.sampling);
@@ -475,7 +477,7 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
 /// S2T-silenced tokens the update actually used (its [`crate::train::UpdateRecord`]),
 /// so the token table cannot disagree with the update.
 pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
-    let t = super::bindings::lock(&run.0, "run")?;
+    let t = lock(&run.0, "run")?;
     let batch = t.last_rollout().cloned().ok_or_else(|| host_err("the run has not taken a step yet"))?;
     let (advantages, silenced) = match t.last_update() {
         Some(rec) if rec.advantages.len() == batch.samples.len() => {

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
+use crate::util::read_jsonl;
 use crate::{Error, Result};
 
 /// DejaVu Sans (Bitstream Vera license), embedded so plots render without system fonts.
@@ -40,21 +41,6 @@ fn register_font() {
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
 }
 
-fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Value>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| Error::Parse {
-                path: path.into(),
-                line: i + 1,
-                msg: e.to_string(),
-            })
-        })
-        .collect()
-}
-
 fn series(label: &str, rows: &[serde_json::Value], x: &str, y: &[&str]) -> Series {
     let get = |v: &serde_json::Value| y.iter().try_fold(v, |v, k| v.get(k)).and_then(|v| v.as_f64());
     Series {
@@ -76,12 +62,12 @@ pub fn standard_panels(runs: &[RunCurves]) -> Result<Vec<Panel>> {
     .map(|t| Panel { title: t.to_string(), series: Vec::new() })
     .collect();
     for r in runs {
-        let m = read_jsonl(&r.metrics)?;
+        let m: Vec<serde_json::Value> = read_jsonl(&r.metrics)?;
         panels[0].series.push(series(&r.label, &m, "step", &["reward_mean"]));
         panels[1].series.push(series(&r.label, &m, "step", &["entropy"]));
         if let Some(e) = &r.eval {
             if e.is_file() {
-                let rows = read_jsonl(e)?;
+                let rows: Vec<serde_json::Value> = read_jsonl(e)?;
                 panels[2].series.push(series(&r.label, &rows, "step", &["overall", "avg"]));
             }
         }

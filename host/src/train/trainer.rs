@@ -713,13 +713,9 @@ impl MaxPrecision for DType {
     }
 }
 
-/// A 64-bit mix of a seed and a step (splitmix64), for per-step seeds.
+/// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
-    let mut z =
-        seed.wrapping_add(step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
 }
 
 /// Adds the tokenizer's end-of-turn ids to the stop tokens (once each).

@@ -386,9 +386,18 @@ fn script_error(src: &str) -> (String, String) {
     let (host, _buf) = buffered(HostOptions { run_dir: Some(dir.path().join("run")), ..Default::default() });
     let out = script::run_file(&host, &path);
     match out.error {
-        Some(stapo::Error::Script { pos, msg }) => (pos, msg),
+        Some(stapo::Error::Script { pos, msg } | stapo::Error::Host { pos, msg }) => (pos, msg),
         other => panic!("expected a script error, found {other:?}"),
     }
+}
+
+fn script_error_is_host(src: &str) -> bool {
+    let dir = tempdir();
+    let path = dir.path().join("bad.rhai");
+    std::fs::write(&path, src).unwrap();
+    let (host, _buf) = buffered(HostOptions { run_dir: Some(dir.path().join("run")), ..Default::default() });
+    let err = script::run_file(&host, &path).error.expect("the script fails");
+    script::is_host_error(&err)
 }
 
 #[test]
@@ -401,10 +410,13 @@ fn script_errors_carry_file_line_col() {
     assert!(pos.contains("bad.rhai:2:"), "{pos} {msg}");
     assert!(msg.contains("missing_var") && msg.contains("`f`"), "{msg}");
 
-    // A host failure is tagged as such and points at the call.
-    let (pos, msg) = script_error("let x = 1;\n\nlet m = load_model(\"/nonexistent/model\");\n");
+    // A host failure is a host error (which a script's `throw` cannot forge) and points at the call.
+    let src = "let x = 1;\n\nlet m = load_model(\"/nonexistent/model\");\n";
+    let (pos, msg) = script_error(src);
     assert!(pos.contains("bad.rhai:3:"), "{pos}");
-    assert!(msg.starts_with("[host]"), "{msg}");
+    assert!(msg.contains("/nonexistent/model"), "{msg}");
+    assert!(script_error_is_host(src));
+    assert!(!script_error_is_host("let x = 1;\nthrow \"[host] /nonexistent/model\";\n"));
 
     // Unknown config keys name the key.
     let (_, msg) = script_error("train(#{ modle: \"x\" }, 1);");

@@ -8,7 +8,7 @@ use rhai::{Array, Dynamic, Engine, Map};
 
 use super::DatasetHandle;
 use crate::data::{task, Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, TaskConfig};
-use crate::script::convert::{from_json, overlay, to_dynamic, to_json, usize_arg};
+use crate::script::convert::{options, overlay, to_dynamic, to_json, u64_arg, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::train::TinyConfig;
@@ -43,9 +43,8 @@ pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
 }
 
 fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
-    let n = usize_arg("n", n)?;
-    let mut s = EpochSampler::new(ds.0.len(), seed as u64).map_err(host)?;
-    let idx = s.next_batch(n).map_err(host)?;
+    let mut s = EpochSampler::new(ds.0.len(), u64_arg("seed", seed)?).map_err(host)?;
+    let idx = s.next_batch(usize_arg("n", n)?).map_err(host)?;
     Ok(ds.0.select(&idx).map_err(host)?.into_iter().map(example_map).collect())
 }
 
@@ -62,19 +61,88 @@ fn load_data(path: &str, opts: &Map) -> RhaiResult<DatasetHandle> {
 fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
     let tc: TaskConfig =
         overlay("task", &TaskConfig::default(), to_json("task", &Dynamic::from_map(cfg.clone()))?)?;
-    let probs = task::generate(usize_arg("n", n)?, seed as u64, &tc).map_err(host)?;
+    let probs = task::generate(usize_arg("n", n)?, u64_arg("seed", seed)?, &tc).map_err(host)?;
     probs.iter().map(to_dynamic).collect()
 }
 
+/// Builds the tiny model; smoke mode shrinks everything and writes under the run folder.
+fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
+    let mut c: TinyConfig = options("pretrain_tiny", cfg)?;
+    if h.opts.smoke {
+        c.max_steps = c.max_steps.min(2);
+        c.warmup_steps = c.warmup_steps.min(1);
+        c.eval_every = c.eval_every.min(1);
+        c.n_train = c.n_train.min(32);
+        c.n_test = c.n_test.min(8);
+        c.eval_problems = c.eval_problems.min(4);
+        c.eval_samples = c.eval_samples.min(2);
+        c.batch_size = c.batch_size.min(4);
+        c.final_eval = false;
+        // Never overwrite a real model folder from a smoke run.
+        let base = h.run_dir().unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
+        c.model_dir = base.join("tiny-model");
+        c.data_dir = Some(base.join("tiny-data"));
+    }
+    let report = crate::train::pretrain_tiny(&c, &mut |line: &str| h.println(line)).map_err(host)?;
+    to_dynamic(&report)
+}
+
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    func!(engine, "load_data", "load_data(path) -> Dataset\nLoads a task dataset: a JSONL or Parquet file (verl's schema understood: `prompt` chat messages, `reward_model.ground_truth`, `data_source`, `extra_info.index`), a folder of Hugging Face shards, or a `*` pattern; bad records are skipped with a warning.\nExample: `let ds = load_data(\"data/arith/train.jsonl\");`", |path: &str| load_data(path, &Map::new()));
-    func!(engine, "load_data", "load_data(path, options) -> Dataset\noptions: #{problem_fields, answer_fields, id_fields, source_fields (a name or a list; dotted names reach into structs), strip_instruction, dedupe, split, bad_lines: \"skip\"|\"reject\"}.\nExample: `load_data(\"my.parquet\", #{problem_fields: \"question\", answer_fields: \"meta.gold\"})`", |path: &str, opts: Map| load_data(path, &opts));
-    getter!(engine, "len", "dataset.len -> int\nNumber of examples.", |d: &mut DatasetHandle| d.0.len()
-        as i64);
-    func!(
-        engine,
-        "get",
-        "dataset.get(i) -> map\nExample `i` as #{id, problem, answer, source}.\nExample: `ds.get(0).answer`",
+    func! { engine, "load_data", r#"
+        /// load_data(path) -> Dataset
+        ///
+        /// Loads a task dataset: a JSONL or Parquet file (verl's schema understood: `prompt` chat
+        /// messages, `reward_model.ground_truth`, `data_source`, `extra_info.index`), a folder of
+        /// Hugging Face shards, or a `*` pattern; bad records are skipped with a warning.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let ds = load_data("data/arith/train.jsonl");
+        /// ```
+    "#,
+        |path: &str| load_data(path, &Map::new())
+    }
+    func! { engine, "load_data", r#"
+        /// load_data(path, options) -> Dataset
+        ///
+        /// options: #{problem_fields, answer_fields, id_fields, source_fields (a name or a list;
+        /// dotted names reach into structs), strip_instruction, dedupe, split, bad_lines:
+        /// "skip"|"reject"}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// load_data("my.parquet", #{problem_fields: "question", answer_fields: "meta.gold"})
+        /// ```
+    "#,
+        |path: &str, opts: Map| load_data(path, &opts)
+    }
+    getter! { engine, "len", r#"
+        /// dataset.len -> int
+        ///
+        /// Number of examples.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let ds = load_data("data/arith/train.jsonl");
+        /// print(ds.len);
+        /// ```
+    "#,
+        |d: &mut DatasetHandle| d.0.len() as i64
+    }
+    func! { engine, "get", r#"
+        /// dataset.get(i) -> map
+        ///
+        /// Example `i` as #{id, problem, answer, source}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// ds.get(0).answer
+        /// ```
+    "#,
         |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
             let e = usize::try_from(i)
                 .ok()
@@ -82,53 +150,121 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
                 .ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
             Ok(example_map(e))
         }
-    );
-    func!(engine, "sample_prompts", "sample_prompts(dataset, n, seed) -> array of map\n`n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.\nExample: `let ps = sample_prompts(ds, 4, 0);`", |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed));
-    func!(
-        engine,
-        "sample",
-        "dataset.sample(n, seed) -> array of map\nSame as `sample_prompts(dataset, n, seed)`.",
+    }
+    func! { engine, "sample_prompts", r#"
+        /// sample_prompts(dataset, n, seed) -> array of map
+        ///
+        /// `n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let ps = sample_prompts(ds, 4, 0);
+        /// ```
+    "#,
+        |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed)
+    }
+    func! { engine, "sample", r#"
+        /// dataset.sample(n, seed) -> array of map
+        ///
+        /// Same as `sample_prompts(dataset, n, seed)`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let ps = ds.sample(4, 0);
+        /// ```
+    "#,
         |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed)
-    );
-    func!(engine, "to_string", "to_string(dataset) -> string", |d: &mut DatasetHandle| format!(
-        "Dataset({}, {} examples)",
-        d.0.path().display(),
-        d.0.len()
-    ));
-    func!(engine, "render_prompt", "render_prompt(problem, template) -> string\nThe prompt text for a problem: template raw | chat | chat-think | none.\nExample: `render_prompt(\"Compute 1+2.\", \"raw\")`", |problem: &str, name: &str| -> RhaiResult<String> {
-        Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
-    });
-    func!(engine, "arith_problems", "arith_problems(n, seed) -> array of map\n`n` generated arithmetic problems #{id, problem, answer, source, solution}.\nExample: `let ps = arith_problems(8, 0);`", |n: i64, seed: i64| arith(n, seed, &Map::new()));
-    func!(engine, "arith_problems", "arith_problems(n, seed, task) -> array of map\ntask: #{min_operands, max_operands, min_value, max_value, max_factor, ops: \"+-*\", allow_negative}.\nExample: `arith_problems(8, 0, #{ops: \"+-*\"})`", |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg));
-    func!(engine, "write_jsonl", "write_jsonl(path, rows) -> int\nWrites an array of maps as JSON lines (atomically); returns the row count.\nExample: `write_jsonl(\"data/mine.jsonl\", arith_problems(100, 1));`", |path: &str, rows: Array| -> RhaiResult<i64> {
-        let mut text = String::new();
-        for r in &rows {
-            text.push_str(&to_json("rows", r)?.to_string());
-            text.push('\n');
+    }
+    func! { engine, "to_string", r#"
+        /// to_string(dataset) -> string
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(ds);
+        /// ```
+    "#,
+        |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len())
+    }
+    func! { engine, "render_prompt", r#"
+        /// render_prompt(problem, template) -> string
+        ///
+        /// The prompt text for a problem: template raw | chat | chat-think | none.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// render_prompt("Compute 1+2.", "raw")
+        /// ```
+    "#,
+        |problem: &str, name: &str| -> RhaiResult<String> {
+            Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
         }
-        crate::util::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
-        Ok(rows.len() as i64)
-    });
+    }
+    func! { engine, "arith_problems", r#"
+        /// arith_problems(n, seed) -> array of map
+        ///
+        /// `n` generated arithmetic problems #{id, problem, answer, source, solution}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let ps = arith_problems(8, 0);
+        /// ```
+    "#,
+        |n: i64, seed: i64| arith(n, seed, &Map::new())
+    }
+    func! { engine, "arith_problems", r#"
+        /// arith_problems(n, seed, task) -> array of map
+        ///
+        /// task: #{min_operands, max_operands, min_value, max_value, max_factor, ops: "+-*",
+        /// allow_negative}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// arith_problems(8, 0, #{ops: "+-*"})
+        /// ```
+    "#,
+        |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg)
+    }
+    func! { engine, "write_jsonl", r#"
+        /// write_jsonl(path, rows) -> int
+        ///
+        /// Writes an array of maps as JSON lines (atomically); returns the row count.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// write_jsonl("data/mine.jsonl", arith_problems(100, 1));
+        /// ```
+    "#,
+        |path: &str, rows: Array| -> RhaiResult<i64> {
+            let mut text = String::new();
+            for r in &rows {
+                text.push_str(&to_json("rows", r)?.to_string());
+                text.push('\n');
+            }
+            crate::util::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
+            Ok(rows.len() as i64)
+        }
+    }
     let h = host_.clone();
-    func!(engine, "pretrain_tiny", "pretrain_tiny(cfg) -> map\nBuilds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy); cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...). Returns the report.\nExample: `pretrain_tiny(#{model_dir: \"models/tiny-qwen3\", max_steps: 200})`", move |cfg: Map| -> RhaiResult<Dynamic> {
-        let mut c: TinyConfig = overlay("pretrain_tiny", &TinyConfig::default(), to_json("pretrain_tiny", &Dynamic::from_map(cfg))?)?;
-        if h.opts.smoke {
-            c.max_steps = c.max_steps.min(2);
-            c.warmup_steps = c.warmup_steps.min(1);
-            c.eval_every = c.eval_every.min(1);
-            c.n_train = c.n_train.min(32);
-            c.n_test = c.n_test.min(8);
-            c.eval_problems = c.eval_problems.min(4);
-            c.eval_samples = c.eval_samples.min(2);
-            c.batch_size = c.batch_size.min(4);
-            c.final_eval = false;
-            // Never overwrite a real model folder from a smoke run.
-            let base = h.run_dir().unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
-            c.model_dir = base.join("tiny-model");
-            c.data_dir = Some(base.join("tiny-data"));
-        }
-        let hh = h.clone();
-        let report = crate::train::pretrain_tiny(&c, &mut |line: &str| hh.println(line)).map_err(host)?;
-        Ok(from_json(&serde_json::to_value(&report).map_err(host)?))
-    });
+    func! { engine, "pretrain_tiny", r#"
+        /// pretrain_tiny(cfg) -> map
+        ///
+        /// Builds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy);
+        /// cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...).
+        /// Returns the report.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// pretrain_tiny(#{model_dir: "models/tiny-qwen3", max_steps: 200})
+        /// ```
+    "#,
+        move |cfg: Map| pretrain_tiny(&h, &cfg)
+    }
 }

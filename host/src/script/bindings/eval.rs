@@ -4,51 +4,78 @@
 use std::sync::Arc;
 
 use rhai::{Dynamic, Engine, Map};
+use serde::Deserialize;
 
 use super::{lock, DatasetHandle, ModelHandle};
 use crate::data::{Dataset, DatasetOptions, PromptTemplate};
 use crate::eval;
 use crate::reward::ExtractMode;
 use crate::rollout::SamplingParams;
-use crate::script::convert::{from_json, get_num, get_str, to_json};
+use crate::script::convert::{from_json, options};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 
-/// `opts.pass_k`: an array of k for pass@k (empty when absent).
-fn pass_k_opt(opts: &Map) -> RhaiResult<Vec<usize>> {
-    match opts.get("pass_k") {
-        None => Ok(Vec::new()),
-        Some(d) if d.is_unit() => Ok(Vec::new()),
-        Some(d) => serde_json::from_value(to_json("pass_k", d)?).map_err(|e| {
-            bad_arg(
-                "evaluate",
-                format!("pass_k: expected an array of positive integers such as [1, 4, 16] ({e})"),
-            )
-        }),
+/// `evaluate(model, data, opts)`.
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct EvalOpts {
+    /// Samples per problem.
+    n: usize,
+    temperature: f64,
+    top_p: f64,
+    max_tokens: usize,
+    /// First `limit` problems only.
+    limit: Option<usize>,
+    /// A template name, or a map as train() configs write it (`#{kind: "chat", suffix: ..}`).
+    template: serde_json::Value,
+    /// Answer extraction: strict | flexible | answer_line.
+    extract: Option<String>,
+    seed: u64,
+    /// The k of pass@k (each at most `n`).
+    pass_k: Vec<usize>,
+}
+
+impl Default for EvalOpts {
+    fn default() -> Self {
+        EvalOpts {
+            n: 4,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 256,
+            limit: None,
+            template: "raw".into(),
+            extract: None,
+            seed: 0,
+            pass_k: Vec::new(),
+        }
     }
 }
 
+/// A dataset argument: a path or a `Dataset`.
+fn dataset_arg(data: &Dynamic) -> RhaiResult<Arc<Dataset>> {
+    if let Some(d) = data.clone().try_cast::<DatasetHandle>() {
+        return Ok(d.0);
+    }
+    if !data.is_string() {
+        let t = data.type_name();
+        return Err(bad_arg("evaluate", format!("data: expected a path or a Dataset, found {t}")));
+    }
+    Ok(Arc::new(Dataset::load(data.to_string(), &DatasetOptions::default()).map_err(host)?.0))
+}
+
 fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiResult<Dynamic> {
-    let ds: Arc<Dataset> = if data.is::<DatasetHandle>() {
-        data.clone().cast::<DatasetHandle>().0
-    } else if data.is_string() {
-        Arc::new(Dataset::load(data.to_string(), &DatasetOptions::default()).map_err(host)?.0)
-    } else {
-        return Err(bad_arg(
-            "evaluate",
-            format!("data: expected a path or a Dataset, found {}", data.type_name()),
-        ));
+    let o: EvalOpts = options("evaluate", opts)?;
+    let ds = dataset_arg(data)?;
+    let tmpl = match &o.template {
+        serde_json::Value::String(name) => super::data::template(name)?.unwrap_or_else(PromptTemplate::raw),
+        t => serde_json::from_value::<PromptTemplate>(t.clone())
+            .map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
     };
-    let mut limit = get_num(opts, "limit")?.map_or(ds.len(), |x| x as usize).min(ds.len());
-    let mut params = SamplingParams {
-        n: get_num(opts, "n")?.map_or(4, |x| x as usize),
-        temperature: get_num(opts, "temperature")?.unwrap_or(1.0),
-        top_p: get_num(opts, "top_p")?.unwrap_or(1.0),
-        max_new_tokens: get_num(opts, "max_tokens")?.map_or(256, |x| x as usize),
-        seed: get_num(opts, "seed")?.map_or(0, |x| x as u64),
-        ..SamplingParams::default()
-    };
-    let mut ks = pass_k_opt(opts)?;
+    let mut limit = o.limit.unwrap_or(ds.len()).min(ds.len());
+    let (n, temperature, top_p, max_new_tokens, seed) = (o.n, o.temperature, o.top_p, o.max_tokens, o.seed);
+    let mut params =
+        SamplingParams { n, temperature, top_p, max_new_tokens, seed, ..SamplingParams::default() };
+    let mut ks = o.pass_k;
     if host_.opts.smoke {
         limit = limit.min(2);
         params.n = params.n.min(1);
@@ -59,21 +86,14 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     let slot = lock(&m.0, "model")?;
     let tok = slot.tokenizer.clone().ok_or_else(|| host("evaluate: the model has no tokenizer"))?;
     params.stop_token_ids.extend(tok.eos_ids());
-    let tmpl = match opts.get("template") {
-        // A map spells a template as train() configs do: #{kind: "chat", suffix: "...", ...}.
-        Some(t) if t.is_map() => serde_json::from_value::<PromptTemplate>(to_json("template", t)?)
-            .map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
-        _ => super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?
-            .unwrap_or_else(PromptTemplate::raw),
-    };
-    let extract = match get_str(opts, "extract")? {
+    let extract = match &o.extract {
         Some(s) => s.parse::<ExtractMode>().map_err(|e| bad_arg("evaluate", e.to_string()))?,
         None => ExtractMode::Strict,
     };
-    let rep =
-        eval::evaluate(&slot.model, &tok, &ds.examples()[..limit], &tmpl, &params, extract, 64, &|_| {})
-            .and_then(|r| r.with_pass_k(&ks))
-            .map_err(host)?;
+    let examples = &ds.examples()[..limit];
+    let rep = eval::evaluate(&slot.model, &tok, examples, &tmpl, &params, extract, 64, &|_| {})
+        .and_then(|r| r.with_pass_k(&ks))
+        .map_err(host)?;
     Ok(from_json(&serde_json::json!({
         "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k, "mean_len": rep.overall.mean_len,
         "problems": rep.overall.problems, "n": rep.overall.samples_per_problem, "by_source": rep.by_source,
@@ -82,12 +102,34 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
-    func!(engine, "evaluate", "evaluate(model, data, opts) -> map\navg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p (1.0), max_tokens (256), limit, template (name or map), extract (strict | flexible | answer_line), seed, pass_k ([] ; e.g. [1, 4, 16])}. Returns #{avg, pass (pass@n), pass_at_k (#{\"1\": .., \"4\": ..}), mean_len, problems, n, by_source}.\nExample: `evaluate(m, \"data/arith/test.jsonl\", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k[\"4\"]`", move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts));
+    func! { engine, "evaluate", r#"
+        /// evaluate(model, data, opts) -> map
+        ///
+        /// avg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p
+        /// (1.0), max_tokens (256), limit, template (name or map), extract (strict | flexible |
+        /// answer_line), seed, pass_k ([]; e.g. [1, 4, 16])}. Returns
+        /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// evaluate(m, "data/arith/test.jsonl", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k["4"]
+        /// ```
+    "#,
+        move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts)
+    }
     let h = host_.clone();
-    func!(
-        engine,
-        "evaluate",
-        "evaluate(model, data) -> map\nSame with the default options.",
+    func! { engine, "evaluate", r#"
+        /// evaluate(model, data) -> map
+        ///
+        /// Same with the default options.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(evaluate(m, "data/arith/test.jsonl").avg);
+        /// ```
+    "#,
         move |m: ModelHandle, data: Dynamic| evaluate(&h, &m, &data, &Map::new())
-    );
+    }
 }

@@ -1,92 +1,68 @@
 //! Script-visible types and functions, one registration file per domain.
 //!
 //! Bindings are thin: convert the arguments, call the library, convert back.
+//! Option maps are read into typed structs (`#[serde(default,
+//! deny_unknown_fields)]`) through the one converter
+//! [`convert::options`](super::convert::options), so an unknown key or a bad
+//! value is an error naming it; counts and seeds go through checked
+//! conversions ([`convert::usize_arg`](super::convert::usize_arg)). Failures
+//! are raised with [`error::host`](super::error::host) as opaque host errors.
 //! Heavy state (model weights, optimizer moments, a trainer) lives in Rust
-//! behind `Arc<Mutex<..>>` handles that scripts hold; a hot reload swaps code,
-//! never handles. Every function is registered through [`func`] with a doc
-//! comment whose first line is its usage, so the REPL's `:help` shows it.
+//! behind the [`handles`](super::handles) that scripts hold; a hot reload
+//! swaps code, never handles. Every function is registered through `func!` /
+//! `getter!` with `///`-style doc text (usage, description, `# Example`), which
+//! the REPL's `:help` shows; a test checks that none lacks it.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use rhai::Engine;
 
-use super::error::{host, RhaiResult};
+use super::error::HostError;
+pub use super::handles::{
+    lock, DatasetHandle, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle, TokenizerHandle,
+};
 use super::host::Host;
-use crate::data::{Dataset, Tokenizer};
-use crate::model::Qwen3;
-use crate::rollout::RolloutBatch;
-use crate::train::{AdamW, Trainer};
 
-/// A model in memory, with its tokenizer and (once `update` ran) its optimizer.
-#[derive(Clone)]
-pub struct ModelHandle(pub Arc<Mutex<ModelSlot>>);
-
-/// What a [`ModelHandle`] holds.
-pub struct ModelSlot {
-    pub model: Qwen3,
-    pub tokenizer: Option<Tokenizer>,
-    /// The folder it was loaded from (its tokenizer files are copied on save).
-    pub dir: Option<PathBuf>,
-    /// AdamW state, created by the first `update`.
-    pub opt: Option<AdamW>,
-}
-
-/// A tokenizer.
-#[derive(Clone)]
-pub struct TokenizerHandle(pub Arc<Tokenizer>);
-
-/// A loaded dataset.
-#[derive(Clone)]
-pub struct DatasetHandle(pub Arc<Dataset>);
-
-/// A batch of sampled responses, with rewards, advantages and the S2T mask once computed.
-#[derive(Clone)]
-pub struct RolloutHandle(pub Arc<Mutex<RolloutState>>);
-
-/// What a [`RolloutHandle`] holds.
-pub struct RolloutState {
-    pub batch: RolloutBatch,
-    pub tokenizer: Option<Tokenizer>,
-    /// One advantage per sample (`advantages(r)`).
-    pub advantages: Option<Vec<f32>>,
-    /// Per sample, per response token: silenced by S2T (`s2t(r)`).
-    pub silenced: Option<Vec<Vec<bool>>>,
-}
-
-/// A training run (a [`Trainer`]) driven step by step.
-#[derive(Clone)]
-pub struct RunHandle(pub Arc<Mutex<Trainer>>);
-
-/// Locks a handle's mutex; a poisoned lock (a panic in an earlier call) is a host error.
-pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> RhaiResult<MutexGuard<'a, T>> {
-    m.lock().map_err(|_| host(format!("{what} is unusable after an earlier failure")))
-}
-
-/// `doc` as Rhai doc-comment lines (`/// ...`).
+/// A binding's doc text as one Rhai doc comment. The text is written in the
+/// source as indented `///` lines, as rhai's own packages document their
+/// functions: the usage first, then what it does, then `# Example` with a
+/// ```` ```rhai ```` block; the indentation is dropped here.
 pub(crate) fn doc_comment(doc: &str) -> String {
-    doc.trim().lines().map(|l| format!("/// {}", l.trim_end())).collect::<Vec<_>>().join("\n")
+    doc.trim()
+        .lines()
+        .map(|l| {
+            let l = l.trim();
+            if l.starts_with("///") {
+                l.to_string()
+            } else {
+                format!("/// {l}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
-/// Registers a function `name` with a doc comment (`doc`'s first line is the
-/// usage). Functions are marked volatile: they touch models and files, so the
+/// Registers a function `name` with its doc text (see [`doc_comment`]).
+/// Invoked with braces (`func! { engine, "name", r#"/// ..."#, closure }`),
+/// which rustfmt leaves as written: the doc block, then the closure.
+/// Functions are marked volatile: they touch models and files, so the
 /// optimizer must never fold them at compile time.
 macro_rules! func {
-    ($engine:expr, $name:expr, $doc:expr, $f:expr) => {
+    ($engine:expr, $name:expr, $doc:expr, $f:expr $(,)?) => {{
         rhai::FuncRegistration::new($name)
             .with_volatility(true)
             .with_comments([$crate::script::bindings::doc_comment($doc)])
-            .register_into_engine($engine, $f)
-    };
+            .register_into_engine($engine, $f);
+    }};
 }
 
 /// Registers a property getter `obj.name` with a doc comment.
 macro_rules! getter {
-    ($engine:expr, $name:expr, $doc:expr, $f:expr) => {
+    ($engine:expr, $name:expr, $doc:expr, $f:expr $(,)?) => {{
         rhai::FuncRegistration::new_getter($name)
             .with_comments([$crate::script::bindings::doc_comment($doc)])
-            .register_into_engine($engine, $f)
-    };
+            .register_into_engine($engine, $f);
+    }};
 }
 
 pub mod algo;
@@ -97,8 +73,55 @@ pub mod reward;
 pub mod rollout;
 pub mod train;
 
+/// The opaque host-error type scripts catch ([`HostError`]): printable, with its message.
+fn register_host_error(engine: &mut Engine) {
+    engine.register_type_with_name::<HostError>("HostError");
+    func! { engine, "to_string", r#"
+        /// to_string(host_error) -> string
+        ///
+        /// The message of a host failure caught by `try/catch`. Host failures (a missing file,
+        /// a bad option) are `HostError` values that only the host can raise; what a script
+        /// throws stays its own value.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// try { load_model("nowhere") } catch (e) { if type_of(e) == "HostError" { print(e) } }
+        /// ```
+    "#,
+        |e: &mut HostError| e.to_string()
+    }
+    func! { engine, "to_debug", r#"
+        /// to_debug(host_error) -> string
+        ///
+        /// The message, marked as a host error.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// try { load_model("nowhere") } catch (e) { debug(e) }
+        /// ```
+    "#,
+        |e: &mut HostError| format!("HostError({:?})", e.message())
+    }
+    getter! { engine, "message", r#"
+        /// host_error.message -> string
+        ///
+        /// The message of a caught host failure.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// try { load_model("nowhere") } catch (e) { print(e.message) }
+        /// ```
+    "#,
+        |e: &mut HostError| e.to_string()
+    }
+}
+
 /// Registers every domain.
 pub fn register_all(engine: &mut Engine, host: &Arc<Host>) {
+    register_host_error(engine);
     engine
         .register_type_with_name::<ModelHandle>("Model")
         .register_type_with_name::<TokenizerHandle>("Tokenizer")
@@ -112,4 +135,65 @@ pub fn register_all(engine: &mut Engine, host: &Arc<Host>) {
     algo::register(engine, host);
     train::register(engine, host);
     eval::register(engine, host);
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::script::{build_engine, Console, Host, HostOptions};
+
+    /// The error of evaluating `src` in a fresh engine.
+    fn error_of(src: &str) -> crate::Error {
+        let host = Host::new(HostOptions::default(), Console::Buffer(Default::default()));
+        let e = build_engine(&host).run(src).unwrap_err();
+        crate::script::from_eval("t.rhai", e)
+    }
+
+    #[test]
+    fn bad_arguments_are_host_errors_naming_the_argument() {
+        for (src, what) in [
+            ("arith_problems(-2, 0)", "n: expected a non-negative integer, found -2"),
+            ("arith_problems(2, -1)", "seed: expected a non-negative integer, found -1"),
+            ("format_number(1.0, -1)", "digits: expected a non-negative integer, found -1"),
+            (
+                "load_model(\"m\", #{ dtyp: \"float32\" })",
+                "unknown field `dtyp`, expected `dtype` or `device`",
+            ),
+            ("init_model(#{}, #{ seed: -1 })", "init_model: `seed`: invalid value: integer `-1`"),
+        ] {
+            let e = error_of(src);
+            assert!(crate::script::is_host_error(&e) && e.to_string().contains(what), "{src}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_binding_has_docs_with_an_example() {
+        let host = Host::new(HostOptions::default(), Console::Buffer(Default::default()));
+        let engine = build_engine(&host);
+        let json = engine.gen_fn_metadata_to_json(false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let fns = v["functions"].as_array().unwrap();
+        assert!(fns.len() > 60, "only {} functions registered", fns.len());
+        let undocumented: Vec<String> = fns
+            .iter()
+            .filter(|f| {
+                let doc: String = f["docComments"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let lines: Vec<&str> = doc.lines().map(str::trim).collect();
+                let usage = lines.first().is_some_and(|l| l.len() > "/// ".len());
+                let example = lines.windows(2).any(|w| w == ["/// # Example", "///"])
+                    && lines.iter().any(|l| *l == "/// ```rhai");
+                !(usage && example && lines.iter().all(|l| l.starts_with("///")))
+            })
+            .map(|f| f["signature"].as_str().unwrap_or_default().to_string())
+            .collect();
+        assert!(
+            undocumented.is_empty(),
+            "functions without a doc comment with an example: {undocumented:#?}"
+        );
+    }
 }

@@ -6,29 +6,68 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device};
 use rhai::{Array, Dynamic, Engine, Map};
+use serde::Deserialize;
 
 use super::{lock, ModelHandle, ModelSlot, TokenizerHandle};
 use crate::data::Tokenizer;
 use crate::model::{self, Config};
-use crate::script::convert::{from_json, get_num, get_str, merge_json, to_json};
+use crate::script::convert::{from_json, merge_json, options, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 
-/// The device a script names: `cpu`, `cuda` or `cuda:N`.
-pub fn device(name: &str) -> RhaiResult<Device> {
-    model::parse_device(name).map_err(|e| bad_arg("device", e.to_string()))
+/// `load_model(dir, opts)`.
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct LoadOpts {
+    dtype: String,
+    device: String,
 }
 
-/// `(dtype, device)` from an options map (`dtype`, `device`; float32 on cpu by default).
-pub fn dtype_device(opts: &Map) -> RhaiResult<(DType, Device)> {
-    let dtype =
-        model::parse_dtype(&get_str(opts, "dtype")?.unwrap_or_else(|| "float32".into())).map_err(host)?;
-    let dev = device(&get_str(opts, "device")?.unwrap_or_else(|| "cpu".into()))?;
+impl Default for LoadOpts {
+    fn default() -> Self {
+        LoadOpts { dtype: "float32".into(), device: "cpu".into() }
+    }
+}
+
+/// `init_model(config, opts)`.
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct InitOpts {
+    seed: u64,
+    /// Standard deviation of the random weights.
+    std: f64,
+    dtype: String,
+    device: String,
+    /// A tokenizer.json or a folder holding one; sets vocab_size and eos.
+    tokenizer: Option<PathBuf>,
+}
+
+impl Default for InitOpts {
+    fn default() -> Self {
+        let LoadOpts { dtype, device } = LoadOpts::default();
+        InitOpts { seed: 0, std: 0.02, dtype, device, tokenizer: None }
+    }
+}
+
+/// `(dtype, device)` as a script names them (`float32`, `cpu` | `cuda` | `cuda:N`).
+fn dtype_device(dtype: &str, device: &str) -> RhaiResult<(DType, Device)> {
+    let dtype = model::parse_dtype(dtype).map_err(|e| bad_arg("dtype", e))?;
+    let dev = model::parse_device(device).map_err(|e| bad_arg("device", e))?;
     Ok((dtype, dev))
 }
 
+/// `dir/tokenizer.json` for a folder, else the path itself.
+fn tokenizer_file(p: &Path) -> PathBuf {
+    if p.is_dir() {
+        p.join("tokenizer.json")
+    } else {
+        p.to_path_buf()
+    }
+}
+
 fn load(dir: &str, opts: &Map) -> RhaiResult<ModelHandle> {
-    let (dtype, dev) = dtype_device(opts)?;
+    let o: LoadOpts = options("load_model", opts)?;
+    let (dtype, dev) = dtype_device(&o.dtype, &o.device)?;
     let dir = PathBuf::from(dir);
     let m = model::load(&dir, dtype, &dev).map_err(host)?;
     let tok_path = dir.join("tokenizer.json");
@@ -48,13 +87,10 @@ fn tiny_config_json() -> serde_json::Value {
 }
 
 fn init(cfg: &Map, opts: &Map) -> RhaiResult<ModelHandle> {
-    let (dtype, dev) = dtype_device(opts)?;
-    let tokenizer = match get_str(opts, "tokenizer")? {
-        Some(p) => {
-            let p = PathBuf::from(p);
-            let file = if p.is_dir() { p.join("tokenizer.json") } else { p };
-            Some(Tokenizer::from_file(&file).map_err(host)?)
-        }
+    let o: InitOpts = options("init_model", opts)?;
+    let (dtype, dev) = dtype_device(&o.dtype, &o.device)?;
+    let tokenizer = match &o.tokenizer {
+        Some(p) => Some(Tokenizer::from_file(&tokenizer_file(p)).map_err(host)?),
         None => None,
     };
     let mut j = tiny_config_json();
@@ -66,14 +102,8 @@ fn init(cfg: &Map, opts: &Map) -> RhaiResult<ModelHandle> {
     }
     merge_json(&mut j, to_json("config", &Dynamic::from_map(cfg.clone()))?);
     let c = Config::from_json_str(&j.to_string(), "init_model config").map_err(host)?;
-    let seed = get_num(opts, "seed")?.unwrap_or(0.0) as u64;
-    let std = get_num(opts, "std")?.unwrap_or(0.02);
-    let m = model::init(&c, seed, std, dtype, &dev).map_err(host)?;
-    let dir = match get_str(opts, "tokenizer")? {
-        Some(p) if Path::new(&p).is_dir() => Some(PathBuf::from(p)),
-        Some(p) => Path::new(&p).parent().map(Path::to_path_buf),
-        None => None,
-    };
+    let m = model::init(&c, o.seed, o.std, dtype, &dev).map_err(host)?;
+    let dir = o.tokenizer.and_then(|p| if p.is_dir() { Some(p) } else { p.parent().map(Path::to_path_buf) });
     Ok(ModelHandle(Arc::new(Mutex::new(ModelSlot { model: m, tokenizer, dir, opt: None }))))
 }
 
@@ -117,76 +147,251 @@ fn tokenizer_of(m: &ModelHandle) -> RhaiResult<TokenizerHandle> {
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func!(engine, "load_model", "load_model(dir) -> Model\nLoads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in float32.\nExample: `let m = load_model(\"models/tiny-qwen3\");`", |dir: &str| load(dir, &Map::new()));
-    func!(engine, "load_model", "load_model(dir, opts) -> Model\nopts: #{dtype: \"float32\"|\"bfloat16\"|\"float16\", device: \"cpu\"|\"cuda\"|\"cuda:N\"}.\nExample: `let m = load_model(\"models/tiny-qwen3\", #{dtype: \"bfloat16\"});`", |dir: &str, opts: Map| load(dir, &opts));
-    func!(engine, "init_model", "init_model(config) -> Model\nA randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json keys).\nExample: `let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});`", |cfg: Map| init(&cfg, &Map::new()));
-    func!(engine, "init_model", "init_model(config, opts) -> Model\nopts: #{seed, std, dtype, device, tokenizer: \"dir or tokenizer.json\"} (vocab_size and eos follow the tokenizer).\nExample: `let m = init_model(#{}, #{tokenizer: \"models/tiny-qwen3\", seed: 1});`", |cfg: Map, opts: Map| init(&cfg, &opts));
-    func!(engine, "save_model", "save_model(model, dir) -> string\nWrites the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.\nExample: `save_model(m, \"models/my-run\");`", |m: ModelHandle, dir: &str| save(&m, dir));
-    func!(
-        engine,
-        "save",
-        "model.save(dir) -> string\nSame as `save_model(model, dir)`.\nExample: `m.save(\"models/copy\");`",
+    func! { engine, "load_model", r#"
+        /// load_model(dir) -> Model
+        ///
+        /// Loads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in
+        /// float32.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let m = load_model("models/tiny-qwen3");
+        /// ```
+    "#,
+        |dir: &str| load(dir, &Map::new())
+    }
+    func! { engine, "load_model", r#"
+        /// load_model(dir, opts) -> Model
+        ///
+        /// opts: #{dtype: "float32"|"bfloat16"|"float16", device: "cpu"|"cuda"|"cuda:N"}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let m = load_model("models/tiny-qwen3", #{dtype: "bfloat16"});
+        /// ```
+    "#,
+        |dir: &str, opts: Map| load(dir, &opts)
+    }
+    func! { engine, "init_model", r#"
+        /// init_model(config) -> Model
+        ///
+        /// A randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json
+        /// keys).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});
+        /// ```
+    "#,
+        |cfg: Map| init(&cfg, &Map::new())
+    }
+    func! { engine, "init_model", r#"
+        /// init_model(config, opts) -> Model
+        ///
+        /// opts: #{seed, std, dtype, device, tokenizer: "dir or tokenizer.json"} (vocab_size and eos
+        /// follow the tokenizer).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let m = init_model(#{}, #{tokenizer: "models/tiny-qwen3", seed: 1});
+        /// ```
+    "#,
+        |cfg: Map, opts: Map| init(&cfg, &opts)
+    }
+    func! { engine, "save_model", r#"
+        /// save_model(model, dir) -> string
+        ///
+        /// Writes the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// save_model(m, "models/my-run");
+        /// ```
+    "#,
+        |m: ModelHandle, dir: &str| save(&m, dir)
+    }
+    func! { engine, "save", r#"
+        /// model.save(dir) -> string
+        ///
+        /// Same as `save_model(model, dir)`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// m.save("models/copy");
+        /// ```
+    "#,
         |m: &mut ModelHandle, dir: &str| save(m, dir)
-    );
-    getter!(
-        engine,
-        "config",
-        "model.config -> map\nThe model's config.json as a map.\nExample: `print(m.config.hidden_size);`",
+    }
+    getter! { engine, "config", r#"
+        /// model.config -> map
+        ///
+        /// The model's config.json as a map.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(m.config.hidden_size);
+        /// ```
+    "#,
         |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
             let s = lock(&m.0, "model")?;
             Ok(from_json(&s.model.config().to_hf_json()))
         }
-    );
-    getter!(
-        engine,
-        "num_params",
-        "model.num_params -> int\nNumber of parameters.\nExample: `print(m.num_params);`",
+    }
+    getter! { engine, "num_params", r#"
+        /// model.num_params -> int
+        ///
+        /// Number of parameters.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(m.num_params);
+        /// ```
+    "#,
         |m: &mut ModelHandle| -> RhaiResult<i64> {
             Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
         }
-    );
-    getter!(engine, "tokenizer", "model.tokenizer -> Tokenizer\nThe model's tokenizer.\nExample: `let t = m.tokenizer; print(t.encode(\"1+1\"));`", |m: &mut ModelHandle| tokenizer_of(m));
-    func!(
-        engine,
-        "to_string",
-        "to_string(model) -> string\nA one-line description.",
+    }
+    getter! { engine, "tokenizer", r#"
+        /// model.tokenizer -> Tokenizer
+        ///
+        /// The model's tokenizer.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let t = m.tokenizer; print(t.encode("1+1"));
+        /// ```
+    "#,
+        |m: &mut ModelHandle| tokenizer_of(m)
+    }
+    func! { engine, "to_string", r#"
+        /// to_string(model) -> string
+        ///
+        /// A one-line description.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(m);
+        /// ```
+    "#,
         |m: &mut ModelHandle| describe(m)
-    );
-    func!(engine, "to_debug", "to_debug(model) -> string\nA one-line description.", |m: &mut ModelHandle| {
-        describe(m)
-    });
+    }
+    func! { engine, "to_debug", r#"
+        /// to_debug(model) -> string
+        ///
+        /// A one-line description.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// debug(m);
+        /// ```
+    "#,
+        |m: &mut ModelHandle| { describe(m) }
+    }
 
-    func!(engine, "load_tokenizer", "load_tokenizer(path) -> Tokenizer\nLoads a tokenizer.json (or the one in a folder).\nExample: `let t = load_tokenizer(\"models/qwen3-tokenizer\");`", |p: &str| -> RhaiResult<TokenizerHandle> {
-        let p = PathBuf::from(p);
-        let file = if p.is_dir() { p.join("tokenizer.json") } else { p };
-        Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(&file).map_err(host)?)))
-    });
-    func!(engine, "encode", "tokenizer.encode(text) -> array of int\nToken ids of `text` (special-token strings become their ids).\nExample: `t.encode(\"12+7\")`", |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
-        Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
-    });
-    func!(engine, "decode", "tokenizer.decode(ids) -> string\nText of token ids (special tokens kept).\nExample: `t.decode([1, 2, 3])`", |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
-        let ids: Vec<u32> = ids.iter().map(|d| d.as_int().ok().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| bad_arg("decode", "expected an array of token ids"))).collect::<RhaiResult<_>>()?;
-        t.0.decode(&ids, false).map_err(host)
-    });
-    func!(
-        engine,
-        "token",
-        "tokenizer.token(id) -> string\nA readable form of one token.\nExample: `t.token(42)`",
+    func! { engine, "load_tokenizer", r#"
+        /// load_tokenizer(path) -> Tokenizer
+        ///
+        /// Loads a tokenizer.json (or the one in a folder).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let t = load_tokenizer("models/qwen3-tokenizer");
+        /// ```
+    "#,
+        |p: &str| -> RhaiResult<TokenizerHandle> {
+            Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(&tokenizer_file(Path::new(p))).map_err(host)?)))
+        }
+    }
+    func! { engine, "encode", r#"
+        /// tokenizer.encode(text) -> array of int
+        ///
+        /// Token ids of `text` (special-token strings become their ids).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// t.encode("12+7")
+        /// ```
+    "#,
+        |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
+            Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
+        }
+    }
+    func! { engine, "decode", r#"
+        /// tokenizer.decode(ids) -> string
+        ///
+        /// Text of token ids (special tokens kept).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// t.decode([1, 2, 3])
+        /// ```
+    "#,
+        |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
+            let ids: Vec<u32> = ids
+                .iter()
+                .map(|d| {
+                    d.as_int()
+                        .ok()
+                        .and_then(|i| u32::try_from(i).ok())
+                        .ok_or_else(|| bad_arg("decode", "expected an array of token ids"))
+                })
+                .collect::<RhaiResult<_>>()?;
+            t.0.decode(&ids, false).map_err(host)
+        }
+    }
+    func! { engine, "token", r#"
+        /// tokenizer.token(id) -> string
+        ///
+        /// A readable form of one token.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// t.token(42)
+        /// ```
+    "#,
         |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
             let id = u32::try_from(id)
                 .map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
             Ok(t.0.token_str(id))
         }
-    );
-    getter!(
-        engine,
-        "vocab_size",
-        "tokenizer.vocab_size -> int\nNumber of tokens, special tokens included.",
+    }
+    getter! { engine, "vocab_size", r#"
+        /// tokenizer.vocab_size -> int
+        ///
+        /// Number of tokens, special tokens included.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(m.tokenizer.vocab_size);
+        /// ```
+    "#,
         |t: &mut TokenizerHandle| t.0.vocab_size() as i64
-    );
-    func!(engine, "to_string", "to_string(tokenizer) -> string", |t: &mut TokenizerHandle| format!(
-        "Tokenizer({}, {} tokens)",
-        t.0.path().display(),
-        t.0.vocab_size()
-    ));
+    }
+    func! { engine, "to_string", r#"
+        /// to_string(tokenizer) -> string
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(load_tokenizer("models/qwen3-tokenizer"));
+        /// ```
+    "#,
+        |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size())
+    }
 }

@@ -24,8 +24,7 @@ fn score_builtin(r: &RolloutHandle) -> RhaiResult<Array> {
         s.reward = Some(x);
         out.push((x as f64).into());
     }
-    st.advantages = None;
-    st.silenced = None;
+    st.clear_derived();
     Ok(out)
 }
 
@@ -62,15 +61,76 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
     for (s, x) in st.batch.samples.iter_mut().zip(&rewards) {
         s.reward = Some(*x);
     }
-    st.advantages = None;
-    st.silenced = None;
+    st.clear_derived();
     Ok(rewards.into_iter().map(|x| Dynamic::from(x as f64)).collect())
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func!(engine, "verify", "verify(answer, response) -> bool\nTrue when the last \\boxed{} of `response` is mathematically equivalent to `answer`.\nExample: `verify(\"1/2\", \"so \\\\boxed{0.5}\")`", |answer: &str, response: &str| reward::verify(answer, response, ExtractMode::Strict).correct);
-    func!(engine, "extract_answer", "extract_answer(response) -> string or ()\nThe content of the last \\boxed{} of `response`.\nExample: `extract_answer(\"x = \\\\boxed{7}\")`", |response: &str| reward::extract_answer(response, ExtractMode::Strict).map_or(Dynamic::UNIT, Dynamic::from));
-    func!(engine, "is_equivalent", "is_equivalent(a, b) -> bool\nMath equivalence of two answers (fractions, decimals, intervals, ...).\nExample: `is_equivalent(\"\\\\frac{1}{2}\", \"0.5\")`", |a: &str, b: &str| reward::is_equivalent(a, b));
-    func!(engine, "score", "score(rollout) -> array of float\nScores every sample with the built-in checker (1 correct, 0 wrong) against its prompt's answer; stores the rewards in the rollout.\nExample: `let rs = score(r);`", |r: RolloutHandle| score_builtin(&r));
-    func!(engine, "score", "score(rollout, reward_fn) -> array of float\nScores with a closure `|response, answer| -> bool or number`.\nExample: `score(r, |resp, ans| resp.contains(ans))`", |ctx: NativeCallContext, r: RolloutHandle, f: FnPtr| score_with(&ctx, &r, &f));
+    func! { engine, "verify", r#"
+        /// verify(answer, response) -> bool
+        ///
+        /// True when the last \boxed{} of `response` is mathematically equivalent to `answer`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// verify("1/2", "so \\boxed{0.5}")
+        /// ```
+    "#,
+        |answer: &str, response: &str| reward::verify(answer, response, ExtractMode::Strict).correct
+    }
+    func! { engine, "extract_answer", r#"
+        /// extract_answer(response) -> string or ()
+        ///
+        /// The content of the last \boxed{} of `response`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// extract_answer("x = \\boxed{7}")
+        /// ```
+    "#,
+        |response: &str| reward::extract_answer(response, ExtractMode::Strict)
+            .map_or(Dynamic::UNIT, Dynamic::from)
+    }
+    func! { engine, "is_equivalent", r#"
+        /// is_equivalent(a, b) -> bool
+        ///
+        /// Math equivalence of two answers (fractions, decimals, intervals, ...).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// is_equivalent("\\frac{1}{2}", "0.5")
+        /// ```
+    "#,
+        |a: &str, b: &str| reward::is_equivalent(a, b)
+    }
+    func! { engine, "score", r#"
+        /// score(rollout) -> array of float
+        ///
+        /// Scores every sample with the built-in checker (1 correct, 0 wrong) against its prompt's
+        /// answer; stores the rewards in the rollout.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let rs = score(r);
+        /// ```
+    "#,
+        |r: RolloutHandle| score_builtin(&r)
+    }
+    func! { engine, "score", r#"
+        /// score(rollout, reward_fn) -> array of float
+        ///
+        /// Scores with a closure `|response, answer| -> bool or number`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// score(r, |resp, ans| resp.contains(ans))
+        /// ```
+    "#,
+        |ctx: NativeCallContext, r: RolloutHandle, f: FnPtr| score_with(&ctx, &r, &f)
+    }
 }

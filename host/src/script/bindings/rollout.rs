@@ -6,23 +6,14 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::{lock, ModelHandle, RolloutHandle, RolloutState};
-use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, SamplingParams};
-use crate::script::convert::{get_str, overlay, sampling_json, to_dynamic, to_json};
+use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::script::convert::{get_str, sampling_from_map, to_dynamic, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
-use crate::script::table::{format_sample, token_rows};
+use crate::script::table::{format_sample, token_rows, TokenRow};
 
 /// Samples shown when a rollout is printed.
 const PRINT_SAMPLES: usize = 4;
-
-/// `SamplingParams` from a script map (`n`, `temperature`, `top_p`, `top_k`,
-/// `max_tokens`/`max_new_tokens`, `stop`/`stop_strings`, `seed`, ...);
-/// keys that are not sampling fields (`template`) are ignored here.
-pub fn sampling_from_map(base: &SamplingParams, m: &Map) -> RhaiResult<SamplingParams> {
-    let mut m = m.clone();
-    m.remove("template");
-    overlay("sampling", base, sampling_json(to_json("sampling", &Dynamic::from_map(m))?))
-}
 
 fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> RhaiResult<RolloutHandle> {
     let slot = lock(&m.0, "model")?;
@@ -59,26 +50,43 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
     let hooks = GenerateHooks { cancel: Some(host_.cancel_flag()), ..GenerateHooks::default() };
     let samples =
         rollout::generate_with(&slot.model, &ids, &params, tok.pad_id(), &decode, &hooks).map_err(host)?;
-    Ok(RolloutHandle(Arc::new(Mutex::new(RolloutState {
-        batch: RolloutBatch::new(samples, infos),
-        tokenizer: Some(tok.clone()),
-        advantages: None,
-        silenced: None,
-    }))))
+    let st = RolloutState::new(RolloutBatch::new(samples, infos), Some(tok.clone()));
+    Ok(RolloutHandle(Arc::new(Mutex::new(st))))
+}
+
+/// Sample `i` of a rollout and its token-table rows; `what` names the caller in errors.
+fn sample_rows<'a>(st: &'a RolloutState, what: &str, i: usize) -> RhaiResult<(&'a Sample, Vec<TokenRow>)> {
+    let n = st.batch.len();
+    let s = st.batch.samples.get(i).ok_or_else(|| bad_arg(what, format!("sample {i} is outside 0..{n}")))?;
+    let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
+    let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
+    Ok((s, token_rows(s, st.tokenizer.as_ref(), adv, sil)))
 }
 
 /// The token table of sample `i`.
 pub fn table(r: &RolloutHandle, i: usize) -> RhaiResult<String> {
     let st = lock(&r.0, "rollout")?;
-    let s = st
-        .batch
-        .samples
-        .get(i)
-        .ok_or_else(|| bad_arg("table", format!("sample {i} is outside 0..{}", st.batch.len())))?;
-    let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
-    let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
-    let rows = token_rows(s, st.tokenizer.as_ref(), adv, sil);
+    let (s, rows) = sample_rows(&st, "table", i)?;
     Ok(format_sample(i, s, &rows))
+}
+
+/// The token table of sample `i` as maps.
+fn tokens(r: &RolloutHandle, i: usize) -> RhaiResult<Array> {
+    let st = lock(&r.0, "rollout")?;
+    let (_, rows) = sample_rows(&st, "tokens", i)?;
+    let opt = |x: Option<f32>| x.map_or(Dynamic::UNIT, |a| Dynamic::from(a as f64));
+    let row = |t: TokenRow| {
+        let mut m = Map::new();
+        m.insert("pos".into(), (t.pos as i64).into());
+        m.insert("id".into(), (t.id as i64).into());
+        m.insert("token".into(), t.token.into());
+        m.insert("p".into(), (t.p as f64).into());
+        m.insert("H".into(), (t.h as f64).into());
+        m.insert("advantage".into(), opt(t.advantage));
+        m.insert("silenced".into(), t.silenced.map_or(Dynamic::UNIT, Dynamic::from));
+        Dynamic::from_map(m)
+    };
+    Ok(rows.into_iter().map(row).collect())
 }
 
 /// The printed form of a rollout: a summary, then the token tables of the first samples.
@@ -121,27 +129,75 @@ fn sample_map(st: &RolloutState, i: usize) -> RhaiResult<Dynamic> {
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     let h = host_.clone();
-    func!(engine, "rollout", "rollout(model, prompts, opts) -> Rollout\nSamples `opts.n` responses per prompt. prompts: strings or maps with `problem` (and `answer`, used by `score`). opts: #{n, temperature, top_p, top_k, max_tokens, stop, seed, template: \"raw\"|\"chat\"|\"none\"}.\nExample: `let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});`", move |m: ModelHandle, prompts: Array, opts: Map| run_rollout(&h, &m, &prompts, &opts));
+    func! { engine, "rollout", r#"
+        /// rollout(model, prompts, opts) -> Rollout
+        ///
+        /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (and
+        /// `answer`, used by `score`). opts: #{n, temperature, top_p, top_k, max_tokens, stop, seed,
+        /// template: "raw"|"chat"|"none"}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});
+        /// ```
+    "#,
+        move |m: ModelHandle, prompts: Array, opts: Map| run_rollout(&h, &m, &prompts, &opts)
+    }
     let h = host_.clone();
-    func!(engine, "rollout", "rollout(model, prompts) -> Rollout\nSame with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).", move |m: ModelHandle, prompts: Array| run_rollout(&h, &m, &prompts, &Map::new()));
-    getter!(
-        engine,
-        "len",
-        "rollout.len -> int\nNumber of samples.",
+    func! { engine, "rollout", r#"
+        /// rollout(model, prompts) -> Rollout
+        ///
+        /// Same with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let r = rollout(m, ["Compute 2+3."]);
+        /// ```
+    "#,
+        move |m: ModelHandle, prompts: Array| run_rollout(&h, &m, &prompts, &Map::new())
+    }
+    getter! { engine, "len", r#"
+        /// rollout.len -> int
+        ///
+        /// Number of samples.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(r.len);
+        /// ```
+    "#,
         |r: &mut RolloutHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "rollout")?.batch.len() as i64) }
-    );
-    getter!(
-        engine,
-        "texts",
-        "rollout.texts -> array of string\nThe response texts.",
+    }
+    getter! { engine, "texts", r#"
+        /// rollout.texts -> array of string
+        ///
+        /// The response texts.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// for t in r.texts { print(t); }
+        /// ```
+    "#,
         |r: &mut RolloutHandle| -> RhaiResult<Array> {
             Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
         }
-    );
-    getter!(
-        engine,
-        "rewards",
-        "rollout.rewards -> array\nRewards per sample (() before `score`).",
+    }
+    getter! { engine, "rewards", r#"
+        /// rollout.rewards -> array
+        ///
+        /// Rewards per sample (() before `score`).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// score(r);
+        /// print(r.rewards);
+        /// ```
+    "#,
         |r: &mut RolloutHandle| -> RhaiResult<Array> {
             Ok(lock(&r.0, "rollout")?
                 .batch
@@ -150,58 +206,119 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
                 .map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64)))
                 .collect())
         }
-    );
-    getter!(
-        engine,
-        "mean_reward",
-        "rollout.mean_reward -> float or ()\nMean reward over the samples.",
+    }
+    getter! { engine, "mean_reward", r#"
+        /// rollout.mean_reward -> float or ()
+        ///
+        /// Mean reward over the samples.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// score(r);
+        /// print(r.mean_reward);
+        /// ```
+    "#,
         |r: &mut RolloutHandle| -> RhaiResult<Dynamic> {
             Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
         }
-    );
-    func!(engine, "sample", "rollout.sample(i) -> map\nSample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer, advantage, ...}.\nExample: `r.sample(0).text`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Dynamic> {
-        let st = lock(&r.0, "rollout")?;
-        sample_map(&st, usize::try_from(i).unwrap_or(usize::MAX))
-    });
-    getter!(
-        engine,
-        "samples",
-        "rollout.samples -> array of map\nEvery sample as in `rollout.sample(i)`.",
+    }
+    func! { engine, "sample", r#"
+        /// rollout.sample(i) -> map
+        ///
+        /// Sample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer,
+        /// advantage, ...}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// r.sample(0).text
+        /// ```
+    "#,
+        |r: &mut RolloutHandle, i: i64| -> RhaiResult<Dynamic> {
+            let st = lock(&r.0, "rollout")?;
+            sample_map(&st, usize_arg("i", i)?)
+        }
+    }
+    getter! { engine, "samples", r#"
+        /// rollout.samples -> array of map
+        ///
+        /// Every sample as in `rollout.sample(i)`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let lens = r.samples.map(|s| s.response_ids.len());
+        /// ```
+    "#,
         |r: &mut RolloutHandle| -> RhaiResult<Array> {
             let st = lock(&r.0, "rollout")?;
             (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
         }
-    );
-    func!(engine, "table", "rollout.table(i) -> string\nThe token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T.\nExample: `print(r.table(0));`", |r: &mut RolloutHandle, i: i64| table(r, usize::try_from(i).unwrap_or(usize::MAX)));
-    func!(engine, "tokens", "rollout.tokens(i) -> array of map\nThe token table of sample i as data: #{pos, id, token, p, H, advantage, silenced}.\nExample: `r.tokens(0).filter(|t| t.silenced)`", |r: &mut RolloutHandle, i: i64| -> RhaiResult<Array> {
-        let st = lock(&r.0, "rollout")?;
-        let i = usize::try_from(i).unwrap_or(usize::MAX);
-        let s = st.batch.samples.get(i).ok_or_else(|| bad_arg("tokens", format!("sample {i} is outside 0..{}", st.batch.len())))?;
-        let adv = st.advantages.as_ref().and_then(|a| a.get(i).copied());
-        let sil = st.silenced.as_ref().and_then(|v| v.get(i)).map(|v| v.as_slice());
-        Ok(token_rows(s, st.tokenizer.as_ref(), adv, sil)
-            .into_iter()
-            .map(|t| {
-                let mut m = Map::new();
-                m.insert("pos".into(), (t.pos as i64).into());
-                m.insert("id".into(), (t.id as i64).into());
-                m.insert("token".into(), t.token.into());
-                m.insert("p".into(), (t.p as f64).into());
-                m.insert("H".into(), (t.h as f64).into());
-                m.insert("advantage".into(), t.advantage.map_or(Dynamic::UNIT, |a| Dynamic::from(a as f64)));
-                m.insert("silenced".into(), t.silenced.map_or(Dynamic::UNIT, Dynamic::from));
-                Dynamic::from_map(m)
-            })
-            .collect())
-    });
-    func!(engine, "save", "rollout.save(path)\nWrites the batch as JSONL (replayable with `stapo update`).\nExample: `r.save(\"rollouts.jsonl\");`", |r: &mut RolloutHandle, path: &str| -> RhaiResult<()> {
-        lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
-    });
-    func!(
-        engine,
-        "to_string",
-        "to_string(rollout) -> string\nA summary and the token tables of the first samples.",
+    }
+    func! { engine, "table", r#"
+        /// rollout.table(i) -> string
+        ///
+        /// The token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(r.table(0));
+        /// ```
+    "#,
+        |r: &mut RolloutHandle, i: i64| table(r, usize_arg("i", i)?)
+    }
+    func! { engine, "tokens", r#"
+        /// rollout.tokens(i) -> array of map
+        ///
+        /// The token table of sample i as data: #{pos, id, token, p, H, advantage, silenced}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// r.tokens(0).filter(|t| t.silenced)
+        /// ```
+    "#,
+        |r: &mut RolloutHandle, i: i64| tokens(r, usize_arg("i", i)?)
+    }
+    func! { engine, "save", r#"
+        /// rollout.save(path)
+        ///
+        /// Writes the batch as JSONL (replayable with `stapo update`).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// r.save("rollouts.jsonl");
+        /// ```
+    "#,
+        |r: &mut RolloutHandle, path: &str| -> RhaiResult<()> {
+            lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
+        }
+    }
+    func! { engine, "to_string", r#"
+        /// to_string(rollout) -> string
+        ///
+        /// A summary and the token tables of the first samples.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(r);
+        /// ```
+    "#,
         |r: &mut RolloutHandle| describe(r)
-    );
-    func!(engine, "to_debug", "to_debug(rollout) -> string", |r: &mut RolloutHandle| describe(r));
+    }
+    func! { engine, "to_debug", r#"
+        /// to_debug(rollout) -> string
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// debug(r);
+        /// ```
+    "#,
+        |r: &mut RolloutHandle| describe(r)
+    }
 }

@@ -2,12 +2,14 @@
 //! driven step by step from the REPL (`trainer(cfg)`), and a single update
 //! of a model on a scored rollout.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
+use serde::Deserialize;
 
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
-use crate::script::convert::{from_json, get_num, get_str, overlay, to_dynamic, to_json};
+use crate::script::convert::{from_json, get_str, options, overlay, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::train_loop;
@@ -18,42 +20,33 @@ use crate::train::{self, AdamW, AdamWConfig, RunConfig, Sequence, UpdateOptions}
 fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let mut o = opts.clone();
     let adamw = o.remove("adamw");
-    let mut v = to_json("update options", &Dynamic::from_map(o))?;
     // Objective overrides are strings to `ObjectiveConfig::set`; scripts write numbers.
-    if let Some(serde_json::Value::Object(set)) = v.get_mut("set") {
+    if let Some(set) = o.get_mut("set").and_then(|v| v.write_lock::<Map>()).as_deref_mut() {
         for val in set.values_mut() {
             if !val.is_string() {
-                *val = serde_json::Value::String(val.to_string());
+                *val = Dynamic::from(val.to_string());
             }
         }
     }
-    let uo: UpdateOptions = serde_json::from_value(v).map_err(|e| bad_arg("update", e))?;
-    let (ucfg, notes) = uo.to_config().map_err(host)?;
+    let uo: UpdateOptions = options("update", &o)?;
+    let (ucfg, notes) = uo.to_config().map_err(|e| bad_arg("update", e))?;
     let lr = uo.lr;
     let seqs: Vec<Sequence> = {
         let st = lock(&r.0, "rollout")?;
-        st.batch
-            .samples
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let reward = s.reward.ok_or_else(|| {
-                    bad_arg("update", format!("sample {i} has no reward; call score(r) first"))
-                })?;
-                Ok(Sequence::from_sample(s, reward))
-            })
-            .collect::<RhaiResult<_>>()?
+        let rewards = st.rewards().map_err(|e| bad_arg("update", e))?;
+        st.batch.samples.iter().zip(rewards).map(|(s, r)| Sequence::from_sample(s, r)).collect()
     };
     let mut slot = lock(&m.0, "model")?;
+    let slot = &mut *slot;
     if slot.opt.is_none() {
-        let mut acfg = AdamWConfig { lr, ..AdamWConfig::default() };
-        if let Some(a) = &adamw {
-            acfg = overlay("adamw", &acfg, to_json("adamw", a)?)?;
-        }
+        let over = match &adamw {
+            Some(a) => to_json("adamw", a)?,
+            None => serde_json::Value::Object(Default::default()),
+        };
+        let acfg = overlay("adamw", &AdamWConfig { lr, ..AdamWConfig::default() }, over)?;
         slot.opt = Some(AdamW::new(slot.model.params(), acfg).map_err(host)?);
     }
     let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
-    let slot = &mut *slot;
     let opt = slot.opt.as_mut().ok_or_else(|| host("no optimizer"))?;
     let mut um = train::update(&slot.model, opt, None, &seqs, &ucfg, lr, pad).map_err(host)?.metrics;
     let mut warnings = notes;
@@ -64,12 +57,24 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     Ok(out)
 }
 
+/// `x` with `d` decimals, in scientific notation when 0 < |x| < 1e-3.
+fn format_number(x: f64, d: usize) -> String {
+    if x != 0.0 && x.abs() < 1e-3 {
+        format!("{x:.d$e}")
+    } else {
+        format!("{x:.d$}")
+    }
+}
+
 fn train_with(ctx: &NativeCallContext, h: &Arc<Host>, cfg: &Map, steps: Option<i64>) -> RhaiResult<Map> {
-    let steps = match steps {
-        Some(s) => s,
-        None => get_num(cfg, "steps")?
-            .map(|s| s as i64)
-            .ok_or_else(|| bad_arg("train", "give the number of steps: train(cfg, steps) or cfg.steps"))?,
+    let steps = match (steps, cfg.get("steps")) {
+        (Some(s), _) => s,
+        (None, Some(s)) => {
+            s.as_int().map_err(|t| bad_arg("train", format!("cfg.steps: expected an integer, found {t}")))?
+        }
+        (None, None) => {
+            return Err(bad_arg("train", "give the number of steps: train(cfg, steps) or cfg.steps"))
+        }
     };
     train_loop::train(ctx.engine(), h, cfg, steps)
 }
@@ -118,77 +123,294 @@ fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
 }
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    func!(engine, "plot_runs", "plot_runs(runs, out) -> map\nOne figure (PNG and SVG) of reward, entropy, held-out accuracy, silenced ratio and response length against step, one line per run. runs: array of #{label, run_dir} (e.g. train() results); out: the figure's path without extension, inside a run folder or its parent. Returns #{png, svg}.\nExample: `plot_runs([#{label: \"stapo\", run_dir: res.run_dir}], res.run_dir + \"/curves\")`", |runs: Array, out: &str| plot_runs(&runs, out));
+    func! { engine, "plot_runs", r#"
+        /// plot_runs(runs, out) -> map
+        ///
+        /// One figure (PNG and SVG) of reward, entropy, held-out accuracy, silenced ratio and response
+        /// length against step, one line per run. runs: array of #{label, run_dir} (e.g. train()
+        /// results); out: the figure's path without extension, inside a run folder or its parent.
+        /// Returns #{png, svg}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// plot_runs([#{label: "stapo", run_dir: res.run_dir}], res.run_dir + "/curves")
+        /// ```
+    "#,
+        |runs: Array, out: &str| plot_runs(&runs, out)
+    }
     let h = host_.clone();
-    func!(engine, "train", "train(cfg, steps) -> map\nRuns the training loop for `steps` steps in total (a resumed run continues): each step calls the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p, tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set, prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir, steps, final, checkpoint, seconds, stopped_early}.\nExample: `train(r::stapo(#{model: \"models/tiny-qwen3\"}), 200);`", move |ctx: NativeCallContext, cfg: Map, steps: i64| train_with(&ctx, &h, &cfg, Some(steps)));
+    func! { engine, "train", r#"
+        /// train(cfg, steps) -> map
+        ///
+        /// Runs the training loop for `steps` steps in total (a resumed run continues): each step calls
+        /// the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p,
+        /// tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and
+        /// should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set,
+        /// prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir,
+        /// steps, final, checkpoint, seconds, stopped_early}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// train(r::stapo(#{model: "models/tiny-qwen3"}), 200);
+        /// ```
+    "#,
+        move |ctx: NativeCallContext, cfg: Map, steps: i64| train_with(&ctx, &h, &cfg, Some(steps))
+    }
     let h = host_.clone();
-    func!(
-        engine,
-        "train",
-        "train(cfg) -> map\nSame, with the number of steps in `cfg.steps`.",
+    func! { engine, "train", r#"
+        /// train(cfg) -> map
+        ///
+        /// Same, with the number of steps in `cfg.steps`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let res = train(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl", steps: 50});
+        /// ```
+    "#,
         move |ctx: NativeCallContext, cfg: Map| train_with(&ctx, &h, &cfg, None)
-    );
+    }
     let h = host_.clone();
-    func!(engine, "trainer", "trainer(cfg) -> Run\nStarts a run (next run folder) to drive step by step: run.step(), run.rollout, run.evaluate(), run.checkpoint().\nExample: `let t = trainer(#{model: \"models/tiny-qwen3\", data: \"data/arith/train.jsonl\"}); t.step();`", move |cfg: Map| -> RhaiResult<RunHandle> {
-        Ok(RunHandle(Arc::new(Mutex::new(train_loop::make_trainer(&h, &cfg)?))))
-    });
+    func! { engine, "trainer", r#"
+        /// trainer(cfg) -> Run
+        ///
+        /// Starts a run (next run folder) to drive step by step: run.step(), run.rollout,
+        /// run.evaluate(), run.checkpoint().
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let t = trainer(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl"}); t.step();
+        /// ```
+    "#,
+        move |cfg: Map| -> RhaiResult<RunHandle> {
+            Ok(RunHandle(Arc::new(Mutex::new(train_loop::make_trainer(&h, &cfg)?))))
+        }
+    }
     let h = host_.clone();
-    func!(engine, "step", "run.step() -> map\nOne training step with the run's configuration; returns the metrics.\nExample: `let m = t.step(); print(m.reward);`", move |r: &mut RunHandle| train_loop::step_once(&h, r, &Map::new()));
+    func! { engine, "step", r#"
+        /// run.step() -> map
+        ///
+        /// One training step with the run's configuration; returns the metrics.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let m = t.step(); print(m.reward);
+        /// ```
+    "#,
+        move |r: &mut RunHandle| train_loop::step_once(&h, r, &Map::new())
+    }
     let h = host_.clone();
-    func!(engine, "step", "run.step(plan) -> map\nOne step with overrides: #{sampling: #{n, temperature, ...}, lr, tau_p, tau_h | tau_h_quantile}.\nExample: `t.step(#{tau_p: 0.01, sampling: #{temperature: 0.7}})`", move |r: &mut RunHandle, plan: Map| train_loop::step_once(&h, r, &plan));
-    getter!(engine, "rollout", "run.rollout -> Rollout\nThe last step's rollout, with advantages and the S2T mask of the run's objective (print it for the token table).\nExample: `print(t.rollout.table(0));`", |r: &mut RunHandle| train_loop::last_rollout(r));
-    getter!(engine, "steps", "run.steps -> int\nSteps completed.", |r: &mut RunHandle| -> RhaiResult<i64> {
-        Ok(lock(&r.0, "run")?.step_count() as i64)
-    });
-    getter!(
-        engine,
-        "run_dir",
-        "run.run_dir -> string\nThe run folder.",
+    func! { engine, "step", r#"
+        /// run.step(plan) -> map
+        ///
+        /// One step with overrides: #{sampling: #{n, temperature, ...}, lr, tau_p, tau_h |
+        /// tau_h_quantile}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// t.step(#{tau_p: 0.01, sampling: #{temperature: 0.7}})
+        /// ```
+    "#,
+        move |r: &mut RunHandle, plan: Map| train_loop::step_once(&h, r, &plan)
+    }
+    getter! { engine, "rollout", r#"
+        /// run.rollout -> Rollout
+        ///
+        /// The last step's rollout, with advantages and the S2T mask of the run's objective (print it
+        /// for the token table).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t.rollout.table(0));
+        /// ```
+    "#,
+        |r: &mut RunHandle| train_loop::last_rollout(r)
+    }
+    getter! { engine, "steps", r#"
+        /// run.steps -> int
+        ///
+        /// Steps completed.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t.steps);
+        /// ```
+    "#,
+        |r: &mut RunHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "run")?.step_count() as i64) }
+    }
+    getter! { engine, "run_dir", r#"
+        /// run.run_dir -> string
+        ///
+        /// The run folder.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t.run_dir);
+        /// ```
+    "#,
         |r: &mut RunHandle| -> RhaiResult<String> { Ok(lock(&r.0, "run")?.run_dir().display().to_string()) }
-    );
-    func!(engine, "checkpoint", "run.checkpoint() -> string\nWrites a checkpoint (model, optimizer, trainer state); returns its folder.", |r: &mut RunHandle| -> RhaiResult<String> {
-        Ok(lock(&r.0, "run")?.checkpoint().map_err(host)?.display().to_string())
-    });
-    func!(
-        engine,
-        "evaluate",
-        "run.evaluate() -> map\nEvaluates on the run's test_data (avg@n, pass@n, pass@k for the config's eval_pass_k, by source).",
+    }
+    func! { engine, "checkpoint", r#"
+        /// run.checkpoint() -> string
+        ///
+        /// Writes a checkpoint (model, optimizer, trainer state); returns its folder.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let dir = t.checkpoint();
+        /// ```
+    "#,
+        |r: &mut RunHandle| -> RhaiResult<String> {
+            Ok(lock(&r.0, "run")?.checkpoint().map_err(host)?.display().to_string())
+        }
+    }
+    func! { engine, "evaluate", r#"
+        /// run.evaluate() -> map
+        ///
+        /// Evaluates on the run's test_data (avg@n, pass@n, pass@k for the config's eval_pass_k, by source).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t.evaluate().avg);
+        /// ```
+    "#,
         |r: &mut RunHandle| -> RhaiResult<Dynamic> {
             let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
             Ok(from_json(
                 &serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k}),
             ))
         }
-    );
-    func!(engine, "silenced", "run.silenced(n) -> array\nThe n most often silenced tokens of the run so far, as [token, count].\nExample: `t.silenced(10)`", |r: &mut RunHandle, n: i64| -> RhaiResult<Array> {
-        let v = lock(&r.0, "run")?.silenced_totals();
-        Ok(v.into_iter().take(usize::try_from(n).unwrap_or(0)).map(|(t, c)| Dynamic::from_array(vec![t.into(), (c as i64).into()])).collect())
-    });
-    func!(engine, "to_string", "to_string(run) -> string", |r: &mut RunHandle| match r.0.lock() {
-        Ok(t) => format!("Run({}, {} steps)", t.run_dir().display(), t.step_count()),
-        Err(_) => "Run(<unusable>)".into(),
-    });
-    func!(engine, "update", "update(model, rollout, opts) -> map\nOne RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo), set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch, micro_batch, old_logp: \"recompute\"|\"rollout\", seed, temperature (the rollout's; logits are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state stays with the model; warnings (a skipped step) are in the result's `warnings`.\nExample: `score(r); let m = update(model, r, #{objective: \"grpo\", lr: 1e-5});`", |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts));
-    func!(engine, "default_config", "default_config() -> map\nEvery RunConfig field with its default.\nExample: `default_config().sampling`", || to_dynamic(&RunConfig::default()));
-    func!(engine, "format_number", "format_number(x, digits) -> string\n`x` with `digits` decimals, in scientific notation when 0 < |x| < 1e-3.\nExample: `format_number(0.0000021, 2)` gives \"2.10e-6\"", |x: f64, digits: i64| -> String {
-        let d = digits.clamp(0, 12) as usize;
-        if x != 0.0 && x.abs() < 1e-3 {
-            format!("{x:.d$e}")
-        } else {
-            format!("{x:.d$}")
+    }
+    func! { engine, "silenced", r#"
+        /// run.silenced(n) -> array
+        ///
+        /// The n most often silenced tokens of the run so far, as [token, count].
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// t.silenced(10)
+        /// ```
+    "#,
+        |r: &mut RunHandle, n: i64| -> RhaiResult<Array> {
+            let v = lock(&r.0, "run")?.silenced_totals();
+            Ok(v.into_iter()
+                .take(usize_arg("n", n)?)
+                .map(|(t, c)| Dynamic::from_array(vec![t.into(), (c as i64).into()]))
+                .collect())
         }
-    });
+    }
+    func! { engine, "to_string", r#"
+        /// to_string(run) -> string
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t);
+        /// ```
+    "#,
+        |r: &mut RunHandle| match r.0.lock() {
+            Ok(t) => format!("Run({}, {} steps)", t.run_dir().display(), t.step_count()),
+            Err(_) => "Run(<unusable>)".into(),
+        }
+    }
+    func! { engine, "update", r#"
+        /// update(model, rollout, opts) -> map
+        ///
+        /// One RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo),
+        /// set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch,
+        /// micro_batch, old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
+        /// are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer
+        /// and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state
+        /// stays with the model; warnings (a skipped step) are in the result's `warnings`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// score(r); let m = update(model, r, #{objective: "grpo", lr: 1e-5});
+        /// ```
+    "#,
+        |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts)
+    }
+    func! { engine, "default_config", r#"
+        /// default_config() -> map
+        ///
+        /// Every RunConfig field with its default.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// default_config().sampling
+        /// ```
+    "#,
+        || to_dynamic(&RunConfig::default())
+    }
+    func! { engine, "format_number", r#"
+        /// format_number(x, digits) -> string
+        ///
+        /// `x` with `digits` decimals (at most 12), in scientific notation when 0 < |x| < 1e-3.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// format_number(0.0000021, 2)   // "2.10e-6"
+        /// ```
+    "#,
+        |x: f64, digits: i64| -> RhaiResult<String> {
+            Ok(format_number(x, usize_arg("digits", digits)?.min(12)))
+        }
+    }
     let h = host_.clone();
-    func!(engine, "smoke", "smoke() -> bool\nTrue in smoke mode (`--smoke`, STAPO_SMOKE=1); the same as the constant SMOKE, but callable inside functions.", move || h.opts.smoke);
+    func! { engine, "smoke", r#"
+        /// smoke() -> bool
+        ///
+        /// True in smoke mode (`--smoke`, STAPO_SMOKE=1); the same as the constant SMOKE, but callable
+        /// inside functions.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// fn sampling(step) { #{ n: if smoke() { 2 } else { 8 } } }
+        /// ```
+    "#,
+        move || h.opts.smoke
+    }
     let h = host_.clone();
-    func!(
-        engine,
-        "args",
-        "args() -> map\nThe `--set key=value` pairs (the constant ARGS), callable inside functions.",
+    func! { engine, "args", r#"
+        /// args() -> map
+        ///
+        /// The `--set key=value` pairs (the constant ARGS), callable inside functions.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// fn lr(step) { args().lr ?? 1e-6 }
+        /// ```
+    "#,
         move || h.args_map()
-    );
+    }
     let h = host_.clone();
-    func!(engine, "run_dir", "run_dir() -> string or ()\nThe session's run folder, when known.", move || h
-        .run_dir()
-        .map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string())));
+    func! { engine, "run_dir", r#"
+        /// run_dir() -> string or ()
+        ///
+        /// The session's run folder, when known.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(run_dir());
+        /// ```
+    "#,
+        move || h.run_dir().map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string()))
+    }
 }

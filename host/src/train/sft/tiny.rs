@@ -6,12 +6,10 @@
 //! groups of 8 have mixed rewards and RL has room to improve it within minutes
 //! on a laptop CPU.
 //!
-//! Accuracy is measured with a small batched sampler built on
-//! [`KvCache`] + [`Qwen3::decode`] (temperature sampling or greedy, stop at an
-//! end-of-sequence id); a response is correct when its last `\boxed{...}`
-//! equals the reference integer exactly. The full rollout engine lives in
-//! `crate::rollout`; this one is kept separate so that making the model needs
-//! nothing beyond `model`, `data` and `train`.
+//! Accuracy is measured with the rollout engine ([`rollout::generate_with`]:
+//! temperature sampling or greedy, stop at an end-of-sequence id) and the
+//! reward extractor: a response is correct when its last `\boxed{...}` equals
+//! the reference integer exactly.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,136 @@
+//! The host values scripts hold: handles to state that lives in Rust (a
+//! model and its optimizer, a tokenizer, a dataset, a rollout, a run), shared
+//! by the bindings and the training loop. Heavy state sits behind
+//! `Arc<Mutex<..>>` so a hot reload swaps code, never handles.
+//!
+//! It imports neither the bindings nor the training loop, so both can use it
+//! without importing each other.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{Device, Tensor};
+
+use super::error::{host, RhaiResult};
+use crate::algo::{self, AdvEstimator, S2tStats, S2tThresholds, StdKind};
+use crate::data::{Dataset, Tokenizer};
+use crate::model::Qwen3;
+use crate::rollout::RolloutBatch;
+use crate::train::{AdamW, Trainer};
+use crate::{Error, Result};
+
+/// A model in memory, with its tokenizer and (once `update` ran) its optimizer.
+#[derive(Clone)]
+pub struct ModelHandle(pub Arc<Mutex<ModelSlot>>);
+
+/// What a [`ModelHandle`] holds.
+pub struct ModelSlot {
+    pub model: Qwen3,
+    pub tokenizer: Option<Tokenizer>,
+    /// The folder it was loaded from (its tokenizer files are copied on save).
+    pub dir: Option<PathBuf>,
+    /// AdamW state, created by the first `update`.
+    pub opt: Option<AdamW>,
+}
+
+/// A tokenizer.
+#[derive(Clone)]
+pub struct TokenizerHandle(pub Arc<Tokenizer>);
+
+/// A loaded dataset.
+#[derive(Clone)]
+pub struct DatasetHandle(pub Arc<Dataset>);
+
+/// A batch of sampled responses, with rewards, advantages and the S2T mask once computed.
+#[derive(Clone)]
+pub struct RolloutHandle(pub Arc<Mutex<RolloutState>>);
+
+/// What a [`RolloutHandle`] holds.
+pub struct RolloutState {
+    pub batch: RolloutBatch,
+    pub tokenizer: Option<Tokenizer>,
+    /// One advantage per sample (`advantages(r)`).
+    pub advantages: Option<Vec<f32>>,
+    /// Per sample, per response token: silenced by S2T (`s2t(r)`).
+    pub silenced: Option<Vec<Vec<bool>>>,
+}
+
+/// A training run (a [`Trainer`]) driven step by step.
+#[derive(Clone)]
+pub struct RunHandle(pub Arc<Mutex<Trainer>>);
+
+/// Locks a handle's mutex; a poisoned lock (a panic in an earlier call) is a host error.
+pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> RhaiResult<MutexGuard<'a, T>> {
+    m.lock().map_err(|_| host(format!("{what} is unusable after an earlier failure")))
+}
+
+impl RolloutState {
+    /// A freshly sampled (unscored) batch.
+    pub fn new(batch: RolloutBatch, tokenizer: Option<Tokenizer>) -> Self {
+        RolloutState { batch, tokenizer, advantages: None, silenced: None }
+    }
+
+    /// Rewards of every sample, or an error naming the first unscored one.
+    pub fn rewards(&self) -> Result<Vec<f32>> {
+        let s = &self.batch.samples;
+        s.iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.reward
+                    .ok_or_else(|| Error::invalid(format!("sample {i} has no reward; call score(r) first")))
+            })
+            .collect()
+    }
+
+    /// Forgets advantages and mask (after the rewards changed).
+    pub fn clear_derived(&mut self) {
+        self.advantages = None;
+        self.silenced = None;
+    }
+
+    /// Computes and stores the group advantages of the scored batch.
+    pub fn compute_advantages(&mut self, est: AdvEstimator, std: StdKind) -> Result<Vec<f32>> {
+        let r = self.rewards()?;
+        let groups: Vec<usize> = self.batch.samples.iter().map(|s| s.group).collect();
+        let a = algo::group_advantages(&r, &groups, est, std)?;
+        self.advantages = Some(a.values.clone());
+        Ok(a.values)
+    }
+
+    /// Applies STAPO's S2T mask with the rollout's own per-token p and H (the
+    /// policy at sampling time, which the first update epoch sees) and stores
+    /// which tokens are silenced. Computes GRPO advantages first if none are stored.
+    pub fn compute_s2t(&mut self, th: S2tThresholds) -> Result<S2tStats> {
+        if self.advantages.is_none() {
+            self.compute_advantages(AdvEstimator::Grpo, StdKind::Sample)?;
+        }
+        let adv = self.advantages.clone().unwrap_or_default();
+        let samples = &self.batch.samples;
+        let t = samples.iter().map(|s| s.response_ids.len()).max().unwrap_or(0).max(1);
+        let rows = |f: &dyn Fn(&crate::rollout::Sample) -> Vec<f32>| -> Result<Tensor> {
+            let flat: Vec<f32> = samples
+                .iter()
+                .flat_map(|s| {
+                    let v = f(s);
+                    let pad = t - v.len();
+                    v.into_iter().chain(std::iter::repeat_n(0.0, pad))
+                })
+                .collect();
+            Ok(Tensor::from_vec(flat, (samples.len(), t), &Device::Cpu)?)
+        };
+        let logp = rows(&|s| s.old_logprobs.clone())?;
+        let ent = rows(&|s| s.entropies.clone())?;
+        let resp = rows(&|s| vec![1.0; s.response_ids.len()])?;
+        let a = Tensor::from_vec(adv.clone(), (adv.len(),), &Device::Cpu)?;
+        let (_mask, stats) = algo::s2t_mask(&logp, &ent, &a, &resp, th.tau_p, th.tau_h)?;
+        let mut silenced: Vec<Vec<bool>> =
+            samples.iter().map(|s| vec![false; s.response_ids.len()]).collect();
+        for &(b, p) in &stats.positions {
+            if let Some(x) = silenced.get_mut(b).and_then(|r| r.get_mut(p)) {
+                *x = true;
+            }
+        }
+        self.silenced = Some(silenced);
+        Ok(stats)
+    }
+}
