@@ -43,7 +43,8 @@ fn advantages(r: &RolloutHandle, opts: &Map) -> RhaiResult<Array> {
 
 fn s2t(r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let o: ThresholdOpts = options("s2t", opts)?;
-    let th = S2tThresholds::default().with(o.tau_p, o.tau_h, o.tau_h_quantile).map_err(|e| bad_arg("s2t", e))?;
+    let th =
+        S2tThresholds::default().with(o.tau_p, o.tau_h, o.tau_h_quantile).map_err(|e| bad_arg("s2t", e))?;
     let stats = lock(&r.0, "rollout")?.compute_s2t(th).map_err(|e| bad_arg("s2t", e))?;
     Ok(s2t_map(&stats, th.tau_p))
 }

@@ -2,11 +2,9 @@
 //! driven step by step from the REPL (`trainer(cfg)`), and a single update
 //! of a model on a scored rollout.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
-use serde::Deserialize;
 
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
 use crate::script::convert::{from_json, get_str, options, overlay, to_dynamic, to_json, usize_arg};
