@@ -10,7 +10,7 @@ use stapo::data::{Dataset, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
-use stapo::rollout::SamplingParams;
+use stapo::rollout::{Generator, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -40,9 +40,12 @@ pub struct EvalArgs {
     /// Only the first N problems of each file.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Prompt template: raw (problem + boxed suffix), bare (problem only, as models/tiny-qwen3 expects), chat (Qwen3 chat, thinking off) or chat-think.
-    #[arg(long, default_value = "raw")]
-    pub template: String,
+    /// Prompt template: model (what the model folder declares: its stapo_template,
+    /// else its chat template, else raw), none (the problem as is), raw (problem +
+    /// boxed instruction), chat (the model's chat template, thinking off),
+    /// chat-think, or a JSON map such as '{"kind":"raw","suffix":""}'.
+    #[arg(long, default_value = "model", value_parser = super::model::parse_template)]
+    pub template: PromptTemplate,
     /// Answer extraction: strict (last \boxed{}), flexible, or answer_line (DAPO-Math's last "Answer:" line).
     #[arg(long, default_value = "strict")]
     pub mode: ExtractMode,
@@ -58,24 +61,21 @@ pub struct EvalArgs {
     pub device: DeviceArgs,
 }
 
-pub fn template(name: &str) -> anyhow::Result<PromptTemplate> {
-    PromptTemplate::from_name(name)?
-        .ok_or_else(|| anyhow::anyhow!("--template: expected raw, bare, chat or chat-think"))
-}
-
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let tpl = template(&a.template)?;
+    let gen = Generator::new(&m, &tok, &a.template)?;
+    if let Some(note) = gen.note() {
+        eprintln!("{note}");
+    }
     let ks = pass_k_list(&a.pass_k, a.n)?;
     let params = SamplingParams {
         n: a.n,
         temperature: a.temperature,
         top_p: a.top_p,
         max_new_tokens: a.max_tokens,
-        stop_token_ids: tok.eos_ids().to_vec(),
         seed: a.seed,
         ..SamplingParams::default()
     };
@@ -98,10 +98,9 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             .progress_chars("=> "),
         );
         bar.set_prefix(name.clone());
-        let report = eval::evaluate(&m, &tok, examples, &tpl, &params, a.mode, a.batch, &|done| {
-            bar.set_position(done as u64)
-        })?
-        .with_pass_k(&ks)?;
+        let report =
+            eval::evaluate(&gen, examples, &params, a.mode, a.batch, &|done| bar.set_position(done as u64))?
+                .with_pass_k(&ks)?;
         bar.finish_and_clear();
         rows.push((name, report.overall.clone()));
         all_samples.extend(report.samples);

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
-use stapo::data::{render_chat, Message, Tokenizer};
+use stapo::data::{Prompt, PromptTemplate, Tokenizer};
 use stapo::model::{self, Config, Grad, TokenBatch};
-use stapo::rollout::{self, SamplingParams};
+use stapo::rollout::{GenerateHooks, Generator, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -68,8 +68,12 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// Wrap the prompt in the Qwen3 chat template (user turn, thinking off).
-    #[arg(long)]
+    /// Prompt template: model (what the model folder declares), none, raw,
+    /// chat, chat-think, or a JSON map such as '{"kind":"raw","suffix":""}'.
+    #[arg(long, default_value = "model", value_parser = parse_template)]
+    pub template: PromptTemplate,
+    /// Same as `--template chat`.
+    #[arg(long, conflicts_with = "template")]
     pub chat: bool,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -94,33 +98,45 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let text =
-        if a.chat { render_chat(&[Message::user(a.prompt.clone())], true, false) } else { a.prompt.clone() };
-    let ids = tok.encode(&text, false)?;
-    anyhow::ensure!(!ids.is_empty(), "the prompt encodes to no tokens");
+    let template = if a.chat { PromptTemplate::chat(false) } else { a.template.clone() };
+    let gen = Generator::new(&m, &tok, &template)?;
+    if let Some(note) = gen.note() {
+        eprintln!("{note}");
+    }
+    let prompts = [Prompt::Text(a.prompt.clone())];
+    let (ids, texts) = gen.encode(&prompts)?;
+    anyhow::ensure!(ids.iter().all(|p| !p.is_empty()), "the prompt encodes to no tokens");
+    // Plain-text prompts are echoed before the continuation; chat markup is not.
+    let echo = match gen.prompter().template() {
+        PromptTemplate::Chat { .. } => "",
+        _ => texts[0].as_str(),
+    };
     let params = SamplingParams {
         n: a.n,
         temperature: a.temperature as f64,
         top_p: a.top_p as f64,
         top_k: a.top_k,
         max_new_tokens: a.max_tokens,
-        stop_token_ids: tok.eos_ids().to_vec(),
         seed: a.seed,
         ..SamplingParams::default()
     };
-    let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
     let start = std::time::Instant::now();
-    let samples = rollout::generate(&m, &[ids], &params, tok.pad_id(), &decode, None)?;
+    let samples = gen.generate(&prompts, &params, &GenerateHooks::default())?.samples;
     let secs = start.elapsed().as_secs_f64();
     let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
     for s in &samples {
         if samples.len() > 1 {
             println!("--- sample {} ({:?}, {} tokens)", s.sample_index, s.finish, s.response_ids.len());
         }
-        println!("{}{}", if a.chat { "" } else { &a.prompt }, s.text);
+        println!("{echo}{}", s.text);
     }
     eprintln!("{n_tokens} tokens in {secs:.2} s ({:.0} tokens/s)", n_tokens as f64 / secs.max(1e-9));
     Ok(())
+}
+
+/// `--template` values: a name or a JSON map.
+pub fn parse_template(s: &str) -> Result<PromptTemplate, String> {
+    PromptTemplate::parse_arg(s).map_err(|e| e.to_string())
 }
 
 #[derive(Args, Debug)]

@@ -1,10 +1,12 @@
-//! Data: the tokenizer, Qwen3 chat prompts and prompt templates, task
+//! Data: the tokenizer, prompt templates (Jinja chat templates), task
 //! datasets (JSONL and Parquet, verl's schema included) and the seeded,
 //! resumable epoch sampler.
 //!
-//! - [`tokenizer`]: Hugging Face `tokenizer.json` with Qwen3's special ids.
-//! - [`chat`]: the Qwen3 chat template reproduced exactly, and the prompt
-//!   templates that add the paper's `\boxed{}` instruction.
+//! - [`tokenizer`]: Hugging Face `tokenizer.json` with Qwen3's special ids and
+//!   the prompt format its folder declares.
+//! - [`template`]: Hugging Face chat templates rendered with minijinja, the
+//!   prompt-template option (`"model"`, `"none"`, `"raw"`, `"chat"` or a map)
+//!   and prompts as plain problems or chat-message lists.
 //! - [`dataset`]: loading JSONL and Parquet files, folders of Hugging Face
 //!   shards and `*` patterns, with a bad-record policy.
 //! - [`record`]: one record to an [`Example`]: field names (dotted paths),
@@ -14,15 +16,14 @@
 //! - [`task`]: the generated multi-step arithmetic task and its small BPE
 //!   tokenizer (for `data/arith` and `models/tiny-qwen3`).
 
-pub mod chat;
 pub mod dataset;
 pub mod parquet;
 pub mod record;
 pub mod sampler;
 pub mod task;
+pub mod template;
 pub mod tokenizer;
 
-pub use chat::{render_chat, Message, PromptTemplate, BOXED_SUFFIX, SUFFIX_SEPARATOR};
 pub use dataset::{resolve_files, Dataset};
 pub use record::{
     strip_dapo_instruction, BadLinePolicy, DatasetOptions, Example, DAPO_PREFIX, DAPO_REMINDER,
@@ -31,6 +32,9 @@ pub use sampler::{EpochSampler, SamplerState};
 pub use task::{
     generate, generate_split, read_jsonl, save_tokenizer, tokenizer_corpus, train_tokenizer, write_jsonl,
     Problem, TaskConfig, TokenizerConfig,
+};
+pub use template::{
+    ChatTemplate, Message, ModelPrompt, Prompt, PromptTemplate, Prompter, BOXED_SUFFIX, SUFFIX_SEPARATOR,
 };
 pub use tokenizer::Tokenizer;
 

@@ -17,7 +17,7 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
-use super::chat::Message;
+use super::template::Message;
 
 /// The start of DAPO-Math-17k's instruction, up to the blank line before the problem.
 pub const DAPO_PREFIX: &str = "Solve the following math problem step by step. The last line of your response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.";

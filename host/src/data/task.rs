@@ -376,7 +376,7 @@ pub fn save_tokenizer(tok: &Tokenizer, dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::PromptTemplate;
+    use crate::data::{BOXED_SUFFIX, SUFFIX_SEPARATOR};
 
     /// Replays a solution's steps and checks each line's arithmetic.
     fn check_solution(p: &Problem) {
@@ -490,9 +490,8 @@ mod tests {
 
     fn small_tokenizer() -> (Tokenizer, Vec<Problem>) {
         let ps = generate(500, 1, &TaskConfig::default()).expect("generate");
-        let t = PromptTemplate::raw();
-        let tok = train_tokenizer(tokenizer_corpus(&ps, |q| t.render(q)), &TokenizerConfig::default())
-            .expect("train");
+        let raw = |q: &str| format!("{q}{SUFFIX_SEPARATOR}{BOXED_SUFFIX}");
+        let tok = train_tokenizer(tokenizer_corpus(&ps, raw), &TokenizerConfig::default()).expect("train");
         (tok, ps)
     }
 
@@ -506,7 +505,7 @@ mod tests {
             "{}",
             tok.vocab_size()
         );
-        let prompt = PromptTemplate::raw().render(&ps[0].problem);
+        let prompt = format!("{}{SUFFIX_SEPARATOR}{BOXED_SUFFIX}", ps[0].problem);
         let ids = tok.encode(&prompt, false).expect("encode");
         // "Compute 79-34+77+96.\nPlease reason step by step, ..." is about 30 tokens.
         assert!(ids.len() < 40, "{}", ids.len());

@@ -1,6 +1,8 @@
 //! The Hugging Face tokenizer (`tokenizer.json`) behind a small, error-typed
 //! API, with the Qwen3 special ids the rollout and training code need
-//! (end-of-sequence set, padding id).
+//! (end-of-sequence set, padding id), and the prompt format its model folder
+//! declares (read from `tokenizer_config.json` next to `tokenizer.json`, see
+//! [`crate::data::template`]).
 //!
 //! Ids match `transformers`' `AutoTokenizer` for the Qwen3 tokenizer (checked in
 //! the tests against `host/tests/fixtures/chat/qwen3_chat.json`). Note that
@@ -9,7 +11,9 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use crate::data::template::{ModelPrompt, PromptTemplate, Prompter};
 use crate::{Error, Result};
 
 /// Qwen3's end-of-turn token.
@@ -24,6 +28,7 @@ pub struct Tokenizer {
     path: PathBuf,
     eos: Vec<u32>,
     pad: u32,
+    prompt: Arc<ModelPrompt>,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -38,21 +43,36 @@ impl fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads a `tokenizer.json`. Errors name the file.
+    /// Loads a `tokenizer.json` and the prompt format of its folder
+    /// (`tokenizer_config.json`, `chat_template.jinja`). Errors name the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         // Report a missing file as an I/O error with its path, not as a parse failure.
         std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("{}: cannot load tokenizer: {e}", path.display())))?;
-        Ok(Self::from_inner(inner, path.to_path_buf()))
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let prompt = ModelPrompt::load(dir)?;
+        Ok(Self { prompt: Arc::new(prompt), ..Self::from_inner(inner, path.to_path_buf()) })
     }
 
-    /// Wraps an already-built `tokenizers::Tokenizer`; `label` names it in errors.
+    /// Wraps an already-built `tokenizers::Tokenizer`; `label` names it in
+    /// errors. It belongs to no folder, so it declares no prompt format.
     pub fn from_inner(inner: tokenizers::Tokenizer, label: impl Into<PathBuf>) -> Self {
         let eos: Vec<u32> = [IM_END, END_OF_TEXT].iter().filter_map(|t| inner.token_to_id(t)).collect();
         let pad = inner.token_to_id(END_OF_TEXT).unwrap_or(0);
-        Tokenizer { inner, path: label.into(), eos, pad }
+        Tokenizer { inner, path: label.into(), eos, pad, prompt: Arc::new(ModelPrompt::undeclared()) }
+    }
+
+    /// The prompt format the tokenizer's model folder declares.
+    pub fn model_prompt(&self) -> &ModelPrompt {
+        &self.prompt
+    }
+
+    /// `template` resolved against the folder's declaration (`"model"` becomes
+    /// the folder's own format); see [`Prompter::note`] for a forced template.
+    pub fn prompter(&self, template: &PromptTemplate) -> Result<Prompter> {
+        template.resolve(&self.prompt)
     }
 
     /// Where the tokenizer was loaded from.
@@ -68,7 +88,7 @@ impl Tokenizer {
     /// Token ids of `text`. Special-token strings in the text (`<|im_start|>`,
     /// `<think>`) become their single ids. `add_special` runs the tokenizer's
     /// post-processor (for Qwen3 it adds nothing; chat markup comes from
-    /// [`crate::data::render_chat`]).
+    /// the chat template, [`crate::data::Prompter`]).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, add_special).map_err(|e| {
             Error::Tokenizer(format!(

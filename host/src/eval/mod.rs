@@ -12,10 +12,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::data::{Example, PromptTemplate, Tokenizer};
-use crate::model::Qwen3;
+use crate::data::{Example, Prompt};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, SamplingParams};
+use crate::rollout::{GenerateHooks, Generator, SamplingParams};
 use crate::{Error, Result};
 
 /// One graded sample.
@@ -139,15 +138,13 @@ impl EvalReport {
     }
 }
 
-/// Samples `params.n` responses per example and grades them. `batch_prompts`
-/// bounds how many prompts are decoded together; `progress` is called with
-/// the number of problems done.
-#[allow(clippy::too_many_arguments)]
+/// Samples `params.n` responses per example with `generator` (model,
+/// tokenizer, prompt template) and grades them. `batch_prompts` bounds how
+/// many prompts are decoded together; `progress` is called with the number
+/// of problems done.
 pub fn evaluate(
-    model: &Qwen3,
-    tokenizer: &Tokenizer,
+    generator: &Generator,
     examples: &[Example],
-    template: &PromptTemplate,
     params: &SamplingParams,
     mode: ExtractMode,
     batch_prompts: usize,
@@ -156,22 +153,11 @@ pub fn evaluate(
     if examples.is_empty() {
         return Err(Error::invalid("evaluate: no examples"));
     }
-    let decode = |ids: &[u32]| tokenizer.decode(ids, true).unwrap_or_default();
     let mut graded = Vec::with_capacity(examples.len() * params.n);
     let mut done = 0;
     for chunk in examples.chunks(batch_prompts.max(1)) {
-        let prompts: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|e| tokenizer.encode(&template.render(&e.problem), false))
-            .collect::<Result<_>>()?;
-        let samples = rollout::generate_with(
-            model,
-            &prompts,
-            params,
-            tokenizer.pad_id(),
-            &decode,
-            &GenerateHooks::default(),
-        )?;
+        let prompts: Vec<Prompt> = chunk.iter().map(|e| Prompt::from(e.problem.as_str())).collect();
+        let samples = generator.generate(&prompts, params, &GenerateHooks::default())?.samples;
         for s in samples {
             let ex = &chunk[s.prompt_index];
             let v = reward::verify(&ex.answer, &s.text, mode);

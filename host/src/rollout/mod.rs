@@ -9,14 +9,19 @@
 //! (pi_old, what the PPO ratio divides by) and the full-vocabulary entropy
 //! (what STAPO's S2T mask thresholds). A [`RolloutBatch`] saves to and loads
 //! from JSONL so a batch can be replayed offline.
+//!
+//! [`Generator`] is the one entry point from problems to samples (template,
+//! tokens, stop ids, generation, decoded text) used by every caller.
 
 pub mod batch;
 pub mod generate;
+pub mod generator;
 pub mod params;
 pub mod sampler;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
 pub use generate::{bench_generate, generate, generate_with, GenerateHooks};
+pub use generator::{Generation, Generator};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};
 

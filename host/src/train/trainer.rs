@@ -19,11 +19,13 @@ use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{ObjectiveConfig, S2tThresholds, TauH};
-use crate::data::{Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, SamplerState, Tokenizer};
+use crate::data::{
+    Dataset, DatasetOptions, EpochSampler, Example, Prompt, PromptTemplate, Prompter, SamplerState, Tokenizer,
+};
 use crate::eval::{self, EvalReport};
 use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
 use crate::train::step::{self, update, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
@@ -52,6 +54,7 @@ pub struct RunConfig {
     pub prompts_per_step: usize,
     /// Rollout sampling (paper: n 8, temperature 1.0, top-p 1.0).
     pub sampling: SamplingParams,
+    /// Prompt template (default `"model"`: what the model folder declares).
     pub template: PromptTemplate,
     /// Answer extraction of the reward.
     pub extract: ExtractMode,
@@ -105,7 +108,7 @@ impl Default for RunConfig {
             set: BTreeMap::new(),
             prompts_per_step: 16,
             sampling: SamplingParams::default(),
-            template: PromptTemplate::raw(),
+            template: PromptTemplate::Model,
             extract: ExtractMode::Strict,
             lr: 1e-6,
             schedule: LrSchedule::Constant { warmup_steps: 10 },
@@ -186,6 +189,8 @@ pub struct Trainer {
     reference: Option<Qwen3>,
     opt: AdamW,
     tokenizer: Tokenizer,
+    /// `cfg.template` resolved against the model folder.
+    prompter: Prompter,
     train: Dataset,
     test: Option<Dataset>,
     sampler: EpochSampler,
@@ -278,6 +283,10 @@ impl Trainer {
         let objective = cfg.objective_config()?;
         let tok_path = cfg.model.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)?;
+        let prompter = tokenizer.prompter(&cfg.template)?;
+        if let Some(note) = prompter.note() {
+            eprintln!("{note}");
+        }
         let (train, warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
         let test = match &cfg.test_data {
             Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
@@ -298,6 +307,7 @@ impl Trainer {
             reference,
             opt,
             tokenizer,
+            prompter,
             train,
             test,
             sampler,
@@ -530,18 +540,14 @@ impl Trainer {
     ) -> Result<Gathered> {
         let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
         let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
-        let texts: Vec<String> = examples.iter().map(|e| self.cfg.template.render(&e.problem)).collect();
-        let prompts: Vec<Vec<u32>> =
-            texts.iter().map(|t| self.tokenizer.encode(t, false)).collect::<Result<_>>()?;
+        let prompts: Vec<Prompt> = examples.iter().map(|e| Prompt::from(e.problem.as_str())).collect();
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
-        add_stop_ids(&mut sampling, self.tokenizer.eos_ids());
-        let tok = &self.tokenizer;
-        let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
         let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
-        let mut samples =
-            rollout::generate_with(&self.model, &prompts, &sampling, tok.pad_id(), &decode, &hooks)?;
+        let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
+        let generated = gen.generate(&prompts, &sampling, &hooks)?;
+        let (mut samples, texts) = (generated.samples, generated.prompt_texts);
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
@@ -566,18 +572,9 @@ impl Trainer {
         params.temperature = self.cfg.eval_temperature;
         params.top_p = self.cfg.eval_top_p;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
-        add_stop_ids(&mut params, self.tokenizer.eos_ids());
-        let report = eval::evaluate(
-            &self.model,
-            &self.tokenizer,
-            ex,
-            &self.cfg.template,
-            &params,
-            self.cfg.extract,
-            64,
-            &|_| {},
-        )?
-        .with_pass_k(&self.cfg.eval_pass_k)?;
+        let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
+        let report = eval::evaluate(&gen, ex, &params, self.cfg.extract, 64, &|_| {})?
+            .with_pass_k(&self.cfg.eval_pass_k)?;
         let dir = self.run_dir.join("eval");
         eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
         let summary =
@@ -716,15 +713,6 @@ impl MaxPrecision for DType {
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
     crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
-}
-
-/// Adds the tokenizer's end-of-turn ids to the stop tokens (once each).
-fn add_stop_ids(params: &mut SamplingParams, ids: &[u32]) {
-    for &id in ids {
-        if !params.stop_token_ids.contains(&id) {
-            params.stop_token_ids.push(id);
-        }
-    }
 }
 
 /// Evaluations recorded in `eval.jsonl` before `before_step` (a resumed run

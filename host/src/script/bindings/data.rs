@@ -36,10 +36,15 @@ pub fn example_map(e: &Example) -> Dynamic {
     Dynamic::from_map(m)
 }
 
-/// A prompt template by name: `raw` (problem + the paper's `\boxed{}` suffix),
-/// `chat` (Qwen3 chat, thinking off), `chat-think`, or `none` (the text as is).
-pub fn template(name: &str) -> RhaiResult<Option<PromptTemplate>> {
-    PromptTemplate::from_name(name).map_err(|e| bad_arg("template", e.to_string()))
+/// A prompt template as a script gives it: a name (`"model"`, `"none"`,
+/// `"raw"`, `"chat"`, `"chat-think"`) or a map (`#{kind: "raw", suffix: ""}`).
+pub fn template(v: &Dynamic) -> RhaiResult<PromptTemplate> {
+    PromptTemplate::from_json(&to_json("template", v)?).map_err(|e| bad_arg("template", e))
+}
+
+/// The `template` entry of an option map (`"model"` when absent).
+pub fn template_opt(opts: &Map) -> RhaiResult<PromptTemplate> {
+    opts.get("template").filter(|v| !v.is_unit()).map_or(Ok(PromptTemplate::Model), template)
 }
 
 fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
@@ -191,7 +196,9 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "render_prompt", r#"
         /// render_prompt(problem, template) -> string
         ///
-        /// The prompt text for a problem: template raw | chat | chat-think | none.
+        /// The prompt text for a problem, for a model that declares nothing: template "none" |
+        /// "raw" | "chat" (the built-in Qwen3 chat template) | "chat-think" | a map #{kind, suffix,
+        /// system, enable_thinking}.
         ///
         /// # Example
         ///
@@ -199,8 +206,28 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// render_prompt("Compute 1+2.", "raw")
         /// ```
     "#,
-        |problem: &str, name: &str| -> RhaiResult<String> {
-            Ok(template(name)?.map(|t| t.render(problem)).unwrap_or_else(|| problem.to_string()))
+        |problem: &str, t: Dynamic| -> RhaiResult<String> {
+            let p = crate::data::Prompter::standalone(&template(&t)?).map_err(host)?;
+            p.render(&problem.into()).map_err(host)
+        }
+    }
+    func! { engine, "render_prompt", r#"
+        /// render_prompt(model, problem, template) -> string
+        ///
+        /// The prompt text a model gets for a problem: template "model" (the folder's own format) |
+        /// "none" | "raw" | "chat" | "chat-think" | a map.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// render_prompt(m, "Compute 1+2.", "model")
+        /// ```
+    "#,
+        |m: super::ModelHandle, problem: &str, t: Dynamic| -> RhaiResult<String> {
+            let slot = super::lock(&m.0, "model")?;
+            let tok =
+                slot.tokenizer.as_ref().ok_or_else(|| host("render_prompt: the model has no tokenizer"))?;
+            tok.prompter(&template(&t)?).map_err(host)?.render(&problem.into()).map_err(host)
         }
     }
     func! { engine, "arith_problems", r#"

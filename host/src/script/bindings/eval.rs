@@ -10,7 +10,7 @@ use super::{lock, DatasetHandle, ModelHandle};
 use crate::data::{Dataset, DatasetOptions, PromptTemplate};
 use crate::eval;
 use crate::reward::ExtractMode;
-use crate::rollout::SamplingParams;
+use crate::rollout::{Generator, SamplingParams};
 use crate::script::convert::{from_json, options};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
@@ -26,8 +26,9 @@ struct EvalOpts {
     max_tokens: usize,
     /// First `limit` problems only.
     limit: Option<usize>,
-    /// A template name, or a map as train() configs write it (`#{kind: "chat", suffix: ..}`).
-    template: serde_json::Value,
+    /// "model" (the folder's own format, the default), a template name, or a map as train()
+    /// configs write it (`#{kind: "chat", suffix: ..}`).
+    template: Option<serde_json::Value>,
     /// Answer extraction: strict | flexible | answer_line.
     extract: Option<String>,
     seed: u64,
@@ -43,7 +44,7 @@ impl Default for EvalOpts {
             top_p: 1.0,
             max_tokens: 256,
             limit: None,
-            template: "raw".into(),
+            template: None,
             extract: None,
             seed: 0,
             pass_k: Vec::new(),
@@ -67,9 +68,8 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     let o: EvalOpts = options("evaluate", opts)?;
     let ds = dataset_arg(data)?;
     let tmpl = match &o.template {
-        serde_json::Value::String(name) => super::data::template(name)?.unwrap_or_else(PromptTemplate::raw),
-        t => serde_json::from_value::<PromptTemplate>(t.clone())
-            .map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
+        None => PromptTemplate::Model,
+        Some(t) => PromptTemplate::from_json(t).map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
     };
     let mut limit = o.limit.unwrap_or(ds.len()).min(ds.len());
     let (n, temperature, top_p, max_new_tokens, seed) = (o.n, o.temperature, o.top_p, o.max_tokens, o.seed);
@@ -85,13 +85,15 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     eval::check_pass_k(&ks, params.n).map_err(|e| bad_arg("evaluate", format!("pass_k: {e}")))?;
     let slot = lock(&m.0, "model")?;
     let tok = slot.tokenizer.clone().ok_or_else(|| host("evaluate: the model has no tokenizer"))?;
-    params.stop_token_ids.extend(tok.eos_ids());
     let extract = match &o.extract {
         Some(s) => s.parse::<ExtractMode>().map_err(|e| bad_arg("evaluate", e.to_string()))?,
         None => ExtractMode::Strict,
     };
-    let examples = &ds.examples()[..limit];
-    let rep = eval::evaluate(&slot.model, &tok, examples, &tmpl, &params, extract, 64, &|_| {})
+    let gen = Generator::new(&slot.model, &tok, &tmpl).map_err(host)?;
+    if let Some(note) = gen.note() {
+        host_.println(note);
+    }
+    let rep = eval::evaluate(&gen, &ds.examples()[..limit], &params, extract, 64, &|_| {})
         .and_then(|r| r.with_pass_k(&ks))
         .map_err(host)?;
     Ok(from_json(&serde_json::json!({
@@ -106,8 +108,9 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// evaluate(model, data, opts) -> map
         ///
         /// avg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p
-        /// (1.0), max_tokens (256), limit, template (name or map), extract (strict | flexible |
-        /// answer_line), seed, pass_k ([]; e.g. [1, 4, 16])}. Returns
+        /// (1.0), max_tokens (256), limit, template ("model": the folder's own format; or "none",
+        /// "raw", "chat", a map), extract (strict | flexible | answer_line), seed, pass_k ([]; e.g.
+        /// [1, 4, 16])}. Returns
         /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
         ///
         /// # Example

@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::{lock, ModelHandle, RolloutHandle, RolloutState};
-use crate::rollout::{self, GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
-use crate::script::convert::{get_str, sampling_from_map, to_dynamic, usize_arg};
+use crate::data::Prompt;
+use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::table::{format_sample, token_rows, TokenRow};
@@ -18,15 +19,24 @@ const PRINT_SAMPLES: usize = 4;
 fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> RhaiResult<RolloutHandle> {
     let slot = lock(&m.0, "model")?;
     let tok = slot.tokenizer.clone().ok_or_else(|| host("rollout: the model has no tokenizer"))?;
-    let tmpl = super::data::template(&get_str(opts, "template")?.unwrap_or_else(|| "raw".into()))?;
+    let gen = Generator::new(&slot.model, &tok, &super::data::template_opt(opts)?).map_err(host)?;
+    if let Some(note) = gen.note() {
+        host_.println(note);
+    }
+    let mut problems = Vec::with_capacity(prompts.len());
     let mut infos = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let (problem, id, answer) = if p.is_string() {
-            (p.to_string(), format!("prompt-{i}"), None)
+            (Prompt::Text(p.to_string()), format!("prompt-{i}"), None)
         } else if p.is_map() {
             let pm = p.clone().cast::<Map>();
-            let problem = get_str(&pm, "problem")?
-                .ok_or_else(|| bad_arg("rollout", format!("prompt {i}: a map needs a `problem` string")))?;
+            let problem =
+                pm.get("prompt").or_else(|| pm.get("problem")).filter(|v| !v.is_unit()).ok_or_else(|| {
+                    bad_arg("rollout", format!("prompt {i}: a map needs `problem` (or `prompt`)"))
+                })?;
+            let problem: Prompt = serde_json::from_value(to_json("problem", problem)?).map_err(|e| {
+                bad_arg("rollout", format!("prompt {i}: `problem` must be a string or a list of #{{role, content}} messages: {e}"))
+            })?;
             let answer = pm.get("answer").filter(|a| !a.is_unit()).map(|a| a.to_string());
             (problem, get_str(&pm, "id")?.unwrap_or_else(|| format!("prompt-{i}")), answer)
         } else {
@@ -35,22 +45,16 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
                 format!("prompt {i}: expected a string or a map with `problem`, found {}", p.type_name()),
             ));
         };
-        let text = tmpl.as_ref().map(|t| t.render(&problem)).unwrap_or(problem);
-        infos.push(PromptInfo { id, text, answer });
+        problems.push(problem);
+        infos.push(PromptInfo { id, text: String::new(), answer });
     }
-    let ids: Vec<Vec<u32>> =
-        infos.iter().map(|p| tok.encode(&p.text, false)).collect::<crate::Result<_>>().map_err(host)?;
-    let mut params = sampling_from_map(&SamplingParams::default(), opts)?;
-    for &e in tok.eos_ids() {
-        if !params.stop_token_ids.contains(&e) {
-            params.stop_token_ids.push(e);
-        }
-    }
-    let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
+    let params = sampling_from_map(&SamplingParams::default(), opts)?;
     let hooks = GenerateHooks { cancel: Some(host_.cancel_flag()), ..GenerateHooks::default() };
-    let samples =
-        rollout::generate_with(&slot.model, &ids, &params, tok.pad_id(), &decode, &hooks).map_err(host)?;
-    let st = RolloutState::new(RolloutBatch::new(samples, infos), Some(tok.clone()));
+    let out = gen.generate(&problems, &params, &hooks).map_err(host)?;
+    for (info, text) in infos.iter_mut().zip(out.prompt_texts) {
+        info.text = text;
+    }
+    let st = RolloutState::new(RolloutBatch::new(out.samples, infos), Some(tok.clone()));
     Ok(RolloutHandle(Arc::new(Mutex::new(st))))
 }
 
@@ -132,9 +136,11 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "rollout", r#"
         /// rollout(model, prompts, opts) -> Rollout
         ///
-        /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (and
-        /// `answer`, used by `score`). opts: #{n, temperature, top_p, top_k, max_tokens, stop, seed,
-        /// template: "raw"|"chat"|"none"}.
+        /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (a string
+        /// or a list of #{role, content} messages; and `answer`, used by `score`). opts: #{n,
+        /// temperature, top_p, top_k, max_tokens, stop, seed, template}; template: "model" (default:
+        /// what the model folder declares) | "none" | "raw" | "chat" | "chat-think" | #{kind, suffix,
+        /// system, enable_thinking}.
         ///
         /// # Example
         ///

@@ -6,10 +6,12 @@
 //! groups of 8 have mixed rewards and RL has room to improve it within minutes
 //! on a laptop CPU.
 //!
-//! Accuracy is measured with the rollout engine ([`rollout::generate_with`]:
-//! temperature sampling or greedy, stop at an end-of-sequence id) and the
-//! reward extractor: a response is correct when its last `\boxed{...}` equals
-//! the reference integer exactly.
+//! Accuracy is measured with the rollout engine ([`rollout::Generator`]:
+//! temperature sampling or greedy, stop at an end-of-sequence id); a response
+//! is correct when its last `\boxed{...}` equals the reference integer
+//! exactly. The saved folder declares its prompt format (the bare problem) in
+//! `tokenizer_config.json` (`"stapo_template": "none"`), so every entry point
+//! uses it by default.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -20,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::sft_step;
 use crate::data::task::{self, Problem, TaskConfig, TokenizerConfig};
-use crate::data::{PromptTemplate, Tokenizer};
+use crate::data::{template, Prompt, PromptTemplate, Tokenizer};
 use crate::model::{self, Config, Qwen3};
 use crate::reward::{self, ExtractMode};
 use crate::rollout::{self, GenerateHooks, SamplingParams};
@@ -187,19 +189,16 @@ pub fn evaluate(
     if problems.is_empty() || samples == 0 {
         return Err(Error::invalid("evaluate: need at least one problem and one sample"));
     }
-    let prompts: Vec<Vec<u32>> =
-        problems.iter().map(|p| tok.encode(&template.render(&p.problem), false)).collect::<Result<_>>()?;
+    let prompts: Vec<Prompt> = problems.iter().map(|p| Prompt::from(p.problem.as_str())).collect();
     let params = SamplingParams {
         n: samples,
         temperature: temperature as f64,
         max_new_tokens,
-        stop_token_ids: tok.eos_ids().to_vec(),
         seed,
         ..SamplingParams::default()
     };
-    let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
     let hooks = GenerateHooks { max_rows: 512, ..GenerateHooks::default() };
-    let out = rollout::generate_with(model, &prompts, &params, tok.pad_id(), &decode, &hooks)?;
+    let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &hooks)?.samples;
     let mut correct = vec![0usize; problems.len()];
     for s in &out {
         correct[s.prompt_index] += usize::from(is_correct(&s.text, &problems[s.prompt_index].answer));
@@ -218,12 +217,12 @@ pub fn evaluate(
 }
 
 /// The prompt template of the tiny model: the bare problem text
-/// (`PromptTemplate::Raw` with an empty suffix, so no separator either), the
-/// response following directly. The paper's instruction suffix would more
+/// (`PromptTemplate::None`: no suffix, no separator), the response following
+/// directly; its folder declares it in `tokenizer_config.json`. The paper's instruction suffix would more
 /// than double every sequence (about 16 extra tokens on ~40) and the tiny
 /// model needs no instruction: it always answers in `\boxed{}`.
 pub fn tiny_template() -> PromptTemplate {
-    PromptTemplate::Raw { suffix: String::new() }
+    PromptTemplate::None
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
@@ -262,7 +261,11 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let tok = match &cfg.init_from {
         Some(dir) => Tokenizer::from_file(dir.join("tokenizer.json"))?,
         None => {
-            task::train_tokenizer(task::tokenizer_corpus(&train, |q| template.render(q)), &cfg.tokenizer)?
+            let prompter = crate::data::Prompter::standalone(&template)?;
+            let prompts: Vec<String> =
+                train.iter().map(|p| prompter.render(&p.problem.as_str().into())).collect::<Result<_>>()?;
+            let corpus = prompts.into_iter().zip(&train).flat_map(|(q, p)| [q, p.solution.clone()]);
+            task::train_tokenizer(corpus, &cfg.tokenizer)?
         }
     };
     let eos = tok
@@ -325,10 +328,11 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     log(&format!("model: {} parameters", report.params));
 
     // 4. SFT until the periodic accuracy reaches the target.
+    let prompter = crate::data::Prompter::standalone(&template)?;
     let encode = |p: &Problem| -> Result<(Vec<u32>, Vec<u32>)> {
         let mut r = tok.encode(&p.solution, false)?;
         r.push(eos);
-        Ok((tok.encode(&template.render(&p.problem), false)?, r))
+        Ok((tok.encode(&prompter.render(&p.problem.as_str().into())?, false)?, r))
     };
     let val = &train[..cfg.eval_problems.min(train.len())];
     let start = Instant::now();
@@ -409,6 +413,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     model::checkpoint::write_atomically(&cfg.model_dir, |tmp| {
         model::checkpoint::write_model_files(&model, tmp, DType::F32, None)?;
         task::save_tokenizer(&tok, tmp)?;
+        template::declare(tmp, &template)?;
         write_text(&tmp.join("README.md"), &card)
     })?;
     log(&format!("saved {}", cfg.model_dir.display()));
@@ -498,10 +503,11 @@ laptop CPU.
 
 ## Prompt format (use the same for RL and evaluation)
 
-The bare problem text, no instruction suffix and no chat markup:
-`PromptTemplate::Raw {{ suffix: "" }}` (in JSON `{{"kind": "raw", "suffix": ""}}`,
-`stapo::train::sft::tiny::tiny_template()`). The response follows the prompt
-immediately and ends with `<|endoftext|>` (id {eos}).
+The bare problem text, no instruction suffix and no chat markup: template
+`"none"` (`stapo::train::sft::tiny::tiny_template()`), declared in
+`tokenizer_config.json` as `"stapo_template": "none"`, so `rollout`, `evaluate`,
+`stapo eval`, `stapo generate` and `train()` use it by default. The response
+follows the prompt immediately and ends with `<|endoftext|>` (id {eos}).
 
 ```text
 prompt:   Compute 17+25-9.
