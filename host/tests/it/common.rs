@@ -42,11 +42,11 @@ pub fn tempdir() -> tempfile::TempDir {
 /// few generated problems, a random 2-layer Qwen3 sized to it, and train/test
 /// JSONL files. Returns (model dir, train file, test file).
 pub fn arith_fixture(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    use stapo::data::{task, PromptTemplate};
+    use stapo::data::{task, PromptTemplate, Prompter};
     let (train, test) = task::generate_split(200, 20, 7, &task::TaskConfig::default()).unwrap();
-    let tpl = PromptTemplate::raw();
+    let tpl = Prompter::standalone(&PromptTemplate::raw()).unwrap();
     let tok = task::train_tokenizer(
-        task::tokenizer_corpus(&train, |p| tpl.render(p)),
+        task::tokenizer_corpus(&train, |p| tpl.render(&p.into()).unwrap()),
         &task::TokenizerConfig::default(),
     )
     .unwrap();

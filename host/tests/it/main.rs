@@ -6,6 +6,7 @@ mod dist;
 mod hf;
 mod kill;
 mod model;
+mod prompt;
 mod script;
 mod train;
 mod trainer;

@@ -29,9 +29,9 @@ fn fixture() -> Fixture {
     let dir = tempdir();
     let root = dir.path().to_path_buf();
     let problems = data::generate(48, 3, &TaskConfig::default()).expect("problems");
-    let tmpl = data::PromptTemplate::raw();
+    let tmpl = data::Prompter::standalone(&data::PromptTemplate::raw()).expect("template");
     let tok = data::train_tokenizer(
-        data::tokenizer_corpus(&problems, |q| tmpl.render(q)),
+        data::tokenizer_corpus(&problems, |q| tmpl.render(&q.into()).expect("render")),
         &TokenizerConfig { vocab_size: 300, min_frequency: 2 },
     )
     .expect("tokenizer");

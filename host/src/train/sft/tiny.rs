@@ -639,11 +639,15 @@ mod tests {
         );
         assert_eq!((train.len(), test.len()), (200, 8));
         let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
-        assert!(card.contains(r#"{"kind": "raw", "suffix": ""}"#) && card.contains("avg@2"), "{card}");
+        assert!(card.contains(r#""stapo_template": "none""#) && card.contains("avg@2"), "{card}");
+        // The folder declares the bare problem, so "model" means exactly the tiny template.
+        let tok_cfg = std::fs::read_to_string(cfg.model_dir.join("tokenizer_config.json")).expect("config");
+        assert!(tok_cfg.contains(r#""stapo_template": "none""#), "{tok_cfg}");
         let m = model::load(&cfg.model_dir, DType::F32, &Device::Cpu).expect("load");
         assert_eq!(m.config().vocab_size, r.vocab_size);
         let tok = Tokenizer::from_file(cfg.model_dir.join("tokenizer.json")).expect("tokenizer");
         assert_eq!(m.config().eos_token_id, tok.id_of("<|endoftext|>"));
+        assert_eq!(tok.model_prompt().default_template(), tiny_template());
         // Loading is exact and sampling is deterministic for a seed.
         let e1 = evaluate(&m, &tok, &tiny_template(), &test, 2, 1.0, 12, 5).expect("eval");
         let e2 = evaluate(&m, &tok, &tiny_template(), &test, 2, 1.0, 12, 5).expect("eval");
