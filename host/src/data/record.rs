@@ -17,7 +17,7 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
-use super::template::Message;
+use super::template::{Message, Prompt};
 
 /// The start of DAPO-Math-17k's instruction, up to the blank line before the problem.
 pub const DAPO_PREFIX: &str = "Solve the following math problem step by step. The last line of your response should be of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.";
@@ -38,7 +38,9 @@ pub struct Example {
     /// The record's source (`source`, verl's `data_source`), else the file stem.
     pub source: String,
     /// The prompt as the dataset gives it when that is a list of chat
-    /// messages (verl's `prompt` column), unchanged; `None` for a plain problem.
+    /// messages (verl's `prompt` column), unchanged; `None` for a plain problem
+    /// and under [`DatasetOptions::strip_instruction`]. When present, it is the
+    /// prompt ([`Example::prompt`]): chat templates render it as given, as verl does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub messages: Option<Vec<Message>>,
 }
@@ -57,6 +59,15 @@ impl Example {
             answer: answer.into(),
             source: source.into(),
             messages: None,
+        }
+    }
+
+    /// What the model is prompted with: the dataset's chat messages when it gave
+    /// them, else the problem text (to which templates add their instruction).
+    pub fn prompt(&self) -> Prompt {
+        match &self.messages {
+            Some(m) => Prompt::Messages(m.clone()),
+            None => Prompt::Text(self.problem.clone()),
         }
     }
 }
@@ -246,7 +257,7 @@ pub(crate) fn parse_record(
     stem: &str,
     opts: &DatasetOptions,
 ) -> Result<Example, String> {
-    let (pf, mut problem, messages) = problem_of(obj, opts)?
+    let (pf, mut problem, mut messages) = problem_of(obj, opts)?
         .ok_or_else(|| format!("no problem field (looked for {:?})", opts.problem_fields))?;
     let (af, answer) = first_text(obj, &opts.answer_fields)?
         .ok_or_else(|| format!("no answer field (looked for {:?})", opts.answer_fields))?;
@@ -254,6 +265,9 @@ pub(crate) fn parse_record(
         if let Some(inner) = strip_dapo_instruction(&problem) {
             problem = inner.to_string();
         }
+        // The bare problem goes through the recipe's own template: the dataset's
+        // messages (which carry the wrapper) are not the prompt any more.
+        messages = None;
     }
     if problem.trim().is_empty() {
         return Err(format!("field `{pf}` is empty"));
@@ -308,11 +322,13 @@ mod tests {
         assert_eq!(msgs[0].role, "user");
         // Without stripping, the problem is the user message as the dataset gives it.
         assert_eq!(ex.problem, msgs[0].content);
+        assert_eq!(ex.prompt(), Prompt::Messages(msgs.to_vec()));
 
         let strip = DatasetOptions { strip_instruction: true, ..Default::default() };
         let ex = parse_record(&obj(dapo_row()), 0, "dapo", &strip).expect("parses");
         assert_eq!(ex.problem, "Find $x$ if $2x = 6$.");
-        assert!(ex.messages.as_deref().is_some_and(|m| m[0].content.starts_with(DAPO_PREFIX)));
+        assert!(ex.messages.is_none(), "the recipe's template takes the bare problem");
+        assert_eq!(ex.prompt(), Prompt::Text("Find $x$ if $2x = 6$.".into()));
     }
 
     #[test]

@@ -156,7 +156,7 @@ pub fn evaluate(
     let mut graded = Vec::with_capacity(examples.len() * params.n);
     let mut done = 0;
     for chunk in examples.chunks(batch_prompts.max(1)) {
-        let prompts: Vec<Prompt> = chunk.iter().map(|e| Prompt::from(e.problem.as_str())).collect();
+        let prompts: Vec<Prompt> = chunk.iter().map(|e| e.prompt()).collect();
         let samples = generator.generate(&prompts, params, &GenerateHooks::default())?.samples;
         for s in samples {
             let ex = &chunk[s.prompt_index];

@@ -540,7 +540,7 @@ impl Trainer {
     ) -> Result<Gathered> {
         let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
         let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
-        let prompts: Vec<Prompt> = examples.iter().map(|e| Prompt::from(e.problem.as_str())).collect();
+        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
