@@ -70,31 +70,48 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.out.is_none() || scripts.len() == 1, "--out names the run folder of a single script");
     let args = parse_set(&a.set)?;
     let smoke = a.smoke || std::env::var("STAPO_SMOKE").is_ok_and(|v| !v.is_empty() && v != "0");
+    // Under mpirun every rank runs this; rank 0 names the run folder and alone
+    // prints and writes (the trainer sees the same world).
+    let world = stapo::dist::world();
+    let root = world.rank() == 0;
+    anyhow::ensure!(
+        !(a.watch && world.size() > 1),
+        "--watch with {} MPI ranks: each rank would reload at a different step; run without --watch",
+        world.size()
+    );
     let cancel = script::signal::install();
     let mut outcomes = Vec::new();
     for path in &scripts {
-        let opts =
-            HostOptions {
-                smoke,
-                args: args.clone(),
-                run_dir: a.resume.clone().or_else(|| a.out.clone()).or_else(|| {
-                    Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs")))
-                }),
-                resume: a.resume.is_some(),
-                progress: !a.quiet && std::io::stderr().is_terminal(),
-                watch: a.watch,
-                stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
-            };
+        let run_dir = a
+            .resume
+            .clone()
+            .or_else(|| a.out.clone())
+            .or_else(|| Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs"))));
+        let run_dir = stapo::dist::broadcast_json(&*world, 0, &run_dir)?;
+        let opts = HostOptions {
+            smoke,
+            args: args.clone(),
+            run_dir,
+            resume: a.resume.is_some(),
+            progress: root && !a.quiet && std::io::stderr().is_terminal(),
+            watch: a.watch,
+            stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
+        };
         script::signal::clear();
-        let host = Host::with_cancel(opts, Console::Stdout, cancel);
-        eprintln!("== {}", path.display());
+        let console = if root { Console::Stdout } else { Console::Buffer(Default::default()) };
+        let host = Host::with_cancel(opts, console, cancel);
+        if root {
+            eprintln!("== {}", path.display());
+        }
         let out = script::run_file(&host, path);
         if let Some(e) = &out.error {
             eprintln!("error in {}: {e}", path.display());
         }
         outcomes.push(out);
     }
-    print_summary(&outcomes);
+    if root {
+        print_summary(&outcomes);
+    }
     let failed = outcomes.iter().filter(|o| !o.ok()).count();
     anyhow::ensure!(failed == 0, "{failed} of {} scripts failed", outcomes.len());
     Ok(())

@@ -197,6 +197,29 @@ pub fn sum_f64<const N: usize>(comm: &dyn Comm, mut vals: [f64; N]) -> Result<[f
     Ok(vals)
 }
 
+/// The largest of every rank's `x` (one collective).
+pub fn max_f64(comm: &dyn Comm, x: f64) -> Result<f64> {
+    if comm.size() == 1 {
+        return Ok(x);
+    }
+    let all = comm.all_gather_bytes(&x.to_le_bytes())?;
+    Ok(all.iter().flat_map(|b| bytes_f64(b)).fold(f64::NEG_INFINITY, f64::max))
+}
+
+/// Where this rank's `n` items start in the rank-ordered concatenation of every
+/// rank's items, and how many there are in all (one collective).
+pub fn offset_and_total(comm: &dyn Comm, n: usize) -> Result<(usize, usize)> {
+    if comm.size() == 1 {
+        return Ok((0, n));
+    }
+    let counts: Vec<usize> = comm
+        .all_gather_bytes(&(n as u64).to_le_bytes())?
+        .iter()
+        .map(|b| b.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize))
+        .collect();
+    Ok((counts[..comm.rank()].iter().sum(), counts.iter().sum()))
+}
+
 /// Rank `root`'s value of a serde value, on every rank (JSON over [`Comm::broadcast_bytes`]).
 pub fn broadcast_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     comm: &dyn Comm,
@@ -469,6 +492,24 @@ mod tests {
             assert_eq!(ga, vec![0.5, 0.25]);
             assert!(!has_b);
         }
+    }
+
+    #[test]
+    fn offsets_and_maxima_over_ranks() {
+        let comms = ThreadComm::group(3);
+        let out: Vec<((usize, usize), f64)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let n = [4, 0, 2][c.rank()];
+                        (offset_and_total(c, n).unwrap(), max_f64(c, [1.5, -2.0, 7.25][c.rank()]).unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(out, vec![((0, 6), 7.25), ((4, 6), 7.25), ((4, 6), 7.25)]);
     }
 
     #[test]
