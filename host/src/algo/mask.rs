@@ -124,8 +124,7 @@ pub fn s2t_mask(
     let m = host_vec(response_mask)?;
 
     let mut stats = S2tStats { n_response: m.iter().filter(|&&x| x > 0.5).count(), ..Default::default() };
-    let candidates: Vec<usize> =
-        (0..b * l).filter(|&i| m[i] > 0.5 && a[i] > 0.0 && lp[i].exp() < tau_p).collect();
+    let candidates = candidate_positions(&lp, &a, &m, tau_p);
     stats.n_candidates = candidates.len();
     stats.tau_h = match tau_h {
         TauH::Abs(v) => Some(v),
@@ -146,6 +145,32 @@ pub fn s2t_mask(
     stats.n_silenced = stats.positions.len();
     let mask = Tensor::from_vec(keep, (b, l), logp.device())?;
     Ok((mask, stats))
+}
+
+/// Row-major positions of the S2T candidates: response tokens with `A > 0 && p < tau_p`.
+fn candidate_positions(lp: &[f32], a: &[f32], m: &[f32], tau_p: f32) -> Vec<usize> {
+    (0..lp.len()).filter(|&i| m[i] > 0.5 && a[i] > 0.0 && lp[i].exp() < tau_p).collect()
+}
+
+/// The entropies of the S2T candidates of a `(B, T)` batch (the population of the
+/// `tau_h` quantile), row-major. A data-parallel update gathers them from every rank
+/// so that the quantile is taken over the whole global mini-batch, then applies it
+/// with [`TauH::Abs`]: the same mask as [`s2t_mask`] with [`TauH::Quantile`] over
+/// the whole mini-batch at once.
+pub fn s2t_candidate_entropies(
+    logp: &Tensor,
+    entropy: &Tensor,
+    advantages: &Tensor,
+    response_mask: &Tensor,
+    tau_p: f32,
+) -> Result<Vec<f32>> {
+    let (b, l) = dims_bt(logp, "s2t: logp")?;
+    expect_bt(entropy, "s2t: entropy", b, l)?;
+    expect_bt(response_mask, "s2t: response_mask", b, l)?;
+    let adv = expand_advantages(advantages, b, l)?;
+    let (lp, h) = (host_vec(logp)?, host_vec(entropy)?);
+    let (a, m) = (host_vec(&adv)?, host_vec(response_mask)?);
+    Ok(candidate_positions(&lp, &a, &m, tau_p).into_iter().map(|i| h[i]).collect())
 }
 
 /// The 20-Entropy mask: 1 on the `k = max(1, ceil(rho * n))` response tokens of highest
@@ -283,6 +308,37 @@ mod tests {
         assert_eq!(s.n_candidates, 3);
         assert!((s.tau_h.unwrap() - 0.7).abs() < 1e-6);
         assert_eq!(s.positions, vec![(0, 0), (0, 3)]);
+    }
+
+    /// The data-parallel route: each row of the hand example on its own "rank", the
+    /// candidates' entropies gathered, the quantile taken over all of them and applied
+    /// with `TauH::Abs` gives the whole-batch mask and threshold.
+    #[test]
+    fn s2t_split_over_ranks_equals_whole_batch() {
+        let lp = t2(&[LOW, LOW, HIGH, LOW, LOW, HIGH, LOW, LOW], 2, 4);
+        let h = t2(&[0.1, 0.9, 0.0, 0.5, 0.3, 0.0, 0.7, 0.05], 2, 4);
+        let rm = t2(&[1., 1., 1., 1., 1., 1., 1., 0.], 2, 4);
+        let adv = Tensor::new(&[1f32, 1.], &Device::Cpu).unwrap();
+        let (whole, ws) = s2t_mask(&lp, &h, &adv, &rm, 0.002, TauH::Quantile(0.75)).unwrap();
+        let row = |t: &Tensor, i: usize| t.narrow(0, i, 1).unwrap();
+        let mut gathered = Vec::new();
+        for i in 0..2 {
+            gathered.extend(
+                s2t_candidate_entropies(&row(&lp, i), &row(&h, i), &row(&adv, i), &row(&rm, i), 0.002)
+                    .unwrap(),
+            );
+        }
+        assert_eq!(gathered, vec![0.1, 0.9, 0.5, 0.3, 0.7]);
+        let th = quantile_linear(&gathered, 0.75).unwrap();
+        assert_eq!(Some(th), ws.tau_h);
+        let mut parts = Vec::new();
+        for i in 0..2 {
+            let (m, _) =
+                s2t_mask(&row(&lp, i), &row(&h, i), &row(&adv, i), &row(&rm, i), 0.002, TauH::Abs(th))
+                    .unwrap();
+            parts.extend(v(&m));
+        }
+        assert_eq!(parts, v(&whole));
     }
 
     #[test]

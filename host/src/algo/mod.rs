@@ -29,7 +29,10 @@ pub use config::{
     AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, ObjectiveKind, S2tThresholds, TauH,
     TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
 };
-pub use mask::{compose_masks, quantile_linear, s2t_mask, top_entropy_mask, S2tStats, TopEntropyStats};
+pub use mask::{
+    compose_masks, quantile_linear, s2t_candidate_entropies, s2t_mask, top_entropy_mask, S2tStats,
+    TopEntropyStats,
+};
 pub use objective::{aggregate, compute_loss, LossInputs, LossMetrics, LossOutput, Normaliser};
 pub use preset::{PRESETS, SET_KEYS};
 

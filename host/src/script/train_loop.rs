@@ -302,7 +302,10 @@ pub fn make_trainer(host: &Host, cfg: &Map) -> RhaiResult<Trainer> {
     } else {
         Trainer::new(run_config(host, cfg)?, &dir).map_err(host_err)?
     };
-    save_script(host, &dir);
+    // Under several ranks, rank 0 alone writes into the run folder.
+    if t.comm().rank() == 0 {
+        save_script(host, &dir);
+    }
     Ok(t)
 }
 

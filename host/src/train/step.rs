@@ -34,9 +34,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::algo::{
     self, compute_loss, group_advantages, Advantages, LossInputs, LossMetrics, MaskConfig, Normaliser,
-    ObjectiveConfig, S2tStats,
+    ObjectiveConfig, S2tStats, TauH,
 };
-use crate::model::{Grad, Qwen3, TokenBatch};
+use crate::dist::{self, Comm, Local};
+use crate::model::{self, Grad, Qwen3, TokenBatch};
 use crate::rollout::Sample;
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
@@ -449,17 +450,40 @@ pub fn score(seqs: &[Sequence], obj: &ObjectiveConfig) -> Result<Scored> {
     Ok(Scored { rewards, unshaped, advantages })
 }
 
-/// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups.
-pub fn batch_metrics(seqs: &[Sequence], scored: &Scored, m: &mut UpdateMetrics) {
-    let n = seqs.len().max(1) as f32;
+/// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups,
+/// over the global batch (every rank's `seqs`; groups never span ranks). Returns the
+/// global number of sequences.
+pub fn batch_metrics(
+    comm: &dyn Comm,
+    seqs: &[Sequence],
+    scored: &Scored,
+    m: &mut UpdateMetrics,
+) -> Result<usize> {
     let rewards = &scored.rewards;
-    m.reward_mean = rewards.iter().sum::<f32>() / n;
-    m.reward_std = (rewards.iter().map(|r| (r - m.reward_mean).powi(2)).sum::<f32>() / n).sqrt();
-    m.accuracy = seqs.iter().filter(|s| s.reward > 0.5).count() as f32 / n;
-    m.response_len_mean = seqs.iter().map(|s| s.response_ids.len()).sum::<usize>() as f32 / n;
-    m.response_len_max = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
-    m.truncation_rate = seqs.iter().filter(|s| s.truncated).count() as f32 / n;
-    m.zero_var_group_frac = scored.advantages.zero_variance_fraction();
+    let [n, reward_sum, correct, len_sum, truncated, groups, zero_var] = dist::sum_f64(
+        comm,
+        [
+            seqs.len() as f64,
+            rewards.iter().map(|&r| r as f64).sum(),
+            seqs.iter().filter(|s| s.reward > 0.5).count() as f64,
+            seqs.iter().map(|s| s.response_ids.len()).sum::<usize>() as f64,
+            seqs.iter().filter(|s| s.truncated).count() as f64,
+            scored.advantages.n_groups as f64,
+            scored.advantages.zero_variance_groups.len() as f64,
+        ],
+    )?;
+    let n1 = n.max(1.0);
+    let mean = reward_sum / n1;
+    let [sq] = dist::sum_f64(comm, [rewards.iter().map(|&r| (r as f64 - mean).powi(2)).sum()])?;
+    m.reward_mean = mean as f32;
+    m.reward_std = (sq / n1).sqrt() as f32;
+    m.accuracy = (correct / n1) as f32;
+    m.response_len_mean = (len_sum / n1) as f32;
+    let longest = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
+    m.response_len_max = dist::max_f64(comm, longest as f64)? as usize;
+    m.truncation_rate = (truncated / n1) as f32;
+    m.zero_var_group_frac = if groups == 0.0 { 0.0 } else { (zero_var / groups) as f32 };
+    Ok(n as usize)
 }
 
 /// Settings that a caller left at values that do not fit the run: DAPO's overlong buffer
@@ -538,12 +562,12 @@ fn old_logprobs(
     seqs: &[Sequence],
     active: &[usize],
     cfg: &UpdateConfig,
-    sizes: (usize, usize),
+    whole: bool,
+    micro_size: usize,
     pad_id: u32,
 ) -> Result<OldLogps> {
-    let (mb_size, micro_size) = sizes;
     Ok(match cfg.old_logp {
-        OldLogp::Recompute if cfg.epochs.max(1) == 1 && active.len() <= mb_size => OldLogps::FromForward,
+        OldLogp::Recompute if whole => OldLogps::FromForward,
         OldLogp::Recompute => {
             OldLogps::Given(logps_no_grad(model, seqs, active, (micro_size, cfg.temperature), pad_id)?)
         }
@@ -623,6 +647,79 @@ pub fn token_mask(
             let (m, _) = algo::top_entropy_mask(h, response, *rho)?;
             Ok((algo::compose_masks(&[&m, response])?, None))
         }
+    }
+}
+
+/// [`token_mask`] for one rank's part of a global mini-batch (`local`: this rank's
+/// log-probs, entropies, advantages and response mask; `None` when it holds none of
+/// the mini-batch). Every rank calls it for every mini-batch. Thresholds that are a
+/// statistic of the mini-batch are taken over all ranks: the S2T `tau_h` quantile over
+/// every rank's candidates (then applied as an absolute threshold), the 20-Entropy
+/// top-k over every rank's response tokens (in rank order, as the one-process row
+/// order). One rank: exactly [`token_mask`].
+pub fn token_mask_on(
+    comm: &dyn Comm,
+    mask: &MaskConfig,
+    local: Option<(&Tensor, &Tensor, &Tensor, &Tensor)>,
+) -> Result<Option<(Tensor, Option<S2tStats>)>> {
+    let plain = |cfg: &MaskConfig| -> Result<Option<(Tensor, Option<S2tStats>)>> {
+        local.map(|(lp, h, adv, resp)| token_mask(cfg, Some((lp, h)), adv, resp)).transpose()
+    };
+    if comm.size() == 1 {
+        return plain(mask);
+    }
+    match *mask {
+        MaskConfig::S2t { tau_p, tau_h: TauH::Quantile(q) } => {
+            let mine = match local {
+                Some((lp, h, adv, resp)) => algo::s2t_candidate_entropies(lp, h, adv, resp, tau_p)?,
+                None => Vec::new(),
+            };
+            let all = comm.all_gather_f32(&mine)?;
+            let tau_h = algo::quantile_linear(&all, q).map_or(TauH::Quantile(q), TauH::Abs);
+            plain(&MaskConfig::S2t { tau_p, tau_h })
+        }
+        MaskConfig::TopEntropy { rho } => {
+            // This rank's response-token entropies, row-major.
+            let (mine, resp) = match local {
+                Some((_, h, _, resp)) => {
+                    let hv = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let rv = resp.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    (
+                        hv.iter().zip(&rv).filter(|(_, &r)| r > 0.5).map(|(&h, _)| h).collect(),
+                        Some((rv, resp)),
+                    )
+                }
+                None => (Vec::new(), None),
+            };
+            let (offset, _) = dist::offset_and_total(comm, mine.len())?;
+            let all = comm.all_gather_f32(&mine)?;
+            let Some((rv, resp)) = resp else { return Ok(None) };
+            if all.is_empty() {
+                return Ok(Some((resp.zeros_like()?, None)));
+            }
+            let n = all.len();
+            let device = resp.device();
+            let (keep, _) = algo::top_entropy_mask(
+                &Tensor::from_vec(all, (1, n), device)?,
+                &Tensor::ones((1, n), DType::F32, device)?,
+                rho,
+            )?;
+            let keep = keep.flatten_all()?.to_vec1::<f32>()?;
+            let mut k = offset;
+            let local_mask: Vec<f32> = rv
+                .iter()
+                .map(|&r| {
+                    if r > 0.5 {
+                        k += 1;
+                        keep[k - 1]
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            Ok(Some((Tensor::from_vec(local_mask, resp.shape(), device)?, None)))
+        }
+        _ => plain(mask),
     }
 }
 
@@ -787,9 +884,37 @@ pub fn update(
     lr: f64,
     pad_id: u32,
 ) -> Result<UpdateOutcome> {
+    update_on(&Local, model, opt, reference, seqs, cfg, lr, pad_id)
+}
+
+/// [`update`] as one rank of a data-parallel job (every rank calls it, with the same
+/// configuration and learning rate). `seqs` is this rank's share of the global batch:
+/// whole GRPO groups, the ranks' shares in the order of the global batch.
+///
+/// The result equals a one-process update of the global batch up to float summation
+/// order: advantages are per group (local); the global active sequences are numbered
+/// rank by rank and mini-batches are cut from that global order (shuffled with the
+/// same seed on every rank), each rank working on its part of each; the token mask's
+/// statistics and the loss normaliser (kept tokens, sequences) are global; gradients
+/// are summed over ranks (bucketed all-reduce) before every optimizer step, which then
+/// runs identically on every rank; metrics are global. A rank with no part in a
+/// mini-batch still joins its collectives.
+#[allow(clippy::too_many_arguments)]
+pub fn update_on(
+    comm: &dyn Comm,
+    model: &Qwen3,
+    opt: &mut AdamW,
+    reference: Option<&Qwen3>,
+    seqs: &[Sequence],
+    cfg: &UpdateConfig,
+    lr: f64,
+    pad_id: u32,
+) -> Result<UpdateOutcome> {
     let obj = &cfg.objective;
     obj.validate()?;
-    if seqs.is_empty() {
+    // Under several ranks a rank may hold none of the batch (dynamic sampling kept
+    // only other ranks' groups); it still joins every collective.
+    if seqs.is_empty() && comm.size() == 1 {
         return Err(Error::invalid("update: no sequences"));
     }
     let device = model.device().clone();
@@ -797,7 +922,7 @@ pub fn update(
 
     // 1-2. Rewards, advantages, the sequences that reach the loss.
     let scored = score(seqs, obj)?;
-    batch_metrics(seqs, &scored, &mut metrics);
+    let global_n = batch_metrics(comm, seqs, &scored, &mut metrics)?;
     let active = active_sequences(seqs, obj, &scored)?;
     metrics.warnings.extend(run_setting_warnings(obj, seqs));
     let n = seqs.len();
@@ -813,25 +938,36 @@ pub fn update(
         grad_norm: vec![Vec::new(); n],
         thresholds: Vec::new(),
     };
-    metrics.dropped_seqs = n - active.len();
-    if active.is_empty() {
+    // This rank's active sequences are global positions [first, first + len).
+    let (first, global_active) = dist::offset_and_total(comm, active.len())?;
+    metrics.dropped_seqs = global_n - global_active;
+    if global_active == 0 {
         return Ok(UpdateOutcome { metrics, record });
     }
-    let mb_size = if cfg.mini_batch == 0 { active.len() } else { cfg.mini_batch };
+    let mb_size = if cfg.mini_batch == 0 { global_active } else { cfg.mini_batch };
     let micro_size = if cfg.micro_batch == 0 { mb_size } else { cfg.micro_batch.min(mb_size) };
 
     // 3. Old-policy (and reference) log-probs, before any parameter changes.
-    let old = old_logprobs(model, seqs, &active, cfg, (mb_size, micro_size), pad_id)?;
+    let whole = cfg.epochs.max(1) == 1 && global_active <= mb_size;
+    let old = old_logprobs(model, seqs, &active, cfg, whole, micro_size, pad_id)?;
     let reference_logp = reference_logprobs(reference, cfg, seqs, &active, micro_size, pad_id)?;
 
+    let params: Vec<candle_core::Var> = opt.params().map(|(_, v)| v.clone()).collect();
+    let params: Vec<&candle_core::Var> = params.iter().collect();
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut totals = Totals::default();
     for epoch in 0..cfg.epochs.max(1) {
-        let mut order = active.clone();
+        let mut order: Vec<usize> = (0..global_active).collect();
         if cfg.shuffle {
             order.shuffle(&mut rng);
         }
-        for (k, mini) in order.chunks(mb_size).enumerate() {
+        for (k, chunk) in order.chunks(mb_size).enumerate() {
+            // This rank's part of the global mini-batch, in the mini-batch's order.
+            let mini: Vec<usize> = chunk
+                .iter()
+                .filter(|&&g| g >= first && g < first + active.len())
+                .map(|&g| active[g - first])
+                .collect();
             let ss: Vec<&Sequence> = mini.iter().map(|&i| &seqs[i]).collect();
             let mb = MiniBatch {
                 p: ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1),
@@ -845,10 +981,12 @@ pub fn update(
                     mini.len(),
                     &device,
                 )?,
-                idx: mini,
+                idx: &mini,
                 ss,
             };
-            let resp_all = layout(&mb.ss, mb.p, mb.t, pad_id, &device)?.resp_mask;
+            let here = !mini.is_empty();
+            let resp_all =
+                if here { Some(layout(&mb.ss, mb.p, mb.t, pad_id, &device)?.resp_mask) } else { None };
 
             // 4. The token mask needs the current policy's p and H over the whole
             // mini-batch: from the gradient forward when the mini-batch is one
@@ -862,7 +1000,7 @@ pub fn update(
             } else {
                 None
             };
-            let stats = match (&single, needs_stats) {
+            let stats = match (&single, needs_stats && here) {
                 (_, false) => None,
                 (Some((_, lp, h, _)), true) => Some((lp.detach(), h.detach())),
                 (None, true) => {
@@ -876,85 +1014,139 @@ pub fn update(
                     Some((Tensor::cat(&lps, 0)?, Tensor::cat(&hs, 0)?))
                 }
             };
-            let (mask, s2t) = token_mask(&obj.mask, stats.as_ref().map(|(l, h)| (l, h)), &mb.adv, &resp_all)?;
-            if let Some(st) = &s2t {
+            let local = match (&resp_all, &stats) {
+                (Some(resp), Some((lp, h))) => Some((lp, h, &mb.adv, resp)),
+                // No token mask: only the response mask is used.
+                (Some(resp), None) => Some((resp, resp, &mb.adv, resp)),
+                _ => None,
+            };
+            let masked = token_mask_on(comm, &obj.mask, local)?;
+            if let Some((_, Some(st))) = &masked {
                 metrics.silenced_tokens += st.n_silenced;
                 metrics.s2t_candidates += st.n_candidates;
-                if let Some(th) = st.tau_h {
-                    totals.tau_h_sum += th as f64;
-                    totals.tau_h_count += 1;
-                }
                 for &(b, j) in &st.positions {
                     *totals.silenced.entry(mb.ss[b].response_ids[j]).or_default() += 1;
                 }
-                if let MaskConfig::S2t { tau_p, .. } = obj.mask {
+            }
+            if let MaskConfig::S2t { tau_p, .. } = obj.mask {
+                // The threshold is global; a rank without part of the mini-batch
+                // learns it from the others, and every rank counts it once.
+                let mut tau_h = match &masked {
+                    Some((_, Some(st))) => st.tau_h,
+                    _ => None,
+                };
+                if comm.size() > 1 {
+                    let v = dist::max_f64(comm, tau_h.map_or(f64::NEG_INFINITY, |t| t as f64))?;
+                    tau_h = (v > f64::NEG_INFINITY).then_some(v as f32);
+                }
+                if let Some(t) = tau_h {
+                    totals.tau_h_sum += t as f64;
+                    totals.tau_h_count += 1;
+                }
+                if let Some((_, Some(st))) = &masked {
                     record.thresholds.push(AppliedThresholds {
                         epoch,
                         mini_batch: k,
                         tau_p,
-                        tau_h: st.tau_h,
+                        tau_h,
                         candidates: st.n_candidates,
                         silenced: st.n_silenced,
                     });
                 }
             }
-            if epoch == 0 {
-                record_mask(&mut record, &mb, &mask, s2t.as_ref())?;
+            if let (0, Some((mask, s2t))) = (epoch, &masked) {
+                record_mask(&mut record, &mb, mask, s2t.as_ref())?;
             }
-            let norm = Normaliser::from_masks(&[&mask], obj.norm_len)?;
-            let resp_norm = Normaliser::from_masks(&[&resp_all], obj.norm_len)?;
+            let zero = Normaliser { tokens: 0.0, seqs: 0.0, norm_len: obj.norm_len.unwrap_or(0) as f64 };
+            let (local_norm, local_resp_norm) = match (&masked, &resp_all) {
+                (Some((mask, _)), Some(resp)) => (
+                    Normaliser::from_masks(&[mask], obj.norm_len)?,
+                    Normaliser::from_masks(&[resp], obj.norm_len)?,
+                ),
+                _ => (zero, zero),
+            };
+            let fixed = obj.norm_len.is_some();
+            let norm = global_normaliser(comm, local_norm, fixed)?;
+            let resp_norm = global_normaliser(comm, local_resp_norm, fixed)?;
 
             // 5. Forward + backward per micro-batch, gradients summed.
             let mut acc = GradStore::default();
             let mut step_loss = Some(0f64);
-            for &micro in &mb.micros {
-                let (l, lp, h, coll) = micro_step(
-                    model,
-                    opt,
-                    &mb,
-                    micro,
-                    single.take(),
-                    (cfg, &mask, &norm, &resp_all, &resp_norm),
-                    &old,
-                    reference_logp.as_ref(),
-                    (pad_id, collision),
-                    &mut totals,
-                    &mut acc,
-                )?;
-                if epoch == 0 {
-                    let (s, len) = micro;
-                    let part = &mb.ss[s..s + len];
-                    for ((&i, lp), h) in mb.idx[s..s + len].iter().zip(rows(&lp, part)?).zip(rows(&h, part)?)
-                    {
-                        record.p[i] = lp.iter().map(|x| x.exp()).collect();
-                        record.entropy[i] = h;
+            if let (Some((mask, _)), Some(resp)) = (&masked, &resp_all) {
+                for &micro in &mb.micros {
+                    let (l, lp, h, coll) = micro_step(
+                        model,
+                        opt,
+                        &mb,
+                        micro,
+                        single.take(),
+                        (cfg, mask, &norm, resp, &resp_norm),
+                        &old,
+                        reference_logp.as_ref(),
+                        (pad_id, collision),
+                        &mut totals,
+                        &mut acc,
+                    )?;
+                    if epoch == 0 {
+                        let (s, len) = micro;
+                        let part = &mb.ss[s..s + len];
+                        for ((&i, lp), h) in
+                            mb.idx[s..s + len].iter().zip(rows(&lp, part)?).zip(rows(&h, part)?)
+                        {
+                            record.p[i] = lp.iter().map(|x| x.exp()).collect();
+                            record.entropy[i] = h;
+                        }
+                        if let Some(c) = &coll {
+                            for (&i, c) in mb.idx[s..s + len].iter().zip(rows(c, part)?) {
+                                record.collision[i] = c;
+                            }
+                        }
                     }
-                    if let Some(c) = &coll {
-                        for (&i, c) in mb.idx[s..s + len].iter().zip(rows(c, part)?) {
-                            record.collision[i] = c;
+                    match l {
+                        Some(l) => step_loss = step_loss.map(|s| s + l as f64),
+                        None => {
+                            step_loss = None;
+                            break;
                         }
                     }
                 }
-                match l {
-                    Some(l) => step_loss = step_loss.map(|s| s + l as f64),
-                    None => {
-                        step_loss = None;
-                        break;
-                    }
+            }
+            if let Some(resp) = &resp_all {
+                metrics.response_tokens += resp.sum_all()?.to_scalar::<f32>()? as usize;
+            }
+            metrics.kept_tokens += norm.tokens as usize;
+
+            // Every rank skips when any rank's loss was not finite; otherwise the
+            // gradients and the loss are summed over ranks.
+            if comm.size() > 1 {
+                let [loss, bad] =
+                    dist::sum_f64(comm, [step_loss.unwrap_or(0.0), f64::from(step_loss.is_none())])?;
+                step_loss = if bad > 0.0 { None } else { Some(loss) };
+                if step_loss.is_some() {
+                    dist::all_reduce_grads(comm, &params, &mut acc)?;
                 }
             }
-            metrics.response_tokens += resp_all.sum_all()?.to_scalar::<f32>()? as usize;
-            metrics.kept_tokens += norm.tokens as usize;
 
             // 6. The optimizer step.
             optimizer_step(opt, &acc, lr, step_loss, &mut metrics, &mut totals)?;
         }
     }
-    finish_metrics(&mut metrics, totals);
+    finish_metrics(comm, &mut metrics, totals)?;
     if cfg.token_grad_norms {
         record_grad_norms(&mut record, &mut metrics);
     }
     Ok(UpdateOutcome { metrics, record })
+}
+
+/// The normaliser of a global mini-batch from each rank's part: kept tokens and
+/// sequences summed, the default length (`norm_len` not `fixed`) the longest over ranks.
+fn global_normaliser(comm: &dyn Comm, local: Normaliser, fixed: bool) -> Result<Normaliser> {
+    if comm.size() == 1 {
+        return Ok(local);
+    }
+    let [tokens, seqs] = dist::sum_f64(comm, [local.tokens, local.seqs])?;
+    let norm_len = if fixed { local.norm_len } else { dist::max_f64(comm, local.norm_len)? };
+    Ok(Normaliser { tokens, seqs, norm_len })
 }
 
 /// The norm of the gradient of `-A·log p_y` with respect to the logits: `-A·(e_y - p)`, so
@@ -1027,8 +1219,42 @@ fn record_mask(
     Ok(())
 }
 
-/// 7. Means over optimizer steps and tokens; the most silenced token ids.
-fn finish_metrics(metrics: &mut UpdateMetrics, totals: Totals) {
+/// 7. Means over optimizer steps and tokens; the most silenced token ids. Sums and
+/// token-weighted means over ranks first (the optimizer-step figures are already global).
+fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut totals: Totals) -> Result<()> {
+    if comm.size() > 1 {
+        let lm = &mut totals.loss_metrics;
+        let w = lm.n_tokens as f64;
+        let [resp, silenced, candidates, ent_sum, ent_count, n, low, high, kl] = dist::sum_f64(
+            comm,
+            [
+                metrics.response_tokens as f64,
+                metrics.silenced_tokens as f64,
+                metrics.s2t_candidates as f64,
+                totals.entropy_sum,
+                totals.entropy_count as f64,
+                w,
+                lm.clip_frac_low as f64 * w,
+                lm.clip_frac_high as f64 * w,
+                lm.approx_kl as f64 * w,
+            ],
+        )?;
+        metrics.response_tokens = resp as usize;
+        metrics.silenced_tokens = silenced as usize;
+        metrics.s2t_candidates = candidates as usize;
+        totals.entropy_sum = ent_sum;
+        totals.entropy_count = ent_count as usize;
+        let mean = |x: f64| if n > 0.0 { (x / n) as f32 } else { 0.0 };
+        (lm.clip_frac_low, lm.clip_frac_high, lm.approx_kl) = (mean(low), mean(high), mean(kl));
+        lm.n_tokens = n as usize;
+        let mine: Vec<(u32, usize)> = totals.silenced.iter().map(|(&t, &c)| (t, c)).collect();
+        totals.silenced.clear();
+        for part in dist::all_gather_json(comm, &mine)? {
+            for (t, c) in part {
+                *totals.silenced.entry(t).or_default() += c;
+            }
+        }
+    }
     let steps = metrics.optimizer_steps.max(1) as f64;
     metrics.loss = (totals.loss_sum / steps) as f32;
     metrics.grad_norm = (totals.grad_norm_sum / steps) as f32;
@@ -1050,6 +1276,7 @@ fn finish_metrics(metrics: &mut UpdateMetrics, totals: Totals) {
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     top.truncate(20);
     metrics.silenced_token_ids = top;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1113,11 +1340,37 @@ mod tests {
         // Batch metrics over the shaped rewards: mean -1/12, population std 0.8374896;
         // accuracy 3/6; lengths mean 18/6 = 3, max 5.
         let mut m = UpdateMetrics::default();
-        batch_metrics(&seqs, &s, &mut m);
+        assert_eq!(batch_metrics(&Local, &seqs, &s, &mut m).unwrap(), 6);
         assert!((m.reward_mean + 1. / 12.).abs() < TOL && (m.reward_std - 0.8374896).abs() < 1e-5, "{m:?}");
         assert!((m.accuracy - 0.5).abs() < TOL && (m.response_len_mean - 3.).abs() < TOL);
         assert_eq!(m.response_len_max, 5);
         assert_eq!(m.zero_var_group_frac, 0.0);
+
+        // The same batch on two ranks, one group each: the same global figures on both.
+        let comms = crate::dist::ThreadComm::group(2);
+        let parts = [seqs[..4].to_vec(), seqs[4..].to_vec()];
+        let ms: Vec<(usize, UpdateMetrics)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(&parts)
+                .map(|(c, part)| {
+                    let obj = &obj;
+                    sc.spawn(move || {
+                        let mut m = UpdateMetrics::default();
+                        let n = batch_metrics(c, part, &score(part, obj).unwrap(), &mut m).unwrap();
+                        (n, m)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (n, mr) in ms {
+            assert_eq!(n, 6);
+            assert!(
+                (mr.reward_mean - m.reward_mean).abs() < TOL && (mr.reward_std - m.reward_std).abs() < TOL
+            );
+            assert_eq!((mr.accuracy, mr.response_len_mean, mr.response_len_max), (0.5, 3.0, 5));
+        }
     }
 
     #[test]
@@ -1210,7 +1463,7 @@ mod tests {
             silenced: [(5, 2), (3, 2), (9, 1)].into_iter().collect(),
             ..Default::default()
         };
-        finish_metrics(&mut m, totals);
+        finish_metrics(&Local, &mut m, totals).unwrap();
         assert_eq!((m.loss, m.grad_norm, m.entropy, m.silenced_ratio), (1.5, 0.75, 1.5, 0.25));
         assert!((m.tau_h.unwrap() - 0.6).abs() < TOL);
         assert_eq!(m.silenced_token_ids, vec![(3, 2), (5, 2), (9, 1)]);

@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::DType;
@@ -22,13 +23,14 @@ use crate::algo::{ObjectiveConfig, S2tThresholds, TauH};
 use crate::data::{
     Dataset, DatasetOptions, EpochSampler, Example, Prompt, PromptTemplate, Prompter, SamplerState, Tokenizer,
 };
+use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
 use crate::model::{self, checkpoint, Qwen3};
 use crate::reward::{self, ExtractMode};
 use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
-use crate::train::step::{self, update, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::step::{self, update_on, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
 
@@ -209,30 +211,56 @@ pub struct Trainer {
     /// (step, avg@n, pass@n) of every held-out evaluation of this run.
     evals: Vec<(u64, f64, f64)>,
     dtype: DType,
+    /// The ranks of a data-parallel run ([`dist::Local`] for one process).
+    comm: Arc<dyn Comm>,
+}
+
+/// The device of this rank: under several ranks a bare `cuda` means the GPU
+/// numbered by the rank's index on its host.
+fn rank_device(name: &str, comm: &dyn Comm) -> Result<candle_core::Device> {
+    if comm.size() > 1 && name.trim() == "cuda" {
+        return model::parse_device(&format!("cuda:{}", dist::local_rank()));
+    }
+    model::parse_device(name)
 }
 
 impl Trainer {
-    /// Starts a run writing into `run_dir` (created; must not hold a run yet).
+    /// Starts a run writing into `run_dir` (created; must not hold a run yet), on the
+    /// process's world ([`dist::world`]: one process, or every rank under `mpirun`).
     pub fn new(cfg: RunConfig, run_dir: &Path) -> Result<Self> {
-        if run_dir.join("run_config.json").exists() {
-            return Err(Error::invalid(format!(
-                "{} already holds a run; resume it or pick another folder",
-                run_dir.display()
-            )));
-        }
-        eval::check_pass_k(&cfg.eval_pass_k, cfg.eval_n)
-            .map_err(|e| Error::invalid(format!("eval_pass_k (eval_n = {}): {e}", cfg.eval_n)))?;
-        std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
-        let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
-        write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())?;
-        let device = model::parse_device(&cfg.device)?;
-        let dtype = model::parse_dtype(&cfg.dtype)?;
-        let m = model::load(&cfg.model, dtype, &device)?;
-        Self::assemble(cfg, m, run_dir, None)
+        Self::new_on(dist::world(), cfg, run_dir)
     }
 
-    /// Continues the run in `run_dir` from its latest checkpoint.
+    /// [`Trainer::new`] as one rank of `comm` (every rank calls it with the same
+    /// arguments); rank 0 alone creates and writes the run folder.
+    pub fn new_on(comm: Arc<dyn Comm>, cfg: RunConfig, run_dir: &Path) -> Result<Self> {
+        eval::check_pass_k(&cfg.eval_pass_k, cfg.eval_n)
+            .map_err(|e| Error::invalid(format!("eval_pass_k (eval_n = {}): {e}", cfg.eval_n)))?;
+        dist::on_root(&*comm, || {
+            if run_dir.join("run_config.json").exists() {
+                return Err(Error::invalid(format!(
+                    "{} already holds a run; resume it or pick another folder",
+                    run_dir.display()
+                )));
+            }
+            std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
+            let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
+            write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())
+        })?;
+        let device = rank_device(&cfg.device, &*comm)?;
+        let dtype = model::parse_dtype(&cfg.dtype)?;
+        let m = model::load(&cfg.model, dtype, &device)?;
+        Self::assemble(comm, cfg, m, run_dir, None)
+    }
+
+    /// Continues the run in `run_dir` from its latest checkpoint, on the process's
+    /// world. The checkpoint does not depend on the number of ranks that wrote it.
     pub fn resume(run_dir: &Path) -> Result<Self> {
+        Self::resume_on(dist::world(), run_dir)
+    }
+
+    /// [`Trainer::resume`] as one rank of `comm`.
+    pub fn resume_on(comm: Arc<dyn Comm>, run_dir: &Path) -> Result<Self> {
         let cfg_path = run_dir.join("run_config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
         let cfg: RunConfig = serde_json::from_str(&text).map_err(|e| Error::Parse {
@@ -243,7 +271,7 @@ impl Trainer {
         let latest = run_dir.join("checkpoints/latest");
         let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
         let ckpt = run_dir.join("checkpoints").join(name.trim());
-        let device = model::parse_device(&cfg.device)?;
+        let device = rank_device(&cfg.device, &*comm)?;
         let dtype = model::parse_dtype(&cfg.dtype)?;
         let m = model::load(&ckpt, dtype, &device)?;
         let state_path = ckpt.join("trainer_state.json");
@@ -253,7 +281,7 @@ impl Trainer {
             line: e.line(),
             msg: e.to_string(),
         })?;
-        let mut t = Self::assemble(cfg, m, run_dir, Some(&state))?;
+        let mut t = Self::assemble(comm.clone(), cfg, m, run_dir, Some(&state))?;
         let opt_path = ckpt.join("optimizer.safetensors");
         let tensors = candle_core::safetensors::load(&opt_path, &device).map_err(|e| Error::Config {
             file: opt_path.display().to_string(),
@@ -263,7 +291,8 @@ impl Trainer {
         t.opt.load_state(&tensors, state.step, &opt_path.display().to_string())?;
         // Metrics logged after the checkpoint belong to steps that will run again.
         let metrics = run_dir.join("metrics.jsonl");
-        if let Ok(text) = std::fs::read_to_string(&metrics) {
+        let root = comm.rank() == 0;
+        if let (true, Ok(text)) = (root, std::fs::read_to_string(&metrics)) {
             let kept: String = text
                 .lines()
                 .filter(|l| {
@@ -279,8 +308,27 @@ impl Trainer {
         Ok(t)
     }
 
-    fn assemble(cfg: RunConfig, m: Qwen3, run_dir: &Path, state: Option<&TrainerState>) -> Result<Self> {
+    fn assemble(
+        comm: Arc<dyn Comm>,
+        cfg: RunConfig,
+        m: Qwen3,
+        run_dir: &Path,
+        state: Option<&TrainerState>,
+    ) -> Result<Self> {
         let objective = cfg.objective_config()?;
+        if cfg.prompts_per_step < comm.size() {
+            return Err(Error::Config {
+                file: "run config".into(),
+                field: "prompts_per_step".into(),
+                msg: format!(
+                    "{} prompts per step cannot be shared by {} ranks (each needs at least one)",
+                    cfg.prompts_per_step,
+                    comm.size()
+                ),
+            });
+        }
+        // NCCL for gradients when the model is on a GPU (collective: every rank is here).
+        let comm = dist::for_device(comm, m.device())?;
         let tok_path = cfg.model.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         let prompter = tokenizer.prompter(&cfg.template)?;
@@ -322,7 +370,13 @@ impl Trainer {
             evals: read_evals(&run_dir.join("eval.jsonl"), state.map_or(u64::MAX, |s| s.step)),
             model: m,
             cfg,
+            comm,
         })
+    }
+
+    /// The ranks this run trains on.
+    pub fn comm(&self) -> &Arc<dyn Comm> {
+        &self.comm
     }
 
     pub fn config(&self) -> &RunConfig {
@@ -405,16 +459,18 @@ impl Trainer {
         let target = self.cfg.prompts_per_step;
         let dynamic = plan.objective.dynamic_sampling;
         let mut kept = Gathered::default();
+        // Mixed groups held over all ranks.
+        let mut held = 0usize;
         let mut last_round = Gathered::default();
         let mut all_seqs: Vec<Sequence> = Vec::new();
-        let (mut rollout_secs, mut n_tokens, mut gen_batches, mut groups_dropped) =
+        let (mut rollout_secs, mut local_tokens, mut gen_batches, mut groups_dropped) =
             (0f64, 0usize, 0usize, 0usize);
         let mut warnings = std::mem::take(&mut self.pending_warnings);
         loop {
             let t0 = Instant::now();
             let round = self.roll_out(plan, gen_batches as u64, progress, cancel)?;
             rollout_secs += t0.elapsed().as_secs_f64();
-            n_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
+            local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
             let offset = all_seqs.len();
             all_seqs.extend(round.samples.iter().map(|s| {
                 let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
@@ -426,21 +482,23 @@ impl Trainer {
                 kept = round;
                 break;
             }
-            groups_dropped += kept.add_mixed(&round, target);
+            let (dropped, now) = kept.add_mixed(&*self.comm, &round, target, held)?;
+            groups_dropped += dropped;
+            held = now;
             last_round = round;
-            if kept.examples.len() >= target {
+            if held >= target {
                 break;
             }
             if self.cfg.max_num_gen_batches > 0 && gen_batches >= self.cfg.max_num_gen_batches {
                 warnings.push(format!(
                     "dynamic sampling: {} of {target} groups with mixed rewards after {gen_batches} \
                      generation batches (max_num_gen_batches); updating on fewer",
-                    kept.examples.len()
+                    held
                 ));
                 break;
             }
         }
-        if kept.samples.is_empty() {
+        if dynamic && held == 0 {
             // No group had mixed rewards: the update drops them all and reports it.
             kept = last_round;
         }
@@ -470,21 +528,36 @@ impl Trainer {
         )
         .with_temperature(temperature);
         let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
-        let outcome =
-            update(&self.model, &mut self.opt, self.reference.as_ref(), &seqs, &ucfg, plan.lr, tok.pad_id())?;
+        let outcome = update_on(
+            &*self.comm,
+            &self.model,
+            &mut self.opt,
+            self.reference.as_ref(),
+            &seqs,
+            &ucfg,
+            plan.lr,
+            tok.pad_id(),
+        )?;
         let mut um = outcome.metrics;
         // Batch metrics over everything sampled this step (also groups dynamic sampling
         // dropped before the update).
         let scored_all = step::score(&all_seqs, &objective)?;
-        step::batch_metrics(&all_seqs, &scored_all, &mut um);
-        um.dropped_seqs += all_seqs.len() - seqs.len();
+        let [n_all, n_seqs] = dist::sum_f64(&*self.comm, [all_seqs.len() as f64, seqs.len() as f64])?;
+        step::batch_metrics(&*self.comm, &all_seqs, &scored_all, &mut um)?;
+        um.dropped_seqs += (n_all - n_seqs) as usize;
+        let [groups_dropped_all] = dist::sum_f64(&*self.comm, [groups_dropped as f64])?;
+        let groups_dropped = groups_dropped_all as usize;
         warnings.append(&mut um.warnings);
         um.warnings = warnings;
+        let ents = samples.iter().flat_map(|s| s.entropies.iter());
+        let [n_tokens, ent_sum, ent_count] = dist::sum_f64(
+            &*self.comm,
+            [local_tokens as f64, ents.clone().map(|&h| h as f64).sum::<f64>(), ents.count() as f64],
+        )?;
         if um.response_tokens == 0 {
             // Nothing reached the update (e.g. dynamic sampling dropped every
             // group): report the policy's entropy from the rollout instead.
-            let ents = samples.iter().flat_map(|s| s.entropies.iter());
-            um.entropy = (ents.clone().map(|&h| h as f64).sum::<f64>() / ents.count().max(1) as f64) as f32;
+            um.entropy = (ent_sum / ent_count.max(1.0)) as f32;
         }
         let update_secs = t1.elapsed().as_secs_f64();
         let silenced_tokens_text: Vec<(String, usize)> =
@@ -508,7 +581,7 @@ impl Trainer {
             silenced_tokens_text,
             rollout_secs,
             update_secs,
-            rollout_tokens_per_sec: n_tokens as f64 / rollout_secs.max(1e-9),
+            rollout_tokens_per_sec: n_tokens / rollout_secs.max(1e-9),
             gen_batches,
             groups_dropped,
             eval_avg: None,
@@ -519,10 +592,8 @@ impl Trainer {
             m.eval_avg = Some(r.overall.avg);
             m.eval_pass = Some(r.overall.pass);
         }
-        append_line(
-            &self.run_dir.join("metrics.jsonl"),
-            &serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?,
-        )?;
+        let line = serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?;
+        dist::on_root(&*self.comm, || append_line(&self.run_dir.join("metrics.jsonl"), &line))?;
         if self.cfg.save_every > 0 && self.step % self.cfg.save_every as u64 == 0 {
             self.checkpoint()?;
         }
@@ -538,13 +609,18 @@ impl Trainer {
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Gathered> {
+        // The global batch is the same on every rank; each samples its contiguous
+        // share of the prompts (so a GRPO group stays on one rank), with each
+        // response's seed from its global prompt index.
         let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
-        let examples: Vec<Example> = self.train.select(&idx)?.into_iter().cloned().collect();
+        let share = dist::shard(idx.len(), self.comm.rank(), self.comm.size());
+        let examples: Vec<Example> = self.train.select(&idx[share.clone()])?.into_iter().cloned().collect();
         let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
-        let hooks = GenerateHooks { progress, cancel, ..GenerateHooks::default() };
+        let hooks =
+            GenerateHooks { progress, cancel, first_prompt_index: share.start, ..GenerateHooks::default() };
         let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
         let generated = gen.generate(&prompts, &sampling, &hooks)?;
         let (mut samples, texts) = (generated.samples, generated.prompt_texts);
@@ -572,21 +648,38 @@ impl Trainer {
         params.temperature = self.cfg.eval_temperature;
         params.top_p = self.cfg.eval_top_p;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
-        let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
-        let report = eval::evaluate(&gen, ex, &params, self.cfg.extract, 64, &|_| {})?
-            .with_pass_k(&self.cfg.eval_pass_k)?;
-        let dir = self.run_dir.join("eval");
-        eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
-        let summary =
-            serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
-        append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
+        // Rank 0 evaluates and writes; the others receive its report, so that
+        // every rank's hooks see the same numbers.
+        let comm = self.comm.clone();
+        let report = dist::on_root(&*comm, || {
+            let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
+            let report = eval::evaluate(&gen, ex, &params, self.cfg.extract, 64, &|_| {})?
+                .with_pass_k(&self.cfg.eval_pass_k)?;
+            let dir = self.run_dir.join("eval");
+            eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
+            let summary =
+                serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
+            append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
+            Ok(report)
+        })?;
+        let report = if comm.size() > 1 { dist::broadcast_json(&*comm, 0, &report)? } else { report };
+        let report = report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))?;
         self.evals.push((self.step, report.overall.avg, report.overall.pass));
         self.last_eval = Some(report.clone());
         Ok(report)
     }
 
     /// Writes a checkpoint of model, optimizer and trainer state; returns its folder.
+    /// Under several ranks (whose states are identical) rank 0 alone writes, with
+    /// its share of the last rollout as the sample rollouts.
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        let path = self.run_dir.join("checkpoints").join(format!("step-{:06}", self.step));
+        let comm = self.comm.clone();
+        dist::on_root(&*comm, || self.write_checkpoint())?;
+        Ok(path)
+    }
+
+    fn write_checkpoint(&self) -> Result<PathBuf> {
         let dir = self.run_dir.join("checkpoints");
         let name = format!("step-{:06}", self.step);
         let path = dir.join(&name);
@@ -668,18 +761,31 @@ struct Gathered {
 
 impl Gathered {
     /// Appends the groups of `round` whose rewards are mixed (DAPO dynamic sampling;
-    /// a single-sample group is all-equal), renumbered, until `target` groups are held.
-    /// Returns how many all-equal groups were dropped.
-    fn add_mixed(&mut self, round: &Gathered, target: usize) -> usize {
+    /// a single-sample group is all-equal), renumbered, until `target` groups are held
+    /// over all ranks of `comm` (`held` before this round; the groups of a round are
+    /// numbered rank by rank, as one process would meet them). Returns how many
+    /// all-equal groups this rank dropped and the groups now held over all ranks.
+    fn add_mixed(
+        &mut self,
+        comm: &dyn Comm,
+        round: &Gathered,
+        target: usize,
+        held: usize,
+    ) -> Result<(usize, usize)> {
         let mut dropped = 0;
+        let mut mixed = Vec::new();
         for (p, (ex, text)) in round.examples.iter().zip(&round.texts).enumerate() {
             let members: Vec<&Sample> = round.samples.iter().filter(|s| s.prompt_index == p).collect();
             if !members.windows(2).any(|w| w[0].reward != w[1].reward) {
                 dropped += 1;
                 continue;
             }
-            if self.examples.len() >= target {
-                continue;
+            mixed.push((ex, text, members));
+        }
+        let (first, total) = dist::offset_and_total(comm, mixed.len())?;
+        for (j, (ex, text, members)) in mixed.into_iter().enumerate() {
+            if held + first + j >= target {
+                break;
             }
             let new = self.examples.len();
             for s in members {
@@ -691,7 +797,7 @@ impl Gathered {
             self.examples.push(ex.clone());
             self.texts.push(text.clone());
         }
-        dropped
+        Ok((dropped, (held + total).min(target)))
     }
 }
 

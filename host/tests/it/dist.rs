@@ -1,8 +1,206 @@
-//! Data-parallel runs: the MPI communicator between real processes started by
-//! `mpirun -np 2` (with `--features mpi`), and the message a binary without
-//! MPI gives when an MPI launcher starts it.
+//! Data-parallel runs. The invariant: with the same script, seed and global
+//! batch, two ranks train the same model and report the same metrics as one
+//! process (up to float summation order), for the STAPO, DAPO and GRPO presets;
+//! a checkpoint written by two ranks resumes on one. Checked in-process (ranks
+//! on threads, every build) and, with `--features mpi`, between real processes
+//! started by `mpirun -np 2`. Also: the message a binary without MPI gives when
+//! an MPI launcher starts it.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+
+use stapo::data::PromptTemplate;
+use stapo::dist::{Comm, Local, ThreadComm};
+use stapo::train::{LrSchedule, RunConfig, StepMetrics, Trainer};
+
+use crate::common::tempdir;
+
+/// Weights may differ by float summation order only: gradients summed over two
+/// ranks instead of one pass, normalisers and metrics reduced in f64.
+const WEIGHT_TOL: f64 = 2e-5;
+/// Metrics (means over a few hundred tokens) likewise.
+const METRIC_TOL: f64 = 1e-4;
+
+/// A small run of `preset` on the bundled tiny Qwen3 (about 43% right on
+/// held-out arithmetic, so groups have mixed rewards) that exercises the global
+/// normalisers: several mini-batches and micro-batches, S2T candidates (a high
+/// tau_p, since this model is confident).
+fn config(preset: &str) -> RunConfig {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut cfg = RunConfig {
+        model: root.join("models/tiny-qwen3"),
+        data: root.join("data/arith/train.jsonl"),
+        test_data: Some(root.join("data/arith/test.jsonl")),
+        ..RunConfig::default()
+    };
+    cfg.objective = preset.into();
+    cfg.prompts_per_step = 4;
+    cfg.sampling.n = 4;
+    cfg.sampling.max_new_tokens = 32;
+    cfg.lr = 1e-3;
+    cfg.schedule = LrSchedule::Constant { warmup_steps: 0 };
+    cfg.seed = 11;
+    // The tiny model's prompt format (models/tiny-qwen3/README.md).
+    cfg.template = PromptTemplate::Raw { suffix: String::new() };
+    match preset {
+        "stapo" => {
+            cfg.set.insert("tau_p".into(), "0.5".into());
+            cfg.mini_batch = 8;
+            cfg.micro_batch = 3;
+        }
+        // Two epochs: mini-batches cut from the shuffled global order.
+        "dapo" => {
+            cfg.epochs = 2;
+            cfg.mini_batch = 6;
+        }
+        _ => {}
+    }
+    cfg.save_every = 2;
+    cfg.eval_every = 2;
+    cfg.eval_n = 2;
+    cfg.eval_limit = Some(3);
+    cfg
+}
+
+fn weights(t: &Trainer) -> Vec<f32> {
+    t.model()
+        .params()
+        .iter()
+        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+/// `steps` steps on `ranks` in-process ranks (threads) writing into `dir`;
+/// rank 0's metrics and every rank's final weights.
+fn train_on(
+    ranks: usize,
+    cfg: &RunConfig,
+    dir: &Path,
+    steps: usize,
+    resume: bool,
+) -> (Vec<StepMetrics>, Vec<Vec<f32>>) {
+    let comms: Vec<Arc<dyn Comm>> = if ranks == 1 {
+        vec![Arc::new(Local)]
+    } else {
+        ThreadComm::group(ranks).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect()
+    };
+    let out: Vec<(Vec<StepMetrics>, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut t = if resume {
+                        Trainer::resume_on(c, dir).unwrap()
+                    } else {
+                        Trainer::new_on(c, cfg.clone(), dir).unwrap()
+                    };
+                    let ms: Vec<StepMetrics> =
+                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+                    (ms, weights(&t))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let metrics = out[0].0.clone();
+    (metrics, out.into_iter().map(|o| o.1).collect())
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
+}
+
+/// The metrics two runs must agree on, step by step.
+const KEYS: [&str; 14] = [
+    "loss",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "entropy",
+    "grad_norm",
+    "response_tokens",
+    "kept_tokens",
+    "silenced_tokens",
+    "tau_h",
+    "clip_frac_high",
+    "approx_kl",
+    "zero_var_group_frac",
+    "dropped_seqs",
+];
+
+fn assert_metrics_close(a: &[StepMetrics], b: &[StepMetrics], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (step, (x, y)) in a.iter().zip(b).enumerate() {
+        let (x, y) = (serde_json::to_value(x).unwrap(), serde_json::to_value(y).unwrap());
+        for k in KEYS {
+            match (x[k].as_f64(), y[k].as_f64()) {
+                (Some(p), Some(q)) => {
+                    assert!(
+                        (p - q).abs() <= METRIC_TOL * (1.0 + p.abs()),
+                        "{what} step {step} {k}: {p} vs {q}"
+                    )
+                }
+                _ => assert_eq!(x[k], y[k], "{what} step {step} {k}"),
+            }
+        }
+        assert_eq!(x["eval_avg"], y["eval_avg"], "{what} step {step} eval_avg");
+        assert_eq!(x["silenced_token_ids"], y["silenced_token_ids"], "{what} step {step} silenced ids");
+    }
+}
+
+/// Two ranks on threads = one process, for STAPO, DAPO and GRPO, after 3 steps;
+/// rank 0 alone wrote the run folder, and its checkpoint resumes on one rank.
+#[test]
+fn two_ranks_train_as_one() {
+    let dir = tempdir();
+    for preset in ["stapo", "dapo", "grpo"] {
+        let cfg = config(preset);
+        let one = dir.path().join(format!("{preset}-1"));
+        let two = dir.path().join(format!("{preset}-2"));
+        let (m1, w1) = train_on(1, &cfg, &one, 3, false);
+        let (m2, w2) = train_on(2, &cfg, &two, 3, false);
+        // Every rank applied the same summed gradients.
+        assert_eq!(w2[0], w2[1], "{preset}: ranks diverged");
+        let d = max_diff(&w1[0], &w2[0]);
+        assert!(d <= WEIGHT_TOL, "{preset}: weights differ by {d}");
+        // The runs learned something (else equality would be vacuous).
+        let start =
+            Trainer::new_on(Arc::new(Local), cfg.clone(), &dir.path().join(format!("{preset}-0"))).unwrap();
+        let moved = max_diff(&weights(&start), &w1[0]);
+        eprintln!("{preset}: weights moved by {moved:.3e}, one vs two ranks differ by {d:.3e}");
+        for m in &m1 {
+            eprintln!(
+                "  step {} loss {} reward {} kept {} silenced {} tau_h {:?} grad_norm {} lr {}",
+                m.step,
+                m.update.loss,
+                m.update.reward_mean,
+                m.update.kept_tokens,
+                m.update.silenced_tokens,
+                m.update.tau_h,
+                m.update.grad_norm,
+                m.lr
+            );
+        }
+        assert!(moved > 1e-4, "{preset}: no learning ({moved})");
+        assert_metrics_close(&m1, &m2, preset);
+        assert!(m1.iter().any(|m| m.update.kept_tokens > 0), "{preset}: nothing reached the loss");
+        if preset == "stapo" {
+            assert!(m1.iter().any(|m| m.update.tau_h.is_some()), "stapo: no S2T candidates");
+        }
+        // One metrics line per step, written once.
+        let lines = std::fs::read_to_string(two.join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 3, "{preset}");
+        assert!(two.join("checkpoints/step-000002/model.safetensors").is_file());
+
+        // The two-rank checkpoint (step 2) resumes on one rank: step 3 as before.
+        let (m3, w3) = train_on(1, &cfg, &two, 1, true);
+        let d = max_diff(&w1[0], &w3[0]);
+        assert!(d <= WEIGHT_TOL, "{preset}: resumed on one rank, weights differ by {d}");
+        assert_metrics_close(&m1[2..], &m3, &format!("{preset} resumed"));
+    }
+}
 
 /// A binary built without MPI, started as one of several MPI ranks, stops and
 /// says how to build one with MPI (instead of training N independent copies).
