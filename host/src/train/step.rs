@@ -938,8 +938,11 @@ pub fn update_on(
         grad_norm: vec![Vec::new(); n],
         thresholds: Vec::new(),
     };
-    // This rank's active sequences are global positions [first, first + len).
-    let (first, global_active) = dist::offset_and_total(comm, active.len())?;
+    // The global order of the active sequences: (rank, index) sorted by group, then
+    // rank and index: the order of one process holding the whole batch when group ids
+    // are global and ascend along it (as the trainer numbers them).
+    let global = global_order(comm, seqs, &active)?;
+    let global_active = global.len();
     metrics.dropped_seqs = global_n - global_active;
     if global_active == 0 {
         return Ok(UpdateOutcome { metrics, record });
@@ -963,11 +966,9 @@ pub fn update_on(
         }
         for (k, chunk) in order.chunks(mb_size).enumerate() {
             // This rank's part of the global mini-batch, in the mini-batch's order.
-            let mini: Vec<usize> = chunk
-                .iter()
-                .filter(|&&g| g >= first && g < first + active.len())
-                .map(|&g| active[g - first])
-                .collect();
+            let me = comm.rank();
+            let mini: Vec<usize> =
+                chunk.iter().filter(|&&g| global[g].0 == me).map(|&g| global[g].1).collect();
             let ss: Vec<&Sequence> = mini.iter().map(|&i| &seqs[i]).collect();
             let mb = MiniBatch {
                 p: ss.iter().map(|s| s.prompt_ids.len()).max().unwrap_or(1),
@@ -1136,6 +1137,22 @@ pub fn update_on(
         record_grad_norms(&mut record, &mut metrics);
     }
     Ok(UpdateOutcome { metrics, record })
+}
+
+/// Every rank's active sequences as `(rank, index into its seqs)`, in global order:
+/// one rank keeps its own order; several sort by `(group, rank, index)`.
+fn global_order(comm: &dyn Comm, seqs: &[Sequence], active: &[usize]) -> Result<Vec<(usize, usize)>> {
+    if comm.size() == 1 {
+        return Ok(active.iter().map(|&i| (0, i)).collect());
+    }
+    let mine: Vec<(usize, usize)> = active.iter().map(|&i| (seqs[i].group, i)).collect();
+    let mut all: Vec<(usize, usize, usize)> = dist::all_gather_json(comm, &mine)?
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, v)| v.into_iter().map(move |(g, i)| (g, r, i)))
+        .collect();
+    all.sort_unstable();
+    Ok(all.into_iter().map(|(_, r, i)| (r, i)).collect())
 }
 
 /// The normaliser of a global mini-batch from each rank's part: kept tokens and

@@ -627,6 +627,8 @@ impl Trainer {
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+            // Group ids are global prompt indices (the update orders ranks' groups by them).
+            s.group += share.start;
         }
         Ok(Gathered { examples, texts, samples })
     }
@@ -791,7 +793,8 @@ impl Gathered {
             for s in members {
                 let mut s = s.clone();
                 s.prompt_index = new;
-                s.group = new;
+                // The group's global index (its position over all ranks' kept groups).
+                s.group = held + first + j;
                 self.samples.push(s);
             }
             self.examples.push(ex.clone());

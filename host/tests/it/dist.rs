@@ -37,15 +37,15 @@ fn config(preset: &str) -> RunConfig {
     cfg.objective = preset.into();
     cfg.prompts_per_step = 4;
     cfg.sampling.n = 4;
-    cfg.sampling.max_new_tokens = 32;
-    cfg.lr = 1e-3;
+    cfg.sampling.max_new_tokens = 16;
+    cfg.lr = 2e-4;
     cfg.schedule = LrSchedule::Constant { warmup_steps: 0 };
     cfg.seed = 11;
     // The tiny model's prompt format (models/tiny-qwen3/README.md).
     cfg.template = PromptTemplate::Raw { suffix: String::new() };
     match preset {
         "stapo" => {
-            cfg.set.insert("tau_p".into(), "0.5".into());
+            cfg.set.insert("tau_p".into(), "0.95".into());
             cfg.mini_batch = 8;
             cfg.micro_batch = 3;
         }
@@ -58,8 +58,8 @@ fn config(preset: &str) -> RunConfig {
     }
     cfg.save_every = 2;
     cfg.eval_every = 2;
-    cfg.eval_n = 2;
-    cfg.eval_limit = Some(3);
+    cfg.eval_n = 1;
+    cfg.eval_limit = Some(2);
     cfg
 }
 
@@ -170,19 +170,6 @@ fn two_ranks_train_as_one() {
             Trainer::new_on(Arc::new(Local), cfg.clone(), &dir.path().join(format!("{preset}-0"))).unwrap();
         let moved = max_diff(&weights(&start), &w1[0]);
         eprintln!("{preset}: weights moved by {moved:.3e}, one vs two ranks differ by {d:.3e}");
-        for m in &m1 {
-            eprintln!(
-                "  step {} loss {} reward {} kept {} silenced {} tau_h {:?} grad_norm {} lr {}",
-                m.step,
-                m.update.loss,
-                m.update.reward_mean,
-                m.update.kept_tokens,
-                m.update.silenced_tokens,
-                m.update.tau_h,
-                m.update.grad_norm,
-                m.lr
-            );
-        }
         assert!(moved > 1e-4, "{preset}: no learning ({moved})");
         assert_metrics_close(&m1, &m2, preset);
         assert!(m1.iter().any(|m| m.update.kept_tokens > 0), "{preset}: nothing reached the loss");
