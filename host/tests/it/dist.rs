@@ -293,3 +293,91 @@ fn mpi_rank_collectives() {
     println!("rank collectives ok");
     dist::finalize();
 }
+
+/// The same script under `stapo run` (one process) and `mpirun -np 2 stapo run`
+/// (two MPI processes): for STAPO, DAPO and GRPO the two-rank checkpoints hold
+/// the same weights, and metrics.jsonl the same losses and rewards.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_two_ranks_train_as_one() {
+    use candle_core::{DType, Device};
+
+    let dir = tempdir();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = dir.path().join("dp.rhai");
+    let s = |p: &str| root.join(p).display().to_string().replace('\\', "/");
+    std::fs::write(
+        &script,
+        format!(
+            r#"
+for preset in ["stapo", "dapo", "grpo"] {{
+    train(#{{
+        name: preset, objective: preset, model: "{m}", data: "{d}",
+        template: #{{ kind: "raw", suffix: "" }},
+        set: if preset == "stapo" {{ #{{ tau_p: "0.95" }} }} else {{ #{{}} }},
+        prompts_per_step: 4, sampling: #{{ n: 4, max_tokens: 16 }},
+        mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
+        lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }}, seed: 11, save_every: 2,
+    }}, 2);
+}}
+"#,
+            m = s("models/tiny-qwen3"),
+            d = s("data/arith/train.jsonl")
+        ),
+    )
+    .unwrap();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_stapo"));
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let out = Command::new(&exe)
+        .args(["run", "--quiet", "--out"])
+        .arg(&one)
+        .arg(&script)
+        .env("CANDLE_NUM_THREADS", "1")
+        .output()
+        .expect("stapo");
+    assert!(out.status.success(), "one rank: {}", String::from_utf8_lossy(&out.stderr));
+    let two_s = two.display().to_string();
+    let script_s = script.display().to_string();
+    let out = mpirun(2, &exe, &["run", "--quiet", "--out", &two_s, &script_s]).output().expect("mpirun");
+    assert!(
+        out.status.success(),
+        "two ranks: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for preset in ["stapo", "dapo", "grpo"] {
+        let ck = |d: &Path| {
+            candle_core::safetensors::load(
+                d.join(preset).join("checkpoints/step-000002/model.safetensors"),
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let (a, b) = (ck(&one), ck(&two));
+        assert_eq!(a.len(), b.len());
+        let mut worst = 0f64;
+        for (name, t) in &a {
+            let u = &b[name];
+            let x = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let y = u.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            worst = worst.max(max_diff(&x, &y));
+        }
+        assert!(worst <= WEIGHT_TOL, "{preset}: mpirun weights differ by {worst}");
+        let metrics = |d: &Path| -> Vec<serde_json::Value> {
+            std::fs::read_to_string(d.join(preset).join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let (ma, mb) = (metrics(&one), metrics(&two));
+        assert_eq!(ma.len(), 2, "{preset}: rank 0 alone writes one line per step");
+        assert_eq!(mb.len(), 2, "{preset}: rank 0 alone writes one line per step");
+        for (x, y) in ma.iter().zip(&mb) {
+            for k in ["loss", "reward_mean", "kept_tokens", "response_tokens", "grad_norm", "entropy"] {
+                let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+                assert!((p - q).abs() <= METRIC_TOL * (1.0 + p.abs()), "{preset} {k}: {p} vs {q}");
+            }
+        }
+    }
+}
