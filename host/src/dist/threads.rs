@@ -5,14 +5,30 @@
 //! of two ranks would, so every rank gets bitwise the same result.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use super::{bytes_f32, bytes_f64, f32_bytes, f64_bytes, Comm};
 use crate::{Error, Result};
 
+/// How long a rank waits for the others at a collective before it gives up
+/// with an error (a rank that failed or took another code path would otherwise
+/// leave the rest blocked forever).
+const ARRIVAL_TIMEOUT: Duration = Duration::from_secs(300);
+
 struct Shared {
-    slots: Mutex<Vec<Vec<u8>>>,
-    barrier: Barrier,
+    state: Mutex<State>,
+    arrived_cv: Condvar,
+}
+
+struct State {
+    slots: Vec<Vec<u8>>,
+    /// Ranks waiting at the current barrier.
+    arrived: usize,
+    /// Barriers completed so far.
+    generation: u64,
+    /// A rank has been dropped: nobody can complete a collective any more.
+    left: bool,
 }
 
 /// One rank of an in-process group made by [`ThreadComm::group`]; give each
@@ -28,8 +44,8 @@ impl ThreadComm {
     /// `size` connected ranks.
     pub fn group(size: usize) -> Vec<ThreadComm> {
         let size = size.max(1);
-        let shared =
-            Arc::new(Shared { slots: Mutex::new(vec![Vec::new(); size]), barrier: Barrier::new(size) });
+        let state = State { slots: vec![Vec::new(); size], arrived: 0, generation: 0, left: false };
+        let shared = Arc::new(Shared { state: Mutex::new(state), arrived_cv: Condvar::new() });
         (0..size)
             .map(|rank| ThreadComm { rank, size, shared: shared.clone(), calls: AtomicUsize::new(0) })
             .collect()
@@ -40,16 +56,71 @@ impl ThreadComm {
         self.calls.load(Ordering::Relaxed)
     }
 
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.shared.state.lock().map_err(|_| Error::invalid("thread communicator: another rank panicked"))
+    }
+
+    /// Waits until every rank has arrived; an error when a rank has left the
+    /// group (dropped) or does not arrive within [`ARRIVAL_TIMEOUT`].
+    fn wait_all<'a>(&self, mut st: MutexGuard<'a, State>) -> Result<MutexGuard<'a, State>> {
+        let gone = || Error::invalid("thread communicator: another rank left the group");
+        if st.left {
+            return Err(gone());
+        }
+        let generation = st.generation;
+        st.arrived += 1;
+        if st.arrived == self.size {
+            st.arrived = 0;
+            st.generation += 1;
+            self.shared.arrived_cv.notify_all();
+            return Ok(st);
+        }
+        let deadline = Instant::now() + ARRIVAL_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (next, _) = self
+                .shared
+                .arrived_cv
+                .wait_timeout(st, left)
+                .map_err(|_| Error::invalid("thread communicator: another rank panicked"))?;
+            st = next;
+            if st.generation != generation {
+                return Ok(st);
+            }
+            if st.left {
+                return Err(gone());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::invalid(format!(
+                    "thread communicator: rank {} waited {} s for the other ranks at a collective",
+                    self.rank,
+                    ARRIVAL_TIMEOUT.as_secs()
+                )));
+            }
+        }
+    }
+
     /// Every rank's bytes, in rank order. Two barriers: all deposits are in
     /// before anyone reads, and all reads are done before anyone deposits again.
     fn exchange(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let poisoned = |_| Error::invalid("thread communicator: another rank panicked");
-        self.shared.slots.lock().map_err(poisoned)?[self.rank] = mine;
-        self.shared.barrier.wait();
-        let all = self.shared.slots.lock().map_err(poisoned)?.clone();
-        self.shared.barrier.wait();
+        let mut st = self.lock()?;
+        st.slots[self.rank] = mine;
+        let st = self.wait_all(st)?;
+        let all = st.slots.clone();
+        drop(self.wait_all(st)?);
         Ok(all)
+    }
+}
+
+impl Drop for ThreadComm {
+    /// A rank that goes away (finished, or failed with an error) releases the
+    /// others from any collective it will never join.
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.shared.state.lock() {
+            st.left = true;
+            self.shared.arrived_cv.notify_all();
+        }
     }
 }
 
@@ -149,6 +220,22 @@ mod tests {
             assert_eq!(b, b"from one".to_vec());
             assert_eq!(bytes, vec![vec![0u8], vec![1], vec![2]]);
         }
+    }
+
+    #[test]
+    fn a_rank_that_leaves_releases_the_others_with_an_error() {
+        let mut comms = ThreadComm::group(2);
+        let one = comms.pop().expect("rank 1");
+        let zero = comms.pop().expect("rank 0");
+        let waiter = std::thread::spawn(move || {
+            let mut v = [1.0f64];
+            zero.all_reduce_f64(&mut v)
+        });
+        // Rank 1 fails before its collective and goes away.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(one);
+        let err = waiter.join().expect("no panic").expect_err("rank 0 cannot complete the collective");
+        assert!(err.to_string().contains("left the group"), "{err}");
     }
 
     #[test]

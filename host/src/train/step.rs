@@ -37,7 +37,7 @@ use crate::algo::{
     ObjectiveConfig, S2tStats, TauH,
 };
 use crate::dist::{self, Comm, Local};
-use crate::model::{self, Grad, Qwen3, TokenBatch};
+use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::rollout::Sample;
 use crate::train::optim::AdamW;
 use crate::{Error, Result};

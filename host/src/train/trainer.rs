@@ -659,8 +659,7 @@ impl Trainer {
                 .with_pass_k(&self.cfg.eval_pass_k)?;
             let dir = self.run_dir.join("eval");
             eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
-            let summary =
-                serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
+            let summary = serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
             append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
             Ok(report)
         })?;
@@ -878,9 +877,10 @@ mod tests {
         // Target 3 groups. Batch 1: q0 mixed, q1 all wrong, q2 mixed → 2 kept, 1 dropped.
         // Batch 2: q0 all right, q1 mixed, q2 mixed → q1 fills the third place; q2 is surplus.
         let mut kept = Gathered::default();
-        assert_eq!(kept.add_mixed(&round(&[&[1., 0.], &[0., 0.], &[0., 1.]]), 3), 1);
+        let local = crate::dist::Local;
+        assert_eq!(kept.add_mixed(&local, &round(&[&[1., 0.], &[0., 0.], &[0., 1.]]), 3, 0).unwrap(), (1, 2));
         assert_eq!(kept.examples.len(), 2);
-        assert_eq!(kept.add_mixed(&round(&[&[1., 1.], &[1., 0.], &[0., 1.]]), 3), 1);
+        assert_eq!(kept.add_mixed(&local, &round(&[&[1., 1.], &[1., 0.], &[0., 1.]]), 3, 2).unwrap(), (1, 3));
         let ids: Vec<&str> = kept.examples.iter().map(|e| e.id.as_str()).collect();
         assert_eq!(ids, ["q0", "q2", "q1"]);
         assert_eq!(kept.texts, ["prompt 0", "prompt 2", "prompt 1"]);
@@ -890,6 +890,6 @@ mod tests {
             kept.samples.iter().map(|s| (s.group, s.prompt_index, s.response_ids[1])).collect();
         assert_eq!(seen, [(0, 0, 0), (0, 0, 0), (1, 1, 2), (1, 1, 2), (2, 2, 1), (2, 2, 1)]);
         // A single sample per prompt is never mixed.
-        assert_eq!(Gathered::default().add_mixed(&round(&[&[1.], &[0.]]), 3), 2);
+        assert_eq!(Gathered::default().add_mixed(&local, &round(&[&[1.], &[0.]]), 3, 0).unwrap(), (2, 0));
     }
 }
