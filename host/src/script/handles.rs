@@ -16,6 +16,7 @@ use crate::algo::{self, AdvEstimator, S2tStats, S2tThresholds, StdKind};
 use crate::data::{Dataset, Tokenizer};
 use crate::model::Qwen3;
 use crate::rollout::RolloutBatch;
+use crate::train::spurious::{Region, TokenPoint};
 use crate::train::{AdamW, Trainer};
 use crate::{Error, Result};
 
@@ -53,6 +54,11 @@ pub struct RolloutState {
     pub advantages: Option<Vec<f32>>,
     /// Per sample, per response token: silenced by S2T (`s2t(r)`).
     pub silenced: Option<Vec<Vec<bool>>>,
+    /// The S2T region of the last `s2t(r)` (or of the run's update), for `spurious_plot`.
+    pub region: Option<Region>,
+    /// For a run's rollout: the positive-advantage token points of its update (p, H and
+    /// logit-gradient norm of the training forward), for `spurious_plot(rollout, path)`.
+    pub points: Option<Vec<TokenPoint>>,
 }
 
 /// A training run (a [`Trainer`]) driven step by step.
@@ -67,7 +73,7 @@ pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> RhaiResult<MutexGuard<'a, T>>
 impl RolloutState {
     /// A freshly sampled (unscored) batch.
     pub fn new(batch: RolloutBatch, tokenizer: Option<Tokenizer>) -> Self {
-        RolloutState { batch, tokenizer, advantages: None, silenced: None }
+        RolloutState { batch, tokenizer, advantages: None, silenced: None, region: None, points: None }
     }
 
     /// Rewards of every sample, or an error naming the first unscored one.
@@ -86,6 +92,8 @@ impl RolloutState {
     pub fn clear_derived(&mut self) {
         self.advantages = None;
         self.silenced = None;
+        self.region = None;
+        self.points = None;
     }
 
     /// Computes and stores the group advantages of the scored batch.
@@ -131,6 +139,7 @@ impl RolloutState {
             }
         }
         self.silenced = Some(silenced);
+        self.region = stats.tau_h.map(|tau_h| Region { tau_p: th.tau_p, tau_h });
         Ok(stats)
     }
 }

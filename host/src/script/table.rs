@@ -1,11 +1,13 @@
 //! Plain-text tables for the REPL and logs: the per-token table of a sampled
 //! response (token, p, H, advantage, silenced?) that shows why STAPO's S2T
-//! mask silenced a token, and one-line metric summaries.
+//! mask silenced a token, with each silenced token shown again in its context,
+//! and one-line metric summaries.
 
 use std::fmt::Write;
 
 use crate::data::Tokenizer;
 use crate::rollout::Sample;
+use crate::train::spurious::token_context;
 
 /// One row of a token table.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +21,8 @@ pub struct TokenRow {
     pub h: f32,
     pub advantage: Option<f32>,
     pub silenced: Option<bool>,
+    /// For a silenced token: the token between its neighbours (`…12+7=1⟦9⟧\n\boxed…`).
+    pub context: Option<String>,
 }
 
 /// The rows of sample `s`.
@@ -39,6 +43,10 @@ pub fn token_rows(
             h: s.entropies.get(t).copied().unwrap_or(f32::NAN),
             advantage,
             silenced: silenced.and_then(|v| v.get(t).copied()),
+            context: match (silenced.and_then(|v| v.get(t).copied()), tok) {
+                (Some(true), Some(k)) => Some(token_context(k, &s.response_ids, t)),
+                _ => None,
+            },
         })
         .collect()
 }
@@ -84,6 +92,10 @@ pub fn format_sample(index: usize, s: &Sample, rows: &[TokenRow]) -> String {
             a,
             s2t
         );
+    }
+    // Silenced tokens once more in their context, so a person can read them.
+    for r in rows.iter().filter(|r| r.context.is_some()) {
+        let _ = writeln!(out, "  silenced at {:>4}: {}", r.pos, r.context.as_deref().unwrap_or_default());
     }
     out
 }

@@ -10,7 +10,8 @@
 //! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile}`,
 //!    applied to the step's S2T mask (S2T objectives only: with another objective
 //!    the hook is not called and a note says so once). `stats` holds the previous step's
-//!    metrics (`silenced_ratio`, `entropy`, ...; empty at the first step), the
+//!    metrics (`silenced_ratio`, `s2t_candidates`, `response_tokens`, ...; absent at the
+//!    first step), `run` (the run folder's name, e.g. a config's `name`), the
 //!    thresholds in force (`tau_p`, `tau_h`/`tau_h_quantile`) and `prev`, the
 //!    map the hook returned last time (extra keys included), so a hook can
 //!    keep state across steps;
@@ -204,9 +205,10 @@ fn mask_name(m: &MaskConfig) -> &'static str {
 }
 
 /// The `stats` argument of `thresholds(step, stats)`.
-fn threshold_stats(last: &Map, plan: &StepPlan, prev: &Map, step: u64) -> Map {
+fn threshold_stats(last: &Map, plan: &StepPlan, prev: &Map, step: u64, run: &str) -> Map {
     let mut s = last.clone();
     s.insert("step".into(), (step as i64).into());
+    s.insert("run".into(), run.into());
     insert_thresholds(&mut s, &plan.objective.mask, "tau_h");
     s.insert("prev".into(), Dynamic::from_map(prev.clone()));
     s
@@ -376,6 +378,8 @@ fn run_steps(
     let mut last = Map::new();
     let mut prev_thresholds = Map::new();
     let mut told_no_s2t = false;
+    let run_name =
+        trainer.run_dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let cancel = host.cancel_flag();
     while trainer.step_count() < steps {
         if host.cancelled() {
@@ -407,7 +411,10 @@ fn run_steps(
             engine,
             host,
             "thresholds",
-            vec![s.clone(), Dynamic::from_map(threshold_stats(&last, &plan, &prev_thresholds, step))],
+            vec![
+                s.clone(),
+                Dynamic::from_map(threshold_stats(&last, &plan, &prev_thresholds, step, &run_name)),
+            ],
         )? {
             let m = expect_map(host, "thresholds", v)?;
             apply_thresholds(&mut plan, &m).map_err(into_error)?;
@@ -482,13 +489,21 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
 pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
     let t = lock(&run.0, "run")?;
     let batch = t.last_rollout().cloned().ok_or_else(|| host_err("the run has not taken a step yet"))?;
-    let (advantages, silenced) = match t.last_update() {
+    let (advantages, silenced, region, points) = match t.last_update() {
         Some(rec) if rec.advantages.len() == batch.samples.len() => {
             let s2t = rec.silenced.iter().any(|v| !v.is_empty());
-            (Some(rec.advantages.clone()), s2t.then(|| rec.silenced.clone()))
+            let (pts, region) = crate::train::spurious::record_points(rec);
+            let has_norms = rec.grad_norm.iter().any(|g| !g.is_empty());
+            (
+                Some(rec.advantages.clone()),
+                s2t.then(|| rec.silenced.clone()),
+                region,
+                has_norms.then_some(pts),
+            )
         }
-        _ => (None, None),
+        _ => (None, None, None, None),
     };
-    let st = RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages, silenced };
+    let st =
+        RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages, silenced, region, points };
     Ok(RolloutHandle(Arc::new(Mutex::new(st))))
 }

@@ -4,13 +4,14 @@
 pub mod optim;
 pub mod plot;
 pub mod sft;
+pub mod spurious;
 pub mod step;
 pub mod trainer;
 
 pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
 pub use step::{
-    update, AppliedThresholds, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateOptions, UpdateOutcome,
-    UpdateRecord,
+    token_analysis, update, AppliedThresholds, OldLogp, Sequence, TokenAnalysis, UpdateConfig, UpdateMetrics,
+    UpdateOptions, UpdateOutcome, UpdateRecord,
 };
 pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};

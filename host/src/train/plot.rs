@@ -1,11 +1,15 @@
 //! Training curves as PNG and SVG (plotters): one figure of small panels
 //! (reward, entropy, held-out accuracy, silenced-token ratio, response length)
-//! with one line per run, so runs of several objectives compare at a glance.
+//! with one line per run, so runs of several objectives compare at a glance;
+//! the same panels over groups of seeds as mean ± spread bands; and STAPO's
+//! token scatter (`spurious.png`: p against H, coloured by logit-gradient norm,
+//! with the S2T region).
 
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
+use crate::train::spurious::{Region, TokenPoint};
 use crate::util::read_jsonl;
 use crate::{Error, Result};
 
@@ -176,6 +180,323 @@ fn tick(y: f64) -> String {
     }
 }
 
+/// One group of runs that differ only in their seed, drawn as one band.
+#[derive(Debug, Clone)]
+pub struct SeedGroup {
+    pub label: String,
+    pub runs: Vec<RunCurves>,
+}
+
+/// One band of a panel: per x, the mean over the group's runs and the spread (min, max).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Band {
+    pub label: String,
+    /// `(x, mean, min, max)` at every x that all runs of the group have.
+    pub points: Vec<(f64, f64, f64, f64)>,
+    /// Runs in the group.
+    pub runs: usize,
+}
+
+/// One small chart of bands.
+#[derive(Debug, Clone)]
+pub struct BandPanel {
+    pub title: String,
+    pub bands: Vec<Band>,
+}
+
+/// Mean and (min, max) across `series` at the x values all of them have.
+pub fn band(label: &str, series: &[Series]) -> Band {
+    let mut points = Vec::new();
+    if let Some(first) = series.first() {
+        for &(x, _) in &first.points {
+            let ys: Vec<f64> = series
+                .iter()
+                .filter_map(|s| s.points.iter().find(|p| p.0 == x).map(|p| p.1))
+                .filter(|y| y.is_finite())
+                .collect();
+            if ys.len() == series.len() {
+                let mean = ys.iter().sum::<f64>() / ys.len() as f64;
+                let lo = ys.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = ys.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                points.push((x, mean, lo, hi));
+            }
+        }
+    }
+    Band { label: label.to_string(), points, runs: series.len() }
+}
+
+/// The seed-group panels: held-out avg@n, entropy, reward, silenced ratio, and the shares
+/// of the logit-gradient norm carried by silenced tokens and by the top 0.01% of tokens.
+pub fn seed_panels(groups: &[SeedGroup]) -> Result<Vec<BandPanel>> {
+    let specs: [(&str, bool, &[&str]); 6] = [
+        ("held-out accuracy (avg@n)", true, &["overall", "avg"]),
+        ("entropy (nats/token)", false, &["entropy"]),
+        ("reward (mean)", false, &["reward_mean"]),
+        ("silenced-token ratio", false, &["silenced_ratio"]),
+        ("grad-norm share of silenced tokens", false, &["silenced_grad_share"]),
+        ("grad-norm share of top 0.01% tokens", false, &["top_grad_share"]),
+    ];
+    let mut panels: Vec<BandPanel> =
+        specs.iter().map(|(t, _, _)| BandPanel { title: t.to_string(), bands: Vec::new() }).collect();
+    for g in groups {
+        let mut metrics = Vec::new();
+        let mut evals = Vec::new();
+        for r in &g.runs {
+            metrics.push(read_jsonl::<serde_json::Value>(&r.metrics)?);
+            evals.push(match &r.eval {
+                Some(e) if e.is_file() => read_jsonl::<serde_json::Value>(e)?,
+                _ => Vec::new(),
+            });
+        }
+        for (panel, (_, is_eval, key)) in panels.iter_mut().zip(specs.iter()) {
+            let src = if *is_eval { &evals } else { &metrics };
+            let ss: Vec<Series> = src.iter().map(|rows| series(&g.label, rows, "step", key)).collect();
+            panel.bands.push(band(&g.label, &ss));
+        }
+    }
+    Ok(panels)
+}
+
+/// Draws band panels in a grid into `<stem>.png` and `<stem>.svg`: the mean as a line,
+/// the spread across seeds as a shaded band.
+pub fn plot_bands(panels: &[BandPanel], stem: &Path) -> Result<(PathBuf, PathBuf)> {
+    register_font();
+    let png = stem.with_extension("png");
+    let svg = stem.with_extension("svg");
+    let cols = 3usize;
+    let rows = panels.len().div_ceil(cols).max(1);
+    let size = (440 * cols as u32, 320 * rows as u32);
+    draw_bands(BitMapBackend::new(&png, size).into_drawing_area(), panels, cols, rows)
+        .map_err(|e| Error::invalid(format!("{}: {e}", png.display())))?;
+    draw_bands(SVGBackend::new(&svg, size).into_drawing_area(), panels, cols, rows)
+        .map_err(|e| Error::invalid(format!("{}: {e}", svg.display())))?;
+    Ok((png, svg))
+}
+
+fn draw_bands<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    panels: &[BandPanel],
+    cols: usize,
+    rows: usize,
+) -> std::result::Result<(), String> {
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let areas = root.split_evenly((rows, cols));
+    for (panel, area) in panels.iter().zip(areas.iter()) {
+        let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+        for &(x, _, lo, hi) in panel.bands.iter().flat_map(|b| b.points.iter()) {
+            if x.is_finite() && lo.is_finite() && hi.is_finite() {
+                x0 = x0.min(x);
+                x1 = x1.max(x);
+                y0 = y0.min(lo);
+                y1 = y1.max(hi);
+            }
+        }
+        if x0 > x1 {
+            (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+        }
+        if x1 - x0 < 1e-9 {
+            x1 = x0 + 1.0;
+        }
+        let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(1e-4);
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(28)
+            .y_label_area_size(52)
+            .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| tick(*y))
+            .label_style(("sans-serif", 11))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        for (i, b) in panel.bands.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            if b.points.len() > 1 {
+                let mut poly: Vec<(f64, f64)> = b.points.iter().map(|p| (p.0, p.3)).collect();
+                poly.extend(b.points.iter().rev().map(|p| (p.0, p.2)));
+                chart
+                    .draw_series(std::iter::once(Polygon::new(poly, color.mix(0.15).filled())))
+                    .map_err(|e| e.to_string())?;
+            } else {
+                chart
+                    .draw_series(
+                        b.points
+                            .iter()
+                            .map(|p| PathElement::new(vec![(p.0, p.2), (p.0, p.3)], color.stroke_width(1))),
+                    )
+                    .map_err(|e| e.to_string())?;
+            }
+            chart
+                .draw_series(LineSeries::new(b.points.iter().map(|p| (p.0, p.1)), color.stroke_width(2)))
+                .map_err(|e| e.to_string())?
+                .label(format!("{} (n={})", b.label, b.runs))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+            if b.points.len() <= 30 {
+                chart
+                    .draw_series(b.points.iter().map(|p| Circle::new((p.0, p.1), 3, color.filled())))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        if !panel.bands.is_empty() {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK.mix(0.3))
+                .label_font(("sans-serif", 10))
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+/// Viridis-like colour for `t` in [0, 1] (piecewise linear through five of its stops).
+fn viridis(t: f64) -> RGBColor {
+    const STOPS: [(u8, u8, u8); 5] =
+        [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)];
+    let t = if t.is_finite() { t.clamp(0.0, 1.0) } else { 0.0 } * (STOPS.len() - 1) as f64;
+    let i = (t.floor() as usize).min(STOPS.len() - 2);
+    let f = t - i as f64;
+    let mix = |a: u8, b: u8| (a as f64 + (b as f64 - a as f64) * f).round() as u8;
+    let (a, b) = (STOPS[i], STOPS[i + 1]);
+    RGBColor(mix(a.0, b.0), mix(a.1, b.1), mix(a.2, b.2))
+}
+
+/// STAPO's token scatter into `<stem>.png` and `<stem>.svg`: every point a response token
+/// of a positive-advantage response, at its probability p (log axis) and entropy H,
+/// coloured by its logit-gradient norm (log colour scale, bar on the right); `region` is
+/// the S2T region `p < tau_p, H < tau_h` (shaded red), silenced tokens are ringed in red.
+pub fn spurious(
+    points: &[TokenPoint],
+    region: Option<Region>,
+    title: &str,
+    stem: &Path,
+) -> Result<(PathBuf, PathBuf)> {
+    register_font();
+    let png = stem.with_extension("png");
+    let svg = stem.with_extension("svg");
+    let size = (900, 600);
+    draw_spurious(BitMapBackend::new(&png, size).into_drawing_area(), points, region, title)
+        .map_err(|e| Error::invalid(format!("{}: {e}", png.display())))?;
+    draw_spurious(SVGBackend::new(&svg, size).into_drawing_area(), points, region, title)
+        .map_err(|e| Error::invalid(format!("{}: {e}", svg.display())))?;
+    Ok((png, svg))
+}
+
+fn draw_spurious<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    points: &[TokenPoint],
+    region: Option<Region>,
+    title: &str,
+) -> std::result::Result<(), String> {
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let (main, bar) = root.split_horizontally(root.dim_in_pixel().0 - 110);
+    let ok: Vec<&TokenPoint> =
+        points.iter().filter(|q| q.p.is_finite() && q.h.is_finite() && q.grad.is_finite()).collect();
+    // Axes: p on a log scale down to the smallest probability (and below tau_p).
+    let p_min = ok.iter().map(|q| q.p as f64).filter(|&p| p > 0.0).fold(1.0f64, f64::min);
+    let p_min = region.map_or(p_min, |r| p_min.min(r.tau_p as f64 / 3.0)).max(1e-12);
+    let x0 = 10f64.powf(p_min.log10().floor());
+    let h_max = ok.iter().map(|q| q.h as f64).fold(0.0f64, f64::max);
+    let h_max = region.map_or(h_max, |r| h_max.max(r.tau_h as f64)).max(0.05) * 1.05;
+    // Colour scale: log10 of the gradient norm over the positive norms.
+    let gs: Vec<f64> = ok.iter().map(|q| q.grad as f64).filter(|&g| g > 0.0).collect();
+    let g_lo = gs.iter().copied().fold(f64::INFINITY, f64::min);
+    let g_hi = gs.iter().copied().fold(0.0f64, f64::max);
+    let (l_lo, l_hi) =
+        if gs.is_empty() { (-3.0, 0.0) } else { (g_lo.log10(), g_hi.log10().max(g_lo.log10() + 1e-6)) };
+    let shade =
+        move |g: f64| if g > 0.0 { viridis((g.log10() - l_lo) / (l_hi - l_lo)) } else { viridis(0.0) };
+
+    let n_sil = ok.iter().filter(|q| q.silenced).count();
+    let mut chart = ChartBuilder::on(&main)
+        .caption(title, ("sans-serif", 17))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d((x0..1.0f64).log_scale(), 0.0..h_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("p (probability of the sampled token, log scale)")
+        .y_desc("H (entropy at the position, nats)")
+        .x_label_formatter(&|x| format!("{x:.0e}"))
+        .y_label_formatter(&|y| format!("{y:.2}"))
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    if let Some(r) = region {
+        let (tp, th) = (r.tau_p as f64, r.tau_h as f64);
+        chart
+            .draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (tp, th)], RED.mix(0.10).filled())))
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (tp, th)], RED.stroke_width(2))))
+            .map_err(|e| e.to_string())?
+            .label(format!("S2T region: p < {}, H < {:.3}", tick(tp), th))
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], RED.mix(0.3).filled()));
+    }
+    // Small gradients first, so the large ones are drawn on top.
+    let mut order = ok.clone();
+    order.sort_by(|a, b| a.grad.total_cmp(&b.grad));
+    chart
+        .draw_series(
+            order.iter().map(|q| Circle::new((q.p as f64, q.h as f64), 3, shade(q.grad as f64).filled())),
+        )
+        .map_err(|e| e.to_string())?;
+    chart
+        .draw_series(
+            order
+                .iter()
+                .filter(|q| q.silenced)
+                .map(|q| Circle::new((q.p as f64, q.h as f64), 7, RED.stroke_width(2))),
+        )
+        .map_err(|e| e.to_string())?
+        .label(format!("silenced by S2T ({n_sil})"))
+        .legend(|(x, y)| Circle::new((x + 7, y), 5, RED.stroke_width(2)));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 12))
+        .draw()
+        .map_err(|e| e.to_string())?;
+
+    // The colour bar: log10 of the gradient norm.
+    let mut cb = ChartBuilder::on(&bar)
+        .caption("|grad|", ("sans-serif", 13))
+        .margin_top(40)
+        .margin_bottom(50)
+        .margin_right(50)
+        .y_label_area_size(0)
+        .right_y_label_area_size(45)
+        .build_cartesian_2d(0.0..1.0f64, l_lo..l_hi)
+        .map_err(|e| e.to_string())?;
+    cb.configure_mesh()
+        .disable_x_mesh()
+        .disable_x_axis()
+        .disable_y_mesh()
+        .y_labels(6)
+        .y_label_formatter(&|v| format!("{:.0e}", 10f64.powf(*v)))
+        .label_style(("sans-serif", 11))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    let steps = 64;
+    let dv = (l_hi - l_lo) / steps as f64;
+    cb.draw_series((0..steps).map(|i| {
+        let v = l_lo + i as f64 * dv;
+        Rectangle::new([(0.0, v), (1.0, v + dv)], viridis(i as f64 / (steps - 1) as f64).filled())
+    }))
+    .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +524,64 @@ mod tests {
         assert!(
             svg_text.contains("reward (mean)") && svg_text.contains("stapo") && svg_text.contains("grpo")
         );
+    }
+
+    #[test]
+    fn bands_are_mean_min_max_over_the_seeds() {
+        let s = |pts: &[(f64, f64)]| Series { label: "x".into(), points: pts.to_vec() };
+        // Step 2 is missing from the second run: only steps both runs have are banded.
+        let b = band("stapo", &[s(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]), s(&[(0.0, 3.0), (1.0, 1.0)])]);
+        assert_eq!(b.points, vec![(0.0, 2.0, 1.0, 3.0), (1.0, 2.0, 1.0, 3.0)]);
+        assert_eq!(b.runs, 2);
+    }
+
+    #[test]
+    fn seed_panels_and_the_spurious_scatter_render() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut runs = Vec::new();
+        for seed in 0..3 {
+            let m = dir.path().join(format!("m{seed}.jsonl"));
+            let e = dir.path().join(format!("e{seed}.jsonl"));
+            let lines: String = (0..4)
+                .map(|s| format!("{{\"step\":{s},\"reward_mean\":0.5,\"entropy\":{},\"silenced_ratio\":0.0,\"silenced_grad_share\":0.01,\"top_grad_share\":0.02}}\n", 0.1 * (seed + s) as f64))
+                .collect();
+            std::fs::write(&m, lines).unwrap();
+            std::fs::write(
+                &e,
+                format!(
+                    "{{\"step\":0,\"overall\":{{\"avg\":0.4}}}}\n{{\"step\":4,\"overall\":{{\"avg\":{}}}}}\n",
+                    0.1 * seed as f64
+                ),
+            )
+            .unwrap();
+            runs.push(RunCurves { label: format!("s{seed}"), metrics: m, eval: Some(e) });
+        }
+        let panels = seed_panels(&[SeedGroup { label: "grpo".into(), runs }]).unwrap();
+        assert_eq!(panels.len(), 6);
+        let eval = &panels[0].bands[0];
+        assert_eq!(eval.points.len(), 2);
+        let last = eval.points[1];
+        assert!((last.1 - 0.1).abs() < 1e-12 && last.2 == 0.0 && (last.3 - 0.2).abs() < 1e-12, "{last:?}");
+        // Entropy at step 1: 0.1, 0.2, 0.3 over the seeds.
+        let h = panels[1].bands[0].points[1];
+        assert!((h.1 - 0.2).abs() < 1e-9 && (h.2 - 0.1).abs() < 1e-9 && (h.3 - 0.3).abs() < 1e-9, "{h:?}");
+        let (png, svg) = plot_bands(&panels, &dir.path().join("stress")).unwrap();
+        assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+        assert!(std::fs::read_to_string(&svg).unwrap().contains("grpo (n=3)"));
+
+        let pts = [
+            TokenPoint { p: 0.9, h: 0.1, grad: 0.1, silenced: false },
+            TokenPoint { p: 0.001, h: 0.05, grad: 1.4, silenced: true },
+        ];
+        let (png, svg) =
+            spurious(&pts, Some(Region { tau_p: 0.002, tau_h: 0.3 }), "test", &dir.path().join("spurious"))
+                .unwrap();
+        assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(text.contains("silenced by S2T (1)") && text.contains("S2T region"), "{text}");
+        // Colour ends: the smallest norm gets viridis' first stop, the largest its last.
+        assert_eq!(viridis(0.0), RGBColor(68, 1, 84));
+        assert_eq!(viridis(1.0), RGBColor(253, 231, 37));
     }
 
     #[test]

@@ -1174,6 +1174,45 @@ pub fn logit_grad_norm(advantage: f32, p: f32, collision: f32) -> f32 {
     (advantage.abs() as f64 * ((1.0 - p).powi(2) + (c - p * p).max(0.0)).sqrt()) as f32
 }
 
+/// Per response token of a sequence under a model: the probability of the sampled
+/// token, the entropy and the collision probability `Σ_j p_j²` at its position.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenAnalysis {
+    pub p: Vec<f32>,
+    pub entropy: Vec<f32>,
+    pub collision: Vec<f32>,
+}
+
+/// [`TokenAnalysis`] of every sequence under `model` (no gradient; logits divided by
+/// `temperature`), in chunks of `chunk` sequences, with the same tiled pass as the
+/// update's: the analysis of a rollout that no update has seen (the REPL's
+/// `spurious_plot(model, rollout, path)`).
+pub fn token_analysis(
+    model: &Qwen3,
+    seqs: &[Sequence],
+    pad_id: u32,
+    temperature: f64,
+    chunk: usize,
+) -> Result<Vec<TokenAnalysis>> {
+    let mut out = vec![TokenAnalysis::default(); seqs.len()];
+    let live: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].response_ids.is_empty()).collect();
+    for idx in live.chunks(chunk.max(1)) {
+        let ss: Vec<&Sequence> = idx.iter().map(|&i| &seqs[i]).collect();
+        let mb = layout_for(&ss, pad_id, model.device())?;
+        let (lp, h, c) = response_stats(model, &mb, Grad::Off, temperature, true)?;
+        let c = c.ok_or_else(|| Error::invalid("token_analysis: no collision probabilities"))?;
+        let (lp, h, c) = (rows(&lp, &ss)?, rows(&h, &ss)?, rows(&c, &ss)?);
+        for (k, &i) in idx.iter().enumerate() {
+            out[i] = TokenAnalysis {
+                p: lp[k].iter().map(|l| l.exp()).collect(),
+                entropy: h[k].clone(),
+                collision: c[k].clone(),
+            };
+        }
+    }
+    Ok(out)
+}
+
 /// Shares of `Σ g` carried by the `silenced` tokens and by the top `top_frac` of tokens by
 /// `g` (at least one token); `(0, 0)` when `Σ g = 0`.
 pub fn grad_shares(g: &[f32], silenced: &[bool], top_frac: f64) -> (f32, f32) {
@@ -1670,6 +1709,13 @@ mod tests {
                 assert_eq!(rec.grad_norm[i][j], want);
                 assert!(want > 0.0);
             }
+        }
+        // The analysis of the same sequences without an update agrees with the record.
+        let an = token_analysis(&m, &seqs, 0, 1.0, 1).unwrap();
+        for i in 0..2 {
+            close(&an[i].p, &rec.p[i], 1e-6, "p");
+            close(&an[i].entropy, &rec.entropy[i], 1e-5, "H");
+            close(&an[i].collision, &rec.collision[i], 1e-6, "collision");
         }
         assert_eq!(out.metrics.silenced_grad_share, Some(0.0));
         // The largest of 4 tokens, which come in equal pairs (the two responses are the same).

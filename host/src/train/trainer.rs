@@ -8,7 +8,9 @@
 //! A run folder holds `run_config.json` (the resolved configuration),
 //! `metrics.jsonl` (one line per step), `checkpoints/step-NNNNNN/` (HF model
 //! folder + `optimizer.safetensors` + `trainer_state.json`, each written
-//! atomically) and `checkpoints/latest`. Every random choice is seeded from
+//! atomically) and `checkpoints/latest`. With each checkpoint it also draws
+//! `curves.png`/`.svg`, `spurious.png`/`.svg` (STAPO's token scatter, see
+//! [`Trainer::plot`]) and writes `silenced_tokens.tsv` (token, count, contexts). Every random choice is seeded from
 //! `(seed, step)`, so a resumed run reproduces the uninterrupted one.
 
 use std::collections::{BTreeMap, HashMap};
@@ -30,6 +32,7 @@ use crate::reward::{self, ExtractMode};
 use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
+use crate::train::spurious::{token_context, SilencedContexts, SpuriousPoints};
 use crate::train::step::{self, update_on, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
@@ -161,6 +164,9 @@ pub struct StepMetrics {
     pub update: UpdateMetrics,
     /// Most frequently silenced tokens this step, as text.
     pub silenced_tokens_text: Vec<(String, usize)>,
+    /// A few silenced tokens of this step in their response (`…12+7=1⟦9⟧\n\boxed…`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub silenced_examples: Vec<String>,
     pub rollout_secs: f64,
     pub update_secs: f64,
     pub rollout_tokens_per_sec: f64,
@@ -175,12 +181,17 @@ pub struct StepMetrics {
     pub eval_pass: Option<f64>,
 }
 
+/// Silenced-token contexts reported per step in the metrics.
+const SILENCED_EXAMPLES: usize = 8;
+
 /// Saved with each checkpoint: where the run stood.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct TrainerState {
     step: u64,
     sampler: SamplerState,
     silenced_totals: Vec<(String, usize)>,
+    #[serde(default)]
+    silenced_contexts: SilencedContexts,
 }
 
 /// A training run in progress.
@@ -199,6 +210,10 @@ pub struct Trainer {
     step: u64,
     run_dir: PathBuf,
     silenced_totals: HashMap<String, usize>,
+    /// Readable contexts of silenced tokens, by token string (bounded).
+    silenced_contexts: SilencedContexts,
+    /// Positive-advantage tokens of this process's updates for `spurious.png` (bounded).
+    spurious: SpuriousPoints,
     last_rollout: Option<RolloutBatch>,
     /// What the last update used, one entry per sample of `last_rollout`.
     last_update: Option<UpdateRecord>,
@@ -362,6 +377,8 @@ impl Trainer {
             step: state.map_or(0, |s| s.step),
             run_dir: run_dir.to_path_buf(),
             silenced_totals: state.map(|s| s.silenced_totals.iter().cloned().collect()).unwrap_or_default(),
+            silenced_contexts: state.map(|s| s.silenced_contexts.clone()).unwrap_or_default(),
+            spurious: SpuriousPoints::default(),
             last_rollout: None,
             last_update: None,
             pending_warnings: warnings,
@@ -415,6 +432,16 @@ impl Trainer {
         let mut v: Vec<(String, usize)> = self.silenced_totals.iter().map(|(k, c)| (k.clone(), *c)).collect();
         v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         v
+    }
+
+    /// Up to three readable contexts (`…left⟦token⟧right…`) of a silenced token string.
+    pub fn silenced_contexts(&self, token: &str) -> &[String] {
+        self.silenced_contexts.get(token)
+    }
+
+    /// The token points `spurious.png` draws (see [`Trainer::plot`]).
+    pub fn spurious_points(&self) -> &SpuriousPoints {
+        &self.spurious
     }
 
     /// The configuration's plan for the next step (schedules applied).
@@ -565,6 +592,18 @@ impl Trainer {
         for (t, c) in &silenced_tokens_text {
             *self.silenced_totals.entry(t.clone()).or_default() += c;
         }
+        // Contexts of the silenced tokens (the record is indexed like `samples`).
+        let mut silenced_examples = Vec::new();
+        for (s, sil) in samples.iter().zip(&outcome.record.silenced) {
+            for (j, _) in sil.iter().enumerate().filter(|(_, &x)| x) {
+                let ctx = token_context(&self.tokenizer, &s.response_ids, j);
+                if silenced_examples.len() < SILENCED_EXAMPLES {
+                    silenced_examples.push(ctx.clone());
+                }
+                self.silenced_contexts.add(&self.tokenizer.token_str(s.response_ids[j]), ctx);
+            }
+        }
+        self.spurious.add(&outcome.record);
         let prompts_info = examples
             .iter()
             .zip(&prompt_texts)
@@ -579,6 +618,7 @@ impl Trainer {
             lr: plan.lr,
             update: um,
             silenced_tokens_text,
+            silenced_examples,
             rollout_secs,
             update_secs,
             rollout_tokens_per_sec: n_tokens / rollout_secs.max(1e-9),
@@ -689,6 +729,7 @@ impl Trainer {
             step: self.step,
             sampler: self.sampler.state(),
             silenced_totals: self.silenced_totals(),
+            silenced_contexts: self.silenced_contexts.clone(),
         };
         checkpoint::write_atomically(&path, |tmp| {
             checkpoint::write_model_files(
@@ -728,7 +769,7 @@ impl Trainer {
             &self.run_dir.join("silenced_tokens.tsv"),
             self.silenced_totals()
                 .iter()
-                .map(|(t, c)| format!("{t:?}\t{c}\n"))
+                .map(|(t, c)| format!("{t:?}\t{c}\t{}\n", self.silenced_contexts(t).join("  |  ")))
                 .collect::<String>()
                 .as_bytes(),
         )?;
@@ -737,8 +778,32 @@ impl Trainer {
 }
 
 impl Trainer {
-    /// Draws the run's curves into `curves.png` and `curves.svg` in the run folder.
+    /// Draws the run's curves into `curves.png` and `curves.svg` in the run folder, and,
+    /// once an update recorded gradient norms (`token_grad_norms`), STAPO's token scatter
+    /// into `spurious.png` and `spurious.svg`.
+    ///
+    /// The scatter accumulates over the updates of this process (a resumed run starts it
+    /// afresh), because one step silences a handful of tokens at most: every positive-
+    /// advantage token with p below the larger of the run's tau_p and the paper's 0.002
+    /// (the S2T candidates and their neighbourhood, up to 20,000) and a uniform sample of
+    /// 4,000 of the others, each coloured by its logit-gradient norm at the step it was
+    /// trained on; the S2T region drawn is the latest step's (tau_p, mean tau_h of its
+    /// mini-batches).
     pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
+        if !self.spurious.is_empty() {
+            let title = format!(
+                "{}: tokens of positive-advantage responses, {} step{}",
+                self.cfg.objective,
+                self.spurious.steps,
+                if self.spurious.steps == 1 { "" } else { "s" }
+            );
+            plot::spurious(
+                &self.spurious.points(),
+                self.spurious.region,
+                &title,
+                &self.run_dir.join("spurious"),
+            )?;
+        }
         let runs = [RunCurves {
             label: self.cfg.objective.clone(),
             metrics: self.run_dir.join("metrics.jsonl"),

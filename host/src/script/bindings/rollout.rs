@@ -6,12 +6,16 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::{lock, ModelHandle, RolloutHandle, RolloutState};
+use crate::algo::{AdvEstimator, StdKind};
 use crate::data::Prompt;
 use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::table::{format_sample, token_rows, TokenRow};
+use crate::train::spurious::TokenPoint;
+use crate::train::step::logit_grad_norm;
+use crate::train::{token_analysis, Sequence};
 
 /// Samples shown when a rollout is printed.
 const PRINT_SAMPLES: usize = 4;
@@ -88,6 +92,7 @@ fn tokens(r: &RolloutHandle, i: usize) -> RhaiResult<Array> {
         m.insert("H".into(), (t.h as f64).into());
         m.insert("advantage".into(), opt(t.advantage));
         m.insert("silenced".into(), t.silenced.map_or(Dynamic::UNIT, Dynamic::from));
+        m.insert("context".into(), t.context.map_or(Dynamic::UNIT, Dynamic::from));
         Dynamic::from_map(m)
     };
     Ok(rows.into_iter().map(row).collect())
@@ -112,6 +117,63 @@ pub fn describe(r: &RolloutHandle) -> String {
         out.push_str(&format!("... {} more (r.table(i) shows sample i)\n", n - PRINT_SAMPLES));
     }
     out
+}
+
+/// `spurious_plot(rollout, path)` and `spurious_plot(model, rollout, path)`: STAPO's token
+/// scatter of the rollout's positive-advantage responses (see `train::plot::spurious`).
+fn spurious_plot(r: &RolloutHandle, model: Option<&ModelHandle>, path: &str) -> RhaiResult<Map> {
+    let (points, region, n) = {
+        let mut st = lock(&r.0, "rollout")?;
+        let n = st.batch.len();
+        match (model, &st.points) {
+            (None, Some(p)) => (p.clone(), st.region, n),
+            (None, None) => {
+                return Err(bad_arg(
+                    "spurious_plot",
+                    "this rollout has no per-token gradient norms (a run's rollout, run.rollout, has \
+                     them): use spurious_plot(model, rollout, path)",
+                ))
+            }
+            (Some(m), _) => {
+                if st.advantages.is_none() {
+                    st.compute_advantages(AdvEstimator::Grpo, StdKind::Sample)
+                        .map_err(|e| bad_arg("spurious_plot", e))?;
+                }
+                let adv = st.advantages.clone().unwrap_or_default();
+                let seqs: Vec<Sequence> = st
+                    .batch
+                    .samples
+                    .iter()
+                    .map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0)))
+                    .collect();
+                let slot = lock(&m.0, "model")?;
+                let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
+                let an = token_analysis(&slot.model, &seqs, pad, 1.0, 16).map_err(host)?;
+                let mut pts = Vec::new();
+                for (i, (a, t)) in adv.iter().zip(&an).enumerate().filter(|(_, (&a, _))| a > 0.0) {
+                    let sil = st.silenced.as_ref().and_then(|v| v.get(i));
+                    for j in 0..t.p.len() {
+                        pts.push(TokenPoint {
+                            p: t.p[j],
+                            h: t.entropy[j],
+                            grad: logit_grad_norm(*a, t.p[j], t.collision[j]),
+                            silenced: sil.and_then(|v| v.get(j)).copied().unwrap_or(false),
+                        });
+                    }
+                }
+                (pts, st.region, n)
+            }
+        }
+    };
+    let title = format!("tokens of positive-advantage responses ({n} samples)");
+    let (png, svg) =
+        crate::train::plot::spurious(&points, region, &title, std::path::Path::new(path)).map_err(host)?;
+    let mut m = Map::new();
+    m.insert("png".into(), png.display().to_string().into());
+    m.insert("svg".into(), svg.display().to_string().into());
+    m.insert("points".into(), (points.len() as i64).into());
+    m.insert("silenced".into(), (points.iter().filter(|q| q.silenced).count() as i64).into());
+    Ok(m)
 }
 
 fn sample_map(st: &RolloutState, i: usize) -> RhaiResult<Dynamic> {
@@ -265,7 +327,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "table", r#"
         /// rollout.table(i) -> string
         ///
-        /// The token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T.
+        /// The token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T;
+        /// then each silenced token in its context (a few tokens either side).
         ///
         /// # Example
         ///
@@ -278,7 +341,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "tokens", r#"
         /// rollout.tokens(i) -> array of map
         ///
-        /// The token table of sample i as data: #{pos, id, token, p, H, advantage, silenced}.
+        /// The token table of sample i as data: #{pos, id, token, p, H, advantage, silenced,
+        /// context} (context: for a silenced token, `…left⟦token⟧right…`).
         ///
         /// # Example
         ///
@@ -287,6 +351,41 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// ```
     "#,
         |r: &mut RolloutHandle, i: i64| tokens(r, usize_arg("i", i)?)
+    }
+    func! { engine, "spurious_plot", r#"
+        /// spurious_plot(rollout, path) -> map
+        ///
+        /// STAPO's token scatter of a run's rollout (`run.rollout`): every token of a positive-advantage
+        /// response placed by p (log axis) and entropy H as the update saw them, coloured by its
+        /// logit-gradient norm |A|·sqrt((1 - p)² + Σ_{j≠y} p_j²), the S2T region (p < tau_p, H < tau_h)
+        /// shaded, silenced tokens ringed. Writes `path` + `.png` and `.svg`; returns #{png, svg,
+        /// points, silenced}. For any other rollout use spurious_plot(model, rollout, path).
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let t = trainer(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl"}); t.step();
+        /// spurious_plot(t.rollout, t.run_dir + "/spurious-last");
+        /// ```
+    "#,
+        |r: RolloutHandle, path: &str| spurious_plot(&r, None, path)
+    }
+    func! { engine, "spurious_plot", r#"
+        /// spurious_plot(model, rollout, path) -> map
+        ///
+        /// The same scatter for any scored rollout, with p, H and the collision probability from a
+        /// forward pass of `model` (temperature 1) and the rollout's advantages (GRPO's if none were
+        /// computed); the S2T region and silenced tokens are those of the last `s2t(r, ..)`.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let r = rollout(m, sample_prompts(ds, 8, 0), #{n: 8, max_tokens: 64});
+        /// score(r); s2t(r, #{tau_p: 0.01});
+        /// print(spurious_plot(m, r, "spurious"));
+        /// ```
+    "#,
+        |m: ModelHandle, r: RolloutHandle, path: &str| spurious_plot(&r, Some(&m), path)
     }
     func! { engine, "save", r#"
         /// rollout.save(path)

@@ -120,7 +120,103 @@ fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
     Ok(res)
 }
 
+/// A run folder's metrics.jsonl and eval.jsonl rows as maps.
+fn read_run(dir: &str) -> RhaiResult<Map> {
+    let dir = std::path::Path::new(dir);
+    let read = |name: &str| -> RhaiResult<Array> {
+        let p = dir.join(name);
+        if !p.is_file() {
+            return Ok(Array::new());
+        }
+        let rows: Vec<serde_json::Value> = crate::util::read_jsonl(&p).map_err(host)?;
+        Ok(rows.iter().map(from_json).collect())
+    };
+    if !dir.join("metrics.jsonl").is_file() {
+        return Err(bad_arg("read_run", format!("{}: no metrics.jsonl (not a run folder?)", dir.display())));
+    }
+    let mut m = Map::new();
+    m.insert("metrics".into(), read("metrics.jsonl")?.into());
+    m.insert("evals".into(), read("eval.jsonl")?.into());
+    Ok(m)
+}
+
+/// Draws groups of seeds as mean ± spread bands (see `train::plot::seed_panels`). Like
+/// [`plot_runs`], the figure goes into one of the runs' folders or their parent.
+fn plot_seeds(groups: &Array, out: &str) -> RhaiResult<Map> {
+    let mut gs = Vec::new();
+    let mut allowed = Vec::new();
+    for (i, g) in groups.iter().enumerate() {
+        let m = g.clone().try_cast::<Map>().ok_or_else(|| {
+            bad_arg("plot_seeds", format!("groups[{i}]: expected a map #{{label, run_dirs}}"))
+        })?;
+        let label = get_str(&m, "label")?.unwrap_or_else(|| format!("group {i}"));
+        let dirs = m
+            .get("run_dirs")
+            .and_then(|d| d.clone().try_cast::<Array>())
+            .ok_or_else(|| bad_arg("plot_seeds", format!("groups[{i}]: missing run_dirs (an array)")))?;
+        let mut runs = Vec::new();
+        for d in dirs {
+            let dir = std::path::PathBuf::from(d.to_string());
+            runs.push(train::plot::RunCurves {
+                label: label.clone(),
+                metrics: dir.join("metrics.jsonl"),
+                eval: Some(dir.join("eval.jsonl")),
+            });
+            if let Some(p) = dir.parent() {
+                allowed.push(p.to_path_buf());
+            }
+            allowed.push(dir);
+        }
+        gs.push(train::plot::SeedGroup { label, runs });
+    }
+    let out = std::path::PathBuf::from(out);
+    let parent = out.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+    if !allowed.contains(&parent) {
+        return Err(bad_arg(
+            "plot_seeds",
+            format!("{}: the figure must go into a run folder or its parent", out.display()),
+        ));
+    }
+    let panels = train::plot::seed_panels(&gs).map_err(host)?;
+    let (png, svg) = train::plot::plot_bands(&panels, &out).map_err(host)?;
+    let mut res = Map::new();
+    res.insert("png".into(), png.display().to_string().into());
+    res.insert("svg".into(), svg.display().to_string().into());
+    Ok(res)
+}
+
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    func! { engine, "plot_seeds", r#"
+        /// plot_seeds(groups, out) -> map
+        ///
+        /// One figure (PNG and SVG) of held-out avg@n, entropy, reward, silenced ratio and the
+        /// gradient-norm shares of silenced and top-0.01% tokens against step, one band per group of
+        /// runs that differ only in their seed: the mean as a line, min..max over the runs shaded.
+        /// groups: array of #{label, run_dirs: [..]}; out: the figure's path without extension, inside
+        /// a run folder or its parent. Returns #{png, svg}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// plot_seeds([#{label: "grpo", run_dirs: [a.run_dir, b.run_dir]}], parent + "/stress")
+        /// ```
+    "#,
+        |groups: Array, out: &str| plot_seeds(&groups, out)
+    }
+    func! { engine, "read_run", r#"
+        /// read_run(run_dir) -> map
+        ///
+        /// A run folder's logs as data: #{metrics: [one map per step, as metrics.jsonl], evals: [one
+        /// map per evaluation, as eval.jsonl]}.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// let h = read_run(res.run_dir).metrics.map(|m| m.entropy);
+        /// ```
+    "#,
+        |dir: &str| read_run(dir)
+    }
     func! { engine, "plot_runs", r#"
         /// plot_runs(runs, out) -> map
         ///
@@ -292,7 +388,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "silenced", r#"
         /// run.silenced(n) -> array
         ///
-        /// The n most often silenced tokens of the run so far, as [token, count].
+        /// The n most often silenced tokens of the run so far, as [token, count, contexts]: contexts
+        /// holds up to three of its occurrences with a few tokens either side (`…12+7=1⟦9⟧\n\boxed…`).
         ///
         /// # Example
         ///
@@ -301,10 +398,15 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// ```
     "#,
         |r: &mut RunHandle, n: i64| -> RhaiResult<Array> {
-            let v = lock(&r.0, "run")?.silenced_totals();
-            Ok(v.into_iter()
+            let run = lock(&r.0, "run")?;
+            Ok(run
+                .silenced_totals()
+                .into_iter()
                 .take(usize_arg("n", n)?)
-                .map(|(t, c)| Dynamic::from_array(vec![t.into(), (c as i64).into()]))
+                .map(|(t, c)| {
+                    let ctx: Array = run.silenced_contexts(&t).iter().map(|s| Dynamic::from(s.clone())).collect();
+                    Dynamic::from_array(vec![t.into(), (c as i64).into(), ctx.into()])
+                })
                 .collect())
         }
     }
