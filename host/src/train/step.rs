@@ -1220,7 +1220,8 @@ pub fn grad_shares(g: &[f32], silenced: &[bool], top_frac: f64) -> (f32, f32) {
     if g.is_empty() || total <= 0.0 {
         return (0.0, 0.0);
     }
-    let sil: f64 = g.iter().zip(silenced).filter(|(_, &s)| s).map(|(&x, _)| x as f64).sum();
+    // A fold from +0.0: an empty float `sum()` is -0.0, which logs as "-0".
+    let sil = g.iter().zip(silenced).filter(|(_, &s)| s).fold(0.0f64, |acc, (&x, _)| acc + x as f64);
     let mut sorted = g.to_vec();
     sorted.sort_by(|a, b| b.total_cmp(a));
     let k = ((g.len() as f64 * top_frac).ceil() as usize).clamp(1, g.len());

@@ -157,8 +157,9 @@ fn every_script_in_scripts_runs_in_smoke_mode() {
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "rhai"))
-        // paper.rhai builds its own real-tokenizer model in smoke mode: its own test below.
-        .filter(|p| p.file_stem().is_some_and(|s| s != "paper"))
+        // paper.rhai builds its own real-tokenizer model in smoke mode, and stress.rhai's
+        // smoke run is checked in detail: their own tests.
+        .filter(|p| p.file_stem().is_some_and(|s| s != "paper" && s != "stress"))
         .collect();
     scripts.sort();
     assert!(scripts.len() >= 2, "{scripts:?}");
@@ -524,4 +525,224 @@ fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
     assert!(stderr.contains("bad.rhai:1:"), "{stderr}");
     assert!(stdout.contains("FAILED") && stdout.contains(" ok "), "{stdout}");
     assert!(stdout.contains("runs/good-"), "the good script ran into its own folder: {stdout}");
+}
+
+/// scripts/stress.rhai in smoke mode: every method for two seeds, from the same start,
+/// one band figure and one row per run.
+#[test]
+fn stress_script_smoke_compares_every_method_over_seeds() {
+    let f = fixture();
+    let run_dir = f.root.join("runs").join("stress");
+    let (host, buf) = buffered(opts(&f, &run_dir, true));
+    let out = script::run_file(&host, &repo().join("scripts/stress.rhai"));
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\noutput:\n{printed}", out.error);
+    let methods = ["dapo", "grpo", "entropy20", "stapo", "stapo_cal"];
+    assert_eq!(out.trains.len(), 2 * methods.len(), "{printed}");
+    for m in methods {
+        for seed in 0..2 {
+            let d = run_dir.join(format!("{m}-s{seed}"));
+            let cfg: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
+            assert_eq!(cfg["seed"], seed, "{m}");
+            assert_eq!(cfg["model"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+            assert!(d.join("eval.jsonl").is_file(), "{m}-s{seed}: no held-out evaluation");
+        }
+        assert!(printed.lines().any(|l| l.starts_with(m) && l.contains(" ± ")), "{m} row:\n{printed}");
+    }
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("stress.jsonl"))
+        .expect("stress.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 10);
+    assert!(rows.iter().all(|r| r["avg8_end"].is_number() && r["entropy_end"].is_number()), "{rows:?}");
+    assert_eq!(&std::fs::read(run_dir.join("stress.png")).unwrap()[..4], b"\x89PNG");
+    let svg = std::fs::read_to_string(run_dir.join("stress.svg")).unwrap();
+    assert!(svg.contains("stapo_cal (n=2)") && svg.contains("held-out accuracy"), "figure legend");
+}
+
+/// The calibrated policy of stdlib/thresholds.rhai against a synthetic run whose
+/// candidate share follows a power law in tau_p (slope 0.6, not the policy's initial
+/// guess of 1): the silenced share reaches the target within a few steps and stays.
+#[test]
+fn the_calibrated_threshold_policy_reaches_its_target() {
+    let dir = tempdir();
+    let path = dir.path().join("cal.rhai");
+    std::fs::write(
+        &path,
+        r#"import "thresholds" as th;
+let n = 20000;
+let target = 0.004;
+let stats = #{ prev: #{} };
+let out = th::calibrated(stats, target, #{});
+print(`first tau_p=${out.tau_p}`);
+let shares = [];
+for step in 0..12 {
+    // The step runs at out.tau_p: candidates follow 0.3 * tau_p^0.6, silenced = q * candidates.
+    let tau = out.tau_p;
+    let cand = (n.to_float() * 0.3 * exp(0.6 * ln(tau))).floor().to_int();
+    let silenced = (0.75 * cand.to_float()).floor() / n.to_float();
+    shares.push(silenced);
+    stats = #{ response_tokens: n, s2t_candidates: cand, silenced_ratio: silenced, prev: out };
+    out = th::calibrated(stats, target, #{});
+}
+print(`shares=${shares}`);
+print(`slope=${out.slope}`);
+// No candidates at all: tau_p grows by max_step, and stays within max.
+let none = th::calibrated(#{ response_tokens: 100, s2t_candidates: 0, prev: #{ tau_p: 0.3 } }, target, #{});
+print(`grown=${none.tau_p}`);
+"#,
+    )
+    .unwrap();
+    let o = opts_plain(dir.path());
+    let (host, buf) = buffered(o);
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    assert!(printed.contains("first tau_p=0.002"), "{printed}");
+    let nums = |key: &str| -> Vec<f64> {
+        let line = printed.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("{key}: {printed}"));
+        line[key.len()..]
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .map(|x| x.trim().parse().unwrap())
+            .collect()
+    };
+    let shares = nums("shares=");
+    // The paper's tau_p silences 0.75 * 0.3 * 0.002^0.6 = 0.0054: too much for the target.
+    assert!((shares[0] - 0.0054).abs() < 2e-4, "{shares:?}");
+    for s in &shares[6..] {
+        assert!((s / 0.004 - 1.0).abs() < 0.05, "share {s} not at the target 0.004: {shares:?}");
+    }
+    // The secant moved from its initial guess of 1 to near the plant's slope (the
+    // integer candidate counts blur it a little).
+    let slope = nums("slope=")[0];
+    assert!((slope - 0.6).abs() < 0.1, "slope {slope}");
+    assert_eq!(nums("grown=")[0], 0.5, "0.3 x 4 clamped to max 0.5");
+}
+
+fn opts_plain(dir: &Path) -> HostOptions {
+    HostOptions {
+        smoke: false,
+        args: BTreeMap::new(),
+        run_dir: Some(dir.join("runs")),
+        resume: false,
+        progress: false,
+        watch: false,
+        stdlib_dirs: vec![repo().join("stdlib")],
+    }
+}
+
+/// STAPO's token analysis from a script, on the bundled tiny model (mixed rewards): a
+/// run's spurious.png, the silenced tokens' contexts in the metrics, the token table,
+/// run.silenced(n) and silenced_tokens.tsv, and spurious_plot for a run's rollout and
+/// for a plain one.
+#[test]
+fn silenced_tokens_come_with_contexts_and_the_spurious_figure() {
+    let dir = tempdir();
+    let repo = repo().canonicalize().unwrap();
+    let model = repo.join("models/tiny-qwen3");
+    let path = dir.path().join("spur.rhai");
+    std::fs::write(
+        &path,
+        format!(
+            r#"let t = trainer(#{{ model: "{model}", data: "{data}", objective: "stapo", prompts_per_step: 6,
+    template: #{{ kind: "raw", suffix: "" }}, sampling: #{{ n: 4, max_tokens: 40 }}, lr: 1e-4, seed: 3,
+    set: #{{ tau_p: 0.5, tau_h: 100.0, dynamic_sampling: false, overlong_max_len: 40 }} }});
+let m = t.step();
+print(`silenced=${{m.silenced_tokens}} examples=${{m.silenced_examples.len}}`);
+print(`example=${{m.silenced_examples[0]}}`);
+let top = t.silenced(2);
+print(`top=${{top[0][0]}} contexts=${{top[0][2].len}}`);
+let r = t.rollout;
+let f = spurious_plot(r, t.run_dir + "/spurious-last");
+print(`plot points=${{f.points}} silenced=${{f.silenced}}`);
+let shown = "";
+for i in 0..r.len {{
+    let rows = r.tokens(i).filter(|x| x.silenced == true);
+    if rows.len > 0 {{ shown = r.table(i); print(`row_context=${{rows[0].context}}`); break; }}
+}}
+print(`table_has_context=${{shown.contains("silenced at")}}`);
+t.checkpoint();
+let m2 = load_model("{model}");
+let ds = load_data("{test}");
+let r2 = rollout(m2, sample_prompts(ds, 6, 1), #{{ n: 4, max_tokens: 40, template: "none", seed: 5 }});
+score(r2);
+let s = s2t(r2, #{{ tau_p: 0.5, tau_h: 100.0 }});
+let g = spurious_plot(m2, r2, t.run_dir + "/plain");
+print(`plain points=${{g.points}} silenced=${{g.silenced}} s2t=${{s.silenced}}`);
+let err = "";
+try {{ spurious_plot(r2, t.run_dir + "/x"); }} catch (e) {{ err = `${{e}}`; }}
+print(`plain_error=${{err}}`);
+print(`dir=${{t.run_dir}}`);
+"#,
+            model = model.display(),
+            data = repo.join("data/arith/train.jsonl").display(),
+            test = repo.join("data/arith/test.jsonl").display(),
+        ),
+    )
+    .unwrap();
+    let (host, buf) = buffered(opts_plain(dir.path()));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    let field = |key: &str| -> String {
+        let at = printed.find(key).unwrap_or_else(|| panic!("{key}: {printed}")) + key.len();
+        printed[at..].split([' ', '\n']).next().unwrap().to_string()
+    };
+    let silenced: usize = field("silenced=").parse().unwrap();
+    assert!(silenced > 0, "{printed}");
+    assert!(field("examples=").parse::<usize>().unwrap() > 0);
+    // Contexts show the token between its neighbours.
+    let example = printed.lines().find_map(|l| l.strip_prefix("example=")).unwrap();
+    assert!(example.contains('⟦') && example.contains('⟧'), "{example}");
+    assert!(field("contexts=").parse::<usize>().unwrap() >= 1, "{printed}");
+    assert!(printed.lines().any(|l| l.starts_with("row_context=") && l.contains('⟦')), "{printed}");
+    assert!(printed.contains("table_has_context=true"), "{printed}");
+    // The run's scatter holds every positive-advantage token, and all the silenced ones (one epoch).
+    let plot = pairs(&printed, "plot ");
+    assert_eq!(plot["silenced"], silenced, "{printed}");
+    assert!(plot["points"] > silenced, "{printed}");
+    // The plain rollout: the figure marks exactly the tokens s2t(r) silenced (all have A > 0).
+    let plain = pairs(&printed, "plain ");
+    assert!(plain["points"] > 0 && plain["silenced"] > 0, "{printed}");
+    assert_eq!(plain["silenced"], plain["s2t"], "{printed}");
+    assert!(
+        printed.contains("plain_error=") && printed.contains("spurious_plot(model, rollout, path)"),
+        "{printed}"
+    );
+    let run = PathBuf::from(printed.lines().find_map(|l| l.strip_prefix("dir=")).unwrap());
+    for f in
+        ["spurious.png", "spurious.svg", "spurious-last.png", "spurious-last.svg", "plain.png", "plain.svg"]
+    {
+        assert!(run.join(f).is_file(), "missing {f}");
+    }
+    let svg = std::fs::read_to_string(run.join("spurious.svg")).unwrap();
+    assert!(
+        svg.contains(&format!("silenced by S2T ({silenced})")) && svg.contains("S2T region"),
+        "spurious.svg"
+    );
+    // silenced_tokens.tsv: token, count, contexts.
+    let tsv = std::fs::read_to_string(run.join("silenced_tokens.tsv")).unwrap();
+    let first = tsv.lines().next().unwrap();
+    assert_eq!(first.split('\t').count(), 3, "{first}");
+    assert!(first.contains('⟦'), "{first}");
+    let line: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(run.join("metrics.jsonl")).unwrap().lines().next().unwrap(),
+    )
+    .unwrap();
+    assert!(line["silenced_examples"].as_array().is_some_and(|a| !a.is_empty()), "{line}");
+}
+
+/// The `key=count` pairs of the printed line that starts with `prefix`.
+fn pairs<'a>(printed: &'a str, prefix: &str) -> std::collections::HashMap<&'a str, usize> {
+    printed
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?}: {printed}"))
+        .split(' ')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k, v.parse().unwrap()))
+        .collect()
 }
