@@ -438,7 +438,7 @@ fn draw_spurious<DB: DrawingBackend>(
         chart
             .draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (tp, th)], RED.stroke_width(2))))
             .map_err(|e| e.to_string())?
-            .label(format!("S2T region: p < {}, H < {:.3}", tick(tp), th))
+            .label(format!("S2T region (last update): p < {}, H < {:.3}", tick(tp), th))
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], RED.mix(0.3).filled()));
     }
     // Small gradients first, so the large ones are drawn on top.

@@ -792,7 +792,7 @@ impl Trainer {
     pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
         if !self.spurious.is_empty() {
             let title = format!(
-                "{}: tokens of positive-advantage responses, {} step{}",
+                "{}: tokens of positive-advantage responses of {} update{}",
                 self.cfg.objective,
                 self.spurious.steps,
                 if self.spurious.steps == 1 { "" } else { "s" }
