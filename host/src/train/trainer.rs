@@ -384,7 +384,10 @@ impl Trainer {
             pending_warnings: warnings,
             warned: Default::default(),
             last_eval: None,
-            evals: read_evals(&run_dir.join("eval.jsonl"), state.map_or(u64::MAX, |s| s.step)),
+            // A new run has no evaluations yet. (Reading eval.jsonl here for a new run raced
+            // with rank 0's step-0 evaluation in a data-parallel run: a rank that saw rank 0's
+            // line skipped the evaluation and its collectives.)
+            evals: state.map(|s| read_evals(&run_dir.join("eval.jsonl"), s.step)).unwrap_or_default(),
             model: m,
             cfg,
             comm,
