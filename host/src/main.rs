@@ -40,6 +40,7 @@ fn main() -> ExitCode {
         Command::Update(a) => commands::update::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
+        Command::Parity(a) => commands::parity::run(a),
     };
     match result {
         Ok(()) => {

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod data_args;
 pub mod eval;
 pub mod model;
+pub mod parity;
 pub mod repl;
 pub mod run;
 pub mod update;
@@ -43,6 +44,8 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Time model pieces (forward, generation, update, optimizer) for a given shape.
     Bench(bench::BenchArgs),
+    /// Compare a small model on a device/dtype against the CPU in f32: log-probs, one update, sampling.
+    Parity(parity::ParityArgs),
 }
 
 /// Where and in which precision a model runs.

@@ -10,12 +10,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rayon::prelude::*;
 
 use super::batch::{Finish, Sample};
+use super::device::StepLogits;
 use super::sampler::{row_seed, Sampler, TokenDraw};
 use super::SamplingParams;
 use crate::model::{KvCache, Qwen3, TokenBatch};
@@ -217,11 +217,6 @@ struct Run<'a> {
     hooks: &'a GenerateHooks<'a>,
 }
 
-/// `(B, vocab)` logits as one flat host vector of f32.
-fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
-    Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
-
 impl Run<'_> {
     /// Generates the groups of `prompts`, whose first has global index `first`.
     fn chunk(
@@ -231,12 +226,12 @@ impl Run<'_> {
         tokens: &mut usize,
         out: &mut Vec<Sample>,
     ) -> Result<()> {
-        let (model, n, vocab) = (self.model, self.params.n, self.model.config().vocab_size);
+        let (model, n) = (self.model, self.params.n);
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         // The last sampled token is never fed back, hence the - 1.
         let mut cache = KvCache::new(model, prompts.len(), longest + self.params.max_new_tokens - 1)?;
         let batch = TokenBatch::left_padded(prompts, self.pad_id, model.device())?;
-        let mut host = to_host(&model.decode(&batch.ids, Some(&batch.mask), &mut cache)?)?;
+        let mut logits = StepLogits::new(&model.decode(&batch.ids, Some(&batch.mask), &mut cache)?, &self.sampler)?;
         // Row r of the group cache is sample r % n of prompt r / n; before the
         // first step its logits are its prompt's row of the prefill.
         let mut logits_row: Vec<usize> = (0..prompts.len() * n).map(|r| r / n).collect();
@@ -266,16 +261,16 @@ impl Run<'_> {
             .collect();
         loop {
             let sampler = self.sampler;
-            let draws: Vec<Option<Result<TokenDraw>>> = rows
-                .par_iter_mut()
-                .zip(logits_row.par_iter())
-                .map(|(row, &l)| {
-                    (!row.done).then(|| sampler.draw(&host[l * vocab..(l + 1) * vocab], &mut row.rng))
-                })
+            let wanted: Vec<(usize, &mut StdRng)> = rows
+                .iter_mut()
+                .zip(&logits_row)
+                .filter(|(row, _)| !row.done)
+                .map(|(row, &l)| (l, &mut row.rng))
                 .collect();
-            for (row, draw) in rows.iter_mut().zip(draws) {
-                let Some(draw) = draw else { continue };
-                row.push(draw?);
+            let mut draws = logits.draw(&sampler, wanted)?.into_iter();
+            for row in rows.iter_mut().filter(|r| !r.done) {
+                let Some(draw) = draws.next() else { break };
+                row.push(draw);
                 *tokens += 1;
                 let finish = self
                     .stops
@@ -302,7 +297,7 @@ impl Run<'_> {
             }
             let next: Vec<u32> = rows.iter().map(|r| r.ids.last().copied().unwrap_or(self.pad_id)).collect();
             let next = Tensor::from_vec(next, (rows.len(), 1), model.device())?;
-            host = to_host(&model.decode(&next, None, &mut cache)?)?;
+            logits = StepLogits::new(&model.decode(&next, None, &mut cache)?, &self.sampler)?;
             logits_row = (0..rows.len()).collect();
         }
     }

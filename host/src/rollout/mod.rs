@@ -14,6 +14,7 @@
 //! tokens, stop ids, generation, decoded text) used by every caller.
 
 pub mod batch;
+pub mod device;
 pub mod generate;
 pub mod generator;
 pub mod params;

@@ -1,0 +1,56 @@
+# Sourced by .ci/cuda-check (and by hand: `source .ci/cuda-toolkit.sh`): puts a
+# CUDA 13.0 toolkit from PyPI into a cache folder and exports what candle's
+# build scripts read, so that `cargo build --features cuda` works on a machine
+# with no GPU and no system CUDA.
+#
+# Why 13.0: the first GPU machine this is built for (an H200, driver 580)
+# carries the CUDA 13 runtime libraries in its Python environment
+# (libcublas.so.13, libcurand.so.10, libnvrtc.so.13, libcudart.so.13), and a
+# driver of the 580 series loads PTX up to ISA 9.0, which is what nvcc 13.0
+# writes. A binary linked against these sonames runs there unchanged.
+#
+# The wheels hold no libcuda.so (that is the driver's); the link gets a stub
+# that defines every `cu*` entry point named in cuda.h, with the soname
+# libcuda.so.1, so the binary loads the real driver at run time.
+#
+# Env: STAPO_CUDA_HOME (default ~/.cache/stapo-cuda), CUDA_COMPUTE_CAP (90).
+
+stapo_cuda_setup() {
+    local home="${STAPO_CUDA_HOME:-$HOME/.cache/stapo-cuda}"
+    local py="$home/py13.0"
+    local root="$py/nvidia/cu13"
+    local pkgs=(
+        nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+        nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.1.0.3
+        nvidia-curand==10.4.0.35 nvidia-cuda-cccl==13.0.85
+    )
+    local stamp="$py/.stapo-installed"
+    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${pkgs[*]}" ]]; then
+        echo "cuda-toolkit: installing ${pkgs[*]} into $py"
+        rm -rf "$py"
+        mkdir -p "$home"
+        python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$py" "${pkgs[@]}" ||
+            return 1
+        echo "${pkgs[*]}" >"$stamp"
+    fi
+    # Link names (-lcublas finds libcublas.so, the wheels ship only libcublas.so.13).
+    local f base
+    for f in "$root"/lib/lib*.so.*; do
+        base="${f%%.so.*}.so"
+        [[ -e "$base" ]] || ln -s "$(basename "$f")" "$base"
+    done
+    # The driver stub.
+    if [[ ! -f "$root/lib/stubs/libcuda.so" ]]; then
+        mkdir -p "$root/lib/stubs"
+        grep -oE '\bcu[A-Z][A-Za-z0-9_]*' "$root/include/cuda.h" | sort -u |
+            sed 's/.*/void &(void) {}/' >"$root/lib/stubs/cuda_stub.c"
+        cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$root/lib/stubs/libcuda.so" \
+            "$root/lib/stubs/cuda_stub.c" || return 1
+    fi
+    export CUDA_ROOT="$root" CUDA_PATH="$root" CUDA_HOME="$root"
+    export PATH="$root/bin:$PATH"
+    export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+    nvcc --version | tail -n 2
+}
+
+stapo_cuda_setup

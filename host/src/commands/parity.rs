@@ -1,0 +1,241 @@
+//! `stapo parity`: the same small random model on the CPU in f32 (the
+//! reference) and on `--device`/`--dtype` (the target), compared on what a
+//! run depends on:
+//!
+//! - per-token log-probs and entropies of a left-padded batch;
+//! - one full RL update (`train::update`: old log-probs, loss, backward,
+//!   AdamW), its loss and gradient norm, then the log-probs again;
+//! - the rollout sampler: the device-side draw of `rollout::device` against
+//!   the host sampler on the same logits, same seeds.
+//!
+//! Prints one line per check with the largest difference and its tolerance,
+//! and fails when any check is out of tolerance. On a GPU machine this is the
+//! first half of `scripts/device_check.sh`; on the CPU, `--dtype bfloat16`
+//! checks the rollout precision against f32.
+
+use candle_core::{DType, Device};
+use clap::Args;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use stapo::model::{self, Grad, Qwen3, TokenBatch};
+use stapo::rollout::device::{Blocked, StepLogits};
+use stapo::rollout::Sampler;
+use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig, UpdateMetrics};
+
+use super::bench::ShapeArgs;
+use super::DeviceArgs;
+
+#[derive(Args, Debug)]
+pub struct ParityArgs {
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens of the longest sequence (the others are shorter, left-padded).
+    #[arg(long, default_value_t = 96)]
+    pub seq: usize,
+    /// Largest allowed |log-prob| and |entropy| difference, in nats; default
+    /// 2e-3 for float32 targets, 0.15 for bfloat16/float16 ones.
+    #[arg(long)]
+    pub tol: Option<f64>,
+    /// Learning rate of the compared update.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+/// One comparison and its verdict.
+struct Check {
+    failed: usize,
+}
+
+impl Check {
+    fn line(&mut self, name: &str, found: f64, tol: f64, note: &str) {
+        let ok = found.is_finite() && found <= tol;
+        self.failed += usize::from(!ok);
+        println!("  {name:<34} {found:>10.3e}  (tol {tol:.1e})  {}{note}", if ok { "ok" } else { "FAIL" });
+    }
+}
+
+pub fn run(a: ParityArgs) -> anyhow::Result<()> {
+    let (device, dtype) = a.device.resolve()?;
+    let cfg = a.shape.config()?;
+    anyhow::ensure!(a.batch >= 2 && a.seq >= 8, "--batch must be >= 2 and --seq >= 8");
+    anyhow::ensure!(a.seq < cfg.vocab_size, "--seq must be below the vocabulary size");
+    let tol = a.tol.unwrap_or(if dtype == DType::F32 || dtype == DType::F64 { 2e-3 } else { 0.15 });
+    println!(
+        "parity: {} {} against cpu float32; {:.1}M params ({} layers, hidden {}, vocab {}), batch {} x {}",
+        a.device.device,
+        model::dtype_name(dtype),
+        cfg.num_params() as f64 / 1e6,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        a.batch,
+        a.seq
+    );
+    // model::init draws on the host, so one seed gives the same weights everywhere.
+    let reference = model::init(&cfg, 1, 0.05, DType::F32, &Device::Cpu)?;
+    let target = model::init(&cfg, 1, 0.05, dtype, &device)?;
+    let rows = token_rows(&cfg, a.batch, a.seq);
+    let mut check = Check { failed: 0 };
+
+    // 1. Log-probs and entropies of every real next-token position.
+    let (lp_ref, h_ref) = logprobs(&reference, &rows)?;
+    let (lp_dev, h_dev) = logprobs(&target, &rows)?;
+    check.line("log-probs", max_diff(&lp_ref, &lp_dev), tol, "");
+    check.line("entropies", max_diff(&h_ref, &h_dev), tol, "");
+
+    // 2. One RL update on each, then the log-probs again.
+    let seqs = sequences(&rows);
+    let (m_ref, lp_ref2) = one_update(&reference, &seqs, &rows, a.lr)?;
+    let (m_dev, lp_dev2) = one_update(&target, &seqs, &rows, a.lr)?;
+    let rel = |x: f32, y: f32| ((x - y).abs() / x.abs().max(1e-6)) as f64;
+    let update_tol = if dtype == DType::F32 || dtype == DType::F64 { 1e-3 } else { 0.05 };
+    check.line(
+        "update: loss (relative)",
+        rel(m_ref.loss, m_dev.loss),
+        update_tol,
+        &format!("  cpu {:.6} vs {:.6}", m_ref.loss, m_dev.loss),
+    );
+    check.line(
+        "update: grad norm (relative)",
+        rel(m_ref.grad_norm, m_dev.grad_norm),
+        update_tol,
+        &format!("  cpu {:.6} vs {:.6}", m_ref.grad_norm, m_dev.grad_norm),
+    );
+    let moved = max_diff(&lp_ref, &lp_ref2);
+    // Adam's first step moves every weight by about lr whatever the gradient's
+    // size, so a weight whose gradient is ~0 may move the other way on the other
+    // device: allowed for by 5% of how far the update moved the log-probs.
+    check.line(
+        "log-probs after the update",
+        max_diff(&lp_ref2, &lp_dev2),
+        tol + 0.05 * moved,
+        &format!("  (the update moved them by up to {moved:.3e})"),
+    );
+
+    // 3. Sampling from the target's last-position logits: device-side blocks
+    // against the host sampler on the same logits.
+    let batch = TokenBatch::left_padded(&rows, 0, &device)?;
+    let h = target.forward_hidden(&batch, Grad::Off)?;
+    let last = h.narrow(1, a.seq - 1, 1)?.squeeze(1)?;
+    let logits = target.lm_head(&last, Grad::Off)?;
+    let host = match StepLogits::host(&logits)? {
+        StepLogits::Host { data, .. } => data,
+        StepLogits::Device(_) => unreachable!("StepLogits::host copies to the host"),
+    };
+    let v = cfg.vocab_size;
+    for (name, temperature) in [("sampling T=1.0", 1.0), ("sampling T=0.7", 0.7), ("sampling greedy", 0.0)] {
+        let s = Sampler { temperature, top_p: 1.0, top_k: None };
+        let blocked = Blocked::new(&logits, &s)?;
+        let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
+            (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();
+        let (mut draws, mut mismatched, mut stat_diff) = (0usize, 0usize, 0f64);
+        for _ in 0..32 {
+            let got = blocked.draw(&s, dev_rng.iter_mut().enumerate().collect())?;
+            for (r, g) in got.iter().enumerate() {
+                let want = s.draw(&host[r * v..(r + 1) * v], &mut host_rng[r])?;
+                draws += 1;
+                if g.id != want.id {
+                    mismatched += 1;
+                    continue;
+                }
+                for (x, y) in [(g.logprob, want.logprob), (g.logprob_raw, want.logprob_raw), (g.entropy, want.entropy)]
+                {
+                    stat_diff = stat_diff.max((x - y).abs() as f64);
+                }
+            }
+        }
+        // A draw may flip only when its uniform lands within float rounding of a
+        // token boundary: allow 1% of draws.
+        check.line(
+            &format!("{name}: ids differing"),
+            mismatched as f64 / draws as f64,
+            0.01,
+            &format!("  ({mismatched} of {draws})"),
+        );
+        check.line(&format!("{name}: stats of equal ids"), stat_diff, 1e-4, "");
+    }
+
+    if check.failed > 0 {
+        anyhow::bail!("parity: {} check(s) out of tolerance", check.failed);
+    }
+    println!("parity: all checks passed");
+    Ok(())
+}
+
+/// `batch` token rows of decreasing length (the longest `seq`), deterministic.
+fn token_rows(cfg: &model::Config, batch: usize, seq: usize) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| {
+            let len = seq - (b * seq / (2 * batch));
+            (0..len).map(|t| ((b * 7919 + t * 104_729 + 1) % cfg.vocab_size) as u32).collect()
+        })
+        .collect()
+}
+
+/// Next-token log-probs and entropies at every real position of `rows`, flat, as f32.
+fn logprobs(m: &Qwen3, rows: &[Vec<u32>]) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+    let batch = TokenBatch::left_padded(rows, 0, m.device())?;
+    let (b, l) = batch.dims();
+    let h = m.forward_hidden(&batch, Grad::Off)?.narrow(1, 0, l - 1)?;
+    let logits = m.lm_head(&h, Grad::Off)?;
+    let targets = batch.ids.narrow(1, 1, l - 1)?;
+    let (lp, ent) = model::logprob_entropy(&logits, &targets)?;
+    let lp = lp.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let ent = ent.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let (mut out_lp, mut out_h) = (Vec::new(), Vec::new());
+    for r in 0..b {
+        // Position j predicts token j + 1; keep those whose input token is real.
+        for j in 0..l - 1 {
+            if batch.mask[r][j] == 1 {
+                out_lp.push(lp[r][j]);
+                out_h.push(ent[r][j]);
+            }
+        }
+    }
+    Ok((out_lp, out_h))
+}
+
+/// The rows as RL sequences: the first quarter of each is the prompt, groups
+/// of two with one rewarded response each (so advantages are +-1).
+fn sequences(rows: &[Vec<u32>]) -> Vec<Sequence> {
+    rows.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let p = (r.len() / 4).max(1);
+            Sequence {
+                prompt_ids: r[..p].to_vec(),
+                response_ids: r[p..].to_vec(),
+                rollout_logprobs: None,
+                reward: (i % 2) as f32,
+                group: i / 2,
+                truncated: false,
+            }
+        })
+        .collect()
+}
+
+/// One `train::update` of `m` (default objective, one mini-batch), then the
+/// log-probs of `rows` under the updated weights.
+fn one_update(
+    m: &Qwen3,
+    seqs: &[Sequence],
+    rows: &[Vec<u32>],
+    lr: f64,
+) -> anyhow::Result<(UpdateMetrics, Vec<f32>)> {
+    let mut opt = AdamW::new(m.params(), AdamWConfig { lr, ..AdamWConfig::default() })?;
+    let metrics = stapo::train::update(m, &mut opt, None, seqs, &UpdateConfig::default(), lr, 0)?;
+    anyhow::ensure!(metrics.optimizer_steps == 1, "parity: the update took no optimizer step");
+    Ok((metrics, logprobs(m, rows)?.0))
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
+}
