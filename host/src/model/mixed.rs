@@ -125,7 +125,10 @@ mod tests {
         let lsm = crate::model::ops::log_softmax(&logits).expect("lsm");
         // Real positions only: row 1 is left-padded by 2.
         let rows = [lsm.get(0).expect("row 0"), lsm.get(1).and_then(|r| r.narrow(0, 2, 3)).expect("row 1")];
-        let v = rows.iter().flat_map(|r| r.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec")).collect();
+        let v = rows
+            .iter()
+            .flat_map(|r| r.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec"))
+            .collect();
         (v, scale)
     }
 
@@ -154,8 +157,8 @@ mod tests {
         assert!(d0 < tol, "bf16 copy vs f32 master before the update: {d0} >= {tol}");
 
         // One real optimizer step on the master: push up the log-prob of token 5 everywhere.
-        let mut opt = AdamW::new(master.params(), AdamWConfig { lr: 1e-2, ..AdamWConfig::default() })
-            .expect("adamw");
+        let mut opt =
+            AdamW::new(master.params(), AdamWConfig { lr: 1e-2, ..AdamWConfig::default() }).expect("adamw");
         let logits = master.forward(&batch()).expect("forward");
         let loss = crate::model::ops::log_softmax(&logits)
             .and_then(|l| Ok(l.narrow(D::Minus1, 5, 1)?.sum_all()?.neg()?))
@@ -183,8 +186,9 @@ mod tests {
         let text = r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": true}"#;
-        let b = init(&Config::from_json_str(text, "one layer").expect("cfg"), 1, 0.2, DType::F32, &Device::Cpu)
-            .expect("init");
+        let b =
+            init(&Config::from_json_str(text, "one layer").expect("cfg"), 1, 0.2, DType::F32, &Device::Cpu)
+                .expect("init");
         let copy = RolloutCopy::new(&a, DType::BF16).expect("copy");
         let err = copy.refresh(&b).expect_err("mismatched models");
         assert!(err.to_string().contains("parameters"), "{err}");

@@ -128,7 +128,9 @@ impl Blocked {
         let stats = |r: usize| -> Result<(f64, f32)> {
             let s = self.sum[r] as f64;
             if !s.is_finite() || s <= 0.0 {
-                return Err(Error::invalid(format!("sampling: logits of row {r} contain NaN or no finite maximum")));
+                return Err(Error::invalid(format!(
+                    "sampling: logits of row {r} contain NaN or no finite maximum"
+                )));
             }
             let ln_s = s.ln();
             Ok((ln_s, (ln_s - self.sum_ed[r] as f64 / s) as f32))
@@ -220,8 +222,9 @@ mod tests {
     /// a vocabulary that is not a multiple of [`BLOCK`].
     fn logits(v: usize) -> Vec<Vec<f32>> {
         let mut rng = StdRng::seed_from_u64(11);
-        let mut rows: Vec<Vec<f32>> =
-            (0..5).map(|s| (0..v).map(|_| rng.random::<f32>() * (2.0 + 3.0 * s as f32) - 4.0).collect()).collect();
+        let mut rows: Vec<Vec<f32>> = (0..5)
+            .map(|s| (0..v).map(|_| rng.random::<f32>() * (2.0 + 3.0 * s as f32) - 4.0).collect())
+            .collect();
         rows.push((0..v).map(|i| if i % 97 == 0 { 3.0 } else { -2.0 }).collect());
         rows
     }
@@ -241,7 +244,8 @@ mod tests {
             for temp in [1.0, 0.7, 1.3, 0.0] {
                 let s = sampler(temp);
                 let blocked = Blocked::new(&t, &s).expect("blocked");
-                let mut host_rngs: Vec<StdRng> = (0..rows.len()).map(|r| StdRng::seed_from_u64(r as u64)).collect();
+                let mut host_rngs: Vec<StdRng> =
+                    (0..rows.len()).map(|r| StdRng::seed_from_u64(r as u64)).collect();
                 let mut dev_rngs = host_rngs.clone();
                 for _ in 0..50 {
                     let got =

@@ -231,7 +231,8 @@ impl Run<'_> {
         // The last sampled token is never fed back, hence the - 1.
         let mut cache = KvCache::new(model, prompts.len(), longest + self.params.max_new_tokens - 1)?;
         let batch = TokenBatch::left_padded(prompts, self.pad_id, model.device())?;
-        let mut logits = StepLogits::new(&model.decode(&batch.ids, Some(&batch.mask), &mut cache)?, &self.sampler)?;
+        let mut logits =
+            StepLogits::new(&model.decode(&batch.ids, Some(&batch.mask), &mut cache)?, &self.sampler)?;
         // Row r of the group cache is sample r % n of prompt r / n; before the
         // first step its logits are its prompt's row of the prefill.
         let mut logits_row: Vec<usize> = (0..prompts.len() * n).map(|r| r / n).collect();

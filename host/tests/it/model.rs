@@ -388,4 +388,22 @@ fn recomputed_layers_give_the_same_gradients() {
         assert!(!model::Recompute::Auto.active(20, &Device::Cpu));
         assert!(model::Recompute::Auto.active(model::Recompute::AUTO_TOKENS, &Device::Cpu));
     }
+
+/// `stapo parity` on the CPU with a bf16 rollout copy: the copy's log-probs stay
+/// within bf16 tolerance of the f32 model before and after an update (the copy
+/// refreshed from the f32 master), and the device-side sampler draws what the
+/// host sampler draws.
+#[test]
+fn parity_command_passes_for_a_bf16_rollout_copy_on_the_cpu() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
+        .args(["parity", "--device", "cpu", "--dtype", "bfloat16", "--layers", "2", "--hidden", "128"])
+        .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--intermediate", "256"])
+        .args(["--vocab", "1000", "--batch", "4", "--seq", "32"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("log-probs after the update (bfloat16 copy)"), "{stdout}");
+    assert!(stdout.contains("parity: all checks passed"), "{stdout}");
+    assert!(!stdout.contains("FAIL"), "{stdout}");
 }
