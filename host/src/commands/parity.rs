@@ -253,7 +253,7 @@ fn one_update(
     lr: f64,
 ) -> anyhow::Result<(UpdateMetrics, Vec<f32>)> {
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr, ..AdamWConfig::default() })?;
-    let metrics = stapo::train::update(m, &mut opt, None, seqs, &UpdateConfig::default(), lr, 0)?;
+    let metrics = stapo::train::update(m, &mut opt, None, seqs, &UpdateConfig::default(), lr, 0)?.metrics;
     anyhow::ensure!(metrics.optimizer_steps == 1, "parity: the update took no optimizer step");
     Ok((metrics, logprobs(m, rows)?.0))
 }
