@@ -100,6 +100,11 @@ pub struct RunConfig {
     /// Weights in memory: float32, bfloat16, float16; device: cpu, cuda, cuda:N.
     pub dtype: String,
     pub device: String,
+    /// Sample rollouts (and evaluate) with a copy of the policy in this dtype
+    /// (e.g. "bfloat16" on a GPU), refreshed from the master weights after every
+    /// update ([`model::RolloutCopy`]); `None` (or `dtype` itself) samples from the
+    /// master weights.
+    pub rollout_dtype: Option<String>,
 }
 
 impl Default for RunConfig {
@@ -136,6 +141,7 @@ impl Default for RunConfig {
             keep_checkpoints: 2,
             dtype: "float32".into(),
             device: "cpu".into(),
+            rollout_dtype: None,
         }
     }
 }
@@ -199,6 +205,8 @@ pub struct Trainer {
     cfg: RunConfig,
     objective: ObjectiveConfig,
     model: Qwen3,
+    /// The low-precision copy rollouts sample from (`rollout_dtype`).
+    rollout_copy: Option<model::RolloutCopy>,
     reference: Option<Qwen3>,
     opt: AdamW,
     tokenizer: Tokenizer,
@@ -364,7 +372,19 @@ impl Trainer {
             _ => None,
         };
         let opt = AdamW::new(m.params(), cfg.adamw.clone())?;
+        let rollout_copy = match &cfg.rollout_dtype {
+            Some(name) => {
+                let dt = model::parse_dtype(name).map_err(|e| Error::Config {
+                    file: "run config".into(),
+                    field: "rollout_dtype".into(),
+                    msg: e.to_string(),
+                })?;
+                (dt != m.dtype()).then(|| model::RolloutCopy::new(&m, dt)).transpose()?
+            }
+            None => None,
+        };
         Ok(Self {
+            rollout_copy,
             dtype: m.dtype(),
             objective,
             reference,
@@ -404,6 +424,11 @@ impl Trainer {
     }
     pub fn model(&self) -> &Qwen3 {
         &self.model
+    }
+    /// The weights rollouts and evaluation sample from: the `rollout_dtype` copy
+    /// when there is one, else the master weights.
+    pub fn sampling_model(&self) -> &Qwen3 {
+        self.rollout_copy.as_ref().map_or(&self.model, |c| c.model())
     }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
@@ -568,6 +593,9 @@ impl Trainer {
             plan.lr,
             tok.pad_id(),
         )?;
+        if let Some(copy) = &self.rollout_copy {
+            copy.refresh(&self.model)?;
+        }
         let mut um = outcome.metrics;
         // Batch metrics over everything sampled this step (also groups dynamic sampling
         // dropped before the update).
@@ -664,7 +692,7 @@ impl Trainer {
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
         let hooks =
             GenerateHooks { progress, cancel, first_prompt_index: share.start, ..GenerateHooks::default() };
-        let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
+        let gen = Generator::with_prompter(self.sampling_model(), &self.tokenizer, self.prompter.clone());
         let generated = gen.generate(&prompts, &sampling, &hooks)?;
         let (mut samples, texts) = (generated.samples, generated.prompt_texts);
         for s in &mut samples {
@@ -697,7 +725,7 @@ impl Trainer {
         // every rank's hooks see the same numbers.
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
-            let gen = Generator::with_prompter(&self.model, &self.tokenizer, self.prompter.clone());
+            let gen = Generator::with_prompter(self.sampling_model(), &self.tokenizer, self.prompter.clone());
             let report = eval::evaluate(&gen, ex, &params, self.cfg.extract, 64, &|_| {})?
                 .with_pass_k(&self.cfg.eval_pass_k)?;
             let dir = self.run_dir.join("eval");

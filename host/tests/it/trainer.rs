@@ -152,3 +152,39 @@ fn dynamic_sampling_refills_or_warns_at_the_limit() {
     }
     assert!(batch.samples.iter().any(|s| s.truncated));
 }
+
+#[test]
+fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    cfg.eval_every = 0;
+    cfg.save_every = 0;
+    cfg.rollout_dtype = Some("bfloat16".into());
+    let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
+    assert_eq!(t.model().dtype(), candle_core::DType::F32);
+    assert_eq!(t.sampling_model().dtype(), candle_core::DType::BF16);
+    let before = weights(&t);
+    t.step(&t.default_plan(), None, None).unwrap();
+    assert_ne!(weights(&t), before, "the update moved the master weights");
+    // After the update the copy holds the new master weights, rounded to bf16.
+    for ((name, m), (_, c)) in t.model().params().iter().zip(t.sampling_model().params().iter()) {
+        let want = m.as_tensor().to_dtype(candle_core::DType::BF16).unwrap();
+        let got = c.as_tensor();
+        let d = (want.to_dtype(candle_core::DType::F32).unwrap() - got.to_dtype(candle_core::DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(d, 0.0, "{name}: the rollout copy lags the master");
+    }
+    // A bad name is an error naming the field.
+    let bad = RunConfig { rollout_dtype: Some("float8".into()), ..cfg };
+    let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
+    assert!(err.contains("rollout_dtype"), "{err}");
+}
