@@ -388,6 +388,7 @@ fn recomputed_layers_give_the_same_gradients() {
         assert!(!model::Recompute::Auto.active(20, &Device::Cpu));
         assert!(model::Recompute::Auto.active(model::Recompute::AUTO_TOKENS, &Device::Cpu));
     }
+}
 
 /// `stapo parity` on the CPU with a bf16 rollout copy: the copy's log-probs stay
 /// within bf16 tolerance of the f32 model before and after an update (the copy

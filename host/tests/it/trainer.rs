@@ -171,16 +171,17 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     for ((name, m), (_, c)) in t.model().params().iter().zip(t.sampling_model().params().iter()) {
         let want = m.as_tensor().to_dtype(candle_core::DType::BF16).unwrap();
         let got = c.as_tensor();
-        let d = (want.to_dtype(candle_core::DType::F32).unwrap() - got.to_dtype(candle_core::DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = (want.to_dtype(candle_core::DType::F32).unwrap()
+            - got.to_dtype(candle_core::DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
         assert_eq!(d, 0.0, "{name}: the rollout copy lags the master");
     }
     // A bad name is an error naming the field.
