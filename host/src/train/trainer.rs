@@ -355,10 +355,9 @@ impl Trainer {
         let tok_path = cfg.model.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         let prompter = tokenizer.prompter(&cfg.template)?;
-        if let Some(note) = prompter.note() {
-            eprintln!("{note}");
-        }
-        let (train, warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
+        let (train, mut warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
+        // Reported with the first step's warnings (library code prints nothing).
+        warnings.extend(prompter.note().map(str::to_string));
         let test = match &cfg.test_data {
             Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
             None => None,

@@ -133,7 +133,7 @@ pub fn sft_step(
     let (loss, tokens) = sft_loss(model, batch, pad_id, Grad::Track)?;
     let value = loss.to_scalar::<f32>()?;
     if !value.is_finite() {
-        eprintln!("warning: sft: non-finite loss {value}; step skipped, weights unchanged");
+        // The caller sees `skipped` (pretrain_tiny reports it in its log).
         return Ok(SftMetrics { loss: value, tokens, grad_norm: f32::NAN, skipped: true });
     }
     let grads = loss.backward()?;

@@ -340,6 +340,12 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     for (step, chunk) in sft.chunks(cfg.batch_size).enumerate() {
         let batch: Vec<(Vec<u32>, Vec<u32>)> = chunk.iter().map(encode).collect::<Result<_>>()?;
         let m = sft_step(&model, &mut opt, &batch, schedule.lr_at(cfg.lr, step as u64), tok.pad_id())?;
+        if m.skipped {
+            log(&format!(
+                "warning: step {step}: non-finite loss {}; step skipped, weights unchanged",
+                m.loss
+            ));
+        }
         loss_ema = if loss_ema.is_nan() { m.loss } else { 0.95 * loss_ema + 0.05 * m.loss };
         report.steps = step + 1;
         report.final_loss = loss_ema;
