@@ -47,6 +47,8 @@ stapo_cuda_setup() {
         cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$root/lib/stubs/libcuda.so" \
             "$root/lib/stubs/cuda_stub.c" || return 1
     fi
+    # The binary asks for the soname; running it here (its CPU path) finds the stub.
+    [[ -e "$root/lib/stubs/libcuda.so.1" ]] || ln -s libcuda.so "$root/lib/stubs/libcuda.so.1"
     export CUDA_ROOT="$root" CUDA_PATH="$root" CUDA_HOME="$root"
     export PATH="$root/bin:$PATH"
     export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
