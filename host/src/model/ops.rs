@@ -113,16 +113,84 @@ pub fn causal_bias(l: usize, s: usize, offset: usize, device: &Device) -> Result
     Ok(Tensor::from_vec(bias, (1, 1, l, s), device)?)
 }
 
-/// Grouped-query attention. `q` is `(B, Hq, L, D)`, `k`/`v` are `(B, Hkv, S, D)`,
-/// `mask` is an additive `(B, 1, L, S)` bias. Returns `(B, L, Hq * D)`.
+/// The attention mask of one forward pass: causal over global positions
+/// (query `i` of the chunk sees keys `j <= offset + i`) plus an additive bias
+/// per key (0 for a real token, [`MASKED`] for padding).
+///
+/// Short chunks and other devices get the dense `(B, 1, L, S)` bias and the
+/// dense kernels; from [`AttnMask::BLOCKWISE_FROM`] queries on the CPU the
+/// blockwise kernel ([`fused::attention_blockwise`]) needs only the per-key
+/// bias, so no `L × S` tensor is built.
+#[derive(Clone)]
+pub struct AttnMask {
+    offset: usize,
+    /// `(B, 1, 1, S)` in the compute dtype.
+    key_bias: Tensor,
+    /// The dense `(B, 1, L, S)` bias; `None` when the blockwise kernel serves.
+    dense: Option<Tensor>,
+}
+
+impl AttnMask {
+    /// Queries per chunk from which CPU attention runs blockwise.
+    pub const BLOCKWISE_FROM: usize = 512;
+
+    /// The mask of `l` queries after `offset` cached keys, with `key_bias`
+    /// `(B, 1, 1, S)` over all keys, for a model in `dtype` on `device`.
+    pub fn new(l: usize, offset: usize, key_bias: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
+        let blockwise = l >= Self::BLOCKWISE_FROM && fused::supported_on(device, dtype);
+        Self::with_kernel(l, offset, key_bias, dtype, blockwise)
+    }
+
+    /// [`AttnMask::new`] with the kernel chosen by the caller (tests, A/B checks).
+    pub fn with_kernel(
+        l: usize,
+        offset: usize,
+        key_bias: &Tensor,
+        dtype: DType,
+        blockwise: bool,
+    ) -> Result<Self> {
+        let key_bias = key_bias.to_dtype(compute_dtype(dtype))?;
+        let dense = if blockwise {
+            None
+        } else {
+            let s = key_bias.dim(D::Minus1)?;
+            Some(
+                causal_bias(l, s, offset, key_bias.device())?
+                    .to_dtype(key_bias.dtype())?
+                    .broadcast_add(&key_bias)?,
+            )
+        };
+        Ok(Self { offset, key_bias, dense })
+    }
+
+    /// True when the blockwise kernel serves this mask.
+    pub fn blockwise(&self) -> bool {
+        self.dense.is_none()
+    }
+}
+
+/// Grouped-query attention. `q` is `(B, Hq, L, D)`, `k`/`v` are `(B, Hkv, S, D)`.
+/// Returns `(B, L, Hq * D)`.
 ///
 /// Query head `h` reads key/value head `h / (Hq / Hkv)` (HF's `repeat_kv`); instead
 /// of repeating k and v, the queries of one group are stacked along L.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_kv: usize) -> Result<Tensor> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, n_kv: usize) -> Result<Tensor> {
+    let dense = match &mask.dense {
+        None if fused::supported(q) => {
+            return fused::attention_blockwise(q, k, v, &mask.key_bias, mask.offset, fused::attention::BLOCKS)
+        }
+        None => {
+            let (l, s) = (q.dim(2)?, mask.key_bias.dim(D::Minus1)?);
+            &causal_bias(l, s, mask.offset, q.device())?
+                .to_dtype(mask.key_bias.dtype())?
+                .broadcast_add(&mask.key_bias)?
+        }
+        Some(m) => m,
+    };
     if fused::supported(q) {
-        return fused::attention(q, k, v, mask);
+        return fused::attention(q, k, v, dense);
     }
-    attention_composed(q, k, v, mask, n_kv)
+    attention_composed(q, k, v, dense, n_kv)
 }
 
 /// [`attention`] from candle ops.

@@ -440,26 +440,13 @@ impl Qwen3 {
         grad: Grad,
     ) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;
-        let s = offset + l;
         // (B, L) -> (B, L, hidden)
         let mut x = self.w(&self.embed_tokens, grad).index_select(&ids.flatten_all()?, 0)?.reshape((
             b,
             l,
             self.cfg.hidden_size,
         ))?;
-        // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
-        let freqs = positions
-            .to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&self.inv_freq)?
-            .to_dtype(ops::compute_dtype(self.dtype))?;
-        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
-        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
-        // Additive mask (B, 1, L, S): causal within the chunk plus key padding.
-        let mask = ops::causal_bias(l, s, offset, &self.device)?
-            .broadcast_add(pad_bias)?
-            .to_dtype(ops::compute_dtype(self.dtype))?;
-        let ctx = LayerCtx { cfg: self.cfg.clone(), cos, sin, mask };
+        let ctx = self.layer_ctx(positions, pad_bias, offset, l)?;
         // Activation checkpointing: keep only each layer's input, rerun the
         // layer in the backward pass (model::recompute).
         let recompute =
@@ -474,16 +461,33 @@ impl Qwen3 {
         }
         ops::rms_norm(&x, &self.w(&self.norm, grad), self.cfg.rms_norm_eps)
     }
+
+    /// The rotary tables and attention mask of `l` positions after `offset`
+    /// cached keys, shared by every layer.
+    fn layer_ctx(&self, positions: &Tensor, pad_bias: &Tensor, offset: usize, l: usize) -> Result<LayerCtx> {
+        // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq)?
+            .to_dtype(ops::compute_dtype(self.dtype))?;
+        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        // Causal within the chunk plus key padding; dense (B, 1, L, S) only for
+        // short chunks (ops::AttnMask).
+        let mask = ops::AttnMask::new(l, offset, pad_bias, self.dtype, &self.device)?;
+        Ok(LayerCtx { cfg: self.cfg.clone(), cos, sin, mask })
+    }
 }
 
 /// What a decoder layer reads besides its weights and input: the config, the
-/// rotary tables `(B, 1, L, D/2)` and the additive mask `(B, 1, L, S)`.
+/// rotary tables `(B, 1, L, D/2)` and the attention mask.
 #[derive(Clone)]
 pub(super) struct LayerCtx {
     pub cfg: Config,
     pub cos: Tensor,
     pub sin: Tensor,
-    pub mask: Tensor,
+    pub mask: ops::AttnMask,
 }
 
 /// The weight `v` as the forward uses it: tracked, or a detached view.
@@ -548,4 +552,55 @@ pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Ten
         return super::fused::logprob_entropy(&logits, targets);
     }
     ops::logprob_entropy_composed(&logits, targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fused::test_util::{randn, rel_err};
+
+    /// The whole decoder stack on left-padded rows with the blockwise and the
+    /// dense attention kernels: same hidden states on real positions, same
+    /// gradients for the input and every weight.
+    #[test]
+    fn blockwise_and_dense_attention_give_the_same_stack() {
+        let cfg = Config::from_json_str(
+            r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true}"#,
+            "tiny",
+        )
+        .unwrap();
+        let m = crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap();
+        let (b, l, pad) = (2, 40, 7);
+        let mask: Vec<Vec<u8>> =
+            (0..b).map(|r| (0..l).map(|j| u8::from(r == 0 || j >= pad)).collect()).collect();
+        let batch = TokenBatch::from_parts(vec![3; b * l], mask.clone(), &Device::Cpu).unwrap();
+        let bias: Vec<f32> = mask.iter().flatten().map(|&x| if x == 1 { 0.0 } else { ops::MASKED }).collect();
+        let bias = Tensor::from_vec(bias, (b, 1, 1, l), &Device::Cpu).unwrap();
+        let keep: Vec<f32> = mask.iter().flatten().map(|&x| f32::from(x)).collect();
+        let keep = Tensor::from_vec(keep, (b, l, 1), &Device::Cpu).unwrap();
+        let x = randn(&[b, l, 64], DType::F32, 9);
+        let probe = randn(&[b, l, 64], DType::F32, 10);
+        let run = |blockwise: bool| {
+            let mut ctx = m.layer_ctx(&batch.positions, &bias, 0, l).unwrap();
+            ctx.mask = ops::AttnMask::with_kernel(l, 0, &bias, DType::F32, blockwise).unwrap();
+            assert_eq!(ctx.mask.blockwise(), blockwise);
+            let mut h = x.as_tensor().clone();
+            for layer in &m.layers {
+                h = layer_forward(layer, &ctx, &h, 0, None, Grad::Track).unwrap();
+            }
+            let h = h.broadcast_mul(&keep).unwrap();
+            let g = (&h * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            (h, g)
+        };
+        let ((ha, ga), (hb, gb)) = (run(true), run(false));
+        assert!(rel_err(&ha, &hb) < 1e-5, "hidden states: {:e}", rel_err(&ha, &hb));
+        let mut vars: Vec<(String, Var)> = m.params();
+        vars.push(("input".into(), x.clone()));
+        for (name, v) in vars.iter().filter(|(n, _)| n.starts_with("model.layers") || n == "input") {
+            let (a, b) = (ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
+            assert!(rel_err(a, b) < 1e-4, "{name}: gradient error {:e}", rel_err(a, b));
+        }
+    }
 }

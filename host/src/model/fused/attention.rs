@@ -1,11 +1,18 @@
-//! Fused grouped-query attention with an additive mask. The backward follows
-//! FlashAttention's (Dao et al., 2022): probabilities are recomputed from q and
-//! k instead of being stored.
+//! Fused grouped-query attention. The backward follows FlashAttention's (Dao et
+//! al., 2022): probabilities are recomputed from q and k instead of being stored.
+//!
+//! Two kernels: [`attention`] takes a dense additive `(B, L, S)` mask and forms
+//! one head's `L × S` scores at a time (short chunks, decoding with a cache);
+//! [`attention_blockwise`] is causal with a bias per key and runs over blocks
+//! of queries and keys with an online softmax, so no `L × S` tensor exists in
+//! the forward or the backward and key blocks after a query block are skipped.
+
+use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{mm, slice, with_host, zero, Real, SendPtr};
+use super::{mm, one, slice, with_host, zero, Real, SendPtr};
 use crate::Result;
 
 /// Grouped-query attention with an additive mask (see [`super::ops::attention`]).
@@ -261,6 +268,406 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
     Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, op)?)
 }
 
+/// Default block sizes of [`attention_blockwise`]: query rows and keys per block.
+/// A block's scores (`64 × 256` values) stay in L2; the products are big
+/// enough for the gemm microkernels.
+pub const BLOCKS: (usize, usize) = (64, 256);
+
+/// Blockwise causal grouped-query attention with an online softmax
+/// (FlashAttention, Dao et al., 2022; FlashAttention-2's loop order). Query
+/// `i` of `L` sees keys `j <= offset + i`, each with the additive bias
+/// `key_bias[b, j]`. The forward keeps only the output and each row's
+/// log-sum-exp; the backward recomputes the probabilities block by block.
+/// Key blocks wholly after a query block's last row are never visited.
+struct Blockwise {
+    /// `(B, S)` contiguous, in the inputs' dtype, a constant.
+    key_bias: Tensor,
+    offset: usize,
+    scale: f64,
+    blocks: (usize, usize),
+    /// Log-sum-exp of every score row, `(B, Hq, L)`, left by the forward for the backward.
+    lse: Mutex<Option<CpuStorage>>,
+}
+
+/// The shape of one blockwise problem.
+#[derive(Clone, Copy)]
+struct Dims {
+    l: usize,
+    s: usize,
+    offset: usize,
+    bq: usize,
+    bk: usize,
+}
+
+impl Dims {
+    /// Query rows `i0..i0 + rows` of block `qb`, and the number of keys the
+    /// block's last row sees.
+    fn qblock(&self, qb: usize) -> (usize, usize, usize) {
+        let i0 = qb * self.bq;
+        let rows = self.bq.min(self.l - i0);
+        (i0, rows, self.s.min(self.offset + i0 + rows))
+    }
+
+    fn n_qblocks(&self) -> usize {
+        self.l.div_ceil(self.bq)
+    }
+}
+
+/// Scores of query rows `i0..i0 + rows` against keys `j0..j0 + cols` into
+/// `sc` (`rows × cols`): `scale · q kᵀ + bias`, with `-∞` on keys after a
+/// row's causal limit. Returns nothing; row maxima are left to the caller.
+///
+/// # Safety
+/// `q` addresses `rows × D` contiguous elements, `k` a `cols × D` matrix with row stride `ss`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores<T: Real>(
+    sc: &mut [T],
+    q: *const T,
+    k: *const T,
+    ss: usize,
+    bias: &[T],
+    (rows, cols, d): (usize, usize, usize),
+    (i0, j0, offset): (usize, usize, usize),
+    scale: T,
+) {
+    mm((rows, cols, d), sc.as_mut_ptr(), cols, false, q, (d, 1), k, (1, ss), scale);
+    let ninf = T::from_f64(f64::NEG_INFINITY);
+    for (r, row) in sc.chunks_exact_mut(cols).enumerate() {
+        // Keys j0 + c with c < visible are at or before the row's causal limit.
+        let visible = (offset + i0 + r + 1).saturating_sub(j0).min(cols);
+        for (v, &bv) in row[..visible].iter_mut().zip(&bias[j0..j0 + visible]) {
+            *v += bv;
+        }
+        row[visible..].iter_mut().for_each(|v| *v = ninf);
+    }
+}
+
+impl CustomOp3 for Blockwise {
+    fn name(&self) -> &'static str {
+        "blockwise-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, nq, l, d) = l1.shape().dims4()?;
+        let (nkv, s) = (l2.dims()[1], l2.dims()[2]);
+        let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
+        let g = nq / nkv;
+        let (kv, vv) = (View4::of(l2)?, View4::of(l3)?);
+        by_dtype!(s1, "blockwise attention", |T| {
+            let q = slice::<T>(s1, l1, "blockwise attention")?;
+            let (k, v) = (s2.as_slice::<T>()?, s3.as_slice::<T>()?);
+            let scale = T::from_f64(self.scale);
+            let mut out = vec![zero::<T>(); b * l * nq * d];
+            let mut lse = vec![zero::<T>(); b * nq * l];
+            let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+            let nqb = dm.n_qblocks();
+            with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
+                (0..b * nq * nqb).into_par_iter().for_each(|task| {
+                    let (bh, qb) = (task / nqb, task % nqb);
+                    let (bi, hi) = (bh / nq, bh % nq);
+                    let (i0, rows, kend) = dm.qblock(qb);
+                    let (o, lo) = (optr, lptr);
+                    let bias = &bias[bi * s..][..s];
+                    let ninf = T::from_f64(f64::NEG_INFINITY);
+                    let mut m = vec![ninf; rows];
+                    let mut sum = vec![zero::<T>(); rows];
+                    let mut acc = vec![zero::<T>(); rows * d];
+                    let mut sc = vec![zero::<T>(); rows * dm.bk];
+                    // SAFETY: q/k/v offsets stay inside their storages (shapes and
+                    // strides from their layouts; keys < kend <= S). Task (b, h, qb)
+                    // writes only rows i0..i0+rows of head h in `out` and `lse`,
+                    // disjoint from every other task; both outlive the loop.
+                    unsafe {
+                        let qp = q.as_ptr().add((bh * l + i0) * d);
+                        let kp = k.as_ptr().add(kv.at(bi, hi / g));
+                        let vp = v.as_ptr().add(vv.at(bi, hi / g));
+                        for j0 in (0..kend).step_by(dm.bk) {
+                            let cols = dm.bk.min(kend - j0);
+                            let sc = &mut sc[..rows * cols];
+                            let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
+                            scores(sc, qp, kp.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
+                            for (r, row) in sc.chunks_exact_mut(cols).enumerate() {
+                                let mx = row.iter().fold(ninf, |a, &x| a.fmax(x));
+                                if mx == ninf {
+                                    // No visible key in this block (row before j0).
+                                    row.iter_mut().for_each(|x| *x = zero());
+                                    continue;
+                                }
+                                let mnew = m[r].fmax(mx);
+                                let alpha = (m[r] - mnew).exp();
+                                let mut rs = zero::<T>();
+                                for x in row.iter_mut() {
+                                    *x = (*x - mnew).exp();
+                                    rs += *x;
+                                }
+                                sum[r] = sum[r] * alpha + rs;
+                                acc[r * d..][..d].iter_mut().for_each(|a| *a *= alpha);
+                                m[r] = mnew;
+                            }
+                            // acc += p v
+                            let vb = vp.add(j0 * vv.ss);
+                            mm(
+                                (rows, d, cols),
+                                acc.as_mut_ptr(),
+                                d,
+                                true,
+                                sc.as_ptr(),
+                                (cols, 1),
+                                vb,
+                                (vv.ss, 1),
+                                one(),
+                            );
+                        }
+                        for r in 0..rows {
+                            let inv = one::<T>() / sum[r];
+                            let dst = o.0.add((bi * l + i0 + r) * nq * d + hi * d);
+                            for (c, &a) in acc[r * d..][..d].iter().enumerate() {
+                                *dst.add(c) = a * inv;
+                            }
+                            *lo.0.add(bh * l + i0 + r) = m[r] + sum[r].ln();
+                        }
+                    }
+                });
+                Ok(())
+            })?;
+            *self.lse.lock().map_err(|e| candle_core::Error::Msg(format!("blockwise attention: {e}")))? =
+                Some(T::to_cpu_storage_owned(lse));
+            Ok((T::to_cpu_storage_owned(out), Shape::from((b, l, nq * d))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        ctx: &Tensor,
+        dctx: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self
+            .lse
+            .lock()
+            .map_err(|e| candle_core::Error::Msg(format!("blockwise attention: {e}")))?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("blockwise attention: backward before forward".into()))?;
+        let op = BlockwiseBwd {
+            key_bias: self.key_bias.clone(),
+            offset: self.offset,
+            scale: self.scale,
+            blocks: self.blocks,
+            k: k.clone(),
+            v: v.clone(),
+            ctx: ctx.contiguous()?,
+            lse,
+        };
+        let all = q.apply_op2_no_bwd(&dctx.contiguous()?, &op)?;
+        let (nqe, nke) = (q.elem_count(), k.elem_count());
+        let dq = all.narrow(0, 0, nqe)?.reshape(q.shape())?;
+        let dk = all.narrow(0, nqe, nke)?.reshape(k.shape())?;
+        let dv = all.narrow(0, nqe + nke, nke)?.reshape(v.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Backward of [`Blockwise`] over `(q, dctx)`, with k, v, the output, the
+/// log-sum-exps and the key bias held by the op. Returns a flat buffer
+/// `[dq | dk | dv]`, dk and dv contiguous `(B, Hkv, S, D)`. One task per
+/// (batch, kv head), looping over its query heads and blocks, so dk and dv
+/// accumulate without races.
+struct BlockwiseBwd {
+    key_bias: Tensor,
+    offset: usize,
+    scale: f64,
+    blocks: (usize, usize),
+    k: Tensor,
+    v: Tensor,
+    /// The forward's output `(B, L, Hq · D)`, contiguous.
+    ctx: Tensor,
+    lse: CpuStorage,
+}
+
+impl candle_core::CustomOp2 for BlockwiseBwd {
+    fn name(&self) -> &'static str {
+        "blockwise-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, nq, l, d) = l1.shape().dims4()?;
+        let (_, nkv, s, _) = self.k.dims4()?;
+        let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
+        let g = nq / nkv;
+        let (ks, kl) = self.k.storage_and_layout();
+        let (vs, vl) = self.v.storage_and_layout();
+        let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
+            bail!("blockwise attention: expected CPU k/v")
+        };
+        let (kv, vv) = (View4::of(kl)?, View4::of(vl)?);
+        by_dtype!(s1, "blockwise attention", |T| {
+            let q = slice::<T>(s1, l1, "blockwise attention")?;
+            let dctx = slice::<T>(s2, l2, "blockwise attention")?;
+            let (k, v) = (ks.as_slice::<T>()?, vs.as_slice::<T>()?);
+            let lse = self.lse.as_slice::<T>()?;
+            let scale = T::from_f64(self.scale);
+            let (nqe, nke) = (q.len(), b * nkv * s * d);
+            let mut out = vec![zero::<T>(); nqe + 2 * nke];
+            let optr = SendPtr(out.as_mut_ptr());
+            with_host::<T, _>(&self.ctx, "blockwise attention", |ctx| {
+                with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
+                    (0..b * nkv).into_par_iter().for_each(|bk| {
+                        let (bi, hk) = (bk / nkv, bk % nkv);
+                        let o = optr;
+                        let bias = &bias[bi * s..][..s];
+                        let mut p = vec![zero::<T>(); dm.bq * dm.bk];
+                        let mut dp = vec![zero::<T>(); dm.bq * dm.bk];
+                        let mut di = vec![zero::<T>(); dm.bq];
+                        // SAFETY: reads stay inside q, dctx, ctx, k, v (shapes and
+                        // strides from their layouts; keys < kend <= S). Task (b, hk)
+                        // writes dq of its g query heads and its own dk, dv blocks:
+                        // disjoint from other tasks; `out` outlives the loop.
+                        unsafe {
+                            let kp = k.as_ptr().add(kv.at(bi, hk));
+                            let vp = v.as_ptr().add(vv.at(bi, hk));
+                            let dk = o.0.add(nqe + bk * s * d);
+                            let dv = o.0.add(nqe + nke + bk * s * d);
+                            for hi in hk * g..(hk + 1) * g {
+                                let bh = bi * nq + hi;
+                                for qb in 0..dm.n_qblocks() {
+                                    let (i0, rows, kend) = dm.qblock(qb);
+                                    let qp = q.as_ptr().add((bh * l + i0) * d);
+                                    let dq = o.0.add((bh * l + i0) * d);
+                                    let row0 = (bi * l + i0) * nq * d + hi * d;
+                                    let dcp = dctx.as_ptr().add(row0);
+                                    let lse = &lse[bh * l + i0..][..rows];
+                                    // D_i = dctx_i · ctx_i = Σ_j p_ij dp_ij.
+                                    for (r, x) in di[..rows].iter_mut().enumerate() {
+                                        let (a, c) =
+                                            (&dctx[row0 + r * nq * d..][..d], &ctx[row0 + r * nq * d..][..d]);
+                                        *x = a.iter().zip(c).fold(zero::<T>(), |s, (&x, &y)| s + x * y);
+                                    }
+                                    for j0 in (0..kend).step_by(dm.bk) {
+                                        let cols = dm.bk.min(kend - j0);
+                                        let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
+                                        let (kb, vb) = (kp.add(j0 * kv.ss), vp.add(j0 * vv.ss));
+                                        let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
+                                        scores(p, qp, kb, kv.ss, bias, dims, pos, scale);
+                                        for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
+                                            row.iter_mut().for_each(|x| *x = (*x - ls).exp());
+                                        }
+                                        let (dkb, dvb) = (dk.add(j0 * d), dv.add(j0 * d));
+                                        // dv += pᵀ dctx
+                                        mm(
+                                            (cols, d, rows),
+                                            dvb,
+                                            d,
+                                            true,
+                                            p.as_ptr(),
+                                            (1, cols),
+                                            dcp,
+                                            (nq * d, 1),
+                                            one(),
+                                        );
+                                        // dp = dctx vᵀ
+                                        mm(
+                                            (rows, cols, d),
+                                            dp.as_mut_ptr(),
+                                            cols,
+                                            false,
+                                            dcp,
+                                            (nq * d, 1),
+                                            vb,
+                                            (1, vv.ss),
+                                            one(),
+                                        );
+                                        // ds = p ∘ (dp − D) · scale, in dp.
+                                        for ((pr, dr), &dd) in
+                                            p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols)).zip(&di)
+                                        {
+                                            for (&pv, x) in pr.iter().zip(dr.iter_mut()) {
+                                                *x = pv * (*x - dd) * scale;
+                                            }
+                                        }
+                                        // dq += ds k ; dk += dsᵀ q
+                                        mm(
+                                            (rows, d, cols),
+                                            dq,
+                                            d,
+                                            true,
+                                            dp.as_ptr(),
+                                            (cols, 1),
+                                            kb,
+                                            (kv.ss, 1),
+                                            one(),
+                                        );
+                                        mm(
+                                            (cols, d, rows),
+                                            dkb,
+                                            d,
+                                            true,
+                                            dp.as_ptr(),
+                                            (1, cols),
+                                            qp,
+                                            (d, 1),
+                                            one(),
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    });
+                    Ok(())
+                })
+            })?;
+            let len = out.len();
+            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
+        })
+    }
+}
+
+/// Blockwise causal grouped-query attention (see [`Blockwise`]): q `(B, Hq, L, D)`,
+/// k/v `(B, Hkv, S, D)`, `key_bias` an additive bias per key broadcastable to
+/// `(B, S)`; query `i` sees keys `j <= offset + i`. Returns `(B, L, Hq * D)`.
+/// A query whose visible keys are all masked by the bias gets an average of
+/// their values (the dense path averages over every key): finite garbage that
+/// no real position reads.
+pub fn attention_blockwise(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    offset: usize,
+    blocks: (usize, usize),
+) -> Result<Tensor> {
+    let (b, nq, l, d) = q.dims4()?;
+    let (nkv, s) = (k.dim(1)?, k.dim(2)?);
+    if nkv == 0 || nq % nkv != 0 || offset + l > s || blocks.0 == 0 || blocks.1 == 0 {
+        return Err(crate::Error::invalid(format!(
+            "blockwise attention: q {:?}, k {:?}, offset {offset}, blocks {blocks:?} do not fit",
+            q.dims(),
+            k.dims()
+        )));
+    }
+    let unit_d =
+        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? }) };
+    let key_bias =
+        key_bias.reshape(((), s))?.broadcast_as((b, s))?.to_dtype(q.dtype())?.contiguous()?.detach();
+    let op = Blockwise { key_bias, offset, scale: 1.0 / (d as f64).sqrt(), blocks, lse: Mutex::new(None) };
+    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, op)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,5 +716,101 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Causal mask with keys 0..2 of batch row 1 padded: the dense `(B, 1, L, S)`
+    /// bias, the per-key bias `(B, 1, 1, S)`, and `(B, L, 1)` with 0 on the
+    /// queries that see only padding (their output is garbage on both paths).
+    fn padded_masks(b: usize, l: usize, s: usize, offset: usize, dtype: DType) -> (Tensor, Tensor, Tensor) {
+        let pad: Vec<f32> =
+            (0..b * s).map(|i| if i / s == 1 && i % s < 2 { ops::MASKED } else { 0.0 }).collect();
+        let pad = Tensor::from_vec(pad, (b, 1, 1, s), &Device::Cpu).unwrap();
+        let dense = ops::causal_bias(l, s, offset, &Device::Cpu).unwrap().broadcast_add(&pad).unwrap();
+        let keep: Vec<f64> =
+            (0..b * l).map(|i| if i / l == 1 && offset + i % l < 2 { 0.0 } else { 1.0 }).collect();
+        let keep = Tensor::from_vec(keep, (b, l, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        (dense.to_dtype(dtype).unwrap(), pad.to_dtype(dtype).unwrap(), keep)
+    }
+
+    #[test]
+    fn blockwise_matches_composed() {
+        for dtype in [DType::F64, DType::F32] {
+            let (b, nq, nkv, d) = (2, 4, 2, 8);
+            // Lengths that are and are not multiples of the blocks, cached keys
+            // before the chunk, blocks of one row / one key, a single block.
+            for (l, offset, blocks) in [
+                (5, 0, (2, 3)),
+                (13, 0, (4, 4)),
+                (13, 3, (5, 2)),
+                (16, 0, (16, 16)),
+                (9, 4, (1, 1)),
+                (7, 2, BLOCKS),
+            ] {
+                let s = offset + l;
+                let q = randn(&[b, nq, l, d], dtype, 6);
+                // k narrowed from a longer cache; v a transposed view.
+                let kc = randn(&[b, nkv, s + 3, d], dtype, 7);
+                let v = randn(&[b, s, nkv, d], dtype, 8);
+                let k = || kc.as_tensor().narrow(2, 0, s).unwrap();
+                let vt = || v.as_tensor().transpose(1, 2).unwrap();
+                let (dense, key_bias, keep) = padded_masks(b, l, s, offset, dtype);
+                let what = format!("blockwise attention {dtype:?} l={l} offset={offset} blocks={blocks:?}");
+                check(
+                    &[&q, &kc, &v],
+                    &|| {
+                        let y = attention_blockwise(q.as_tensor(), &k(), &vt(), &key_bias, offset, blocks)
+                            .unwrap();
+                        y.broadcast_mul(&keep).unwrap()
+                    },
+                    &|| {
+                        let y = ops::attention_composed(q.as_tensor(), &k(), &vt(), &dense, nkv).unwrap();
+                        y.broadcast_mul(&keep).unwrap()
+                    },
+                    tol(dtype),
+                    &what,
+                );
+                // Queries that see only padding still get finite values.
+                let y = attention_blockwise(q.as_tensor(), &k(), &vt(), &key_bias, offset, blocks).unwrap();
+                let y = y.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+                assert!(y.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+            }
+        }
+    }
+
+    #[test]
+    fn blockwise_matches_dense_kernel_at_length() {
+        // Longer rows, one kv head per query head (no grouping), f32, default blocks.
+        let (b, nq, nkv, l, d) = (2, 2, 2, 300, 16);
+        let q = randn(&[b, nq, l, d], DType::F32, 11);
+        let k = randn(&[b, nkv, l, d], DType::F32, 12);
+        let v = randn(&[b, nkv, l, d], DType::F32, 13);
+        let (dense, key_bias, keep) = padded_masks(b, l, l, 0, DType::F32);
+        check(
+            &[&q, &k, &v],
+            &|| {
+                attention_blockwise(q.as_tensor(), k.as_tensor(), v.as_tensor(), &key_bias, 0, BLOCKS)
+                    .unwrap()
+                    .broadcast_mul(&keep)
+                    .unwrap()
+            },
+            &|| {
+                attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &dense)
+                    .unwrap()
+                    .broadcast_mul(&keep)
+                    .unwrap()
+            },
+            1e-5,
+            "blockwise vs dense kernel",
+        );
+    }
+
+    #[test]
+    fn blockwise_rejects_shapes_that_do_not_fit() {
+        let q = randn(&[1, 3, 4, 8], DType::F32, 1);
+        let k = randn(&[1, 2, 4, 8], DType::F32, 2);
+        let bias = Tensor::zeros((1, 1, 1, 4), DType::F32, &Device::Cpu).unwrap();
+        let e =
+            attention_blockwise(q.as_tensor(), k.as_tensor(), k.as_tensor(), &bias, 0, BLOCKS).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
     }
 }

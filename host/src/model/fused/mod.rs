@@ -5,8 +5,11 @@
 //! memory each, plus a zero-filled gradient buffer per node in the backward.
 //! The ops here do each in one pass per row (rayon-parallel over rows or heads)
 //! as candle [`CustomOp2`]/[`CustomOp3`]s whose `bwd` runs another fused kernel.
-//! Attention follows FlashAttention's backward (Dao et al., 2022): the
-//! probabilities are recomputed from q and k instead of being stored.
+//! Attention follows FlashAttention (Dao et al., 2022): the backward recomputes
+//! the probabilities from q and k instead of storing them, and past
+//! [`crate::model::ops::AttnMask::BLOCKWISE_FROM`] queries the forward runs
+//! blockwise with an online softmax, keeping only the output and each row's
+//! log-sum-exp (no `L × S` tensor at all).
 //!
 //! Only CPU tensors in f32 or f64 are served ([`supported`]); `model::ops`
 //! dispatches every other device and dtype to the composed candle ops, which
@@ -20,15 +23,20 @@
 
 use std::ops::Neg;
 
-use candle_core::{bail, CpuStorage, DType, Layout, Storage, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, DType, Device, Layout, Storage, Tensor, WithDType};
 use gemm::Parallelism;
 
 /// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, unless
 /// the environment sets `STAPO_NO_FUSED=1` (for A/B benchmarks and debugging).
 pub fn supported(t: &Tensor) -> bool {
+    supported_on(t.device(), t.dtype())
+}
+
+/// [`supported`] for tensors of `dtype` on `device`.
+pub fn supported_on(device: &Device, dtype: DType) -> bool {
     static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let disabled = *DISABLED.get_or_init(|| std::env::var("STAPO_NO_FUSED").is_ok_and(|v| v == "1"));
-    !disabled && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    !disabled && device.is_cpu() && matches!(dtype, DType::F32 | DType::F64)
 }
 
 /// The float types the kernels are written for.
@@ -61,6 +69,10 @@ real!(f64);
 
 fn zero<T: Real>() -> T {
     T::from_f64(0.0)
+}
+
+fn one<T: Real>() -> T {
+    T::from_f64(1.0)
 }
 
 /// The contiguous slice of `s` that `l` describes.
@@ -112,7 +124,7 @@ pub mod swiglu;
 pub(crate) mod test_util;
 pub mod vocab;
 
-pub use attention::attention;
+pub use attention::{attention, attention_blockwise};
 pub use head::logprob_entropy;
 pub use linear::linear;
 pub use norm::rms_norm;
