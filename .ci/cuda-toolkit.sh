@@ -13,6 +13,8 @@
 # that defines every `cu*` entry point named in cuda.h, with the soname
 # libcuda.so.1, so the binary loads the real driver at run time.
 #
+# NCCL 2.32 (nvidia-nccl-cu13) comes along for `--features cuda,nccl` builds.
+#
 # Env: STAPO_CUDA_HOME (default ~/.cache/stapo-cuda), CUDA_COMPUTE_CAP (90).
 
 stapo_cuda_setup() {
@@ -22,7 +24,7 @@ stapo_cuda_setup() {
     local pkgs=(
         nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
         nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.1.0.3
-        nvidia-curand==10.4.0.35 nvidia-cuda-cccl==13.0.85
+        nvidia-curand==10.4.0.35 nvidia-cuda-cccl==13.0.85 nvidia-nccl-cu13==2.32.3
     )
     local stamp="$py/.stapo-installed"
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${pkgs[*]}" ]]; then
@@ -32,6 +34,13 @@ stapo_cuda_setup() {
         python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$py" "${pkgs[@]}" ||
             return 1
         echo "${pkgs[*]}" >"$stamp"
+    fi
+    # NCCL (for `--features cuda,nccl`) ships in its own folder: put it beside the rest.
+    if [[ -d "$py/nvidia/nccl/lib" ]]; then
+        for f in "$py"/nvidia/nccl/lib/libnccl.so.*; do
+            [[ -e "$root/lib/$(basename "$f")" ]] || ln -s "$f" "$root/lib/$(basename "$f")"
+        done
+        [[ -e "$root/include/nccl.h" ]] || ln -s "$py/nvidia/nccl/include/nccl.h" "$root/include/nccl.h"
     fi
     # Link names (-lcublas finds libcublas.so, the wheels ship only libcublas.so.13).
     local f base
