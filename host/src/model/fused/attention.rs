@@ -9,10 +9,10 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{mm, one, slice, with_host, zero, Real, SendPtr};
+use super::{mm, one, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr};
 use crate::Result;
 
 /// Grouped-query attention with an additive mask (see [`super::ops::attention`]).
@@ -47,6 +47,32 @@ impl View4 {
     }
 }
 
+/// q `(B, Hq, L, D)` contiguous and k, v `(B, Hkv, S, D)` with unit stride
+/// over D: the inputs of one attention call, with their sizes.
+struct Qkv<'a, T> {
+    q: &'a [T],
+    /// The whole storages of k and v, read through `kv` and `vv`.
+    k: &'a [T],
+    v: &'a [T],
+    kv: View4,
+    vv: View4,
+    b: usize,
+    nq: usize,
+    nkv: usize,
+    l: usize,
+    s: usize,
+    d: usize,
+}
+
+impl<'a, T: WithDType> Qkv<'a, T> {
+    fn of([q, k, v]: [Input<'a>; 3]) -> candle_core::Result<Self> {
+        let (b, nq, l, d) = q.layout.shape().dims4()?;
+        let (kv, vv) = (View4::of(k.layout)?, View4::of(v.layout)?);
+        let (nkv, s) = (k.layout.dims()[1], k.layout.dims()[2]);
+        Ok(Self { q: q.data()?, k: k.storage()?, v: v.storage()?, kv, vv, b, nq, nkv, l, s, d })
+    }
+}
+
 /// Scaled, masked scores of one query head then softmax in place: `p (L×S)`.
 ///
 /// # Safety
@@ -78,85 +104,58 @@ unsafe fn probs<T: Real>(
     }
 }
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "fused-attention"
-    }
+impl Kernel<3> for Attention {
+    const NAME: &'static str = "fused-attention";
+    const WHAT: &'static str = "attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, nq, l, d) = l1.shape().dims4()?;
-        let (nkv, s) = (l2.dims()[1], l2.dims()[2]);
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of(ins)?;
         let g = nq / nkv;
-        let (kv, vv) = (View4::of(l2)?, View4::of(l3)?);
-        by_dtype!(s1, "attention", |T| {
-            let q = slice::<T>(s1, l1, "attention")?;
-            let (k, v) = (s2.as_slice::<T>()?, s3.as_slice::<T>()?);
-            let scale = T::from_f64(self.scale);
-            let mut out = vec![zero::<T>(); b * l * nq * d];
-            let optr = SendPtr(out.as_mut_ptr());
-            with_host::<T, _>(&self.mask, "attention", |mask| {
-                (0..b * nq).into_par_iter().for_each(|bh| {
-                    let (bi, hi) = (bh / nq, bh % nq);
-                    let hk = hi / g;
-                    let mut p = vec![zero::<T>(); l * s];
-                    let o = optr;
-                    // SAFETY: q/k/v offsets stay inside their storages (shapes and
-                    // strides come from their layouts). Task (b, h) writes only the
-                    // D columns of head h in rows (b, 0..L) of `out`, disjoint from
-                    // every other task; `out` outlives the loop.
-                    unsafe {
-                        probs(
-                            &mut p,
-                            q.as_ptr().add(bh * l * d),
-                            k.as_ptr().add(kv.at(bi, hk)),
-                            kv.ss,
-                            &mask[bi * l * s..][..l * s],
-                            (l, s, d),
-                            scale,
-                        );
-                        let dst = o.0.add(bi * l * nq * d + hi * d);
-                        mm(
-                            (l, d, s),
-                            dst,
-                            nq * d,
-                            false,
-                            p.as_ptr(),
-                            (s, 1),
-                            v.as_ptr().add(vv.at(bi, hk)),
-                            (vv.ss, 1),
-                            T::from_f64(1.0),
-                        );
-                    }
-                });
-                Ok(())
-            })?;
-            Ok((T::to_cpu_storage_owned(out), Shape::from((b, l, nq * d))))
-        })
+        let scale = T::from_f64(self.scale);
+        let mut out = vec![zero::<T>(); b * l * nq * d];
+        let optr = SendPtr(out.as_mut_ptr());
+        with_host::<T, _>(&self.mask, "attention", |mask| {
+            (0..b * nq).into_par_iter().for_each(|bh| {
+                let (bi, hi) = (bh / nq, bh % nq);
+                let hk = hi / g;
+                let mut p = vec![zero::<T>(); l * s];
+                let o = optr;
+                // SAFETY: q/k/v offsets stay inside their storages (shapes and
+                // strides come from their layouts). Task (b, h) writes only the
+                // D columns of head h in rows (b, 0..L) of `out`, disjoint from
+                // every other task; `out` outlives the loop.
+                unsafe {
+                    probs(
+                        &mut p,
+                        q.as_ptr().add(bh * l * d),
+                        k.as_ptr().add(kv.at(bi, hk)),
+                        kv.ss,
+                        &mask[bi * l * s..][..l * s],
+                        (l, s, d),
+                        scale,
+                    );
+                    let dst = o.0.add(bi * l * nq * d + hi * d);
+                    mm(
+                        (l, d, s),
+                        dst,
+                        nq * d,
+                        false,
+                        p.as_ptr(),
+                        (s, 1),
+                        v.as_ptr().add(vv.at(bi, hk)),
+                        (vv.ss, 1),
+                        T::from_f64(1.0),
+                    );
+                }
+            });
+            Ok(())
+        })?;
+        Ok((out, Shape::from((b, l, nq * d))))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _ctx: &Tensor,
-        dctx: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k, v]: [&Tensor; 3], _ctx: &Tensor, dctx: &Tensor) -> Grads<3> {
         let op = AttentionBwd { mask: self.mask.clone(), scale: self.scale, k: k.clone(), v: v.clone() };
-        let all = q.apply_op2_no_bwd(&dctx.contiguous()?, &op)?;
-        let (nqe, nke) = (q.elem_count(), k.elem_count());
-        let dq = all.narrow(0, 0, nqe)?.reshape(q.shape())?;
-        let dk = all.narrow(0, nqe, nke)?.reshape(k.shape())?;
-        let dv = all.narrow(0, nqe + nke, nke)?.reshape(v.shape())?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        split_like(&q.apply_op2_no_bwd(&dctx.contiguous()?, &Op(op))?, [q, k, v])
     }
 }
 
@@ -171,86 +170,69 @@ struct AttentionBwd {
     v: Tensor,
 }
 
-impl candle_core::CustomOp2 for AttentionBwd {
-    fn name(&self) -> &'static str {
-        "fused-attention-bwd"
-    }
+impl Kernel<2> for AttentionBwd {
+    const NAME: &'static str = "fused-attention-bwd";
+    const WHAT: &'static str = "attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, nq, l, d) = l1.shape().dims4()?;
-        let (_, nkv, s, _) = self.k.dims4()?;
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let (kh, vh) = (Host::of(&self.k, Self::WHAT)?, Host::of(&self.v, Self::WHAT)?);
+        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
         let g = nq / nkv;
-        let (ks, kl) = self.k.storage_and_layout();
-        let (vs, vl) = self.v.storage_and_layout();
-        let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
-            bail!("fused attention: expected CPU k/v")
-        };
-        let (kv, vv) = (View4::of(kl)?, View4::of(vl)?);
-        by_dtype!(s1, "attention", |T| {
-            let q = slice::<T>(s1, l1, "attention")?;
-            let dctx = slice::<T>(s2, l2, "attention")?;
-            let (k, v) = (ks.as_slice::<T>()?, vs.as_slice::<T>()?);
-            let scale = T::from_f64(self.scale);
-            let (nqe, nke) = (q.len(), b * nkv * s * d);
-            let mut out = vec![zero::<T>(); nqe + 2 * nke];
-            let optr = SendPtr(out.as_mut_ptr());
-            let one = T::from_f64(1.0);
-            with_host::<T, _>(&self.mask, "attention", |mask| {
-                (0..b * nkv).into_par_iter().for_each(|bk| {
-                    let (bi, hk) = (bk / nkv, bk % nkv);
-                    let o = optr;
-                    let mut p = vec![zero::<T>(); l * s];
-                    let mut dp = vec![zero::<T>(); l * s];
-                    // SAFETY: reads stay inside q, dctx, k, v (shapes and strides
-                    // from their layouts). Task (b, hk) writes dq of its g query
-                    // heads and its own dk, dv blocks: disjoint from other tasks.
-                    unsafe {
-                        let kp = k.as_ptr().add(kv.at(bi, hk));
-                        let vp = v.as_ptr().add(vv.at(bi, hk));
-                        let dk = o.0.add(nqe + bk * s * d);
-                        let dv = o.0.add(nqe + nke + bk * s * d);
-                        for hi in hk * g..(hk + 1) * g {
-                            let qp = q.as_ptr().add((bi * nq + hi) * l * d);
-                            let dcp = dctx.as_ptr().add(bi * l * nq * d + hi * d);
-                            probs(&mut p, qp, kp, kv.ss, &mask[bi * l * s..][..l * s], (l, s, d), scale);
-                            // dv += p^T dctx
-                            mm((s, d, l), dv, d, true, p.as_ptr(), (1, s), dcp, (nq * d, 1), one);
-                            // dp = dctx v^T
-                            mm((l, s, d), dp.as_mut_ptr(), s, false, dcp, (nq * d, 1), vp, (1, vv.ss), one);
-                            // ds = p * (dp - rowsum(p * dp)) * scale, stored in dp.
-                            for (pr, dr) in p.chunks_exact(s).zip(dp.chunks_exact_mut(s)) {
-                                let dot = pr.iter().zip(dr.iter()).fold(zero::<T>(), |a, (&x, &y)| a + x * y);
-                                for (&pv, dv) in pr.iter().zip(dr.iter_mut()) {
-                                    *dv = pv * (*dv - dot) * scale;
-                                }
+        let dctx = ins[1].data::<T>()?;
+        let scale = T::from_f64(self.scale);
+        let (nqe, nke) = (q.len(), b * nkv * s * d);
+        let mut out = vec![zero::<T>(); nqe + 2 * nke];
+        let optr = SendPtr(out.as_mut_ptr());
+        let one = T::from_f64(1.0);
+        with_host::<T, _>(&self.mask, "attention", |mask| {
+            (0..b * nkv).into_par_iter().for_each(|bk| {
+                let (bi, hk) = (bk / nkv, bk % nkv);
+                let o = optr;
+                let mut p = vec![zero::<T>(); l * s];
+                let mut dp = vec![zero::<T>(); l * s];
+                // SAFETY: reads stay inside q, dctx, k, v (shapes and strides
+                // from their layouts). Task (b, hk) writes dq of its g query
+                // heads and its own dk, dv blocks: disjoint from other tasks.
+                unsafe {
+                    let kp = k.as_ptr().add(kv.at(bi, hk));
+                    let vp = v.as_ptr().add(vv.at(bi, hk));
+                    let dk = o.0.add(nqe + bk * s * d);
+                    let dv = o.0.add(nqe + nke + bk * s * d);
+                    for hi in hk * g..(hk + 1) * g {
+                        let qp = q.as_ptr().add((bi * nq + hi) * l * d);
+                        let dcp = dctx.as_ptr().add(bi * l * nq * d + hi * d);
+                        probs(&mut p, qp, kp, kv.ss, &mask[bi * l * s..][..l * s], (l, s, d), scale);
+                        // dv += p^T dctx
+                        mm((s, d, l), dv, d, true, p.as_ptr(), (1, s), dcp, (nq * d, 1), one);
+                        // dp = dctx v^T
+                        mm((l, s, d), dp.as_mut_ptr(), s, false, dcp, (nq * d, 1), vp, (1, vv.ss), one);
+                        // ds = p * (dp - rowsum(p * dp)) * scale, stored in dp.
+                        for (pr, dr) in p.chunks_exact(s).zip(dp.chunks_exact_mut(s)) {
+                            let dot = pr.iter().zip(dr.iter()).fold(zero::<T>(), |a, (&x, &y)| a + x * y);
+                            for (&pv, dv) in pr.iter().zip(dr.iter_mut()) {
+                                *dv = pv * (*dv - dot) * scale;
                             }
-                            // dq = ds k ; dk += ds^T q
-                            mm(
-                                (l, d, s),
-                                o.0.add((bi * nq + hi) * l * d),
-                                d,
-                                false,
-                                dp.as_ptr(),
-                                (s, 1),
-                                kp,
-                                (kv.ss, 1),
-                                one,
-                            );
-                            mm((s, d, l), dk, d, true, dp.as_ptr(), (1, s), qp, (d, 1), one);
                         }
+                        // dq = ds k ; dk += ds^T q
+                        mm(
+                            (l, d, s),
+                            o.0.add((bi * nq + hi) * l * d),
+                            d,
+                            false,
+                            dp.as_ptr(),
+                            (s, 1),
+                            kp,
+                            (kv.ss, 1),
+                            one,
+                        );
+                        mm((s, d, l), dk, d, true, dp.as_ptr(), (1, s), qp, (d, 1), one);
                     }
-                });
-                Ok(())
-            })?;
-            let len = out.len();
-            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
-        })
+                }
+            });
+            Ok(())
+        })?;
+        let len = out.len();
+        Ok((out, Shape::from(len)))
     }
 }
 
@@ -265,7 +247,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Te
     let mask =
         mask.broadcast_as((b, 1, l, s))?.to_dtype(q.dtype())?.contiguous()?.reshape((b, l, s))?.detach();
     let op = Attention { mask, scale: 1.0 / (d as f64).sqrt() };
-    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, op)?)
+    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
 }
 
 /// Default block sizes of [`attention_blockwise`]: query rows and keys per block.
@@ -342,116 +324,94 @@ unsafe fn scores<T: Real>(
     }
 }
 
-impl CustomOp3 for Blockwise {
-    fn name(&self) -> &'static str {
-        "blockwise-attention"
-    }
+impl Kernel<3> for Blockwise {
+    const NAME: &'static str = "blockwise-attention";
+    const WHAT: &'static str = "blockwise attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, nq, l, d) = l1.shape().dims4()?;
-        let (nkv, s) = (l2.dims()[1], l2.dims()[2]);
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of(ins)?;
         let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
         let g = nq / nkv;
-        let (kv, vv) = (View4::of(l2)?, View4::of(l3)?);
-        by_dtype!(s1, "blockwise attention", |T| {
-            let q = slice::<T>(s1, l1, "blockwise attention")?;
-            let (k, v) = (s2.as_slice::<T>()?, s3.as_slice::<T>()?);
-            let scale = T::from_f64(self.scale);
-            let mut out = vec![zero::<T>(); b * l * nq * d];
-            let mut lse = vec![zero::<T>(); b * nq * l];
-            let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
-            let nqb = dm.n_qblocks();
-            with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
-                (0..b * nq * nqb).into_par_iter().for_each(|task| {
-                    let (bh, qb) = (task / nqb, task % nqb);
-                    let (bi, hi) = (bh / nq, bh % nq);
-                    let (i0, rows, kend) = dm.qblock(qb);
-                    let (o, lo) = (optr, lptr);
-                    let bias = &bias[bi * s..][..s];
-                    let ninf = T::from_f64(f64::NEG_INFINITY);
-                    let mut m = vec![ninf; rows];
-                    let mut sum = vec![zero::<T>(); rows];
-                    let mut acc = vec![zero::<T>(); rows * d];
-                    let mut sc = vec![zero::<T>(); rows * dm.bk];
-                    // SAFETY: q/k/v offsets stay inside their storages (shapes and
-                    // strides from their layouts; keys < kend <= S). Task (b, h, qb)
-                    // writes only rows i0..i0+rows of head h in `out` and `lse`,
-                    // disjoint from every other task; both outlive the loop.
-                    unsafe {
-                        let qp = q.as_ptr().add((bh * l + i0) * d);
-                        let kp = k.as_ptr().add(kv.at(bi, hi / g));
-                        let vp = v.as_ptr().add(vv.at(bi, hi / g));
-                        for j0 in (0..kend).step_by(dm.bk) {
-                            let cols = dm.bk.min(kend - j0);
-                            let sc = &mut sc[..rows * cols];
-                            let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
-                            scores(sc, qp, kp.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
-                            for (r, row) in sc.chunks_exact_mut(cols).enumerate() {
-                                let mx = row.iter().fold(ninf, |a, &x| a.fmax(x));
-                                if mx == ninf {
-                                    // No visible key in this block (row before j0).
-                                    row.iter_mut().for_each(|x| *x = zero());
-                                    continue;
-                                }
-                                let mnew = m[r].fmax(mx);
-                                let alpha = (m[r] - mnew).exp();
-                                let mut rs = zero::<T>();
-                                for x in row.iter_mut() {
-                                    *x = (*x - mnew).exp();
-                                    rs += *x;
-                                }
-                                sum[r] = sum[r] * alpha + rs;
-                                acc[r * d..][..d].iter_mut().for_each(|a| *a *= alpha);
-                                m[r] = mnew;
+        let scale = T::from_f64(self.scale);
+        let mut out = vec![zero::<T>(); b * l * nq * d];
+        let mut lse = vec![zero::<T>(); b * nq * l];
+        let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+        let nqb = dm.n_qblocks();
+        with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
+            (0..b * nq * nqb).into_par_iter().for_each(|task| {
+                let (bh, qb) = (task / nqb, task % nqb);
+                let (bi, hi) = (bh / nq, bh % nq);
+                let (i0, rows, kend) = dm.qblock(qb);
+                let (o, lo) = (optr, lptr);
+                let bias = &bias[bi * s..][..s];
+                let ninf = T::from_f64(f64::NEG_INFINITY);
+                let mut m = vec![ninf; rows];
+                let mut sum = vec![zero::<T>(); rows];
+                let mut acc = vec![zero::<T>(); rows * d];
+                let mut sc = vec![zero::<T>(); rows * dm.bk];
+                // SAFETY: q/k/v offsets stay inside their storages (shapes and
+                // strides from their layouts; keys < kend <= S). Task (b, h, qb)
+                // writes only rows i0..i0+rows of head h in `out` and `lse`,
+                // disjoint from every other task; both outlive the loop.
+                unsafe {
+                    let qp = q.as_ptr().add((bh * l + i0) * d);
+                    let kp = k.as_ptr().add(kv.at(bi, hi / g));
+                    let vp = v.as_ptr().add(vv.at(bi, hi / g));
+                    for j0 in (0..kend).step_by(dm.bk) {
+                        let cols = dm.bk.min(kend - j0);
+                        let sc = &mut sc[..rows * cols];
+                        let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
+                        scores(sc, qp, kp.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
+                        for (r, row) in sc.chunks_exact_mut(cols).enumerate() {
+                            let mx = row.iter().fold(ninf, |a, &x| a.fmax(x));
+                            if mx == ninf {
+                                // No visible key in this block (row before j0).
+                                row.iter_mut().for_each(|x| *x = zero());
+                                continue;
                             }
-                            // acc += p v
-                            let vb = vp.add(j0 * vv.ss);
-                            mm(
-                                (rows, d, cols),
-                                acc.as_mut_ptr(),
-                                d,
-                                true,
-                                sc.as_ptr(),
-                                (cols, 1),
-                                vb,
-                                (vv.ss, 1),
-                                one(),
-                            );
-                        }
-                        for r in 0..rows {
-                            let inv = one::<T>() / sum[r];
-                            let dst = o.0.add((bi * l + i0 + r) * nq * d + hi * d);
-                            for (c, &a) in acc[r * d..][..d].iter().enumerate() {
-                                *dst.add(c) = a * inv;
+                            let mnew = m[r].fmax(mx);
+                            let alpha = (m[r] - mnew).exp();
+                            let mut rs = zero::<T>();
+                            for x in row.iter_mut() {
+                                *x = (*x - mnew).exp();
+                                rs += *x;
                             }
-                            *lo.0.add(bh * l + i0 + r) = m[r] + sum[r].ln();
+                            sum[r] = sum[r] * alpha + rs;
+                            acc[r * d..][..d].iter_mut().for_each(|a| *a *= alpha);
+                            m[r] = mnew;
                         }
+                        // acc += p v
+                        let vb = vp.add(j0 * vv.ss);
+                        mm(
+                            (rows, d, cols),
+                            acc.as_mut_ptr(),
+                            d,
+                            true,
+                            sc.as_ptr(),
+                            (cols, 1),
+                            vb,
+                            (vv.ss, 1),
+                            one(),
+                        );
                     }
-                });
-                Ok(())
-            })?;
-            *self.lse.lock().map_err(|e| candle_core::Error::Msg(format!("blockwise attention: {e}")))? =
-                Some(T::to_cpu_storage_owned(lse));
-            Ok((T::to_cpu_storage_owned(out), Shape::from((b, l, nq * d))))
-        })
+                    for r in 0..rows {
+                        let inv = one::<T>() / sum[r];
+                        let dst = o.0.add((bi * l + i0 + r) * nq * d + hi * d);
+                        for (c, &a) in acc[r * d..][..d].iter().enumerate() {
+                            *dst.add(c) = a * inv;
+                        }
+                        *lo.0.add(bh * l + i0 + r) = m[r] + sum[r].ln();
+                    }
+                }
+            });
+            Ok(())
+        })?;
+        *self.lse.lock().map_err(|e| candle_core::Error::Msg(format!("blockwise attention: {e}")))? =
+            Some(T::to_cpu_storage_owned(lse));
+        Ok((out, Shape::from((b, l, nq * d))))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        ctx: &Tensor,
-        dctx: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k, v]: [&Tensor; 3], ctx: &Tensor, dctx: &Tensor) -> Grads<3> {
         let lse = self
             .lse
             .lock()
@@ -468,12 +428,7 @@ impl CustomOp3 for Blockwise {
             ctx: ctx.contiguous()?,
             lse,
         };
-        let all = q.apply_op2_no_bwd(&dctx.contiguous()?, &op)?;
-        let (nqe, nke) = (q.elem_count(), k.elem_count());
-        let dq = all.narrow(0, 0, nqe)?.reshape(q.shape())?;
-        let dk = all.narrow(0, nqe, nke)?.reshape(k.shape())?;
-        let dv = all.narrow(0, nqe + nke, nke)?.reshape(v.shape())?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        split_like(&q.apply_op2_no_bwd(&dctx.contiguous()?, &Op(op))?, [q, k, v])
     }
 }
 
@@ -494,146 +449,129 @@ struct BlockwiseBwd {
     lse: CpuStorage,
 }
 
-impl candle_core::CustomOp2 for BlockwiseBwd {
-    fn name(&self) -> &'static str {
-        "blockwise-attention-bwd"
-    }
+impl Kernel<2> for BlockwiseBwd {
+    const NAME: &'static str = "blockwise-attention-bwd";
+    const WHAT: &'static str = "blockwise attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, nq, l, d) = l1.shape().dims4()?;
-        let (_, nkv, s, _) = self.k.dims4()?;
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let (kh, vh) = (Host::of(&self.k, Self::WHAT)?, Host::of(&self.v, Self::WHAT)?);
+        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
         let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
         let g = nq / nkv;
-        let (ks, kl) = self.k.storage_and_layout();
-        let (vs, vl) = self.v.storage_and_layout();
-        let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
-            bail!("blockwise attention: expected CPU k/v")
-        };
-        let (kv, vv) = (View4::of(kl)?, View4::of(vl)?);
-        by_dtype!(s1, "blockwise attention", |T| {
-            let q = slice::<T>(s1, l1, "blockwise attention")?;
-            let dctx = slice::<T>(s2, l2, "blockwise attention")?;
-            let (k, v) = (ks.as_slice::<T>()?, vs.as_slice::<T>()?);
-            let lse = self.lse.as_slice::<T>()?;
-            let scale = T::from_f64(self.scale);
-            let (nqe, nke) = (q.len(), b * nkv * s * d);
-            let mut out = vec![zero::<T>(); nqe + 2 * nke];
-            let optr = SendPtr(out.as_mut_ptr());
-            with_host::<T, _>(&self.ctx, "blockwise attention", |ctx| {
-                with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
-                    (0..b * nkv).into_par_iter().for_each(|bk| {
-                        let (bi, hk) = (bk / nkv, bk % nkv);
-                        let o = optr;
-                        let bias = &bias[bi * s..][..s];
-                        let mut p = vec![zero::<T>(); dm.bq * dm.bk];
-                        let mut dp = vec![zero::<T>(); dm.bq * dm.bk];
-                        let mut di = vec![zero::<T>(); dm.bq];
-                        // SAFETY: reads stay inside q, dctx, ctx, k, v (shapes and
-                        // strides from their layouts; keys < kend <= S). Task (b, hk)
-                        // writes dq of its g query heads and its own dk, dv blocks:
-                        // disjoint from other tasks; `out` outlives the loop.
-                        unsafe {
-                            let kp = k.as_ptr().add(kv.at(bi, hk));
-                            let vp = v.as_ptr().add(vv.at(bi, hk));
-                            let dk = o.0.add(nqe + bk * s * d);
-                            let dv = o.0.add(nqe + nke + bk * s * d);
-                            for hi in hk * g..(hk + 1) * g {
-                                let bh = bi * nq + hi;
-                                for qb in 0..dm.n_qblocks() {
-                                    let (i0, rows, kend) = dm.qblock(qb);
-                                    let qp = q.as_ptr().add((bh * l + i0) * d);
-                                    let dq = o.0.add((bh * l + i0) * d);
-                                    let row0 = (bi * l + i0) * nq * d + hi * d;
-                                    let dcp = dctx.as_ptr().add(row0);
-                                    let lse = &lse[bh * l + i0..][..rows];
-                                    // D_i = dctx_i · ctx_i = Σ_j p_ij dp_ij.
-                                    for (r, x) in di[..rows].iter_mut().enumerate() {
-                                        let (a, c) =
-                                            (&dctx[row0 + r * nq * d..][..d], &ctx[row0 + r * nq * d..][..d]);
-                                        *x = a.iter().zip(c).fold(zero::<T>(), |s, (&x, &y)| s + x * y);
+        let dctx = ins[1].data::<T>()?;
+        let lse = self.lse.as_slice::<T>()?;
+        let scale = T::from_f64(self.scale);
+        let (nqe, nke) = (q.len(), b * nkv * s * d);
+        let mut out = vec![zero::<T>(); nqe + 2 * nke];
+        let optr = SendPtr(out.as_mut_ptr());
+        with_host::<T, _>(&self.ctx, "blockwise attention", |ctx| {
+            with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
+                (0..b * nkv).into_par_iter().for_each(|bk| {
+                    let (bi, hk) = (bk / nkv, bk % nkv);
+                    let o = optr;
+                    let bias = &bias[bi * s..][..s];
+                    let mut p = vec![zero::<T>(); dm.bq * dm.bk];
+                    let mut dp = vec![zero::<T>(); dm.bq * dm.bk];
+                    let mut di = vec![zero::<T>(); dm.bq];
+                    // SAFETY: reads stay inside q, dctx, ctx, k, v (shapes and
+                    // strides from their layouts; keys < kend <= S). Task (b, hk)
+                    // writes dq of its g query heads and its own dk, dv blocks:
+                    // disjoint from other tasks; `out` outlives the loop.
+                    unsafe {
+                        let kp = k.as_ptr().add(kv.at(bi, hk));
+                        let vp = v.as_ptr().add(vv.at(bi, hk));
+                        let dk = o.0.add(nqe + bk * s * d);
+                        let dv = o.0.add(nqe + nke + bk * s * d);
+                        for hi in hk * g..(hk + 1) * g {
+                            let bh = bi * nq + hi;
+                            for qb in 0..dm.n_qblocks() {
+                                let (i0, rows, kend) = dm.qblock(qb);
+                                let qp = q.as_ptr().add((bh * l + i0) * d);
+                                let dq = o.0.add((bh * l + i0) * d);
+                                let row0 = (bi * l + i0) * nq * d + hi * d;
+                                let dcp = dctx.as_ptr().add(row0);
+                                let lse = &lse[bh * l + i0..][..rows];
+                                // D_i = dctx_i · ctx_i = Σ_j p_ij dp_ij.
+                                for (r, x) in di[..rows].iter_mut().enumerate() {
+                                    let (a, c) =
+                                        (&dctx[row0 + r * nq * d..][..d], &ctx[row0 + r * nq * d..][..d]);
+                                    *x = a.iter().zip(c).fold(zero::<T>(), |s, (&x, &y)| s + x * y);
+                                }
+                                for j0 in (0..kend).step_by(dm.bk) {
+                                    let cols = dm.bk.min(kend - j0);
+                                    let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
+                                    let (kb, vb) = (kp.add(j0 * kv.ss), vp.add(j0 * vv.ss));
+                                    let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
+                                    scores(p, qp, kb, kv.ss, bias, dims, pos, scale);
+                                    for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
+                                        row.iter_mut().for_each(|x| *x = (*x - ls).exp());
                                     }
-                                    for j0 in (0..kend).step_by(dm.bk) {
-                                        let cols = dm.bk.min(kend - j0);
-                                        let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-                                        let (kb, vb) = (kp.add(j0 * kv.ss), vp.add(j0 * vv.ss));
-                                        let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
-                                        scores(p, qp, kb, kv.ss, bias, dims, pos, scale);
-                                        for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
-                                            row.iter_mut().for_each(|x| *x = (*x - ls).exp());
+                                    let (dkb, dvb) = (dk.add(j0 * d), dv.add(j0 * d));
+                                    // dv += pᵀ dctx
+                                    mm(
+                                        (cols, d, rows),
+                                        dvb,
+                                        d,
+                                        true,
+                                        p.as_ptr(),
+                                        (1, cols),
+                                        dcp,
+                                        (nq * d, 1),
+                                        one(),
+                                    );
+                                    // dp = dctx vᵀ
+                                    mm(
+                                        (rows, cols, d),
+                                        dp.as_mut_ptr(),
+                                        cols,
+                                        false,
+                                        dcp,
+                                        (nq * d, 1),
+                                        vb,
+                                        (1, vv.ss),
+                                        one(),
+                                    );
+                                    // ds = p ∘ (dp − D) · scale, in dp.
+                                    for ((pr, dr), &dd) in
+                                        p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols)).zip(&di)
+                                    {
+                                        for (&pv, x) in pr.iter().zip(dr.iter_mut()) {
+                                            *x = pv * (*x - dd) * scale;
                                         }
-                                        let (dkb, dvb) = (dk.add(j0 * d), dv.add(j0 * d));
-                                        // dv += pᵀ dctx
-                                        mm(
-                                            (cols, d, rows),
-                                            dvb,
-                                            d,
-                                            true,
-                                            p.as_ptr(),
-                                            (1, cols),
-                                            dcp,
-                                            (nq * d, 1),
-                                            one(),
-                                        );
-                                        // dp = dctx vᵀ
-                                        mm(
-                                            (rows, cols, d),
-                                            dp.as_mut_ptr(),
-                                            cols,
-                                            false,
-                                            dcp,
-                                            (nq * d, 1),
-                                            vb,
-                                            (1, vv.ss),
-                                            one(),
-                                        );
-                                        // ds = p ∘ (dp − D) · scale, in dp.
-                                        for ((pr, dr), &dd) in
-                                            p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols)).zip(&di)
-                                        {
-                                            for (&pv, x) in pr.iter().zip(dr.iter_mut()) {
-                                                *x = pv * (*x - dd) * scale;
-                                            }
-                                        }
-                                        // dq += ds k ; dk += dsᵀ q
-                                        mm(
-                                            (rows, d, cols),
-                                            dq,
-                                            d,
-                                            true,
-                                            dp.as_ptr(),
-                                            (cols, 1),
-                                            kb,
-                                            (kv.ss, 1),
-                                            one(),
-                                        );
-                                        mm(
-                                            (cols, d, rows),
-                                            dkb,
-                                            d,
-                                            true,
-                                            dp.as_ptr(),
-                                            (1, cols),
-                                            qp,
-                                            (d, 1),
-                                            one(),
-                                        );
                                     }
+                                    // dq += ds k ; dk += dsᵀ q
+                                    mm(
+                                        (rows, d, cols),
+                                        dq,
+                                        d,
+                                        true,
+                                        dp.as_ptr(),
+                                        (cols, 1),
+                                        kb,
+                                        (kv.ss, 1),
+                                        one(),
+                                    );
+                                    mm(
+                                        (cols, d, rows),
+                                        dkb,
+                                        d,
+                                        true,
+                                        dp.as_ptr(),
+                                        (1, cols),
+                                        qp,
+                                        (d, 1),
+                                        one(),
+                                    );
                                 }
                             }
                         }
-                    });
-                    Ok(())
-                })
-            })?;
-            let len = out.len();
-            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
-        })
+                    }
+                });
+                Ok(())
+            })
+        })?;
+        let len = out.len();
+        Ok((out, Shape::from(len)))
     }
 }
 
@@ -665,7 +603,7 @@ pub fn attention_blockwise(
     let key_bias =
         key_bias.reshape(((), s))?.broadcast_as((b, s))?.to_dtype(q.dtype())?.contiguous()?.detach();
     let op = Blockwise { key_bias, offset, scale: 1.0 / (d as f64).sqrt(), blocks, lse: Mutex::new(None) };
-    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, op)?)
+    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
 }
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
 //! Fused log-softmax + gather + entropy over vocabulary logits, with its
 //! backward: log_softmax is never materialised.
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType};
+use candle_core::{bail, DType, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{slice, with_host, zero, Real};
+use super::{data, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// Per row of logits `x (N, V)` and target `t`: `[x_t - lse, H, lse]` with
@@ -49,52 +49,34 @@ pub(super) fn row_stats<T: Real>(x: &[T]) -> (f64, f64, f64) {
     (lse, t / s + mx.to_f64(), s2 / (s * s))
 }
 
-impl CustomOp2 for LogpEntropy {
-    fn name(&self) -> &'static str {
-        "fused-logp-entropy"
-    }
+impl Kernel<2> for LogpEntropy {
+    const NAME: &'static str = "fused-logp-entropy";
+    const WHAT: &'static str = "logprob_entropy";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let vocab = *l1.dims().last().unwrap_or(&1);
-        let n = l1.shape().elem_count() / vocab.max(1);
-        let targets = slice::<u32>(s2, l2, "logprob_entropy")?;
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let vocab = *ins[0].layout.dims().last().unwrap_or(&1);
+        let n = ins[0].layout.shape().elem_count() / vocab.max(1);
+        let targets = ins[1].data::<u32>()?;
         if targets.len() != n {
             bail!("fused logprob_entropy: {} targets for {n} rows of logits", targets.len())
         }
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= vocab) {
             bail!("fused logprob_entropy: target {t} outside a vocabulary of {vocab}")
         }
-        by_dtype!(s1, "logprob_entropy", |T| {
-            let x = slice::<T>(s1, l1, "logprob_entropy")?;
-            let mut out = vec![zero::<T>(); 3 * n];
-            out.par_chunks_mut(3).zip(x.par_chunks(vocab)).zip(targets.par_iter()).for_each(
-                |((o, row), &t)| {
-                    let (lse, mean) = lse_and_mean(row);
-                    o[0] = T::from_f64(row[t as usize].to_f64() - lse);
-                    o[1] = T::from_f64(lse - mean);
-                    o[2] = T::from_f64(lse);
-                },
-            );
-            Ok((T::to_cpu_storage_owned(out), Shape::from((n, 3))))
-        })
+        let x = ins[0].data::<T>()?;
+        let mut out = vec![zero::<T>(); 3 * n];
+        out.par_chunks_mut(3).zip(x.par_chunks(vocab)).zip(targets.par_iter()).for_each(|((o, row), &t)| {
+            let (lse, mean) = lse_and_mean(row);
+            o[0] = T::from_f64(row[t as usize].to_f64() - lse);
+            o[1] = T::from_f64(lse - mean);
+            o[2] = T::from_f64(lse);
+        });
+        Ok((out, Shape::from((n, 3))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        targets: &Tensor,
-        res: &Tensor,
-        dres: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, targets]: [&Tensor; 2], res: &Tensor, dres: &Tensor) -> Grads<2> {
         let op = LogpEntropyBwd { targets: targets.clone() };
-        let dx = x.apply_op3_no_bwd(res, &dres.contiguous()?, &op)?;
-        Ok((Some(dx), None))
+        Ok([Some(x.apply_op3_no_bwd(res, &dres.contiguous()?, &Op(op))?), None])
     }
 }
 
@@ -104,41 +86,28 @@ struct LogpEntropyBwd {
     targets: Tensor,
 }
 
-impl CustomOp3 for LogpEntropyBwd {
-    fn name(&self) -> &'static str {
-        "fused-logp-entropy-bwd"
-    }
+impl Kernel<3> for LogpEntropyBwd {
+    const NAME: &'static str = "fused-logp-entropy-bwd";
+    const WHAT: &'static str = "logprob_entropy";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let vocab = *l1.dims().last().unwrap_or(&1);
-        by_dtype!(s1, "logprob_entropy", |T| {
-            let x = slice::<T>(s1, l1, "logprob_entropy")?;
-            let res = slice::<T>(s2, l2, "logprob_entropy")?;
-            let dres = slice::<T>(s3, l3, "logprob_entropy")?;
-            let mut dx = vec![zero::<T>(); x.len()];
-            with_host::<u32, _>(&self.targets, "logprob_entropy", |targets| {
-                dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(i, (dr, xr))| {
-                    let (h, lse) = (res[3 * i + 1], res[3 * i + 2]);
-                    let (gl, ge) = (dres[3 * i], dres[3 * i + 1]);
-                    let shift = h - lse;
-                    for (d, &v) in dr.iter_mut().zip(xr) {
-                        let p = (v - lse).exp();
-                        *d = if p > zero() { -p * (gl + ge * (v + shift)) } else { zero() };
-                    }
-                    dr[targets[i] as usize] += gl;
-                });
-                Ok(())
-            })?;
-            Ok((T::to_cpu_storage_owned(dx), l1.shape().clone()))
-        })
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let vocab = *ins[0].layout.dims().last().unwrap_or(&1);
+        let [x, res, dres] = data::<T, 3>(&ins)?;
+        let mut dx = vec![zero::<T>(); x.len()];
+        with_host::<u32, _>(&self.targets, "logprob_entropy", |targets| {
+            dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(i, (dr, xr))| {
+                let (h, lse) = (res[3 * i + 1], res[3 * i + 2]);
+                let (gl, ge) = (dres[3 * i], dres[3 * i + 1]);
+                let shift = h - lse;
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    let p = (v - lse).exp();
+                    *d = if p > zero() { -p * (gl + ge * (v + shift)) } else { zero() };
+                }
+                dr[targets[i] as usize] += gl;
+            });
+            Ok(())
+        })?;
+        Ok((dx, ins[0].layout.shape().clone()))
     }
 }
 
@@ -146,7 +115,7 @@ impl CustomOp3 for LogpEntropyBwd {
 pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let x = logits.contiguous()?;
     let t = targets.flatten_all()?.to_dtype(DType::U32)?.contiguous()?.detach();
-    let out = x.apply_op2(&t, LogpEntropy)?;
+    let out = x.apply_op2(&t, Op(LogpEntropy))?;
     let logp = out.narrow(1, 0, 1)?.reshape(targets.shape())?;
     let entropy = out.narrow(1, 1, 1)?.reshape(targets.shape())?;
     Ok((logp, entropy))

@@ -1,8 +1,8 @@
 //! Fused `y = x w^T` (the projections) with its backward.
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{bail, Shape, Tensor};
 
-use super::{all_threads, mm_par, slice, zero};
+use super::{all_threads, data, mm_par, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = x w^T` for contiguous `x (.., in)` and `w (out, in)`: one gemm call
@@ -11,128 +11,94 @@ use crate::Result;
 /// accumulation of the weight gradient).
 struct Linear;
 
-impl CustomOp2 for Linear {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
+impl Kernel<2> for Linear {
+    const NAME: &'static str = "fused-linear";
+    const WHAT: &'static str = "linear";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (o, k) = l2.shape().dims2()?;
-        let dims = l1.dims();
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let (o, k) = ins[1].layout.shape().dims2()?;
+        let dims = ins[0].layout.dims();
         if dims.last() != Some(&k) {
             bail!("fused linear: x of shape {dims:?} does not end in the {k} features w expects")
         }
-        let n = l1.shape().elem_count() / k.max(1);
+        let n = ins[0].layout.shape().elem_count() / k.max(1);
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("checked above") = o;
-        by_dtype!(s1, "linear", |T| {
-            let x = slice::<T>(s1, l1, "linear")?;
-            let w = slice::<T>(s2, l2, "linear")?;
-            let mut y = vec![zero::<T>(); n * o];
-            // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
-            unsafe {
-                mm_par(
-                    (n, o, k),
-                    y.as_mut_ptr(),
-                    o,
-                    false,
-                    x.as_ptr(),
-                    (k, 1),
-                    w.as_ptr(),
-                    (1, k),
-                    T::from_f64(1.0),
-                    all_threads(),
-                );
-            }
-            Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)))
-        })
+        let [x, w] = data::<T, 2>(&ins)?;
+        let mut y = vec![zero::<T>(); n * o];
+        // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
+        unsafe {
+            mm_par(
+                (n, o, k),
+                y.as_mut_ptr(),
+                o,
+                false,
+                x.as_ptr(),
+                (k, 1),
+                w.as_ptr(),
+                (1, k),
+                T::from_f64(1.0),
+                all_threads(),
+            );
+        }
+        Ok((y, Shape::from(out_dims)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LinearBwd)?;
-        let (nx, nw) = (x.elem_count(), w.elem_count());
-        Ok((
-            Some(both.narrow(0, 0, nx)?.reshape(x.shape())?),
-            Some(both.narrow(0, nx, nw)?.reshape(w.shape())?),
-        ))
+    fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
+        split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(LinearBwd))?, [x, w])
     }
 }
 
 /// Backward of [`Linear`] over `(x, w, dy)`: `[dx = dy w | dw = dy^T x]`.
 struct LinearBwd;
 
-impl CustomOp3 for LinearBwd {
-    fn name(&self) -> &'static str {
-        "fused-linear-bwd"
-    }
+impl Kernel<3> for LinearBwd {
+    const NAME: &'static str = "fused-linear-bwd";
+    const WHAT: &'static str = "linear";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (o, k) = l2.shape().dims2()?;
-        let n = l1.shape().elem_count() / k.max(1);
-        by_dtype!(s1, "linear", |T| {
-            let x = slice::<T>(s1, l1, "linear")?;
-            let w = slice::<T>(s2, l2, "linear")?;
-            let dy = slice::<T>(s3, l3, "linear")?;
-            let mut out = vec![zero::<T>(); n * k + o * k];
-            let (dx, dw) = out.split_at_mut(n * k);
-            let one = T::from_f64(1.0);
-            // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
-            unsafe {
-                mm_par(
-                    (n, k, o),
-                    dx.as_mut_ptr(),
-                    k,
-                    false,
-                    dy.as_ptr(),
-                    (o, 1),
-                    w.as_ptr(),
-                    (k, 1),
-                    one,
-                    all_threads(),
-                );
-                mm_par(
-                    (o, k, n),
-                    dw.as_mut_ptr(),
-                    k,
-                    false,
-                    dy.as_ptr(),
-                    (1, o),
-                    x.as_ptr(),
-                    (k, 1),
-                    one,
-                    all_threads(),
-                );
-            }
-            let len = out.len();
-            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
-        })
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let (o, k) = ins[1].layout.shape().dims2()?;
+        let n = ins[0].layout.shape().elem_count() / k.max(1);
+        let [x, w, dy] = data::<T, 3>(&ins)?;
+        let mut out = vec![zero::<T>(); n * k + o * k];
+        let (dx, dw) = out.split_at_mut(n * k);
+        let one = T::from_f64(1.0);
+        // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
+        unsafe {
+            mm_par(
+                (n, k, o),
+                dx.as_mut_ptr(),
+                k,
+                false,
+                dy.as_ptr(),
+                (o, 1),
+                w.as_ptr(),
+                (k, 1),
+                one,
+                all_threads(),
+            );
+            mm_par(
+                (o, k, n),
+                dw.as_mut_ptr(),
+                k,
+                false,
+                dy.as_ptr(),
+                (1, o),
+                x.as_ptr(),
+                (k, 1),
+                one,
+                all_threads(),
+            );
+        }
+        let len = out.len();
+        Ok((out, Shape::from(len)))
     }
 }
 
 /// Fused `x @ w^T` for `x (.., in)`, `w (out, in)`; returns `(.., out)` with no
 /// reshape nodes in the graph.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Linear)?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))?)
 }
 
 #[cfg(test)]

@@ -23,7 +23,9 @@
 
 use std::ops::Neg;
 
-use candle_core::{bail, CpuStorage, DType, Device, Layout, Storage, Tensor, WithDType};
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor, WithDType,
+};
 use gemm::Parallelism;
 
 /// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, unless
@@ -42,6 +44,7 @@ pub fn supported_on(device: &Device, dtype: DType) -> bool {
 /// The float types the kernels are written for.
 trait Real: WithDType + Neg<Output = Self> {
     fn exp(self) -> Self;
+    fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     fn fmax(self, o: Self) -> Self;
 }
@@ -52,6 +55,10 @@ macro_rules! real {
             #[inline]
             fn exp(self) -> Self {
                 <$t>::exp(self)
+            }
+            #[inline]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
             }
             #[inline]
             fn sqrt(self) -> Self {
@@ -84,34 +91,177 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_
     }
 }
 
-/// Runs `f` on the contiguous host data of a CPU tensor (an op's constant input).
-fn with_host<T: WithDType, R>(
-    t: &Tensor,
-    what: &str,
-    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(c) => f(slice::<T>(c, l, what)?),
-        _ => bail!("fused {what}: expected a CPU tensor"),
+/// One input of a fused kernel: the CPU storage and layout candle hands over.
+#[derive(Clone, Copy)]
+struct Input<'a> {
+    storage: &'a CpuStorage,
+    layout: &'a Layout,
+    /// The op, for error messages.
+    what: &'static str,
+}
+
+impl<'a> Input<'a> {
+    /// The contiguous elements the layout describes (an error for a strided view).
+    fn data<T: WithDType>(&self) -> candle_core::Result<&'a [T]> {
+        slice(self.storage, self.layout, self.what)
+    }
+
+    /// The whole storage, for a strided view read through `layout`.
+    fn storage<T: WithDType>(&self) -> candle_core::Result<&'a [T]> {
+        self.storage.as_slice::<T>()
     }
 }
 
-/// Dispatches on the storage dtype to a generic kernel.
-macro_rules! by_dtype {
-    ($s:expr, $name:expr, |$t:ident| $body:expr) => {
-        match $s {
-            CpuStorage::F32(_) => {
-                type $t = f32;
-                $body
-            }
-            CpuStorage::F64(_) => {
-                type $t = f64;
-                $body
-            }
-            _ => bail!("fused {}: only f32 and f64 are supported", $name),
+/// The contiguous elements of every input, in one element type.
+fn data<'a, T: WithDType, const N: usize>(ins: &[Input<'a>; N]) -> candle_core::Result<[&'a [T]; N]> {
+    let mut out: [&'a [T]; N] = [&[]; N];
+    for (o, i) in out.iter_mut().zip(ins) {
+        *o = i.data()?;
+    }
+    Ok(out)
+}
+
+/// A tensor an op holds as a constant (a mask, the targets, k and v in a
+/// backward), its storage held for reading.
+struct Host<'a> {
+    storage: candle_core::StorageRef<'a>,
+    layout: &'a Layout,
+    what: &'static str,
+}
+
+impl<'a> Host<'a> {
+    fn of(t: &'a Tensor, what: &'static str) -> candle_core::Result<Self> {
+        let (storage, layout) = t.storage_and_layout();
+        if !matches!(&*storage, Storage::Cpu(_)) {
+            bail!("fused {what}: expected a CPU tensor")
         }
-    };
+        Ok(Self { storage, layout, what })
+    }
+
+    /// The held tensor as a kernel input.
+    fn input(&self) -> Input<'_> {
+        match &*self.storage {
+            Storage::Cpu(storage) => Input { storage, layout: self.layout, what: self.what },
+            _ => unreachable!("checked in Host::of"),
+        }
+    }
+}
+
+/// Runs `f` on the contiguous host data of a CPU tensor (an op's constant input).
+fn with_host<T: WithDType, R>(
+    t: &Tensor,
+    what: &'static str,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    f(Host::of(t, what)?.input().data::<T>()?)
+}
+
+/// A fused CPU kernel over `N` tensors, served to candle as a `CustomOp2` or
+/// `CustomOp3` by [`Op`], which matches storages, layouts and the dtype (f32
+/// or f64, else an error) once for every kernel.
+trait Kernel<const N: usize>: Send + Sync + 'static {
+    /// candle's name of the op.
+    const NAME: &'static str;
+    /// The op in error messages (`fused {WHAT}: ...`).
+    const WHAT: &'static str;
+
+    /// The forward, in the element type `T` of the first input.
+    fn fwd<T: Real>(&self, ins: [Input<'_>; N]) -> Out<T>;
+
+    /// The gradients of the inputs, from the output `res` and its gradient `dres`.
+    fn bwd(
+        &self,
+        _ins: [&Tensor; N],
+        _res: &Tensor,
+        _dres: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; N]> {
+        Err(candle_core::Error::BackwardNotSupported { op: Self::NAME })
+    }
+}
+
+/// A [`Kernel`] as a candle custom op.
+struct Op<K>(K);
+
+/// What a custom op's CPU forward returns.
+type CpuOut = candle_core::Result<(CpuStorage, Shape)>;
+
+/// What a [`Kernel`]'s forward returns: the elements and the shape of the output.
+type Out<T> = candle_core::Result<(Vec<T>, Shape)>;
+
+/// What a [`Kernel`]'s backward returns: a gradient or `None` per input.
+type Grads<const N: usize> = candle_core::Result<[Option<Tensor>; N]>;
+
+impl<K> Op<K> {
+    /// Runs the kernel in the dtype of the first storage.
+    fn run<const N: usize>(&self, ins: [(&CpuStorage, &Layout); N]) -> CpuOut
+    where
+        K: Kernel<N>,
+    {
+        let ins = ins.map(|(storage, layout)| Input { storage, layout, what: K::WHAT });
+        match ins.first().map(|i| i.storage) {
+            Some(CpuStorage::F32(_)) => {
+                self.0.fwd::<f32>(ins).map(|(y, s)| (f32::to_cpu_storage_owned(y), s))
+            }
+            Some(CpuStorage::F64(_)) => {
+                self.0.fwd::<f64>(ins).map(|(y, s)| (f64::to_cpu_storage_owned(y), s))
+            }
+            _ => bail!("fused {}: only f32 and f64 are supported", K::WHAT),
+        }
+    }
+}
+
+impl<K: Kernel<2>> CustomOp2 for Op<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CpuOut {
+        self.run([(s1, l1), (s2, l2)])
+    }
+
+    fn bwd(&self, a: &Tensor, b: &Tensor, res: &Tensor, dres: &Tensor) -> candle_core::Result<Pair> {
+        let [da, db] = self.0.bwd([a, b], res, dres)?;
+        Ok((da, db))
+    }
+}
+
+impl<K: Kernel<3>> CustomOp3 for Op<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    #[rustfmt::skip]
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> CpuOut {
+        self.run([(s1, l1), (s2, l2), (s3, l3)])
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        res: &Tensor,
+        dres: &Tensor,
+    ) -> candle_core::Result<Triple> {
+        let [da, db, dc] = self.0.bwd([a, b, c], res, dres)?;
+        Ok((da, db, dc))
+    }
+}
+
+/// The gradients candle's `CustomOp2::bwd` and `CustomOp3::bwd` return.
+type Pair = (Option<Tensor>, Option<Tensor>);
+type Triple = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// Cuts the flat buffer of a backward kernel into one gradient per tensor of
+/// `like`, in order, each with that tensor's element count and shape.
+fn split_like<const N: usize>(flat: &Tensor, like: [&Tensor; N]) -> Grads<N> {
+    let mut at = 0;
+    let mut out: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+    for (o, t) in out.iter_mut().zip(like) {
+        *o = Some(flat.narrow(0, at, t.elem_count())?.reshape(t.shape())?);
+        at += t.elem_count();
+    }
+    Ok(out)
 }
 
 pub mod attention;

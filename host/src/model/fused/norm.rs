@@ -1,9 +1,9 @@
 //! Fused RMSNorm over the last dimension with its backward.
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{rows_per_task, slice, zero, Real};
+use super::{data, rows_per_task, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = w * x / sqrt(mean(x^2) + eps)` over the last dimension of a contiguous `x`.
@@ -11,50 +11,29 @@ struct RmsNorm {
     eps: f64,
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm"
-    }
+impl Kernel<2> for RmsNorm {
+    const NAME: &'static str = "fused-rms-norm";
+    const WHAT: &'static str = "rms_norm";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        by_dtype!(s1, "rms_norm", |T| {
-            let x = slice::<T>(s1, l1, "rms_norm")?;
-            let w = slice::<T>(s2, l2, "rms_norm")?;
-            let n = w.len();
-            let eps = T::from_f64(self.eps);
-            let mut y = vec![zero::<T>(); x.len()];
-            let chunk = rows_per_task(n) * n;
-            y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(yc, xc)| {
-                for (yr, xr) in yc.chunks_exact_mut(n).zip(xc.chunks_exact(n)) {
-                    let r = inv_rms(xr, eps);
-                    for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
-                        *y = w * (x * r);
-                    }
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let [x, w] = data::<T, 2>(&ins)?;
+        let n = w.len();
+        let eps = T::from_f64(self.eps);
+        let mut y = vec![zero::<T>(); x.len()];
+        let chunk = rows_per_task(n) * n;
+        y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(yc, xc)| {
+            for (yr, xr) in yc.chunks_exact_mut(n).zip(xc.chunks_exact(n)) {
+                let r = inv_rms(xr, eps);
+                for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
+                    *y = w * (x * r);
                 }
-            });
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
+            }
+        });
+        Ok((y, ins[0].layout.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = w.elem_count();
-        let rows = x.elem_count() / n.max(1);
-        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
-        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?;
-        Ok((Some(dx), Some(dw)))
+    fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
+        split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(RmsNormBwd { eps: self.eps }))?, [x, w])
     }
 }
 
@@ -65,75 +44,62 @@ pub(super) fn inv_rms<T: Real>(x: &[T], eps: T) -> T {
     T::from_f64(1.0) / (T::from_f64(ss / x.len() as f64) + eps).sqrt()
 }
 
-/// Backward of [`RmsNorm`]: returns `(rows + 1, n)`, the rows of dx then dw.
+/// Backward of [`RmsNorm`] over `(x, w, dy)`: `[dx | dw]`, flat.
 /// With `r = 1/rms(x)` and `g = w * dy`: `dx = r g - x r^3 sum(g x) / n`,
 /// `dw = sum_rows(dy * x * r)`.
 struct RmsNormBwd {
     eps: f64,
 }
 
-impl CustomOp3 for RmsNormBwd {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm-bwd"
-    }
+impl Kernel<3> for RmsNormBwd {
+    const NAME: &'static str = "fused-rms-norm-bwd";
+    const WHAT: &'static str = "rms_norm";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        by_dtype!(s1, "rms_norm", |T| {
-            let x = slice::<T>(s1, l1, "rms_norm")?;
-            let w = slice::<T>(s2, l2, "rms_norm")?;
-            let dy = slice::<T>(s3, l3, "rms_norm")?;
-            let n = w.len();
-            let rows = x.len() / n;
-            let eps = T::from_f64(self.eps);
-            let mut out = vec![zero::<T>(); x.len() + n];
-            let chunk = rows_per_task(n) * n;
-            let dw = out[..x.len()]
-                .par_chunks_mut(chunk)
-                .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
-                .map(|(dxc, (xc, dyc))| {
-                    let mut dw = vec![0f64; n];
-                    for ((dxr, xr), dyr) in
-                        dxc.chunks_exact_mut(n).zip(xc.chunks_exact(n)).zip(dyc.chunks_exact(n))
-                    {
-                        let r = inv_rms(xr, eps);
-                        let mut dot = 0f64;
-                        for i in 0..n {
-                            dot += (w[i] * dyr[i]).to_f64() * xr[i].to_f64();
-                            dw[i] += (dyr[i] * xr[i] * r).to_f64();
-                        }
-                        let c = T::from_f64(dot / n as f64) * r * r * r;
-                        for i in 0..n {
-                            dxr[i] = r * w[i] * dyr[i] - xr[i] * c;
-                        }
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let [x, w, dy] = data::<T, 3>(&ins)?;
+        let n = w.len();
+        let eps = T::from_f64(self.eps);
+        let mut out = vec![zero::<T>(); x.len() + n];
+        let chunk = rows_per_task(n) * n;
+        let dw = out[..x.len()]
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
+            .map(|(dxc, (xc, dyc))| {
+                let mut dw = vec![0f64; n];
+                for ((dxr, xr), dyr) in
+                    dxc.chunks_exact_mut(n).zip(xc.chunks_exact(n)).zip(dyc.chunks_exact(n))
+                {
+                    let r = inv_rms(xr, eps);
+                    let mut dot = 0f64;
+                    for i in 0..n {
+                        dot += (w[i] * dyr[i]).to_f64() * xr[i].to_f64();
+                        dw[i] += (dyr[i] * xr[i] * r).to_f64();
                     }
-                    dw
-                })
-                .reduce(
-                    || vec![0f64; n],
-                    |mut a, b| {
-                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                        a
-                    },
-                );
-            for (o, v) in out[x.len()..].iter_mut().zip(dw) {
-                *o = T::from_f64(v);
-            }
-            Ok((T::to_cpu_storage_owned(out), Shape::from((rows + 1, n))))
-        })
+                    let c = T::from_f64(dot / n as f64) * r * r * r;
+                    for i in 0..n {
+                        dxr[i] = r * w[i] * dyr[i] - xr[i] * c;
+                    }
+                }
+                dw
+            })
+            .reduce(
+                || vec![0f64; n],
+                |mut a, b| {
+                    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        for (o, v) in out[x.len()..].iter_mut().zip(dw) {
+            *o = T::from_f64(v);
+        }
+        let len = out.len();
+        Ok((out, Shape::from(len)))
     }
 }
 
 /// Fused RMSNorm over the last dimension (see [`super::ops::rms_norm`]).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(RmsNorm { eps }))?)
 }
 
 #[cfg(test)]

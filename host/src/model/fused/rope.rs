@@ -1,11 +1,11 @@
 //! Fused q/k preparation: per-head RMSNorm, rotary embedding and the
 //! `(B, L, H, D) -> (B, H, L, D)` transpose in one pass, with its backward.
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType, D};
+use candle_core::{Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::norm::inv_rms;
-use super::{slice, with_host, zero, Real};
+use super::{data, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// q/k preparation in one pass: per-head RMSNorm over D with weight `w`, then
@@ -31,57 +31,37 @@ fn rotate<T: Real>(v: &[T], cs: &[T], out: &mut [T], inverse: bool) {
     }
 }
 
-impl CustomOp2 for NormRope {
-    fn name(&self) -> &'static str {
-        "fused-norm-rope"
-    }
+impl Kernel<2> for NormRope {
+    const NAME: &'static str = "fused-norm-rope";
+    const WHAT: &'static str = "norm_rope";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let (b, l, nh, d) = self.dims;
-        by_dtype!(s1, "norm_rope", |T| {
-            let x = slice::<T>(s1, l1, "norm_rope")?;
-            let w = slice::<T>(s2, l2, "norm_rope")?;
-            let eps = T::from_f64(self.eps);
-            let mut y = vec![zero::<T>(); x.len()];
-            with_host::<T, _>(&self.cs, "norm_rope", |cs| {
-                // One task per (b, h): output rows (b, h, 0..L) are contiguous.
-                y.par_chunks_mut(l * d).enumerate().for_each(|(bh, yc)| {
-                    let (bi, hi) = (bh / nh, bh % nh);
-                    let mut tmp = vec![zero::<T>(); d];
-                    for (li, yr) in yc.chunks_exact_mut(d).enumerate() {
-                        let xr = &x[((bi * l + li) * nh + hi) * d..][..d];
-                        let r = inv_rms(xr, eps);
-                        for j in 0..d {
-                            tmp[j] = w[j] * (xr[j] * r);
-                        }
-                        rotate(&tmp, &cs[(bi * l + li) * d..][..d], yr, false);
+        let [x, w] = data::<T, 2>(&ins)?;
+        let eps = T::from_f64(self.eps);
+        let mut y = vec![zero::<T>(); x.len()];
+        with_host::<T, _>(&self.cs, "norm_rope", |cs| {
+            // One task per (b, h): output rows (b, h, 0..L) are contiguous.
+            y.par_chunks_mut(l * d).enumerate().for_each(|(bh, yc)| {
+                let (bi, hi) = (bh / nh, bh % nh);
+                let mut tmp = vec![zero::<T>(); d];
+                for (li, yr) in yc.chunks_exact_mut(d).enumerate() {
+                    let xr = &x[((bi * l + li) * nh + hi) * d..][..d];
+                    let r = inv_rms(xr, eps);
+                    for j in 0..d {
+                        tmp[j] = w[j] * (xr[j] * r);
                     }
-                });
-                Ok(())
-            })?;
-            Ok((T::to_cpu_storage_owned(y), Shape::from((b, nh, l, d))))
-        })
+                    rotate(&tmp, &cs[(bi * l + li) * d..][..d], yr, false);
+                }
+            });
+            Ok(())
+        })?;
+        Ok((y, Shape::from((b, nh, l, d))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (b, l, nh, d) = self.dims;
+    fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
         let op = NormRopeBwd { eps: self.eps, cs: self.cs.clone(), dims: self.dims };
-        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &op)?;
-        let dx = both.narrow(0, 0, b * l * nh * d)?.reshape(x.shape())?;
-        let dw = both.narrow(0, b * l * nh * d, d)?.reshape(w.shape())?;
-        Ok((Some(dx), Some(dw)))
+        split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(op))?, [x, w])
     }
 }
 
@@ -93,69 +73,56 @@ struct NormRopeBwd {
     dims: (usize, usize, usize, usize),
 }
 
-impl CustomOp3 for NormRopeBwd {
-    fn name(&self) -> &'static str {
-        "fused-norm-rope-bwd"
-    }
+impl Kernel<3> for NormRopeBwd {
+    const NAME: &'static str = "fused-norm-rope-bwd";
+    const WHAT: &'static str = "norm_rope";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let (_, l, nh, d) = self.dims;
-        by_dtype!(s1, "norm_rope", |T| {
-            let x = slice::<T>(s1, l1, "norm_rope")?;
-            let w = slice::<T>(s2, l2, "norm_rope")?;
-            let dy = slice::<T>(s3, l3, "norm_rope")?;
-            let eps = T::from_f64(self.eps);
-            let mut out = vec![zero::<T>(); x.len() + d];
-            let dw = with_host::<T, _>(&self.cs, "norm_rope", |cs| {
-                // One task per (b, l): dx rows (b, l, 0..H) are contiguous.
-                Ok(out[..x.len()]
-                    .par_chunks_mut(nh * d)
-                    .enumerate()
-                    .map(|(bl, dxc)| {
-                        let (bi, li) = (bl / l, bl % l);
-                        let csr = &cs[bl * d..][..d];
-                        let mut dw = vec![0f64; d];
-                        let mut g = vec![zero::<T>(); d];
-                        for (hi, dxr) in dxc.chunks_exact_mut(d).enumerate() {
-                            let xr = &x[bl * nh * d + hi * d..][..d];
-                            let dyr = &dy[((bi * nh + hi) * l + li) * d..][..d];
-                            // Gradient w.r.t. the normed, weighted vector.
-                            rotate(dyr, csr, &mut g, true);
-                            let r = inv_rms(xr, eps);
-                            let mut dot = 0f64;
-                            for j in 0..d {
-                                dot += (w[j] * g[j]).to_f64() * xr[j].to_f64();
-                                dw[j] += (g[j] * xr[j] * r).to_f64();
-                            }
-                            let c = T::from_f64(dot / d as f64) * r * r * r;
-                            for j in 0..d {
-                                dxr[j] = r * w[j] * g[j] - xr[j] * c;
-                            }
+        let [x, w, dy] = data::<T, 3>(&ins)?;
+        let eps = T::from_f64(self.eps);
+        let mut out = vec![zero::<T>(); x.len() + d];
+        let dw = with_host::<T, _>(&self.cs, "norm_rope", |cs| {
+            // One task per (b, l): dx rows (b, l, 0..H) are contiguous.
+            Ok(out[..x.len()]
+                .par_chunks_mut(nh * d)
+                .enumerate()
+                .map(|(bl, dxc)| {
+                    let (bi, li) = (bl / l, bl % l);
+                    let csr = &cs[bl * d..][..d];
+                    let mut dw = vec![0f64; d];
+                    let mut g = vec![zero::<T>(); d];
+                    for (hi, dxr) in dxc.chunks_exact_mut(d).enumerate() {
+                        let xr = &x[bl * nh * d + hi * d..][..d];
+                        let dyr = &dy[((bi * nh + hi) * l + li) * d..][..d];
+                        // Gradient w.r.t. the normed, weighted vector.
+                        rotate(dyr, csr, &mut g, true);
+                        let r = inv_rms(xr, eps);
+                        let mut dot = 0f64;
+                        for j in 0..d {
+                            dot += (w[j] * g[j]).to_f64() * xr[j].to_f64();
+                            dw[j] += (g[j] * xr[j] * r).to_f64();
                         }
-                        dw
-                    })
-                    .reduce(
-                        || vec![0f64; d],
-                        |mut a, b| {
-                            a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                            a
-                        },
-                    ))
-            })?;
-            for (o, v) in out[x.len()..].iter_mut().zip(dw) {
-                *o = T::from_f64(v);
-            }
-            let len = out.len();
-            Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
-        })
+                        let c = T::from_f64(dot / d as f64) * r * r * r;
+                        for j in 0..d {
+                            dxr[j] = r * w[j] * g[j] - xr[j] * c;
+                        }
+                    }
+                    dw
+                })
+                .reduce(
+                    || vec![0f64; d],
+                    |mut a, b| {
+                        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                        a
+                    },
+                ))
+        })?;
+        for (o, v) in out[x.len()..].iter_mut().zip(dw) {
+            *o = T::from_f64(v);
+        }
+        let len = out.len();
+        Ok((out, Shape::from(len)))
     }
 }
 
@@ -187,7 +154,7 @@ pub fn norm_rope(
             x.dims()
         )));
     }
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, NormRope { eps, cs, dims })?)
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(NormRope { eps, cs, dims }))?)
 }
 
 #[cfg(test)]

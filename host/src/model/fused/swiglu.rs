@@ -1,9 +1,9 @@
 //! Fused SwiGLU gating `silu(gate) * up` with its backward.
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{slice, zero, Real};
+use super::{data, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `silu(gate) * up`, elementwise.
@@ -14,43 +14,25 @@ fn sigmoid<T: Real>(x: T) -> T {
     T::from_f64(1.0) / (T::from_f64(1.0) + (-x).exp())
 }
 
-impl CustomOp2 for SwiGlu {
-    fn name(&self) -> &'static str {
-        "fused-swiglu"
+impl Kernel<2> for SwiGlu {
+    const NAME: &'static str = "fused-swiglu";
+    const WHAT: &'static str = "swiglu";
+
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
+        let [g, u] = data::<T, 2>(&ins)?;
+        let mut y = vec![zero::<T>(); g.len()];
+        y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
+            |(y, (g, u))| {
+                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                    *y = g * sigmoid(g) * u;
+                }
+            },
+        );
+        Ok((y, ins[0].layout.shape().clone()))
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        by_dtype!(s1, "swiglu", |T| {
-            let g = slice::<T>(s1, l1, "swiglu")?;
-            let u = slice::<T>(s2, l2, "swiglu")?;
-            let mut y = vec![zero::<T>(); g.len()];
-            y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
-                |(y, (g, u))| {
-                    for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                        *y = g * sigmoid(g) * u;
-                    }
-                },
-            );
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
-    }
-
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = g.apply_op3_no_bwd(u, &dy.contiguous()?, &SwiGluBwd)?;
-        let n = g.elem_count();
-        Ok((Some(both.narrow(0, 0, n)?.reshape(g.shape())?), Some(both.narrow(0, n, n)?.reshape(u.shape())?)))
+    fn bwd(&self, [g, u]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
+        split_like(&g.apply_op3_no_bwd(u, &dy.contiguous()?, &Op(SwiGluBwd))?, [g, u])
     }
 }
 
@@ -58,45 +40,32 @@ impl CustomOp2 for SwiGlu {
 /// `dup = dy g s`, `s = sigmoid(g)`.
 struct SwiGluBwd;
 
-impl CustomOp3 for SwiGluBwd {
-    fn name(&self) -> &'static str {
-        "fused-swiglu-bwd"
-    }
+impl Kernel<3> for SwiGluBwd {
+    const NAME: &'static str = "fused-swiglu-bwd";
+    const WHAT: &'static str = "swiglu";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        by_dtype!(s1, "swiglu", |T| {
-            let g = slice::<T>(s1, l1, "swiglu")?;
-            let u = slice::<T>(s2, l2, "swiglu")?;
-            let dy = slice::<T>(s3, l3, "swiglu")?;
-            let n = g.len();
-            let mut out = vec![zero::<T>(); 2 * n];
-            let (dg, du) = out.split_at_mut(n);
-            let c = 32 * 1024;
-            dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).enumerate().for_each(|(i, (dg, du))| {
-                let base = i * c;
-                for j in 0..dg.len() {
-                    let (gv, uv, d) = (g[base + j], u[base + j], dy[base + j]);
-                    let s = sigmoid(gv);
-                    dg[j] = d * uv * s * (T::from_f64(1.0) + gv * (T::from_f64(1.0) - s));
-                    du[j] = d * gv * s;
-                }
-            });
-            Ok((T::to_cpu_storage_owned(out), Shape::from(2 * n)))
-        })
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let [g, u, dy] = data::<T, 3>(&ins)?;
+        let n = g.len();
+        let mut out = vec![zero::<T>(); 2 * n];
+        let (dg, du) = out.split_at_mut(n);
+        let c = 32 * 1024;
+        dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).enumerate().for_each(|(i, (dg, du))| {
+            let base = i * c;
+            for j in 0..dg.len() {
+                let (gv, uv, d) = (g[base + j], u[base + j], dy[base + j]);
+                let s = sigmoid(gv);
+                dg[j] = d * uv * s * (T::from_f64(1.0) + gv * (T::from_f64(1.0) - s));
+                du[j] = d * gv * s;
+            }
+        });
+        Ok((out, Shape::from(2 * n)))
     }
 }
 
 /// Fused `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)?)
+    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, Op(SwiGlu))?)
 }
 
 #[cfg(test)]

@@ -11,11 +11,11 @@
 //! scheme of Liger-Kernel's fused linear cross-entropy and verl's
 //! `entropy_from_logits_with_chunking`, extended to the entropy and Σp².
 
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{bail, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::head::row_stats;
-use super::{all_threads, mm_par, slice, with_host, zero};
+use super::{all_threads, data, mm_par, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// Columns of the op's output per position.
@@ -65,75 +65,54 @@ fn dims(l1: &Layout, l2: &Layout, targets: &[u32]) -> candle_core::Result<(usize
     Ok((n, hd, v))
 }
 
-impl CustomOp2 for VocabStats {
-    fn name(&self) -> &'static str {
-        "fused-vocab-stats"
-    }
+impl Kernel<2> for VocabStats {
+    const NAME: &'static str = "fused-vocab-stats";
+    const WHAT: &'static str = "vocab_stats";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         with_host::<u32, _>(&self.targets, "vocab_stats", |targets| {
-            let (n, hd, v) = dims(l1, l2, targets)?;
-            by_dtype!(s1, "vocab_stats", |T| {
-                let h = slice::<T>(s1, l1, "vocab_stats")?;
-                let w = slice::<T>(s2, l2, "vocab_stats")?;
-                let mut out = vec![zero::<T>(); STATS * n];
-                let c = self.tiles.fwd_rows.clamp(1, n.max(1));
-                let mut buf = vec![zero::<T>(); c * v];
-                for r0 in (0..n).step_by(c) {
-                    let m = c.min(n - r0);
-                    // SAFETY: h rows r0..r0+m are m×hd contiguous, w is v×hd read as
-                    // its transpose, buf holds m×v; all owned here and disjoint.
-                    unsafe {
-                        mm_par(
-                            (m, v, hd),
-                            buf.as_mut_ptr(),
-                            v,
-                            false,
-                            h.as_ptr().add(r0 * hd),
-                            (hd, 1),
-                            w.as_ptr(),
-                            (1, hd),
-                            T::from_f64(1.0),
-                            all_threads(),
-                        );
-                    }
-                    out[STATS * r0..STATS * (r0 + m)]
-                        .par_chunks_mut(STATS)
-                        .zip(buf[..m * v].par_chunks(v))
-                        .zip(targets[r0..r0 + m].par_iter())
-                        .for_each(|((o, row), &t)| {
-                            let (lse, mean, coll) = row_stats(row);
-                            o[0] = T::from_f64(row[t as usize].to_f64() - lse);
-                            o[1] = T::from_f64(lse - mean);
-                            o[2] = T::from_f64(coll);
-                            o[3] = T::from_f64(lse);
-                        });
+            let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
+            let [h, w] = data::<T, 2>(&ins)?;
+            let mut out = vec![zero::<T>(); STATS * n];
+            let c = self.tiles.fwd_rows.clamp(1, n.max(1));
+            let mut buf = vec![zero::<T>(); c * v];
+            for r0 in (0..n).step_by(c) {
+                let m = c.min(n - r0);
+                // SAFETY: h rows r0..r0+m are m×hd contiguous, w is v×hd read as
+                // its transpose, buf holds m×v; all owned here and disjoint.
+                unsafe {
+                    mm_par(
+                        (m, v, hd),
+                        buf.as_mut_ptr(),
+                        v,
+                        false,
+                        h.as_ptr().add(r0 * hd),
+                        (hd, 1),
+                        w.as_ptr(),
+                        (1, hd),
+                        T::from_f64(1.0),
+                        all_threads(),
+                    );
                 }
-                Ok((T::to_cpu_storage_owned(out), Shape::from((n, STATS))))
-            })
+                out[STATS * r0..STATS * (r0 + m)]
+                    .par_chunks_mut(STATS)
+                    .zip(buf[..m * v].par_chunks(v))
+                    .zip(targets[r0..r0 + m].par_iter())
+                    .for_each(|((o, row), &t)| {
+                        let (lse, mean, coll) = row_stats(row);
+                        o[0] = T::from_f64(row[t as usize].to_f64() - lse);
+                        o[1] = T::from_f64(lse - mean);
+                        o[2] = T::from_f64(coll);
+                        o[3] = T::from_f64(lse);
+                    });
+            }
+            Ok((out, Shape::from((n, STATS))))
         })
     }
 
-    fn bwd(
-        &self,
-        h: &Tensor,
-        w: &Tensor,
-        res: &Tensor,
-        dres: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [h, w]: [&Tensor; 2], res: &Tensor, dres: &Tensor) -> Grads<2> {
         let op = VocabStatsBwd { targets: self.targets.clone(), res: res.clone(), tiles: self.tiles };
-        let both = h.apply_op3_no_bwd(w, &dres.contiguous()?, &op)?;
-        let (nh, nw) = (h.elem_count(), w.elem_count());
-        Ok((
-            Some(both.narrow(0, 0, nh)?.reshape(h.shape())?),
-            Some(both.narrow(0, nh, nw)?.reshape(w.shape())?),
-        ))
+        split_like(&h.apply_op3_no_bwd(w, &dres.contiguous()?, &Op(op))?, [h, w])
     }
 }
 
@@ -146,110 +125,97 @@ struct VocabStatsBwd {
     tiles: Tiles,
 }
 
-impl CustomOp3 for VocabStatsBwd {
-    fn name(&self) -> &'static str {
-        "fused-vocab-stats-bwd"
-    }
+impl Kernel<3> for VocabStatsBwd {
+    const NAME: &'static str = "fused-vocab-stats-bwd";
+    const WHAT: &'static str = "vocab_stats";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         with_host::<u32, _>(&self.targets, "vocab_stats", |targets| {
-            let (n, hd, v) = dims(l1, l2, targets)?;
-            by_dtype!(s1, "vocab_stats", |T| {
-                let h = slice::<T>(s1, l1, "vocab_stats")?;
-                let w = slice::<T>(s2, l2, "vocab_stats")?;
-                let dres = slice::<T>(s3, l3, "vocab_stats")?;
-                let mut out = vec![zero::<T>(); n * hd + v * hd];
-                let (dh, dw) = out.split_at_mut(n * hd);
-                let (rc, vc) = (self.tiles.bwd_rows.clamp(1, n.max(1)), self.tiles.bwd_cols.clamp(1, v));
-                let mut buf = vec![zero::<T>(); rc * vc];
-                let one = T::from_f64(1.0);
-                with_host::<T, _>(&self.res, "vocab_stats", |res| {
-                    for r0 in (0..n).step_by(rc) {
-                        let m = rc.min(n - r0);
-                        for c0 in (0..v).step_by(vc) {
-                            let k = vc.min(v - c0);
-                            let tile = &mut buf[..m * k];
-                            // SAFETY: h rows r0..r0+m (m×hd), w rows c0..c0+k (k×hd)
-                            // read as their transpose into the m×k tile; owned, disjoint.
-                            unsafe {
-                                mm_par(
-                                    (m, k, hd),
-                                    tile.as_mut_ptr(),
-                                    k,
-                                    false,
-                                    h.as_ptr().add(r0 * hd),
-                                    (hd, 1),
-                                    w.as_ptr().add(c0 * hd),
-                                    (1, hd),
-                                    one,
-                                    all_threads(),
-                                );
+            let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
+            let [h, w, dres] = data::<T, 3>(&ins)?;
+            let mut out = vec![zero::<T>(); n * hd + v * hd];
+            let (dh, dw) = out.split_at_mut(n * hd);
+            let (rc, vc) = (self.tiles.bwd_rows.clamp(1, n.max(1)), self.tiles.bwd_cols.clamp(1, v));
+            let mut buf = vec![zero::<T>(); rc * vc];
+            let one = T::from_f64(1.0);
+            with_host::<T, _>(&self.res, "vocab_stats", |res| {
+                for r0 in (0..n).step_by(rc) {
+                    let m = rc.min(n - r0);
+                    for c0 in (0..v).step_by(vc) {
+                        let k = vc.min(v - c0);
+                        let tile = &mut buf[..m * k];
+                        // SAFETY: h rows r0..r0+m (m×hd), w rows c0..c0+k (k×hd)
+                        // read as their transpose into the m×k tile; owned, disjoint.
+                        unsafe {
+                            mm_par(
+                                (m, k, hd),
+                                tile.as_mut_ptr(),
+                                k,
+                                false,
+                                h.as_ptr().add(r0 * hd),
+                                (hd, 1),
+                                w.as_ptr().add(c0 * hd),
+                                (1, hd),
+                                one,
+                                all_threads(),
+                            );
+                        }
+                        tile.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+                            let r = r0 + i;
+                            let s = &res[STATS * r..STATS * (r + 1)];
+                            let g = &dres[STATS * r..STATS * (r + 1)];
+                            let (ent, coll, lse) = (s[1], s[2], s[3]);
+                            let (gl, ge, gc) = (g[0], g[1], g[2] + g[2]);
+                            let shift = ent - lse;
+                            for x in row.iter_mut() {
+                                let p = (*x - lse).exp();
+                                *x = if p > zero() {
+                                    gc * p * (p - coll) - p * (gl + ge * (*x + shift))
+                                } else {
+                                    zero()
+                                };
                             }
-                            tile.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
-                                let r = r0 + i;
-                                let s = &res[STATS * r..STATS * (r + 1)];
-                                let g = &dres[STATS * r..STATS * (r + 1)];
-                                let (ent, coll, lse) = (s[1], s[2], s[3]);
-                                let (gl, ge, gc) = (g[0], g[1], g[2] + g[2]);
-                                let shift = ent - lse;
-                                for x in row.iter_mut() {
-                                    let p = (*x - lse).exp();
-                                    *x = if p > zero() {
-                                        gc * p * (p - coll) - p * (gl + ge * (*x + shift))
-                                    } else {
-                                        zero()
-                                    };
-                                }
-                                let t = targets[r] as usize;
-                                if (c0..c0 + k).contains(&t) {
-                                    row[t - c0] += gl;
-                                }
-                            });
-                            // SAFETY: the tile is m×k, w block k×hd, dh rows m×hd,
-                            // dw rows k×hd, h rows m×hd: in bounds and disjoint.
-                            unsafe {
-                                // dh[r0..] += g · w[c0..]
-                                mm_par(
-                                    (m, hd, k),
-                                    dh.as_mut_ptr().add(r0 * hd),
-                                    hd,
-                                    true,
-                                    tile.as_ptr(),
-                                    (k, 1),
-                                    w.as_ptr().add(c0 * hd),
-                                    (hd, 1),
-                                    one,
-                                    all_threads(),
-                                );
-                                // dw[c0..] += g^T · h[r0..]
-                                mm_par(
-                                    (k, hd, m),
-                                    dw.as_mut_ptr().add(c0 * hd),
-                                    hd,
-                                    true,
-                                    tile.as_ptr(),
-                                    (1, k),
-                                    h.as_ptr().add(r0 * hd),
-                                    (hd, 1),
-                                    one,
-                                    all_threads(),
-                                );
+                            let t = targets[r] as usize;
+                            if (c0..c0 + k).contains(&t) {
+                                row[t - c0] += gl;
                             }
+                        });
+                        // SAFETY: the tile is m×k, w block k×hd, dh rows m×hd,
+                        // dw rows k×hd, h rows m×hd: in bounds and disjoint.
+                        unsafe {
+                            // dh[r0..] += g · w[c0..]
+                            mm_par(
+                                (m, hd, k),
+                                dh.as_mut_ptr().add(r0 * hd),
+                                hd,
+                                true,
+                                tile.as_ptr(),
+                                (k, 1),
+                                w.as_ptr().add(c0 * hd),
+                                (hd, 1),
+                                one,
+                                all_threads(),
+                            );
+                            // dw[c0..] += g^T · h[r0..]
+                            mm_par(
+                                (k, hd, m),
+                                dw.as_mut_ptr().add(c0 * hd),
+                                hd,
+                                true,
+                                tile.as_ptr(),
+                                (1, k),
+                                h.as_ptr().add(r0 * hd),
+                                (hd, 1),
+                                one,
+                                all_threads(),
+                            );
                         }
                     }
-                    Ok(())
-                })?;
-                let len = out.len();
-                Ok((T::to_cpu_storage_owned(out), Shape::from(len)))
-            })
+                }
+                Ok(())
+            })?;
+            let len = out.len();
+            Ok((out, Shape::from(len)))
         })
     }
 }
@@ -259,7 +225,7 @@ impl CustomOp3 for VocabStatsBwd {
 /// f32/f64 CPU tensors, with a backward into both; `targets` is `(N)`.
 pub fn vocab_stats(h: &Tensor, w: &Tensor, targets: &Tensor, tiles: Tiles) -> Result<Tensor> {
     let t = targets.flatten_all()?.to_dtype(candle_core::DType::U32)?.contiguous()?.detach();
-    Ok(h.contiguous()?.apply_op2(&w.contiguous()?, VocabStats { targets: t, tiles })?)
+    Ok(h.contiguous()?.apply_op2(&w.contiguous()?, Op(VocabStats { targets: t, tiles }))?)
 }
 
 #[cfg(test)]
