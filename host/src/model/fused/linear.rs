@@ -2,7 +2,7 @@
 
 use candle_core::{bail, Shape, Tensor};
 
-use super::{all_threads, data, mm_par, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{all_threads, data, gemv, mm_par, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = x w^T` for contiguous `x (.., in)` and `w (out, in)`: one gemm call
@@ -26,6 +26,11 @@ impl Kernel<2> for Linear {
         *out_dims.last_mut().expect("checked above") = o;
         let [x, w] = data::<T, 2>(&ins)?;
         let mut y = vec![zero::<T>(); n * o];
+        if n <= gemv::MAX_ROWS {
+            // Decoding: a few rows; stream the weights once.
+            gemv::gemv(x, w, &mut y, n, o, k);
+            return Ok((y, Shape::from(out_dims)));
+        }
         // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
         unsafe {
             mm_par(

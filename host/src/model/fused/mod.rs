@@ -265,6 +265,7 @@ fn split_like<const N: usize>(flat: &Tensor, like: [&Tensor; N]) -> Grads<N> {
 }
 
 pub mod attention;
+pub mod gemv;
 pub mod head;
 pub mod linear;
 pub mod norm;
