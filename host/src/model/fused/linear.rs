@@ -26,8 +26,12 @@ impl Kernel<2> for Linear {
         *out_dims.last_mut().expect("checked above") = o;
         let [x, w] = data::<T, 2>(&ins)?;
         let mut y = vec![zero::<T>(); n * o];
-        if n <= gemv::MAX_ROWS {
-            // Decoding: a few rows; stream the weights once.
+        // A decoding step (one position per sequence, or rows without a
+        // sequence axis) of a few rows streams the weights once. Multi-token
+        // inputs (training, prefill) always take gemm, so that a sequence's
+        // values do not depend on how many sequences share its batch.
+        let one_position = dims.len() < 3 || dims[dims.len() - 2] == 1;
+        if one_position && n <= gemv::MAX_ROWS {
             gemv::gemv(x, w, &mut y, n, o, k);
             return Ok((y, Shape::from(out_dims)));
         }
@@ -114,9 +118,16 @@ mod tests {
 
     #[test]
     fn linear_matches_composed() {
-        for dtype in [DType::F64, DType::F32] {
-            let x = randn(&[2, 7, 12], dtype, 12);
-            let w = randn(&[5, 12], dtype, 13);
+        // (2, 7, 12) takes gemm; (3, 1, 40) and (6, 40) the decoding kernel (gemv).
+        for (dtype, xs, k) in [
+            (DType::F64, &[2, 7, 12][..], 12),
+            (DType::F32, &[2, 7, 12], 12),
+            (DType::F64, &[3, 1, 40], 40),
+            (DType::F32, &[3, 1, 40], 40),
+            (DType::F32, &[6, 40], 40),
+        ] {
+            let x = randn(xs, dtype, 12);
+            let w = randn(&[21, k], dtype, 13);
             check(
                 &[&x, &w],
                 &|| linear(x.as_tensor(), w.as_tensor()).unwrap(),
