@@ -15,24 +15,39 @@
 #
 # NCCL 2.32 (nvidia-nccl-cu13) comes along for `--features cuda,nccl` builds.
 #
-# Env: STAPO_CUDA_HOME (default ~/.cache/stapo-cuda), CUDA_COMPUTE_CAP (90).
+# With STAPO_CUDA_PIECES=compiler only what `cargo check --features cuda` needs
+# is installed (nvcc and its front ends, the runtime headers, CCCL: about a
+# fifth of the download), into its own folder; linking needs the full set.
+#
+# Env: STAPO_CUDA_HOME (default ~/.cache/stapo-cuda), CUDA_COMPUTE_CAP (90),
+#      STAPO_CUDA_PIECES (all | compiler; default all).
 
 stapo_cuda_setup() {
     local home="${STAPO_CUDA_HOME:-$HOME/.cache/stapo-cuda}"
+    local pieces="${STAPO_CUDA_PIECES:-all}"
     local py="$home/py13.0"
-    local root="$py/nvidia/cu13"
     local pkgs=(
         nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
-        nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.1.0.3
-        nvidia-curand==10.4.0.35 nvidia-cuda-cccl==13.0.85 nvidia-nccl-cu13==2.32.3
+        nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
     )
+    case "$pieces" in
+    all) pkgs+=(nvidia-cuda-nvrtc==13.0.88 nvidia-cublas==13.1.0.3 nvidia-curand==10.4.0.35 nvidia-nccl-cu13==2.32.3) ;;
+    compiler) py="$home/py13.0-compiler" ;;
+    *)
+        echo "cuda-toolkit: STAPO_CUDA_PIECES must be 'all' or 'compiler', not '$pieces'" >&2
+        return 2
+        ;;
+    esac
+    local root="$py/nvidia/cu13"
     local stamp="$py/.stapo-installed"
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${pkgs[*]}" ]]; then
         echo "cuda-toolkit: installing ${pkgs[*]} into $py"
         rm -rf "$py"
         mkdir -p "$home"
+        # Status 3: the toolkit could not be fetched (no python3/pip, no PyPI): nothing was checked.
+        command -v python3 >/dev/null 2>&1 || { echo "cuda-toolkit: no python3 to install it with" >&2; return 3; }
         python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$py" "${pkgs[@]}" ||
-            return 1
+            { echo "cuda-toolkit: pip could not install ${pkgs[*]}" >&2; return 3; }
         echo "${pkgs[*]}" >"$stamp"
     fi
     # NCCL (for `--features cuda,nccl`) ships in its own folder: put it beside the rest.
