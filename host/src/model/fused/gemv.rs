@@ -112,6 +112,9 @@ mod x86 {
     /// 4 weight rows × 4 `x` rows per register tile (16 accumulators).
     const TILE: usize = 4;
 
+    /// Elements ahead of the current one at which the weight rows are prefetched.
+    const PREFETCH: usize = 1024;
+
     /// # Safety
     /// The CPU has AVX-512F; `y` as for [`super::block`].
     #[allow(clippy::too_many_arguments)]
@@ -181,6 +184,10 @@ mod x86 {
         while c < kv {
             let mut wv = [_mm512_setzero_ps(); C];
             for (b, v) in wv.iter_mut().enumerate() {
+                // The weights come from memory once: ask for them ahead of use.
+                // A prefetch is a hint that never faults; past a row's end it
+                // fetches the next rows (the next tile's), past w's end nothing useful.
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(b * k + c + PREFETCH) as *const i8);
                 *v = _mm512_loadu_ps(wp.add(b * k + c));
             }
             for (a, row) in acc.iter_mut().enumerate() {
