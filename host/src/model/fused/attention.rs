@@ -48,7 +48,9 @@ impl View4 {
 }
 
 /// q `(B, Hq, L, D)` contiguous and k, v `(B, Hkv, S, D)` with unit stride
-/// over D: the inputs of one attention call, with their sizes.
+/// over D: the inputs of one attention call, with their sizes (`g` query
+/// heads per kv head).
+#[derive(Clone, Copy)]
 struct Qkv<'a, T> {
     q: &'a [T],
     /// The whole storages of k and v, read through `kv` and `vv`.
@@ -59,6 +61,7 @@ struct Qkv<'a, T> {
     b: usize,
     nq: usize,
     nkv: usize,
+    g: usize,
     l: usize,
     s: usize,
     d: usize,
@@ -69,8 +72,145 @@ impl<'a, T: WithDType> Qkv<'a, T> {
         let (b, nq, l, d) = q.layout.shape().dims4()?;
         let (kv, vv) = (View4::of(k.layout)?, View4::of(v.layout)?);
         let (nkv, s) = (k.layout.dims()[1], k.layout.dims()[2]);
-        Ok(Self { q: q.data()?, k: k.storage()?, v: v.storage()?, kv, vv, b, nq, nkv, l, s, d })
+        let (q, k, v) = (q.data()?, k.storage()?, v.storage()?);
+        Ok(Self { q, k, v, kv, vv, b, nq, nkv, g: nq / nkv, l, s, d })
     }
+
+    /// Elements of dk (and of dv) in a backward's `[dq | dk | dv]` buffer.
+    fn kv_len(&self) -> usize {
+        self.b * self.nkv * self.s * self.d
+    }
+}
+
+/// `x <- exp(x - m)` over a row; returns the row's sum after.
+#[inline]
+fn exp_sum<T: Real>(row: &mut [T], m: T) -> T {
+    let mut sum = zero::<T>();
+    for x in row.iter_mut() {
+        *x = (*x - m).exp();
+        sum += *x;
+    }
+    sum
+}
+
+/// `sum_i a_i b_i`, in order.
+#[inline]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    a.iter().zip(b).fold(zero::<T>(), |s, (&x, &y)| s + x * y)
+}
+
+/// The frame of both backward kernels over `(q, dctx)`: k and v held by the
+/// op, and the flat `[dq | dk | dv]` buffer (dk and dv contiguous
+/// `(B, Hkv, S, D)`) that `f` fills through the pointer it gets.
+fn backward<T: Real>(
+    ins: [Input<'_>; 2],
+    (k, v): (&Tensor, &Tensor),
+    what: &'static str,
+    f: impl FnOnce(&Qkv<'_, T>, &[T], SendPtr<T>) -> candle_core::Result<()>,
+) -> Out<T> {
+    let (kh, vh) = (Host::of(k, what)?, Host::of(v, what)?);
+    let io = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
+    let mut out = vec![zero::<T>(); io.q.len() + 2 * io.kv_len()];
+    f(&io, ins[1].data::<T>()?, SendPtr(out.as_mut_ptr()))?;
+    let len = out.len();
+    Ok((out, Shape::from(len)))
+}
+
+/// Where one query head works in a backward: its rows from `i0` in q, dctx
+/// and dq, and its kv head's k, v, dk and dv from key 0.
+struct Head<T> {
+    q: *const T,
+    /// Offset of the first row in dctx (and in the forward's output).
+    row0: usize,
+    dctx: *const T,
+    /// Row stride of dctx, `(B, L, Hq · D)`.
+    dctx_rs: usize,
+    dq: *mut T,
+    /// Whether dq accumulates over key blocks (else a block overwrites it).
+    dq_acc: bool,
+    k: *const T,
+    v: *const T,
+    /// Row strides of k and v.
+    k_ss: usize,
+    v_ss: usize,
+    dk: *mut T,
+    dv: *mut T,
+    d: usize,
+}
+
+impl<T: Real> Head<T> {
+    /// Query head `hi` of batch row `bi` from query row `i0`, writing into
+    /// `out = [dq | dk | dv]`.
+    ///
+    /// # Safety
+    /// `out` holds `q.len() + 2 · kv_len` elements, `dctx` is q-sized, and
+    /// `bi`, `hi`, `i0` are inside the shapes of `io`.
+    unsafe fn at(
+        io: &Qkv<'_, T>,
+        dctx: &[T],
+        out: *mut T,
+        (bi, hi, i0): (usize, usize, usize),
+        dq_acc: bool,
+    ) -> Self {
+        let (bh, hk, d) = (bi * io.nq + hi, hi / io.g, io.d);
+        let bk = bi * io.nkv + hk;
+        let row0 = (bi * io.l + i0) * io.nq * d + hi * d;
+        let dk = out.add(io.q.len() + bk * io.s * d);
+        Self {
+            q: io.q.as_ptr().add((bh * io.l + i0) * d),
+            row0,
+            dctx: dctx.as_ptr().add(row0),
+            dctx_rs: io.nq * d,
+            dq: out.add((bh * io.l + i0) * d),
+            dq_acc,
+            k: io.k.as_ptr().add(io.kv.at(bi, hk)),
+            v: io.v.as_ptr().add(io.vv.at(bi, hk)),
+            k_ss: io.kv.ss,
+            v_ss: io.vv.ss,
+            dk,
+            dv: dk.add(io.kv_len()),
+            d,
+        }
+    }
+}
+
+/// The backward of one block of `rows` queries × `cols` keys from key `j0`,
+/// given its probabilities `p`: `dv += pᵀ dctx`, `dp = dctx vᵀ`,
+/// `ds = p ∘ (dp − D) · scale` (in `dp`), `dq (+)= ds k`, `dk += dsᵀ q`.
+/// `di` holds `D_i = Σ_j p_ij dp_ij` per row, or is `None` when the block
+/// spans every key of its rows and `D` is summed here from `p` and `dp`.
+///
+/// # Safety
+/// `h` addresses `rows` query rows and keys `j0..j0 + cols`, and no other
+/// task writes its dq rows or its dk, dv; `p` and `dp` hold `rows × cols`.
+unsafe fn block_bwd<T: Real>(
+    h: &Head<T>,
+    j0: usize,
+    (rows, cols): (usize, usize),
+    p: &[T],
+    dp: &mut [T],
+    di: Option<&[T]>,
+    scale: T,
+) {
+    let d = h.d;
+    let (kb, vb) = (h.k.add(j0 * h.k_ss), h.v.add(j0 * h.v_ss));
+    // dv += pᵀ dctx
+    mm((cols, d, rows), h.dv.add(j0 * d), d, true, p.as_ptr(), (1, cols), h.dctx, (h.dctx_rs, 1), one());
+    // dp = dctx vᵀ
+    mm((rows, cols, d), dp.as_mut_ptr(), cols, false, h.dctx, (h.dctx_rs, 1), vb, (1, h.v_ss), one());
+    // ds = p ∘ (dp − D) · scale, in dp.
+    for (r, (pr, dr)) in p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols)).enumerate() {
+        let dd = match di {
+            Some(di) => di[r],
+            None => dot(pr, dr),
+        };
+        for (&pv, x) in pr.iter().zip(dr.iter_mut()) {
+            *x = pv * (*x - dd) * scale;
+        }
+    }
+    // dq (+)= ds k ; dk += dsᵀ q
+    mm((rows, d, cols), h.dq, d, h.dq_acc, dp.as_ptr(), (cols, 1), kb, (h.k_ss, 1), one());
+    mm((cols, d, rows), h.dk.add(j0 * d), d, true, dp.as_ptr(), (1, cols), h.q, (d, 1), one());
 }
 
 /// Scaled, masked scores of one query head then softmax in place: `p (L×S)`.
@@ -94,27 +234,20 @@ unsafe fn probs<T: Real>(
             *v += m;
             mx = mx.fmax(*v);
         }
-        let mut sum = zero::<T>();
-        for v in row.iter_mut() {
-            *v = (*v - mx).exp();
-            sum += *v;
-        }
-        let inv = T::from_f64(1.0) / sum;
+        let inv = one::<T>() / exp_sum(row, mx);
         row.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
 impl Kernel<3> for Attention {
     const NAME: &'static str = "fused-attention";
-    const WHAT: &'static str = "attention";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
-        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of(ins)?;
-        let g = nq / nkv;
+        let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = Qkv::<T>::of(ins)?;
         let scale = T::from_f64(self.scale);
         let mut out = vec![zero::<T>(); b * l * nq * d];
         let optr = SendPtr(out.as_mut_ptr());
-        with_host::<T, _>(&self.mask, "attention", |mask| {
+        with_host::<T, _>(&self.mask, Self::NAME, |mask| {
             (0..b * nq).into_par_iter().for_each(|bh| {
                 let (bi, hi) = (bh / nq, bh % nq);
                 let hk = hi / g;
@@ -172,19 +305,13 @@ struct AttentionBwd {
 
 impl Kernel<2> for AttentionBwd {
     const NAME: &'static str = "fused-attention-bwd";
-    const WHAT: &'static str = "attention";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
-        let (kh, vh) = (Host::of(&self.k, Self::WHAT)?, Host::of(&self.v, Self::WHAT)?);
-        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
-        let g = nq / nkv;
-        let dctx = ins[1].data::<T>()?;
-        let scale = T::from_f64(self.scale);
-        let (nqe, nke) = (q.len(), b * nkv * s * d);
-        let mut out = vec![zero::<T>(); nqe + 2 * nke];
-        let optr = SendPtr(out.as_mut_ptr());
-        let one = T::from_f64(1.0);
-        with_host::<T, _>(&self.mask, "attention", |mask| {
+        backward(ins, (&self.k, &self.v), Self::NAME, |io, dctx, optr| {
+            let Qkv { b, nkv, g, l, s, d, kv, .. } = *io;
+            let scale = T::from_f64(self.scale);
+            let mask = Host::of(&self.mask, Self::NAME)?;
+            let mask = mask.input().data::<T>()?;
             (0..b * nkv).into_par_iter().for_each(|bk| {
                 let (bi, hk) = (bk / nkv, bk % nkv);
                 let o = optr;
@@ -194,45 +321,15 @@ impl Kernel<2> for AttentionBwd {
                 // from their layouts). Task (b, hk) writes dq of its g query
                 // heads and its own dk, dv blocks: disjoint from other tasks.
                 unsafe {
-                    let kp = k.as_ptr().add(kv.at(bi, hk));
-                    let vp = v.as_ptr().add(vv.at(bi, hk));
-                    let dk = o.0.add(nqe + bk * s * d);
-                    let dv = o.0.add(nqe + nke + bk * s * d);
                     for hi in hk * g..(hk + 1) * g {
-                        let qp = q.as_ptr().add((bi * nq + hi) * l * d);
-                        let dcp = dctx.as_ptr().add(bi * l * nq * d + hi * d);
-                        probs(&mut p, qp, kp, kv.ss, &mask[bi * l * s..][..l * s], (l, s, d), scale);
-                        // dv += p^T dctx
-                        mm((s, d, l), dv, d, true, p.as_ptr(), (1, s), dcp, (nq * d, 1), one);
-                        // dp = dctx v^T
-                        mm((l, s, d), dp.as_mut_ptr(), s, false, dcp, (nq * d, 1), vp, (1, vv.ss), one);
-                        // ds = p * (dp - rowsum(p * dp)) * scale, stored in dp.
-                        for (pr, dr) in p.chunks_exact(s).zip(dp.chunks_exact_mut(s)) {
-                            let dot = pr.iter().zip(dr.iter()).fold(zero::<T>(), |a, (&x, &y)| a + x * y);
-                            for (&pv, dv) in pr.iter().zip(dr.iter_mut()) {
-                                *dv = pv * (*dv - dot) * scale;
-                            }
-                        }
-                        // dq = ds k ; dk += ds^T q
-                        mm(
-                            (l, d, s),
-                            o.0.add((bi * nq + hi) * l * d),
-                            d,
-                            false,
-                            dp.as_ptr(),
-                            (s, 1),
-                            kp,
-                            (kv.ss, 1),
-                            one,
-                        );
-                        mm((s, d, l), dk, d, true, dp.as_ptr(), (1, s), qp, (d, 1), one);
+                        let h = Head::at(io, dctx, o.0, (bi, hi, 0), false);
+                        probs(&mut p, h.q, h.k, kv.ss, &mask[bi * l * s..][..l * s], (l, s, d), scale);
+                        block_bwd(&h, 0, (l, s), &p, &mut dp, None, scale);
                     }
                 }
             });
             Ok(())
-        })?;
-        let len = out.len();
-        Ok((out, Shape::from(len)))
+        })
     }
 }
 
@@ -326,18 +423,16 @@ unsafe fn scores<T: Real>(
 
 impl Kernel<3> for Blockwise {
     const NAME: &'static str = "blockwise-attention";
-    const WHAT: &'static str = "blockwise attention";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
-        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of(ins)?;
+        let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = Qkv::<T>::of(ins)?;
         let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
-        let g = nq / nkv;
         let scale = T::from_f64(self.scale);
         let mut out = vec![zero::<T>(); b * l * nq * d];
         let mut lse = vec![zero::<T>(); b * nq * l];
         let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
         let nqb = dm.n_qblocks();
-        with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
+        with_host::<T, _>(&self.key_bias, Self::NAME, |bias| {
             (0..b * nq * nqb).into_par_iter().for_each(|task| {
                 let (bh, qb) = (task / nqb, task % nqb);
                 let (bi, hi) = (bh / nq, bh % nq);
@@ -371,12 +466,7 @@ impl Kernel<3> for Blockwise {
                             }
                             let mnew = m[r].fmax(mx);
                             let alpha = (m[r] - mnew).exp();
-                            let mut rs = zero::<T>();
-                            for x in row.iter_mut() {
-                                *x = (*x - mnew).exp();
-                                rs += *x;
-                            }
-                            sum[r] = sum[r] * alpha + rs;
+                            sum[r] = sum[r] * alpha + exp_sum(row, mnew);
                             acc[r * d..][..d].iter_mut().for_each(|a| *a *= alpha);
                             m[r] = mnew;
                         }
@@ -451,127 +541,54 @@ struct BlockwiseBwd {
 
 impl Kernel<2> for BlockwiseBwd {
     const NAME: &'static str = "blockwise-attention-bwd";
-    const WHAT: &'static str = "blockwise attention";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
-        let (kh, vh) = (Host::of(&self.k, Self::WHAT)?, Host::of(&self.v, Self::WHAT)?);
-        let Qkv { q, k, v, kv, vv, b, nq, nkv, l, s, d } = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
-        let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
-        let g = nq / nkv;
-        let dctx = ins[1].data::<T>()?;
-        let lse = self.lse.as_slice::<T>()?;
-        let scale = T::from_f64(self.scale);
-        let (nqe, nke) = (q.len(), b * nkv * s * d);
-        let mut out = vec![zero::<T>(); nqe + 2 * nke];
-        let optr = SendPtr(out.as_mut_ptr());
-        with_host::<T, _>(&self.ctx, "blockwise attention", |ctx| {
-            with_host::<T, _>(&self.key_bias, "blockwise attention", |bias| {
-                (0..b * nkv).into_par_iter().for_each(|bk| {
-                    let (bi, hk) = (bk / nkv, bk % nkv);
-                    let o = optr;
-                    let bias = &bias[bi * s..][..s];
-                    let mut p = vec![zero::<T>(); dm.bq * dm.bk];
-                    let mut dp = vec![zero::<T>(); dm.bq * dm.bk];
-                    let mut di = vec![zero::<T>(); dm.bq];
-                    // SAFETY: reads stay inside q, dctx, ctx, k, v (shapes and
-                    // strides from their layouts; keys < kend <= S). Task (b, hk)
-                    // writes dq of its g query heads and its own dk, dv blocks:
-                    // disjoint from other tasks; `out` outlives the loop.
-                    unsafe {
-                        let kp = k.as_ptr().add(kv.at(bi, hk));
-                        let vp = v.as_ptr().add(vv.at(bi, hk));
-                        let dk = o.0.add(nqe + bk * s * d);
-                        let dv = o.0.add(nqe + nke + bk * s * d);
-                        for hi in hk * g..(hk + 1) * g {
-                            let bh = bi * nq + hi;
-                            for qb in 0..dm.n_qblocks() {
-                                let (i0, rows, kend) = dm.qblock(qb);
-                                let qp = q.as_ptr().add((bh * l + i0) * d);
-                                let dq = o.0.add((bh * l + i0) * d);
-                                let row0 = (bi * l + i0) * nq * d + hi * d;
-                                let dcp = dctx.as_ptr().add(row0);
-                                let lse = &lse[bh * l + i0..][..rows];
-                                // D_i = dctx_i · ctx_i = Σ_j p_ij dp_ij.
-                                for (r, x) in di[..rows].iter_mut().enumerate() {
-                                    let (a, c) =
-                                        (&dctx[row0 + r * nq * d..][..d], &ctx[row0 + r * nq * d..][..d]);
-                                    *x = a.iter().zip(c).fold(zero::<T>(), |s, (&x, &y)| s + x * y);
+        backward(ins, (&self.k, &self.v), Self::NAME, |io, dctx, optr| {
+            let Qkv { b, nq, nkv, g, l, s, d, kv, .. } = *io;
+            let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
+            let lse = self.lse.as_slice::<T>()?;
+            let scale = T::from_f64(self.scale);
+            let (ctx, bias) = (Host::of(&self.ctx, Self::NAME)?, Host::of(&self.key_bias, Self::NAME)?);
+            let (ctx, bias) = (ctx.input().data::<T>()?, bias.input().data::<T>()?);
+            (0..b * nkv).into_par_iter().for_each(|bk| {
+                let (bi, hk) = (bk / nkv, bk % nkv);
+                let o = optr;
+                let bias = &bias[bi * s..][..s];
+                let mut p = vec![zero::<T>(); dm.bq * dm.bk];
+                let mut dp = vec![zero::<T>(); dm.bq * dm.bk];
+                let mut di = vec![zero::<T>(); dm.bq];
+                // SAFETY: reads stay inside q, dctx, ctx, k, v (shapes and
+                // strides from their layouts; keys < kend <= S). Task (b, hk)
+                // writes dq of its g query heads and its own dk, dv blocks:
+                // disjoint from other tasks; `out` outlives the loop.
+                unsafe {
+                    for hi in hk * g..(hk + 1) * g {
+                        let bh = bi * nq + hi;
+                        for qb in 0..dm.n_qblocks() {
+                            let (i0, rows, kend) = dm.qblock(qb);
+                            let h = Head::at(io, dctx, o.0, (bi, hi, i0), true);
+                            let lse = &lse[bh * l + i0..][..rows];
+                            // D_i = dctx_i · ctx_i = Σ_j p_ij dp_ij.
+                            for (r, x) in di[..rows].iter_mut().enumerate() {
+                                let at = h.row0 + r * h.dctx_rs;
+                                *x = dot(&dctx[at..][..d], &ctx[at..][..d]);
+                            }
+                            for j0 in (0..kend).step_by(dm.bk) {
+                                let cols = dm.bk.min(kend - j0);
+                                let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
+                                let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
+                                scores(p, h.q, h.k.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
+                                for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
+                                    row.iter_mut().for_each(|x| *x = (*x - ls).exp());
                                 }
-                                for j0 in (0..kend).step_by(dm.bk) {
-                                    let cols = dm.bk.min(kend - j0);
-                                    let (p, dp) = (&mut p[..rows * cols], &mut dp[..rows * cols]);
-                                    let (kb, vb) = (kp.add(j0 * kv.ss), vp.add(j0 * vv.ss));
-                                    let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
-                                    scores(p, qp, kb, kv.ss, bias, dims, pos, scale);
-                                    for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
-                                        row.iter_mut().for_each(|x| *x = (*x - ls).exp());
-                                    }
-                                    let (dkb, dvb) = (dk.add(j0 * d), dv.add(j0 * d));
-                                    // dv += pᵀ dctx
-                                    mm(
-                                        (cols, d, rows),
-                                        dvb,
-                                        d,
-                                        true,
-                                        p.as_ptr(),
-                                        (1, cols),
-                                        dcp,
-                                        (nq * d, 1),
-                                        one(),
-                                    );
-                                    // dp = dctx vᵀ
-                                    mm(
-                                        (rows, cols, d),
-                                        dp.as_mut_ptr(),
-                                        cols,
-                                        false,
-                                        dcp,
-                                        (nq * d, 1),
-                                        vb,
-                                        (1, vv.ss),
-                                        one(),
-                                    );
-                                    // ds = p ∘ (dp − D) · scale, in dp.
-                                    for ((pr, dr), &dd) in
-                                        p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols)).zip(&di)
-                                    {
-                                        for (&pv, x) in pr.iter().zip(dr.iter_mut()) {
-                                            *x = pv * (*x - dd) * scale;
-                                        }
-                                    }
-                                    // dq += ds k ; dk += dsᵀ q
-                                    mm(
-                                        (rows, d, cols),
-                                        dq,
-                                        d,
-                                        true,
-                                        dp.as_ptr(),
-                                        (cols, 1),
-                                        kb,
-                                        (kv.ss, 1),
-                                        one(),
-                                    );
-                                    mm(
-                                        (cols, d, rows),
-                                        dkb,
-                                        d,
-                                        true,
-                                        dp.as_ptr(),
-                                        (1, cols),
-                                        qp,
-                                        (d, 1),
-                                        one(),
-                                    );
-                                }
+                                block_bwd(&h, j0, (rows, cols), p, dp, Some(&di[..rows]), scale);
                             }
                         }
                     }
-                });
-                Ok(())
-            })
-        })?;
-        let len = out.len();
-        Ok((out, Shape::from(len)))
+                }
+            });
+            Ok(())
+        })
     }
 }
 

@@ -51,7 +51,6 @@ pub(super) fn row_stats<T: Real>(x: &[T]) -> (f64, f64, f64) {
 
 impl Kernel<2> for LogpEntropy {
     const NAME: &'static str = "fused-logp-entropy";
-    const WHAT: &'static str = "logprob_entropy";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let vocab = *ins[0].layout.dims().last().unwrap_or(&1);
@@ -88,13 +87,12 @@ struct LogpEntropyBwd {
 
 impl Kernel<3> for LogpEntropyBwd {
     const NAME: &'static str = "fused-logp-entropy-bwd";
-    const WHAT: &'static str = "logprob_entropy";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let vocab = *ins[0].layout.dims().last().unwrap_or(&1);
         let [x, res, dres] = data::<T, 3>(&ins)?;
         let mut dx = vec![zero::<T>(); x.len()];
-        with_host::<u32, _>(&self.targets, "logprob_entropy", |targets| {
+        with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(i, (dr, xr))| {
                 let (h, lse) = (res[3 * i + 1], res[3 * i + 2]);
                 let (gl, ge) = (dres[3 * i], dres[3 * i + 1]);

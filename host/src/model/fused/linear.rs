@@ -13,7 +13,6 @@ struct Linear;
 
 impl Kernel<2> for Linear {
     const NAME: &'static str = "fused-linear";
-    const WHAT: &'static str = "linear";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let (o, k) = ins[1].layout.shape().dims2()?;
@@ -63,7 +62,6 @@ struct LinearBwd;
 
 impl Kernel<3> for LinearBwd {
     const NAME: &'static str = "fused-linear-bwd";
-    const WHAT: &'static str = "linear";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let (o, k) = ins[1].layout.shape().dims2()?;

@@ -87,7 +87,7 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_
     let data = s.as_slice::<T>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
-        None => bail!("fused {what}: expected a contiguous tensor"),
+        None => bail!("{what}: expected a contiguous tensor"),
     }
 }
 
@@ -133,7 +133,7 @@ impl<'a> Host<'a> {
     fn of(t: &'a Tensor, what: &'static str) -> candle_core::Result<Self> {
         let (storage, layout) = t.storage_and_layout();
         if !matches!(&*storage, Storage::Cpu(_)) {
-            bail!("fused {what}: expected a CPU tensor")
+            bail!("{what}: expected a CPU tensor")
         }
         Ok(Self { storage, layout, what })
     }
@@ -160,10 +160,8 @@ fn with_host<T: WithDType, R>(
 /// `CustomOp3` by [`Op`], which matches storages, layouts and the dtype (f32
 /// or f64, else an error) once for every kernel.
 trait Kernel<const N: usize>: Send + Sync + 'static {
-    /// candle's name of the op.
+    /// candle's name of the op, which also starts its error messages.
     const NAME: &'static str;
-    /// The op in error messages (`fused {WHAT}: ...`).
-    const WHAT: &'static str;
 
     /// The forward, in the element type `T` of the first input.
     fn fwd<T: Real>(&self, ins: [Input<'_>; N]) -> Out<T>;
@@ -197,7 +195,7 @@ impl<K> Op<K> {
     where
         K: Kernel<N>,
     {
-        let ins = ins.map(|(storage, layout)| Input { storage, layout, what: K::WHAT });
+        let ins = ins.map(|(storage, layout)| Input { storage, layout, what: K::NAME });
         match ins.first().map(|i| i.storage) {
             Some(CpuStorage::F32(_)) => {
                 self.0.fwd::<f32>(ins).map(|(y, s)| (f32::to_cpu_storage_owned(y), s))
@@ -205,7 +203,7 @@ impl<K> Op<K> {
             Some(CpuStorage::F64(_)) => {
                 self.0.fwd::<f64>(ins).map(|(y, s)| (f64::to_cpu_storage_owned(y), s))
             }
-            _ => bail!("fused {}: only f32 and f64 are supported", K::WHAT),
+            _ => bail!("{}: only f32 and f64 are supported", K::NAME),
         }
     }
 }

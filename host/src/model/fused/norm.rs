@@ -13,7 +13,6 @@ struct RmsNorm {
 
 impl Kernel<2> for RmsNorm {
     const NAME: &'static str = "fused-rms-norm";
-    const WHAT: &'static str = "rms_norm";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let [x, w] = data::<T, 2>(&ins)?;
@@ -53,7 +52,6 @@ struct RmsNormBwd {
 
 impl Kernel<3> for RmsNormBwd {
     const NAME: &'static str = "fused-rms-norm-bwd";
-    const WHAT: &'static str = "rms_norm";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let [x, w, dy] = data::<T, 3>(&ins)?;

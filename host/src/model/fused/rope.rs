@@ -33,14 +33,13 @@ fn rotate<T: Real>(v: &[T], cs: &[T], out: &mut [T], inverse: bool) {
 
 impl Kernel<2> for NormRope {
     const NAME: &'static str = "fused-norm-rope";
-    const WHAT: &'static str = "norm_rope";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let (b, l, nh, d) = self.dims;
         let [x, w] = data::<T, 2>(&ins)?;
         let eps = T::from_f64(self.eps);
         let mut y = vec![zero::<T>(); x.len()];
-        with_host::<T, _>(&self.cs, "norm_rope", |cs| {
+        with_host::<T, _>(&self.cs, Self::NAME, |cs| {
             // One task per (b, h): output rows (b, h, 0..L) are contiguous.
             y.par_chunks_mut(l * d).enumerate().for_each(|(bh, yc)| {
                 let (bi, hi) = (bh / nh, bh % nh);
@@ -75,14 +74,13 @@ struct NormRopeBwd {
 
 impl Kernel<3> for NormRopeBwd {
     const NAME: &'static str = "fused-norm-rope-bwd";
-    const WHAT: &'static str = "norm_rope";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let (_, l, nh, d) = self.dims;
         let [x, w, dy] = data::<T, 3>(&ins)?;
         let eps = T::from_f64(self.eps);
         let mut out = vec![zero::<T>(); x.len() + d];
-        let dw = with_host::<T, _>(&self.cs, "norm_rope", |cs| {
+        let dw = with_host::<T, _>(&self.cs, Self::NAME, |cs| {
             // One task per (b, l): dx rows (b, l, 0..H) are contiguous.
             Ok(out[..x.len()]
                 .par_chunks_mut(nh * d)

@@ -16,7 +16,6 @@ fn sigmoid<T: Real>(x: T) -> T {
 
 impl Kernel<2> for SwiGlu {
     const NAME: &'static str = "fused-swiglu";
-    const WHAT: &'static str = "swiglu";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let [g, u] = data::<T, 2>(&ins)?;
@@ -42,7 +41,6 @@ struct SwiGluBwd;
 
 impl Kernel<3> for SwiGluBwd {
     const NAME: &'static str = "fused-swiglu-bwd";
-    const WHAT: &'static str = "swiglu";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let [g, u, dy] = data::<T, 3>(&ins)?;

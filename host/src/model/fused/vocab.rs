@@ -67,10 +67,9 @@ fn dims(l1: &Layout, l2: &Layout, targets: &[u32]) -> candle_core::Result<(usize
 
 impl Kernel<2> for VocabStats {
     const NAME: &'static str = "fused-vocab-stats";
-    const WHAT: &'static str = "vocab_stats";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
-        with_host::<u32, _>(&self.targets, "vocab_stats", |targets| {
+        with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
             let [h, w] = data::<T, 2>(&ins)?;
             let mut out = vec![zero::<T>(); STATS * n];
@@ -127,10 +126,9 @@ struct VocabStatsBwd {
 
 impl Kernel<3> for VocabStatsBwd {
     const NAME: &'static str = "fused-vocab-stats-bwd";
-    const WHAT: &'static str = "vocab_stats";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
-        with_host::<u32, _>(&self.targets, "vocab_stats", |targets| {
+        with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
             let [h, w, dres] = data::<T, 3>(&ins)?;
             let mut out = vec![zero::<T>(); n * hd + v * hd];
@@ -138,7 +136,7 @@ impl Kernel<3> for VocabStatsBwd {
             let (rc, vc) = (self.tiles.bwd_rows.clamp(1, n.max(1)), self.tiles.bwd_cols.clamp(1, v));
             let mut buf = vec![zero::<T>(); rc * vc];
             let one = T::from_f64(1.0);
-            with_host::<T, _>(&self.res, "vocab_stats", |res| {
+            with_host::<T, _>(&self.res, Self::NAME, |res| {
                 for r0 in (0..n).step_by(rc) {
                     let m = rc.min(n - r0);
                     for c0 in (0..v).step_by(vc) {
