@@ -113,6 +113,31 @@ impl ThreadComm {
     }
 }
 
+impl ThreadComm {
+    /// Sums `buf` element-wise over the ranks; `enc` and `dec` carry it as bytes.
+    fn all_reduce<T: Copy + Default + std::ops::AddAssign>(
+        &self,
+        buf: &mut [T],
+        enc: fn(&[T]) -> Vec<u8>,
+        dec: fn(&[u8]) -> Vec<T>,
+    ) -> Result<()> {
+        let all = self.exchange(enc(buf))?;
+        buf.iter_mut().for_each(|x| *x = T::default());
+        for part in &all {
+            let v = dec(part);
+            if v.len() != buf.len() {
+                return Err(Error::invalid(format!(
+                    "all-reduce: {} values on one rank, {} on another",
+                    buf.len(),
+                    v.len()
+                )));
+            }
+            buf.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+}
+
 impl Drop for ThreadComm {
     /// A rank that goes away (finished, or failed with an error) releases the
     /// others from any collective it will never join.
@@ -135,36 +160,10 @@ impl Comm for ThreadComm {
         "threads"
     }
     fn all_reduce_f64(&self, buf: &mut [f64]) -> Result<()> {
-        let all = self.exchange(f64_bytes(buf))?;
-        buf.iter_mut().for_each(|x| *x = 0.0);
-        for part in &all {
-            let v = bytes_f64(part);
-            if v.len() != buf.len() {
-                return Err(Error::invalid(format!(
-                    "all-reduce: {} values on one rank, {} on another",
-                    buf.len(),
-                    v.len()
-                )));
-            }
-            buf.iter_mut().zip(v).for_each(|(a, b)| *a += b);
-        }
-        Ok(())
+        self.all_reduce(buf, f64_bytes, bytes_f64)
     }
     fn all_reduce_f32(&self, buf: &mut [f32]) -> Result<()> {
-        let all = self.exchange(f32_bytes(buf))?;
-        buf.iter_mut().for_each(|x| *x = 0.0);
-        for part in &all {
-            let v = bytes_f32(part);
-            if v.len() != buf.len() {
-                return Err(Error::invalid(format!(
-                    "all-reduce: {} values on one rank, {} on another",
-                    buf.len(),
-                    v.len()
-                )));
-            }
-            buf.iter_mut().zip(v).for_each(|(a, b)| *a += b);
-        }
-        Ok(())
+        self.all_reduce(buf, f32_bytes, bytes_f32)
     }
     fn all_gather_f32(&self, local: &[f32]) -> Result<Vec<f32>> {
         Ok(self.exchange(f32_bytes(local))?.iter().flat_map(|b| bytes_f32(b)).collect())

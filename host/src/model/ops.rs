@@ -90,7 +90,7 @@ pub fn norm_rope(
     eps: f64,
 ) -> Result<Tensor> {
     if fused::supported(x) {
-        return fused::norm_rope(x, n_heads, w, cos, sin, eps);
+        return fused::norm_rope(x, n_heads, w, (cos, sin), eps);
     }
     let (b, l, hd) = x.dims3()?;
     let x = x.reshape((b, l, n_heads, hd / n_heads.max(1)))?;

@@ -7,6 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::train::spurious::{Region, TokenPoint};
@@ -83,87 +85,166 @@ pub fn standard_panels(runs: &[RunCurves]) -> Result<Vec<Panel>> {
 
 /// Draws `panels` in a grid into `<stem>.png` and `<stem>.svg`.
 pub fn plot(panels: &[Panel], stem: &Path) -> Result<(PathBuf, PathBuf)> {
+    render(&Grid { panels, cell: (420, 300) }, stem)
+}
+
+/// A figure drawn alike onto the PNG and the SVG backend.
+trait Figure {
+    /// Width and height in pixels.
+    fn size(&self) -> (u32, u32);
+    fn draw<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> std::result::Result<(), String>;
+}
+
+/// Draws `fig` into `<stem>.png` and `<stem>.svg`.
+fn render(fig: &impl Figure, stem: &Path) -> Result<(PathBuf, PathBuf)> {
     register_font();
     let png = stem.with_extension("png");
     let svg = stem.with_extension("svg");
-    let cols = 3usize;
-    let rows = panels.len().div_ceil(cols).max(1);
-    let size = (420 * cols as u32, 300 * rows as u32);
-    draw(BitMapBackend::new(&png, size).into_drawing_area(), panels, cols, rows)
+    fig.draw(BitMapBackend::new(&png, fig.size()).into_drawing_area())
         .map_err(|e| Error::invalid(format!("{}: {e}", png.display())))?;
-    draw(SVGBackend::new(&svg, size).into_drawing_area(), panels, cols, rows)
+    fig.draw(SVGBackend::new(&svg, fig.size()).into_drawing_area())
         .map_err(|e| Error::invalid(format!("{}: {e}", svg.display())))?;
     Ok((png, svg))
 }
 
-fn draw<DB: DrawingBackend>(
-    root: DrawingArea<DB, plotters::coord::Shift>,
-    panels: &[Panel],
-    cols: usize,
-    rows: usize,
-) -> std::result::Result<(), String> {
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let areas = root.split_evenly((rows, cols));
-    for (panel, area) in panels.iter().zip(areas.iter()) {
-        let pts = panel.series.iter().flat_map(|s| s.points.iter());
-        let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-        for &(x, y) in pts {
-            if x.is_finite() && y.is_finite() {
-                x0 = x0.min(x);
-                x1 = x1.max(x);
-                y0 = y0.min(y);
-                y1 = y1.max(y);
-            }
+/// One small chart of a [`Grid`].
+trait GridPanel {
+    fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String>;
+}
+
+/// Panels in a grid of three columns, each `cell` pixels.
+struct Grid<'a, P> {
+    panels: &'a [P],
+    cell: (u32, u32),
+}
+
+impl<P: GridPanel> Grid<'_, P> {
+    const COLS: usize = 3;
+
+    fn rows(&self) -> usize {
+        self.panels.len().div_ceil(Self::COLS).max(1)
+    }
+}
+
+impl<P: GridPanel> Figure for Grid<'_, P> {
+    fn size(&self) -> (u32, u32) {
+        (self.cell.0 * Self::COLS as u32, self.cell.1 * self.rows() as u32)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((self.rows(), Self::COLS));
+        for (panel, area) in self.panels.iter().zip(areas.iter()) {
+            panel.draw_on(area)?;
         }
-        if x0 > x1 {
-            (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
-        }
-        if x1 - x0 < 1e-9 {
-            x1 = x0 + 1.0;
-        }
-        let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(1e-3);
-        let mut chart = ChartBuilder::on(area)
-            .caption(&panel.title, ("sans-serif", 16))
-            .margin(8)
-            .x_label_area_size(28)
-            .y_label_area_size(48)
-            .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| tick(*y))
-            .label_style(("sans-serif", 11))
-            .draw()
-            .map_err(|e| e.to_string())?;
-        for (i, s) in panel.series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(s.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            // Sparse series (evaluations) get markers so single points show.
-            if s.points.len() <= 30 {
-                chart
-                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-        // One run needs no legend; several get one in the corner.
-        if panel.series.len() > 1 {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::LowerRight)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK.mix(0.3))
-                .label_font(("sans-serif", 11))
-                .draw()
-                .map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())
+    }
+}
+
+/// A panel's chart: x the step, y linear.
+type StepChart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// `(x0, x1, y0, y1)` spanning the finite `(x, y_lo, y_hi)` points: the unit
+/// square when there are none, and at least one step wide.
+fn bounds(points: impl Iterator<Item = (f64, f64, f64)>) -> (f64, f64, f64, f64) {
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for (x, lo, hi) in points {
+        if x.is_finite() && lo.is_finite() && hi.is_finite() {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+            y0 = y0.min(lo);
+            y1 = y1.max(hi);
         }
     }
-    root.present().map_err(|e| e.to_string())
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    if x1 - x0 < 1e-9 {
+        x1 = x0 + 1.0;
+    }
+    (x0, x1, y0, y1)
+}
+
+/// A panel's chart on `area` with its caption and mesh: over the [`bounds`] of
+/// `points`, y padded by 8% of its span (at least 5% of its magnitude and
+/// `min_pad`), with `y_label` pixels for the y labels.
+fn step_chart<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    title: &str,
+    points: impl Iterator<Item = (f64, f64, f64)>,
+    (y_label, min_pad): (u32, f64),
+) -> std::result::Result<StepChart<'a, DB>, String> {
+    let (x0, x1, y0, y1) = bounds(points);
+    let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(min_pad);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 16))
+        .margin(8)
+        .x_label_area_size(28)
+        .y_label_area_size(y_label)
+        .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| tick(*y))
+        .label_style(("sans-serif", 11))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
+/// A line through `points` with its legend entry, and markers when there are
+/// few points (evaluations), so that single points show.
+fn line<DB: DrawingBackend>(
+    chart: &mut StepChart<'_, DB>,
+    points: &[(f64, f64)],
+    color: RGBAColor,
+    label: String,
+) -> std::result::Result<(), String> {
+    chart
+        .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+        .map_err(|e| e.to_string())?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    if points.len() <= 30 {
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The legend box at `pos`, on a white background of opacity `bg`, labels in `font` px.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    pos: SeriesLabelPosition,
+    bg: f64,
+    font: u32,
+) -> std::result::Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(pos)
+        .background_style(WHITE.mix(bg))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", font))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+impl GridPanel for Panel {
+    fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
+        let points = self.series.iter().flat_map(|s| s.points.iter().map(|&(x, y)| (x, y, y)));
+        let mut chart = step_chart(area, &self.title, points, (48, 1e-3))?;
+        for (i, s) in self.series.iter().enumerate() {
+            line(&mut chart, &s.points, Palette99::pick(i).to_rgba(), s.label.clone())?;
+        }
+        // One run needs no legend; several get one in the corner.
+        if self.series.len() > 1 {
+            legend(&mut chart, SeriesLabelPosition::LowerRight, 0.8, 11)?;
+        }
+        Ok(())
+    }
 }
 
 /// A y-axis tick: fixed decimals for ordinary values, scientific for tiny ones.
@@ -260,60 +341,14 @@ pub fn seed_panels(groups: &[SeedGroup]) -> Result<Vec<BandPanel>> {
 /// Draws band panels in a grid into `<stem>.png` and `<stem>.svg`: the mean as a line,
 /// the spread across seeds as a shaded band.
 pub fn plot_bands(panels: &[BandPanel], stem: &Path) -> Result<(PathBuf, PathBuf)> {
-    register_font();
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
-    let cols = 3usize;
-    let rows = panels.len().div_ceil(cols).max(1);
-    let size = (440 * cols as u32, 320 * rows as u32);
-    draw_bands(BitMapBackend::new(&png, size).into_drawing_area(), panels, cols, rows)
-        .map_err(|e| Error::invalid(format!("{}: {e}", png.display())))?;
-    draw_bands(SVGBackend::new(&svg, size).into_drawing_area(), panels, cols, rows)
-        .map_err(|e| Error::invalid(format!("{}: {e}", svg.display())))?;
-    Ok((png, svg))
+    render(&Grid { panels, cell: (440, 320) }, stem)
 }
 
-fn draw_bands<DB: DrawingBackend>(
-    root: DrawingArea<DB, plotters::coord::Shift>,
-    panels: &[BandPanel],
-    cols: usize,
-    rows: usize,
-) -> std::result::Result<(), String> {
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let areas = root.split_evenly((rows, cols));
-    for (panel, area) in panels.iter().zip(areas.iter()) {
-        let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-        for &(x, _, lo, hi) in panel.bands.iter().flat_map(|b| b.points.iter()) {
-            if x.is_finite() && lo.is_finite() && hi.is_finite() {
-                x0 = x0.min(x);
-                x1 = x1.max(x);
-                y0 = y0.min(lo);
-                y1 = y1.max(hi);
-            }
-        }
-        if x0 > x1 {
-            (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
-        }
-        if x1 - x0 < 1e-9 {
-            x1 = x0 + 1.0;
-        }
-        let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(1e-4);
-        let mut chart = ChartBuilder::on(area)
-            .caption(&panel.title, ("sans-serif", 16))
-            .margin(8)
-            .x_label_area_size(28)
-            .y_label_area_size(52)
-            .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| tick(*y))
-            .label_style(("sans-serif", 11))
-            .draw()
-            .map_err(|e| e.to_string())?;
-        for (i, b) in panel.bands.iter().enumerate() {
+impl GridPanel for BandPanel {
+    fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
+        let points = self.bands.iter().flat_map(|b| b.points.iter().map(|&(x, _, lo, hi)| (x, lo, hi)));
+        let mut chart = step_chart(area, &self.title, points, (52, 1e-4))?;
+        for (i, b) in self.bands.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             if b.points.len() > 1 {
                 let mut poly: Vec<(f64, f64)> = b.points.iter().map(|p| (p.0, p.3)).collect();
@@ -330,29 +365,14 @@ fn draw_bands<DB: DrawingBackend>(
                     )
                     .map_err(|e| e.to_string())?;
             }
-            chart
-                .draw_series(LineSeries::new(b.points.iter().map(|p| (p.0, p.1)), color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(format!("{} (n={})", b.label, b.runs))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            if b.points.len() <= 30 {
-                chart
-                    .draw_series(b.points.iter().map(|p| Circle::new((p.0, p.1), 3, color.filled())))
-                    .map_err(|e| e.to_string())?;
-            }
+            let mean: Vec<(f64, f64)> = b.points.iter().map(|p| (p.0, p.1)).collect();
+            line(&mut chart, &mean, color, format!("{} (n={})", b.label, b.runs))?;
         }
-        if !panel.bands.is_empty() {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK.mix(0.3))
-                .label_font(("sans-serif", 10))
-                .draw()
-                .map_err(|e| e.to_string())?;
+        if !self.bands.is_empty() {
+            legend(&mut chart, SeriesLabelPosition::UpperRight, 0.8, 10)?;
         }
+        Ok(())
     }
-    root.present().map_err(|e| e.to_string())
 }
 
 /// Viridis-like colour for `t` in [0, 1] (piecewise linear through five of its stops).
@@ -377,19 +397,28 @@ pub fn spurious(
     title: &str,
     stem: &Path,
 ) -> Result<(PathBuf, PathBuf)> {
-    register_font();
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
-    let size = (900, 600);
-    draw_spurious(BitMapBackend::new(&png, size).into_drawing_area(), points, region, title)
-        .map_err(|e| Error::invalid(format!("{}: {e}", png.display())))?;
-    draw_spurious(SVGBackend::new(&svg, size).into_drawing_area(), points, region, title)
-        .map_err(|e| Error::invalid(format!("{}: {e}", svg.display())))?;
-    Ok((png, svg))
+    render(&Scatter { points, region, title }, stem)
+}
+
+/// The figure of [`spurious`].
+struct Scatter<'a> {
+    points: &'a [TokenPoint],
+    region: Option<Region>,
+    title: &'a str,
+}
+
+impl Figure for Scatter<'_> {
+    fn size(&self) -> (u32, u32) {
+        (900, 600)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
+        draw_spurious(root, self.points, self.region, self.title)
+    }
 }
 
 fn draw_spurious<DB: DrawingBackend>(
-    root: DrawingArea<DB, plotters::coord::Shift>,
+    root: DrawingArea<DB, Shift>,
     points: &[TokenPoint],
     region: Option<Region>,
     title: &str,
@@ -459,14 +488,7 @@ fn draw_spurious<DB: DrawingBackend>(
         .map_err(|e| e.to_string())?
         .label(format!("silenced by S2T ({n_sil})"))
         .legend(|(x, y)| Circle::new((x + 7, y), 5, RED.stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.3))
-        .label_font(("sans-serif", 12))
-        .draw()
-        .map_err(|e| e.to_string())?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft, 0.85, 12)?;
 
     // The colour bar: log10 of the gradient norm.
     let mut cb = ChartBuilder::on(&bar)

@@ -126,13 +126,12 @@ impl Kernel<3> for NormRopeBwd {
 
 /// Per-head RMSNorm then rotary embedding, from `(B, L, H * D)` (heads side by
 /// side, as the projection leaves them) to `(B, H, L, D)`; `cos`/`sin` are
-/// `(B, 1, L, D/2)` (see [`super::ops::norm_rope`]).
+/// `(B, 1, L, D/2)`, the rotary table (see [`super::ops::norm_rope`]).
 pub fn norm_rope(
     x: &Tensor,
     n_heads: usize,
     w: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
     eps: f64,
 ) -> Result<Tensor> {
     let (b, l, hd) = x.dims3()?;
@@ -177,8 +176,7 @@ mod tests {
                         &x.as_tensor().reshape((b, l, h * d)).unwrap(),
                         h,
                         w.as_tensor(),
-                        &cos,
-                        &sin,
+                        (&cos, &sin),
                         1e-6,
                     )
                     .unwrap()
