@@ -62,6 +62,14 @@ pub struct LossInputs<'a> {
     pub response: Option<(&'a Tensor, &'a Normaliser)>,
 }
 
+impl<'a> LossInputs<'a> {
+    /// The four tensors every loss needs; no reference, no entropy, and `mask` as the
+    /// response (set the others with struct update syntax).
+    pub fn new(logp: &'a Tensor, old_logp: &'a Tensor, advantages: &'a Tensor, mask: &'a Tensor) -> Self {
+        Self { logp, old_logp, advantages, mask, ref_logp: None, entropy: None, response: None }
+    }
+}
+
 /// The denominators of the aggregation, counted once over the whole mini-batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Normaliser {
@@ -528,15 +536,7 @@ mod tests {
         adv: &Tensor,
         mask: &Tensor,
     ) -> (f32, Vec<f32>, LossMetrics) {
-        let inp = LossInputs {
-            logp: logp.as_tensor(),
-            old_logp: old,
-            advantages: adv,
-            mask,
-            ref_logp: None,
-            entropy: None,
-            response: None,
-        };
+        let inp = LossInputs::new(logp.as_tensor(), old, adv, mask);
         let norm = Normaliser::from_masks(&[mask], None).unwrap();
         let out = compute_loss(c, &inp, &norm).unwrap();
         let g = out.loss.backward().unwrap();
@@ -690,15 +690,8 @@ mod tests {
             let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
             c.kl = Some(KlConfig { kind, beta: 0.1 });
             let old = logp.as_tensor().detach();
-            let inp = LossInputs {
-                logp: logp.as_tensor(),
-                old_logp: &old,
-                advantages: &adv,
-                mask: &mask,
-                ref_logp: Some(&zeros),
-                entropy: None,
-                response: None,
-            };
+            let inp =
+                LossInputs { ref_logp: Some(&zeros), ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask) };
             let norm = Normaliser::from_masks(&[&mask], None).unwrap();
             let out = compute_loss(&c, &inp, &norm).unwrap();
             let loss = out.loss.to_scalar::<f32>().unwrap();
@@ -724,13 +717,8 @@ mod tests {
         let mut c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
         c.entropy_coef = 0.01;
         let inp = LossInputs {
-            logp: logp.as_tensor(),
-            old_logp: &old,
-            advantages: &adv,
-            mask: &mask,
-            ref_logp: None,
             entropy: Some(h.as_tensor()),
-            response: None,
+            ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask)
         };
         let norm = Normaliser::from_masks(&[&mask], None).unwrap();
         let out = compute_loss(&c, &inp, &norm).unwrap();
@@ -814,13 +802,9 @@ mod tests {
             let (o, r, m, a) = (t2(&old, 4, t), t2(&rf, 4, t), t2(&mask, 4, t), t1(&adv));
             let norm = Normaliser::from_masks(&[&m], c.norm_len).unwrap();
             let inp = LossInputs {
-                logp: lv.as_tensor(),
-                old_logp: &o,
-                advantages: &a,
-                mask: &m,
                 ref_logp: Some(&r),
                 entropy: Some(hv.as_tensor()),
-                response: None,
+                ..LossInputs::new(lv.as_tensor(), &o, &a, &m)
             };
             let full = compute_loss(&c, &inp, &norm).unwrap();
             let g = full.loss.backward().unwrap();
@@ -842,13 +826,9 @@ mod tests {
                 let hv = var(&sl(&h, p), b, t);
                 let (o, r, a) = (t2(&sl(&old, p), b, t), t2(&sl(&rf, p), b, t), t1(&adv[p.0..p.1]));
                 let inp = LossInputs {
-                    logp: lv.as_tensor(),
-                    old_logp: &o,
-                    advantages: &a,
-                    mask: &masks[k],
                     ref_logp: Some(&r),
                     entropy: Some(hv.as_tensor()),
-                    response: None,
+                    ..LossInputs::new(lv.as_tensor(), &o, &a, &masks[k])
                 };
                 let out = compute_loss(&c, &inp, &mnorm).unwrap();
                 let g = out.loss.backward().unwrap();
@@ -891,15 +871,7 @@ mod tests {
         let z = t2(&[0.; 3], 1, 3);
         let a = t1(&[1.]);
         let loss = |m: &Tensor, n: &Normaliser| {
-            let inp = LossInputs {
-                logp: &z,
-                old_logp: &z,
-                advantages: &a,
-                mask: m,
-                ref_logp: None,
-                entropy: None,
-                response: None,
-            };
+            let inp = LossInputs::new(&z, &z, &a, m);
             compute_loss(&c, &inp, n).unwrap().loss.to_scalar::<f32>().unwrap()
         };
         assert_eq!(loss(&m1, &global) + loss(&m2, &global), -1.0);
@@ -918,13 +890,9 @@ mod tests {
             let mask = t2(&[0.; 4], 2, 2);
             let adv = t1(&[1., -1.]);
             let inp = LossInputs {
-                logp: lv.as_tensor(),
-                old_logp: &old,
-                advantages: &adv,
-                mask: &mask,
                 ref_logp: Some(&rf),
                 entropy: Some(hv.as_tensor()),
-                response: None,
+                ..LossInputs::new(lv.as_tensor(), &old, &adv, &mask)
             };
             let norm = Normaliser::from_masks(&[&mask], c.norm_len).unwrap();
             let out = compute_loss(&c, &inp, &norm).unwrap();
@@ -954,15 +922,7 @@ mod tests {
         let old = t2(&[0.; 3], 1, 3);
         let mask = t2(&[1.; 4], 2, 2);
         let adv = t1(&[1., 1.]);
-        let inp = LossInputs {
-            logp: lv.as_tensor(),
-            old_logp: &old,
-            advantages: &adv,
-            mask: &mask,
-            ref_logp: None,
-            entropy: None,
-            response: None,
-        };
+        let inp = LossInputs::new(lv.as_tensor(), &old, &adv, &mask);
         let norm = Normaliser::from_masks(&[&mask], None).unwrap();
         let e = compute_loss(&c, &inp, &norm).unwrap_err().to_string();
         assert!(e.contains("old_logp") && e.contains("[1, 3]"), "{e}");
@@ -997,13 +957,9 @@ mod tests {
         let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
         c.kl = Some(KlConfig { kind: KlKind::K1, beta: 1.0 });
         let inp = LossInputs {
-            logp: logp.as_tensor(),
-            old_logp: &old,
-            advantages: &adv,
-            mask: &mask,
             ref_logp: Some(&zeros),
-            entropy: None,
             response: Some((&resp, &rnorm)),
+            ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask)
         };
         let out = compute_loss(&c, &inp, &norm).unwrap();
         assert!((out.loss.to_scalar::<f32>().unwrap() - 0.2).abs() < TOL);
@@ -1038,13 +994,8 @@ mod tests {
         let rnorm = Normaliser::from_masks(&[&resp], None).unwrap();
         let c = ObjectiveConfig::preset("gspo").unwrap();
         let inp = LossInputs {
-            logp: logp.as_tensor(),
-            old_logp: &old,
-            advantages: &adv,
-            mask: &mask,
-            ref_logp: None,
-            entropy: None,
             response: Some((&resp, &rnorm)),
+            ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask)
         };
         let out = compute_loss(&c, &inp, &norm).unwrap();
         let s = (1e-4f64).exp() as f32;

@@ -1618,23 +1618,36 @@ mod tests {
         assert_eq!(kept, met.kept_tokens);
     }
 
+    /// The tiny model, one group of two sequences (prompt [5, 6, 7], response [8, 9],
+    /// rewards 1 and 0) and the model's full logits of that sequence in f64.
+    fn tiny_pair() -> (Qwen3, Vec<Sequence>, Vec<Vec<Vec<f64>>>) {
+        let m = tiny();
+        let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
+        let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
+        let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+        (m, seqs, logits)
+    }
+
+    /// `softmax(z / t)` of one row of logits, on the host in f64.
+    fn host_softmax(z: &[f64], t: f64) -> Vec<f64> {
+        let z: Vec<f64> = z.iter().map(|x| x / t).collect();
+        let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        e.iter().map(|x| x / sum).collect()
+    }
+
     #[test]
     fn the_update_sees_the_tempered_policy() {
         // One sequence, prompt [5, 6, 7], response [8, 9]; T = 2. The record's p must be the
         // sampled token's probability under softmax(logits / 2), computed here on the host
         // from the model's full logits; its H the entropy of that distribution.
-        let m = tiny();
-        let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
-        let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
-        let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+        let (m, seqs, logits) = tiny_pair();
         let (mut want_p, mut want_h) = (Vec::new(), Vec::new());
         for (pos, target) in [(2usize, 8usize), (3, 9)] {
-            let z: Vec<f64> = logits[0][pos].iter().map(|x| x / 2.0).collect();
-            let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
-            let sum: f64 = e.iter().sum();
-            want_p.push((e[target] / sum) as f32);
-            want_h.push(-e.iter().map(|x| x / sum * (x / sum).ln()).sum::<f64>() as f32);
+            let p = host_softmax(&logits[0][pos], 2.0);
+            want_p.push(p[target] as f32);
+            want_h.push(-p.iter().map(|q| q * q.ln()).sum::<f64>() as f32);
         }
         let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
         let cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0)
@@ -1683,19 +1696,10 @@ mod tests {
     fn grad_norms_are_recorded_from_the_collision_probability() {
         // One group of two, prompt [5, 6, 7]; the record's collision probability must be
         // Σ p² of softmax(logits), computed on the host from the model's full logits.
-        let m = tiny();
-        let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
-        let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
-        let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+        let (m, seqs, logits) = tiny_pair();
         let want_c: Vec<f32> = [2usize, 3]
             .iter()
-            .map(|&pos| {
-                let z = &logits[0][pos];
-                let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                e.iter().map(|x| (x / sum).powi(2)).sum::<f64>() as f32
-            })
+            .map(|&pos| host_softmax(&logits[0][pos], 1.0).iter().map(|q| q.powi(2)).sum::<f64>() as f32)
             .collect();
         let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
         let mut cfg =
