@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
 
-use super::qwen3::{layer_forward, Grad, Layer, LayerCtx};
+use super::qwen3::{attention_block, layer_forward, mlp_block, Grad, Layer, LayerCtx};
 use crate::{Error, Result};
 
 /// When decoder layers are recomputed in the backward pass.
@@ -175,20 +175,83 @@ impl CustomOp2 for Checkpoint {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let xv = Var::from_tensor(&x.detach())?;
-        let y =
-            layer_forward(&self.layer, &self.ctx, xv.as_tensor(), 0, None, Grad::Track).map_err(op_err)?;
-        let grads = (y * dy.detach())?.sum_all()?.backward()?;
-        let dx = grads.get(xv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the input"))?;
+        let (dx, grads) = layer_backward(&self.layer, &self.ctx, x, dy, MLP_CHUNK_TOKENS).map_err(op_err)?;
         let mut stash = self.stash.lock().map_err(op_err)?;
-        for (slot, v) in stash.iter_mut().zip(self.layer.vars()) {
-            *slot = Some(match grads.get(v.as_tensor()) {
-                Some(g) => g.clone(),
+        for ((slot, g), v) in stash.iter_mut().zip(grads).zip(self.layer.vars()) {
+            *slot = Some(match g {
+                Some(g) => g,
                 None => v.as_tensor().zeros_like()?,
             });
         }
         Ok((Some(dx), Some(token.zeros_like()?)))
     }
+}
+
+/// Positions per piece of the MLP half in a recomputed layer's backward.
+pub(super) const MLP_CHUNK_TOKENS: usize = 1024;
+
+/// The backward of one decoder layer from its input `x` and the gradient of
+/// its output `dy`: `dx` and the gradients of [`Layer::vars`], in that order
+/// (`None` for a weight the layer does not use).
+///
+/// The layer is rerun with a recorded graph in two halves. The MLP half works
+/// on each position alone, so it is rerun and backpropagated over `chunk`
+/// positions at a time, its weight gradients summed over the pieces: only
+/// one piece's MLP activations (gate, up, their product: three times the
+/// MLP width per position) exist at once. Then the attention half, whose
+/// graph covers the whole sequence, is backpropagated from the gradient of
+/// its output. With `chunk` at least the token count this is the plain
+/// backward of the layer.
+pub(super) fn layer_backward(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    x: &Tensor,
+    dy: &Tensor,
+    chunk: usize,
+) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+    let vars = layer.vars();
+    let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
+    let mut add = |grads: &candle_core::backprop::GradStore| -> Result<()> {
+        for (sum, v) in sums.iter_mut().zip(&vars) {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                *sum = Some(match sum.take() {
+                    None => g.clone(),
+                    Some(s) => (s + g)?,
+                });
+            }
+        }
+        Ok(())
+    };
+    let xv = Var::from_tensor(&x.detach())?;
+    let h = attention_block(layer, ctx, xv.as_tensor(), 0, None, Grad::Track)?;
+    let dy = dy.detach();
+    let (b, l, d) = h.dims3()?;
+    let n = b * l;
+    let dh = if n <= chunk {
+        let hv = Var::from_tensor(&h.detach())?;
+        let y = mlp_block(layer, &ctx.cfg, hv.as_tensor(), Grad::Track)?;
+        let grads = (y * &dy)?.sum_all()?.backward()?;
+        add(&grads)?;
+        grads.get(hv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the MLP input"))?
+    } else {
+        let (hf, dyf) = (h.detach().reshape((1, n, d))?, dy.reshape((1, n, d))?);
+        let mut parts = Vec::with_capacity(n.div_ceil(chunk));
+        for start in (0..n).step_by(chunk) {
+            let len = chunk.min(n - start);
+            let hv = Var::from_tensor(&hf.narrow(1, start, len)?.contiguous()?)?;
+            let y = mlp_block(layer, &ctx.cfg, hv.as_tensor(), Grad::Track)?;
+            let grads = (y * dyf.narrow(1, start, len)?)?.sum_all()?.backward()?;
+            add(&grads)?;
+            parts.push(
+                grads.get(hv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the MLP input"))?,
+            );
+        }
+        Tensor::cat(&parts, 1)?.reshape((b, l, d))?
+    };
+    let grads = (h * dh)?.sum_all()?.backward()?;
+    add(&grads)?;
+    let dx = grads.get(xv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the input"))?;
+    Ok((dx, sums))
 }
 
 /// A scalar zero computed from one weight, whose backward returns that

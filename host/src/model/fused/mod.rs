@@ -42,7 +42,7 @@ pub fn supported_on(device: &Device, dtype: DType) -> bool {
 }
 
 /// The float types the kernels are written for.
-trait Real: WithDType + Neg<Output = Self> {
+pub(crate) trait Real: WithDType + Neg<Output = Self> {
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
