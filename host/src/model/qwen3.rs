@@ -577,19 +577,26 @@ mod tests {
     use super::*;
     use crate::model::fused::test_util::{randn, rel_err};
 
+    /// A tiny f32 model with `layers` decoder layers (hidden 64, 4/2 heads).
+    fn tiny_model(layers: usize, seed: u64) -> Qwen3 {
+        let cfg = Config::from_json_str(
+            &format!(
+                r#"{{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": {layers},
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true}}"#
+            ),
+            "tiny",
+        )
+        .unwrap();
+        crate::model::init(&cfg, seed, 0.2, DType::F32, &Device::Cpu).unwrap()
+    }
+
     /// The whole decoder stack on left-padded rows with the blockwise and the
     /// dense attention kernels: same hidden states on real positions, same
     /// gradients for the input and every weight.
     #[test]
     fn blockwise_and_dense_attention_give_the_same_stack() {
-        let cfg = Config::from_json_str(
-            r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
-                "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true}"#,
-            "tiny",
-        )
-        .unwrap();
-        let m = crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap();
+        let m = tiny_model(2, 5);
         let (b, l, pad) = (2, 40, 7);
         let mask: Vec<Vec<u8>> =
             (0..b).map(|r| (0..l).map(|j| u8::from(r == 0 || j >= pad)).collect()).collect();
@@ -627,14 +634,7 @@ mod tests {
     /// plain graph of the layer, for the input and every weight.
     #[test]
     fn chunked_layer_backward_matches_the_plain_graph() {
-        let cfg = Config::from_json_str(
-            r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
-                "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true}"#,
-            "tiny",
-        )
-        .unwrap();
-        let m = crate::model::init(&cfg, 6, 0.2, DType::F32, &Device::Cpu).unwrap();
+        let m = tiny_model(1, 6);
         let (b, l) = (2, 40);
         let batch = TokenBatch::from_parts(vec![3; b * l], vec![vec![1; l]; b], &Device::Cpu).unwrap();
         let bias = Tensor::zeros((b, 1, 1, l), DType::F32, &Device::Cpu).unwrap();
