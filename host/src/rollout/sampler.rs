@@ -75,10 +75,19 @@ struct RawStats {
     sum: f64,
     ln_sum: f64,
     entropy: f32,
+    /// `exp(l_i - max)` of every token, when asked for (see [`RawStats::with_exps`]).
+    exps: Vec<f32>,
 }
 
 impl RawStats {
     fn new(logits: &[f32]) -> Result<Self> {
+        Self::with_exps(logits, false)
+    }
+
+    /// [`RawStats::new`], keeping each token's `exp(l_i - max)` when `keep`:
+    /// at temperature 1 these are exactly the weights of the inverse-CDF walk,
+    /// which then need not compute them again.
+    fn with_exps(logits: &[f32], keep: bool) -> Result<Self> {
         let (mut max, mut argmax) = (f32::NEG_INFINITY, 0);
         for (i, &l) in logits.iter().enumerate() {
             if l > max {
@@ -90,9 +99,13 @@ impl RawStats {
         }
         // H = ln S - sum_i e_i d_i / S with d_i = l_i - max, e_i = exp(d_i), S = sum_i e_i.
         let (mut sum, mut sum_ed) = (0f64, 0f64);
+        let mut exps = Vec::with_capacity(if keep { logits.len() } else { 0 });
         for &l in logits {
             let d = l - max;
             let e = d.exp();
+            if keep {
+                exps.push(e);
+            }
             sum += e as f64;
             if e > 0.0 {
                 sum_ed += (e * d) as f64;
@@ -102,7 +115,7 @@ impl RawStats {
             return Err(Error::invalid("sampling: logits contain NaN".to_string()));
         }
         let ln_sum = sum.ln();
-        Ok(Self { max, argmax, sum, ln_sum, entropy: (ln_sum - sum_ed / sum) as f32 })
+        Ok(Self { max, argmax, sum, ln_sum, entropy: (ln_sum - sum_ed / sum) as f32, exps })
     }
 
     fn logprob(&self, logits: &[f32], id: usize) -> f32 {
@@ -198,7 +211,8 @@ impl Sampler {
     /// Draws one token from `logits` (one row, the full vocabulary) with `rng`,
     /// returning it with its sampling log-prob, raw log-prob and entropy.
     pub fn draw(&self, logits: &[f32], rng: &mut StdRng) -> Result<TokenDraw> {
-        let stats = RawStats::new(logits)?;
+        let plain_t1 = self.temperature == 1.0 && !self.filters(logits.len());
+        let stats = RawStats::with_exps(logits, plain_t1)?;
         let done = |id: usize, logprob: f64| TokenDraw {
             id: id as u32,
             logprob: logprob as f32,
@@ -233,7 +247,8 @@ impl Sampler {
         let target = u * total;
         let (mut cum, mut pick, mut last_positive) = (0f64, None, stats.argmax);
         for (i, &l) in logits.iter().enumerate() {
-            let w = self.weight(l, max);
+            // At T = 1, `weight` is bit for bit the kept term of the raw sum.
+            let w = if plain_t1 { stats.exps[i] as f64 } else { self.weight(l, max) };
             if w > 0.0 {
                 last_positive = i;
             }
@@ -294,6 +309,35 @@ mod tests {
             let d = s.draw(&logits, &mut rng).expect("draw");
             assert!((d.logprob_raw as f64 - p[d.id as usize].ln()).abs() < 1e-6);
             assert!((d.entropy as f64 - h).abs() < 1e-6);
+        }
+    }
+
+    /// At temperature 1 the walk reads the exps kept by the raw statistics:
+    /// the same token and log-prob as the walk that computes each weight (a
+    /// copy of the draw's loop), over many draws on a long row with -inf logits.
+    #[test]
+    fn kept_exps_draw_what_computed_weights_draw() {
+        let s = sampler(1.0, 1.0, None);
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| if i % 97 == 3 { f32::NEG_INFINITY } else { ((i * 7919 % 1013) as f32 - 500.0) / 90.0 })
+            .collect();
+        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = logits.iter().map(|&l| s.weight(l, max)).sum();
+        let (mut a, mut b) = (StdRng::seed_from_u64(3), StdRng::seed_from_u64(3));
+        for _ in 0..300 {
+            let d = s.draw(&logits, &mut a).expect("draw");
+            let target = b.random::<f64>() * total;
+            let (mut cum, mut pick) = (0f64, None);
+            for (i, &l) in logits.iter().enumerate() {
+                cum += s.weight(l, max);
+                if cum > target {
+                    pick = Some(i);
+                    break;
+                }
+            }
+            let pick = pick.expect("a target below the total");
+            assert_eq!(d.id as usize, pick);
+            assert_eq!(d.logprob, (s.log_weight(logits[pick], max) as f64 - total.ln()) as f32);
         }
     }
 
