@@ -522,7 +522,32 @@ pub(super) fn attention_block(
     cache: Option<(&Tensor, &Tensor)>,
     grad: Grad,
 ) -> Result<Tensor> {
-    let LayerCtx { cfg: c, cos, sin, mask } = ctx;
+    let (q, k, v) = qkv(layer, &ctx.cfg, x, &ctx.cos, &ctx.sin, grad)?;
+    let (k, v) = match cache {
+        Some((ck, cv)) => {
+            let l = x.dim(1)?;
+            ck.slice_set(&k.contiguous()?, 2, offset)?;
+            cv.slice_set(&v.contiguous()?, 2, offset)?;
+            (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
+        }
+        None => (k, v),
+    };
+    Ok((x + attention_out(layer, ctx, &q, &k, &v, grad)?)?)
+}
+
+/// The attention inputs of a decoder layer from its input `x` `(B, L,
+/// hidden)` and the rotary tables `cos`, `sin` `(B, 1, L, D/2)` of its
+/// positions: q `(B, Hq, L, D)` and k `(B, Hkv, L, D)` after the per-head
+/// norm and the rotary embedding, v `(B, Hkv, L, D)` (a strided view). Each
+/// position on its own, so it may run over any range of positions.
+pub(super) fn qkv(
+    layer: &Layer,
+    c: &Config,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    grad: Grad,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, l, _) = x.dims3()?;
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let w = |v: &Var| weight(v, grad);
@@ -535,18 +560,23 @@ pub(super) fn attention_block(
     let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
     let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
     // (B, H, L, D) view; attention reads it strided.
-    let v = v.transpose(1, 2)?;
-    let (k, v) = match cache {
-        Some((ck, cv)) => {
-            ck.slice_set(&k.contiguous()?, 2, offset)?;
-            cv.slice_set(&v.contiguous()?, 2, offset)?;
-            (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
-        }
-        None => (k, v),
-    };
-    let ctx = ops::attention(&q, &k, &v, mask, nkv)?; // (B, L, H*D)
-    let attn = ops::linear(&ctx, &w(&layer.o_proj), bias(3).as_ref())?;
-    Ok((x + attn)?)
+    Ok((q, k, v.transpose(1, 2)?))
+}
+
+/// Attention over `q`, `k`, `v` (as [`qkv`] returns them, k and v over every
+/// key) and the output projection: the update the attention half adds to
+/// the residual stream, `(B, L, hidden)`.
+pub(super) fn attention_out(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad: Grad,
+) -> Result<Tensor> {
+    let o = ops::attention(q, k, v, &ctx.mask, ctx.cfg.num_key_value_heads)?; // (B, L, H*D)
+    let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], grad));
+    ops::linear(&o, &weight(&layer.o_proj, grad), bias.as_ref())
 }
 
 /// The MLP half of a decoder layer with its residual:
@@ -629,8 +659,8 @@ mod tests {
         }
     }
 
-    /// A recomputed layer's backward with its MLP half in pieces of 7 positions
-    /// (80 positions, so the last piece is short) gives the gradients of the
+    /// A recomputed layer's backward in pieces of 7 tokens (3 positions of the
+    /// 2 rows; 40 positions, so the last piece is short) gives the gradients of the
     /// plain graph of the layer, for the input and every weight.
     #[test]
     fn chunked_layer_backward_matches_the_plain_graph() {
@@ -644,7 +674,7 @@ mod tests {
         let dy = randn(&[b, l, 64], DType::F32, 12);
         let y = layer_forward(layer, &ctx, x.as_tensor(), 0, None, Grad::Track).unwrap();
         let plain = (y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        for chunk in [7, super::super::recompute::MLP_CHUNK_TOKENS] {
+        for chunk in [7, super::super::recompute::CHUNK_TOKENS] {
             let (dx, grads) =
                 super::super::recompute::layer_backward(layer, &ctx, x.as_tensor(), dy.as_tensor(), chunk)
                     .unwrap();

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
 
-use super::qwen3::{attention_block, layer_forward, mlp_block, Grad, Layer, LayerCtx};
+use super::qwen3::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
 use crate::{Error, Result};
 
 /// When decoder layers are recomputed in the backward pass.
@@ -175,7 +175,7 @@ impl CustomOp2 for Checkpoint {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, grads) = layer_backward(&self.layer, &self.ctx, x, dy, MLP_CHUNK_TOKENS).map_err(op_err)?;
+        let (dx, grads) = layer_backward(&self.layer, &self.ctx, x, dy, CHUNK_TOKENS).map_err(op_err)?;
         let mut stash = self.stash.lock().map_err(op_err)?;
         for ((slot, g), v) in stash.iter_mut().zip(grads).zip(self.layer.vars()) {
             *slot = Some(match g {
@@ -187,21 +187,30 @@ impl CustomOp2 for Checkpoint {
     }
 }
 
-/// Positions per piece of the MLP half in a recomputed layer's backward.
-pub(super) const MLP_CHUNK_TOKENS: usize = 1024;
+/// Tokens (positions times rows) per piece of a recomputed layer's backward.
+pub(super) const CHUNK_TOKENS: usize = 1024;
 
 /// The backward of one decoder layer from its input `x` and the gradient of
 /// its output `dy`: `dx` and the gradients of [`Layer::vars`], in that order
 /// (`None` for a weight the layer does not use).
 ///
-/// The layer is rerun with a recorded graph in two halves. The MLP half works
-/// on each position alone, so it is rerun and backpropagated over `chunk`
-/// positions at a time, its weight gradients summed over the pieces: only
-/// one piece's MLP activations (gate, up, their product: three times the
-/// MLP width per position) exist at once. Then the attention half, whose
-/// graph covers the whole sequence, is backpropagated from the gradient of
-/// its output. With `chunk` at least the token count this is the plain
-/// backward of the layer.
+/// Only attention mixes positions; everything else in the layer works on
+/// each position alone. So the layer is rerun and backpropagated in pieces
+/// of about `chunk` tokens wherever it can be, the weight gradients summed
+/// over the pieces:
+/// 1. q, k and v of every position, a piece at a time, without a graph;
+/// 2. attention and the output projection over the whole sequence, with a
+///    graph from q, k and v;
+/// 3. the MLP half, a piece at a time: the gradient of its input;
+/// 4. the backward of step 2: the gradients of q, k and v;
+/// 5. the projections, norms and rotary embedding of step 1 again, a piece
+///    at a time with a graph, backpropagated from those gradients.
+///
+/// So at full length the layer holds q, k, v, the attention output and
+/// their gradients, not the activations of the norms, projections and MLP
+/// (gate, up, their product: three times the MLP width per position), which
+/// exist for one piece at a time. With `chunk` at least the token count this
+/// is the plain backward of the layer, split at q, k, v and the MLP input.
 pub(super) fn layer_backward(
     layer: &Layer,
     ctx: &LayerCtx,
@@ -222,36 +231,61 @@ pub(super) fn layer_backward(
         }
         Ok(())
     };
-    let xv = Var::from_tensor(&x.detach())?;
-    let h = attention_block(layer, ctx, xv.as_tensor(), 0, None, Grad::Track)?;
-    let dy = dy.detach();
-    let (b, l, d) = h.dims3()?;
-    let n = b * l;
-    let dh = if n <= chunk {
-        let hv = Var::from_tensor(&h.detach())?;
-        let y = mlp_block(layer, &ctx.cfg, hv.as_tensor(), Grad::Track)?;
-        let grads = (y * &dy)?.sum_all()?.backward()?;
-        add(&grads)?;
-        grads.get(hv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the MLP input"))?
-    } else {
-        let (hf, dyf) = (h.detach().reshape((1, n, d))?, dy.reshape((1, n, d))?);
-        let mut parts = Vec::with_capacity(n.div_ceil(chunk));
-        for start in (0..n).step_by(chunk) {
-            let len = chunk.min(n - start);
-            let hv = Var::from_tensor(&hf.narrow(1, start, len)?.contiguous()?)?;
-            let y = mlp_block(layer, &ctx.cfg, hv.as_tensor(), Grad::Track)?;
-            let grads = (y * dyf.narrow(1, start, len)?)?.sum_all()?.backward()?;
-            add(&grads)?;
-            parts.push(
-                grads.get(hv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the MLP input"))?,
-            );
-        }
-        Tensor::cat(&parts, 1)?.reshape((b, l, d))?
+    let grad_of = |grads: &candle_core::backprop::GradStore, t: &Tensor, what: &str| -> Result<Tensor> {
+        grads.get(t).cloned().ok_or_else(|| Error::from(op_err(format!("no gradient for {what}"))))
     };
-    let grads = (h * dh)?.sum_all()?.backward()?;
+    let c = &ctx.cfg;
+    let (x, dy) = (x.detach(), dy.detach());
+    let (b, l, _) = x.dims3()?;
+    let (dtype, device) = (x.dtype(), x.device());
+    // Pieces of `rows` positions of every row of the batch.
+    let rows = (chunk / b.max(1)).max(1);
+    let pieces: Vec<(usize, usize)> = (0..l).step_by(rows).map(|s| (s, rows.min(l - s))).collect();
+    let piece_qkv = |x: &Tensor, (s, n): (usize, usize), grad: Grad| {
+        qkv(layer, c, x, &ctx.cos.narrow(2, s, n)?, &ctx.sin.narrow(2, s, n)?, grad)
+    };
+    // 1.
+    let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let q = Var::zeros((b, nq, l, d), dtype, device)?;
+    let k = Var::zeros((b, nkv, l, d), dtype, device)?;
+    let v = Var::zeros((b, nkv, l, d), dtype, device)?;
+    for &(s, n) in &pieces {
+        let (qp, kp, vp) = piece_qkv(&x.narrow(1, s, n)?, (s, n), Grad::Off)?;
+        for (full, part) in [(&q, qp), (&k, kp), (&v, vp)] {
+            full.as_tensor().slice_set(&part.contiguous()?, 2, s)?;
+        }
+    }
+    // 2.
+    let attn = attention_out(layer, ctx, q.as_tensor(), k.as_tensor(), v.as_tensor(), Grad::Track)?;
+    // 3.
+    let dh = Tensor::zeros(x.shape(), dtype, device)?;
+    for &(s, n) in &pieces {
+        let hv = Var::from_tensor(&(x.narrow(1, s, n)? + attn.narrow(1, s, n)?.detach())?)?;
+        let y = mlp_block(layer, c, hv.as_tensor(), Grad::Track)?;
+        let grads = (y * dy.narrow(1, s, n)?)?.sum_all()?.backward()?;
+        add(&grads)?;
+        dh.slice_set(&grad_of(&grads, hv.as_tensor(), "the MLP input")?, 1, s)?;
+    }
+    // 4.
+    let grads = (attn * &dh)?.sum_all()?.backward()?;
     add(&grads)?;
-    let dx = grads.get(xv.as_tensor()).cloned().ok_or_else(|| op_err("no gradient for the input"))?;
-    Ok((dx, sums))
+    let dq = grad_of(&grads, q.as_tensor(), "q")?;
+    let dk = grad_of(&grads, k.as_tensor(), "k")?;
+    let dv = grad_of(&grads, v.as_tensor(), "v")?;
+    drop((grads, q, k, v));
+    // 5.
+    let dxa = Tensor::zeros(x.shape(), dtype, device)?;
+    for &(s, n) in &pieces {
+        let xv = Var::from_tensor(&x.narrow(1, s, n)?)?;
+        let (qp, kp, vp) = piece_qkv(xv.as_tensor(), (s, n), Grad::Track)?;
+        let loss = ((qp * dq.narrow(2, s, n)?)?.sum_all()?
+            + (kp * dk.narrow(2, s, n)?)?.sum_all()?
+            + (vp * dv.narrow(2, s, n)?)?.sum_all()?)?;
+        let grads = loss.backward()?;
+        add(&grads)?;
+        dxa.slice_set(&grad_of(&grads, xv.as_tensor(), "the input")?, 1, s)?;
+    }
+    Ok(((dh + dxa)?, sums))
 }
 
 /// A scalar zero computed from one weight, whose backward returns that
