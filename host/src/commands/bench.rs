@@ -64,6 +64,12 @@ pub struct BenchArgs {
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Internal: run one length of the `--seq` table in this process and print
+    /// it as one machine-readable row. The table runs each length in a fresh
+    /// process, so that no length's peak memory depends on the lengths before
+    /// it (freed memory that the allocator keeps would count).
+    #[arg(long, hide = true)]
+    pub table_row: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
 }
@@ -174,12 +180,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.what == What::Optimizer {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
+    if a.what == What::Train && a.seqs.len() > 1 && !a.table_row {
+        return train_table(&a);
+    }
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
     if let Some(r) = &a.recompute {
         m.set_recompute(model::Recompute::parse(r, "--recompute")?);
     }
-    if a.what == What::Train && a.seqs.len() > 1 {
-        return train_table(&m, &cfg, &a);
+    if a.table_row {
+        return table_row(&m, &cfg, &a, seq);
     }
     let rows: Vec<Vec<u32>> = (0..a.batch)
         .map(|b| (0..seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())
@@ -349,35 +358,45 @@ fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
-/// One full `train::update` (AdamW, one mini-batch) per length of `--seq`:
-/// time, tokens/s, peak RSS during that length's steps, and the growth of the
-/// peak per extra token from the previous length.
-fn train_table(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
-    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
-    let ucfg = UpdateConfig::default();
-    let reps = a.reps.max(1);
+/// One full `train::update` (AdamW, one mini-batch) per length of `--seq`,
+/// each length in a fresh process (this program with `--table-row`): time,
+/// tokens/s, peak RSS, and the growth of the peak per extra token from the
+/// previous length.
+fn train_table(a: &BenchArgs) -> anyhow::Result<()> {
+    let recompute = match &a.recompute {
+        Some(r) => model::Recompute::parse(r, "--recompute")?,
+        None => model::Recompute::from_env()?,
+    };
     println!(
-        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, mean of {reps}",
+        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
+         mean of {}; each length in a fresh process",
         a.batch,
         a.response.map_or("seq/2".to_string(), |r| r.to_string()),
-        m.recompute().name()
+        recompute.name(),
+        a.reps.max(1)
     );
     println!(
         "{:>7} {:>8} {:>10} {:>9} {:>9} {:>10}",
         "seq", "tokens", "time (s)", "tok/s", "peak GB", "MB/token"
     );
+    let exe = std::env::current_exe().context("bench: cannot find this program to rerun it")?;
     let mut prev: Option<(usize, u64)> = None;
     for &seq in &a.seqs {
-        let resp = a.response.unwrap_or(seq / 2).clamp(1, seq - 1);
-        let seqs = synthetic_sequences(cfg, a.batch, seq, resp);
-        reset_peak_rss();
-        let start = Instant::now();
-        for _ in 0..reps {
-            stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
-        }
-        let secs = start.elapsed().as_secs_f64() / reps as f64;
-        let peak = peak_rss().unwrap_or(0);
-        let tokens = a.batch * seq;
+        let out = std::process::Command::new(&exe)
+            .args(row_args(std::env::args().skip(1), seq))
+            .output()
+            .with_context(|| format!("bench: running {}", exe.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let row = stdout.lines().find_map(|l| l.strip_prefix("table-row "));
+        let (tokens, secs, peak) = match (out.status.success(), row) {
+            (true, Some(row)) => parse_row(row).with_context(|| format!("bench: bad row {row:?}"))?,
+            _ => anyhow::bail!(
+                "bench: the run for --seq {seq} failed ({}):\n{}{}",
+                out.status,
+                stdout,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        };
         let growth = match prev {
             Some((t, p)) if tokens > t => {
                 format!("{:>10.3}", (peak as f64 - p as f64) / 1e6 / (tokens - t) as f64)
@@ -391,6 +410,47 @@ fn train_table(m: &Qwen3, cfg: &Config, a: &BenchArgs) -> anyhow::Result<()> {
         );
         prev = Some((tokens, peak));
     }
+    Ok(())
+}
+
+/// The arguments of this run with `--seq` replaced by one length and
+/// `--table-row` added.
+fn row_args(args: impl Iterator<Item = String>, seq: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = args.peekable();
+    while let Some(x) = args.next() {
+        if x == "--seq" {
+            args.next();
+        } else if !x.starts_with("--seq=") {
+            out.push(x);
+        }
+    }
+    out.extend(["--seq".to_string(), seq.to_string(), "--table-row".to_string()]);
+    out
+}
+
+/// `tokens seconds peak-bytes` from a `--table-row` line.
+fn parse_row(row: &str) -> anyhow::Result<(usize, f64, u64)> {
+    let f: Vec<&str> = row.split_whitespace().collect();
+    anyhow::ensure!(f.len() == 3, "expected 3 fields");
+    Ok((f[0].parse()?, f[1].parse()?, f[2].parse()?))
+}
+
+/// One length of [`train_table`]: `reps` full updates from a fresh optimizer,
+/// printed as `table-row <tokens> <seconds per update> <peak RSS bytes>`.
+fn table_row(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Result<()> {
+    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
+    let ucfg = UpdateConfig::default();
+    let reps = a.reps.max(1);
+    let resp = a.response.unwrap_or(seq / 2).clamp(1, seq - 1);
+    let seqs = synthetic_sequences(cfg, a.batch, seq, resp);
+    reset_peak_rss();
+    let start = Instant::now();
+    for _ in 0..reps {
+        stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
+    }
+    let secs = start.elapsed().as_secs_f64() / reps as f64;
+    println!("table-row {} {secs} {}", a.batch * seq, peak_rss().unwrap_or(0));
     Ok(())
 }
 
@@ -554,4 +614,18 @@ fn bench_problem(n_params: usize) -> anyhow::Result<(Vec<(String, Var)>, GradSto
         left -= n;
     }
     Ok((params, grads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_row_reruns_the_same_command_with_one_length() {
+        let args = ["bench", "train", "--seq", "1024,2048", "--layers", "2", "--seq=7"].map(String::from);
+        let want = ["bench", "train", "--layers", "2", "--seq", "2048", "--table-row"];
+        assert_eq!(row_args(args.into_iter(), 2048), want);
+        assert_eq!(parse_row("4096 1.5 123456").unwrap(), (4096, 1.5, 123456));
+        assert!(parse_row("4096 1.5").is_err());
+    }
 }
