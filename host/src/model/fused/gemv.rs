@@ -172,6 +172,14 @@ mod x86 {
         o1: usize,
     ) {
         let steps = (k / LINE).max(1) * n.div_ceil(TILE);
+        // The first tile has no earlier tile to be prefetched during: ask for
+        // all of its lines at once, so that they arrive together rather than
+        // one demand miss after another.
+        let first = w.as_ptr().wrapping_add(o0 * k);
+        for line in 0..((o1.min(o0 + TILE) - o0) * k).div_ceil(LINE) {
+            // A hint that never faults.
+            _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(line * LINE) as *const i8);
+        }
         let mut j = o0;
         while j < o1 {
             let c = (o1 - j).min(TILE);
