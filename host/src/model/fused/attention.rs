@@ -239,14 +239,140 @@ unsafe fn probs<T: Real>(
     }
 }
 
+/// Decoding steps (one query per head) in f32 with AVX-512: per (batch row,
+/// kv head), its query heads' scores, softmax and weighted sum of values in
+/// registers, instead of two small gemm calls per head whose set-up costs
+/// more than the products.
+#[cfg(target_arch = "x86_64")]
+mod decode {
+    use std::arch::x86_64::*;
+
+    use candle_core::{DType, WithDType};
+    use rayon::prelude::*;
+
+    use super::{Qkv, SendPtr};
+
+    /// Whether [`run`] serves a call of `l` queries of dimension `d` in `T`:
+    /// head dimensions of 1, 2, 4 or 8 registers (16 to 128), held in registers.
+    pub fn serves<T: WithDType>(l: usize, d: usize) -> bool {
+        T::DTYPE == DType::F32 && l == 1 && matches!(d, 16 | 32 | 64 | 128) && super::super::avx512()
+    }
+
+    /// `out (B, 1, Hq·D)` from q, k, v and the dense mask `(B, 1, S)`.
+    ///
+    /// # Safety
+    /// [`serves`] holds for the call (so `T` is f32); `out` addresses `B × Hq × D` elements.
+    pub unsafe fn run<T: WithDType>(qkv: &Qkv<'_, T>, mask: &[T], scale: f32, out: *mut f32) {
+        let f = |x: &[T]| std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len());
+        let (q, k, v, mask) = (f(qkv.q), f(qkv.k), f(qkv.v), f(mask));
+        let Qkv { kv, vv, b, nq, nkv, g, s, d, .. } = *qkv;
+        let o = SendPtr(out);
+        (0..b * nkv).into_par_iter().for_each(|bk| {
+            let (bi, hk) = (bk / nkv, bk % nkv);
+            let o = o;
+            let mut p = vec![0f32; s];
+            for gi in 0..g {
+                let h = hk * g + gi;
+                // SAFETY: q/k/v offsets stay inside their storages (shapes and
+                // strides come from their layouts); task (b, kv head) writes only
+                // the D columns of its query heads in row b of `out`.
+                unsafe {
+                    let args = Head {
+                        q: q.as_ptr().add((bi * nq + h) * d),
+                        k: k.as_ptr().add(kv.at(bi, hk)),
+                        ks: kv.ss,
+                        v: v.as_ptr().add(vv.at(bi, hk)),
+                        vs: vv.ss,
+                        mask: &mask[bi * s..(bi + 1) * s],
+                        scale,
+                        dst: o.0.add((bi * nq + h) * d),
+                    };
+                    match d / 16 {
+                        1 => head::<1>(&args, &mut p),
+                        2 => head::<2>(&args, &mut p),
+                        4 => head::<4>(&args, &mut p),
+                        _ => head::<8>(&args, &mut p),
+                    }
+                }
+            }
+        });
+    }
+
+    /// One query head's inputs: its query `q (D)`, the keys and values of its
+    /// kv head (row strides `ks`, `vs`), the additive mask over the keys, the
+    /// score scale, and where its output row `dst (D)` goes.
+    struct Head<'a> {
+        q: *const f32,
+        k: *const f32,
+        ks: usize,
+        v: *const f32,
+        vs: usize,
+        mask: &'a [f32],
+        scale: f32,
+        dst: *mut f32,
+    }
+
+    /// `dst = softmax(scale · K q + mask) V` for D = 16·C, over the mask's `S`
+    /// keys, `p` the scratch of `S` probabilities.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; the pointers address the rows they are read or written at.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn head<const C: usize>(h: &Head<'_>, p: &mut [f32]) {
+        let Head { q, k, ks, v, vs, mask, scale, dst } = *h;
+        let mut qv = [_mm512_setzero_ps(); C];
+        for (c, r) in qv.iter_mut().enumerate() {
+            *r = _mm512_loadu_ps(q.add(c * 16));
+        }
+        let mut mx = f32::NEG_INFINITY;
+        for (j, (pj, &m)) in p.iter_mut().zip(mask).enumerate() {
+            let kr = k.add(j * ks);
+            let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (c, r) in qv.iter().enumerate().skip(1) {
+                acc = _mm512_fmadd_ps(*r, _mm512_loadu_ps(kr.add(c * 16)), acc);
+            }
+            *pj = _mm512_reduce_add_ps(acc) * scale + m;
+            mx = mx.max(*pj);
+        }
+        let mut sum = 0f32;
+        for x in p.iter_mut() {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        let mut acc = [_mm512_setzero_ps(); C];
+        for (j, &pj) in p.iter().enumerate() {
+            let w = _mm512_set1_ps(pj * inv);
+            let vr = v.add(j * vs);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr.add(c * 16)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(dst.add(c * 16), *a);
+        }
+    }
+}
+
 impl Kernel<3> for Attention {
     const NAME: &'static str = "fused-attention";
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
-        let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = Qkv::<T>::of(ins)?;
+        let qkv = Qkv::<T>::of(ins)?;
+        let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = qkv;
         let scale = T::from_f64(self.scale);
         let mut out = vec![zero::<T>(); b * l * nq * d];
         let optr = SendPtr(out.as_mut_ptr());
+        #[cfg(target_arch = "x86_64")]
+        if decode::serves::<T>(l, d) {
+            // SAFETY: T is f32 and the CPU has AVX-512F (`serves`); `out` holds
+            // b × nq × d elements.
+            with_host::<T, _>(&self.mask, Self::NAME, |mask| unsafe {
+                decode::run(&qkv, mask, self.scale as f32, optr.0 as *mut f32);
+                Ok(())
+            })?;
+            return Ok((out, Shape::from((b, l, nq * d))));
+        }
         with_host::<T, _>(&self.mask, Self::NAME, |mask| {
             (0..b * nq).into_par_iter().for_each(|bh| {
                 let (bi, hi) = (bh / nq, bh % nq);
@@ -633,8 +759,17 @@ mod tests {
     #[test]
     fn attention_matches_composed() {
         // (l, s, offset, d): whole chunks, a chunk after cached keys, and
-        // decoding steps (one query over the cache).
-        let cases = [(5, 5, 0, 8), (5, 7, 2, 8), (1, 1, 0, 20), (1, 37, 36, 20), (1, 9, 8, 64)];
+        // decoding steps (one query over the cache; in f32 with D of 16 to 128
+        // the AVX-512 decoding kernel where the CPU has it).
+        let cases = [
+            (5, 5, 0, 8),
+            (5, 7, 2, 8),
+            (1, 1, 0, 20),
+            (1, 37, 36, 20),
+            (1, 9, 8, 64),
+            (1, 5, 4, 16),
+            (1, 40, 39, 128),
+        ];
         for dtype in [DType::F64, DType::F32] {
             for (l, s, offset, d) in cases {
                 let (b, nq, nkv) = (2, 4, 2);

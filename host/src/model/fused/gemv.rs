@@ -18,6 +18,8 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
 use super::{zero, Real, SendPtr};
 
 /// Largest row count of `x` served here; larger products go to gemm.
@@ -72,12 +74,6 @@ fn par_tasks(n: usize, o: usize, k: usize, run: &(dyn Fn(usize, usize) + Sync)) 
     } else {
         (0..tasks).into_par_iter().for_each(one);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
 }
 
 /// Lanes of the portable accumulators.

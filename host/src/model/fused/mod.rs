@@ -281,6 +281,13 @@ pub use rope::norm_rope;
 pub use swiglu::swiglu;
 pub use vocab::{vocab_stats, Tiles};
 
+/// True when the CPU has AVX-512F (checked once, at run time).
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
+}
+
 /// A raw pointer that rayon tasks may share to write disjoint elements.
 #[derive(Clone, Copy)]
 struct SendPtr<T>(*mut T);
