@@ -64,6 +64,12 @@ pub struct BenchArgs {
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Untimed full updates before each length of the `--seq` table is timed
+    /// (first-step costs: allocating the AdamW moments, faulting pages in).
+    /// The peak memory then counts from what the warm-up left allocated, as
+    /// in a long run.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
     /// Internal: run one length of the `--seq` table in this process and print
     /// it as one machine-readable row. The table runs each length in a fresh
     /// process, so that no length's peak memory depends on the lengths before
@@ -369,11 +375,12 @@ fn train_table(a: &BenchArgs) -> anyhow::Result<()> {
     };
     println!(
         "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
-         mean of {}; each length in a fresh process",
+         mean of {} after {} warm-up; each length in a fresh process",
         a.batch,
         a.response.map_or("seq/2".to_string(), |r| r.to_string()),
         recompute.name(),
-        a.reps.max(1)
+        a.reps.max(1),
+        a.warmup
     );
     println!(
         "{:>7} {:>8} {:>10} {:>9} {:>9} {:>10}",
@@ -436,14 +443,17 @@ fn parse_row(row: &str) -> anyhow::Result<(usize, f64, u64)> {
     Ok((f[0].parse()?, f[1].parse()?, f[2].parse()?))
 }
 
-/// One length of [`train_table`]: `reps` full updates from a fresh optimizer,
-/// printed as `table-row <tokens> <seconds per update> <peak RSS bytes>`.
+/// One length of [`train_table`]: `warmup` then `reps` full updates from a
+/// fresh optimizer, the latter timed, printed as `table-row <tokens> <seconds per update> <peak RSS bytes>`.
 fn table_row(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Result<()> {
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let ucfg = UpdateConfig::default();
     let reps = a.reps.max(1);
     let resp = a.response.unwrap_or(seq / 2).clamp(1, seq - 1);
     let seqs = synthetic_sequences(cfg, a.batch, seq, resp);
+    for _ in 0..a.warmup {
+        stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
+    }
     reset_peak_rss();
     let start = Instant::now();
     for _ in 0..reps {
