@@ -186,12 +186,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.what == What::Optimizer {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
+    let recompute = a.recompute.as_deref().map(|r| model::Recompute::parse(r, "--recompute")).transpose()?;
     if a.what == What::Train && a.seqs.len() > 1 && !a.table_row {
-        return train_table(&a);
+        return train_table(&a, recompute.map_or_else(model::Recompute::from_env, Ok)?);
     }
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
-    if let Some(r) = &a.recompute {
-        m.set_recompute(model::Recompute::parse(r, "--recompute")?);
+    if let Some(r) = recompute {
+        m.set_recompute(r);
     }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
@@ -368,11 +369,7 @@ fn reset_peak_rss() {
 /// each length in a fresh process (this program with `--table-row`): time,
 /// tokens/s, peak RSS, and the growth of the peak per extra token from the
 /// previous length.
-fn train_table(a: &BenchArgs) -> anyhow::Result<()> {
-    let recompute = match &a.recompute {
-        Some(r) => model::Recompute::parse(r, "--recompute")?,
-        None => model::Recompute::from_env()?,
-    };
+fn train_table(a: &BenchArgs, recompute: model::Recompute) -> anyhow::Result<()> {
     println!(
         "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
          mean of {} after {} warm-up; each length in a fresh process",
@@ -422,9 +419,8 @@ fn train_table(a: &BenchArgs) -> anyhow::Result<()> {
 
 /// The arguments of this run with `--seq` replaced by one length and
 /// `--table-row` added.
-fn row_args(args: impl Iterator<Item = String>, seq: usize) -> Vec<String> {
+fn row_args(mut args: impl Iterator<Item = String>, seq: usize) -> Vec<String> {
     let mut out = Vec::new();
-    let mut args = args.peekable();
     while let Some(x) = args.next() {
         if x == "--seq" {
             args.next();
