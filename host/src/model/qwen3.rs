@@ -19,59 +19,11 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::Config;
 use super::head::TokenStats;
+pub use super::layer::Grad;
+use super::layer::{layer_forward, weight, Layer, LayerCtx};
 use super::ops;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
-
-/// Whether a forward pass records the autograd graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Grad {
-    /// Record operations so that `loss.backward()` reaches the parameters.
-    Track,
-    /// Inference: compute on detached views of the weights.
-    Off,
-}
-
-/// The weights of one decoder layer.
-#[derive(Clone)]
-pub(super) struct Layer {
-    q_proj: Var,
-    k_proj: Var,
-    v_proj: Var,
-    o_proj: Var,
-    /// q, k, v, o biases when `attention_bias` is set.
-    biases: Option<[Var; 4]>,
-    q_norm: Var,
-    k_norm: Var,
-    input_layernorm: Var,
-    post_attention_layernorm: Var,
-    gate_proj: Var,
-    up_proj: Var,
-    down_proj: Var,
-}
-
-impl Layer {
-    /// Every weight of the layer, in a fixed order (for recomputation).
-    pub(super) fn vars(&self) -> Vec<&Var> {
-        let mut v = vec![
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.q_norm,
-            &self.k_norm,
-            &self.input_layernorm,
-            &self.post_attention_layernorm,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-        ];
-        if let Some(bs) = &self.biases {
-            v.extend(bs.iter());
-        }
-        v
-    }
-}
 
 /// Keys and values of the positions seen so far, for incremental decoding.
 ///
@@ -478,117 +430,6 @@ impl Qwen3 {
         let mask = ops::AttnMask::new(l, offset, pad_bias, self.dtype, &self.device)?;
         Ok(LayerCtx { cfg: self.cfg.clone(), cos, sin, mask })
     }
-}
-
-/// What a decoder layer reads besides its weights and input: the config, the
-/// rotary tables `(B, 1, L, D/2)` and the attention mask.
-#[derive(Clone)]
-pub(super) struct LayerCtx {
-    pub cfg: Config,
-    pub cos: Tensor,
-    pub sin: Tensor,
-    pub mask: ops::AttnMask,
-}
-
-/// The weight `v` as the forward uses it: tracked, or a detached view.
-pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
-    match grad {
-        Grad::Track => v.as_tensor().clone(),
-        Grad::Off => v.as_tensor().detach(),
-    }
-}
-
-/// One decoder layer, `(B, L, hidden)` -> `(B, L, hidden)`. `offset` is the
-/// number of cached keys before this chunk, `cache` this layer's `(k, v)`.
-pub(super) fn layer_forward(
-    layer: &Layer,
-    ctx: &LayerCtx,
-    x: &Tensor,
-    offset: usize,
-    cache: Option<(&Tensor, &Tensor)>,
-    grad: Grad,
-) -> Result<Tensor> {
-    let x = attention_block(layer, ctx, x, offset, cache, grad)?;
-    mlp_block(layer, &ctx.cfg, &x, grad)
-}
-
-/// The attention half of a decoder layer with its residual:
-/// `x + o_proj(attention(norm(x)))`.
-pub(super) fn attention_block(
-    layer: &Layer,
-    ctx: &LayerCtx,
-    x: &Tensor,
-    offset: usize,
-    cache: Option<(&Tensor, &Tensor)>,
-    grad: Grad,
-) -> Result<Tensor> {
-    let (q, k, v) = qkv(layer, &ctx.cfg, x, &ctx.cos, &ctx.sin, grad)?;
-    let (k, v) = match cache {
-        Some((ck, cv)) => {
-            let l = x.dim(1)?;
-            ck.slice_set(&k.contiguous()?, 2, offset)?;
-            cv.slice_set(&v.contiguous()?, 2, offset)?;
-            (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
-        }
-        None => (k, v),
-    };
-    Ok((x + attention_out(layer, ctx, &q, &k, &v, grad)?)?)
-}
-
-/// The attention inputs of a decoder layer from its input `x` `(B, L,
-/// hidden)` and the rotary tables `cos`, `sin` `(B, 1, L, D/2)` of its
-/// positions: q `(B, Hq, L, D)` and k `(B, Hkv, L, D)` after the per-head
-/// norm and the rotary embedding, v `(B, Hkv, L, D)` (a strided view). Each
-/// position on its own, so it may run over any range of positions.
-pub(super) fn qkv(
-    layer: &Layer,
-    c: &Config,
-    x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    grad: Grad,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, l, _) = x.dims3()?;
-    let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let w = |v: &Var| weight(v, grad);
-    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], grad));
-    let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?; // (B, L, Hq * D)
-    let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?; // (B, L, Hkv * D)
-    let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
-    // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
-    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
-    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
-    // (B, H, L, D) view; attention reads it strided.
-    Ok((q, k, v.transpose(1, 2)?))
-}
-
-/// Attention over `q`, `k`, `v` (as [`qkv`] returns them, k and v over every
-/// key) and the output projection: the update the attention half adds to
-/// the residual stream, `(B, L, hidden)`.
-pub(super) fn attention_out(
-    layer: &Layer,
-    ctx: &LayerCtx,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    grad: Grad,
-) -> Result<Tensor> {
-    let o = ops::attention(q, k, v, &ctx.mask, ctx.cfg.num_key_value_heads)?; // (B, L, H*D)
-    let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], grad));
-    ops::linear(&o, &weight(&layer.o_proj, grad), bias.as_ref())
-}
-
-/// The MLP half of a decoder layer with its residual:
-/// `x + down(silu(gate(norm(x))) * up(norm(x)))`. Each position on its own, so
-/// it may run over any subset of positions.
-pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Result<Tensor> {
-    let w = |v: &Var| weight(v, grad);
-    let h = ops::rms_norm(x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-    let gate = ops::linear(&h, &w(&layer.gate_proj), None)?;
-    let up = ops::linear(&h, &w(&layer.up_proj), None)?;
-    let mlp = ops::linear(&ops::swiglu(&gate, &up)?, &w(&layer.down_proj), None)?;
-    Ok((x + mlp)?)
 }
 
 /// Log-probabilities of `targets` and full-vocabulary entropies from logits

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
 
-use super::qwen3::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
+use super::layer::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
 use crate::{Error, Result};
 
 /// When decoder layers are recomputed in the backward pass.

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::config::AdamWConfig;
 use super::kernels::{fused_supported, grad_sum_sq, update_fused};
+use super::state::{hyper, Hyper, ParamState};
 use crate::{Error, Result};
 
 /// What one call to [`AdamW::step`] did.
@@ -22,20 +23,6 @@ pub struct StepReport {
     pub clip_coef: f64,
     /// Parameters that had no gradient in the store, and were left untouched.
     pub n_params_without_grad: usize,
-}
-
-/// One parameter and its optimizer state.
-pub(super) struct ParamState {
-    pub(super) name: String,
-    pub(super) var: Var,
-    /// First moment (`exp_avg` in PyTorch), f32, same shape, own storage.
-    pub(super) m: Var,
-    /// Second moment (`exp_avg_sq`), f32, same shape, own storage.
-    pub(super) v: Var,
-    /// Steps in which this parameter had a gradient (PyTorch's `state['step']`).
-    pub(super) steps: u64,
-    /// Whether weight decay applies.
-    pub(super) decay: bool,
 }
 
 /// AdamW over named parameters, updated in place. See the module docs.
@@ -56,24 +43,6 @@ impl std::fmt::Debug for AdamW {
             .field("step", &self.step)
             .finish()
     }
-}
-
-/// Per-parameter scalars of one fused update, in f32 as the kernel uses them.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Hyper {
-    pub(super) b1: f32,
-    pub(super) b2: f32,
-    pub(super) one_minus_b1: f32,
-    pub(super) one_minus_b2: f32,
-    /// `lr / (1 - b1^t)`.
-    pub(super) step_size: f32,
-    /// `1 / sqrt(1 - b2^t)`.
-    pub(super) inv_sqrt_bc2: f32,
-    pub(super) eps: f32,
-    /// `1 - lr * wd`, or 1 without decay.
-    pub(super) decay: f32,
-    /// Gradient clipping factor.
-    pub(super) clip: f32,
 }
 
 impl AdamW {
@@ -272,24 +241,6 @@ impl AdamW {
         }
         self.step = step;
         Ok(())
-    }
-}
-
-/// The kernel's scalars for a parameter at its `t`-th step.
-fn hyper(cfg: &AdamWConfig, lr: f64, t: u64, decay: bool, clip: f64) -> Hyper {
-    let t = t as f64;
-    let bc1 = 1.0 - cfg.beta1.powf(t);
-    let bc2 = 1.0 - cfg.beta2.powf(t);
-    Hyper {
-        b1: cfg.beta1 as f32,
-        b2: cfg.beta2 as f32,
-        one_minus_b1: (1.0 - cfg.beta1) as f32,
-        one_minus_b2: (1.0 - cfg.beta2) as f32,
-        step_size: (lr / bc1) as f32,
-        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-        eps: cfg.eps as f32,
-        decay: if decay { (1.0 - lr * cfg.weight_decay) as f32 } else { 1.0 },
-        clip: clip as f32,
     }
 }
 

@@ -9,7 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, Var};
 use rayon::prelude::*;
 
-use super::adamw::{Hyper, ParamState};
+use super::state::{Hyper, ParamState};
 use crate::Result;
 
 /// Elements per rayon task in the fused passes: 64 Ki elements (256 KiB of f32) is

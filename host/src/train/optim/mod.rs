@@ -54,6 +54,7 @@ mod adamw;
 mod config;
 mod kernels;
 mod schedule;
+mod state;
 
 pub use adamw::{AdamW, StepReport};
 pub use config::{is_norm_or_bias, AdamWConfig};
