@@ -1,5 +1,5 @@
-//! The configuration types of the update's math, in one place: which objective
-//! ([`ObjectiveKind`]), how it aggregates ([`AggMode`]), KL ([`KlConfig`]), the token mask
+//! The configuration types of the update's math, in one place: which policy loss
+//! ([`PolicyLoss`], with its own parameters), how it aggregates ([`AggMode`]), KL ([`KlConfig`]), the token mask
 //! ([`MaskConfig`], [`TauH`], [`S2tThresholds`]) and all of it together
 //! ([`ObjectiveConfig`], validated field by field).
 //!
@@ -79,18 +79,95 @@ impl S2tThresholds {
     }
 }
 
-/// Which per-token policy objective to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ObjectiveKind {
-    /// PPO-clip (GRPO, DAPO, JustRL, STAPO), optionally dual-clipped.
-    Ppo,
-    /// GSPO: the sequence-level ratio, clipped.
-    Gspo,
-    /// SAPO: the soft-gated ratio, no hard clip.
-    Sapo,
+/// The per-token policy loss and its own parameters (verl `policy_loss.loss_mode` with the
+/// settings that belong to it). Serialised with its `kind` as the tag:
+/// `{"kind": "ppo", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": null}`.
+///
+/// Adding a loss: one variant here, one arm in [`PolicyLoss::terms`] (in `objective.rs`)
+/// and in [`PolicyLoss::name`], one default in [`PolicyLoss::default_of`] and one preset
+/// line in `preset.rs`; the exhaustive matches make the compiler find the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PolicyLoss {
+    /// PPO-clip (GRPO, DAPO, JustRL, STAPO): ratio clipped to `[1 - eps_low, 1 + eps_high]`,
+    /// optionally dual-clipped at `c > 1` for `A < 0` (verl's default is 3.0, the papers use
+    /// none).
+    Ppo {
+        eps_low: f32,
+        eps_high: f32,
+        #[serde(default)]
+        dual_clip: Option<f32>,
+    },
+    /// GSPO: the sequence-level ratio, clipped at tiny eps.
+    Gspo { eps_low: f32, eps_high: f32 },
+    /// SAPO: the soft-gated ratio, no hard clip; gate temperature `tau_pos` for `A > 0`,
+    /// `tau_neg` otherwise.
+    Sapo { tau_pos: f32, tau_neg: f32 },
     /// Plain policy gradient `-A·r` (no clip).
     Pg,
+}
+
+impl PolicyLoss {
+    /// Every kind's name, in documentation order; [`PolicyLoss::default_of`] knows each.
+    pub const KINDS: [&'static str; 4] = ["ppo", "gspo", "sapo", "pg"];
+
+    /// The `kind` tag of this loss.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyLoss::Ppo { .. } => "ppo",
+            PolicyLoss::Gspo { .. } => "gspo",
+            PolicyLoss::Sapo { .. } => "sapo",
+            PolicyLoss::Pg => "pg",
+        }
+    }
+
+    /// The loss `kind` with its papers' defaults: PPO eps 0.2/0.2 without dual clip, GSPO
+    /// eps 3e-4/4e-4, SAPO tau 1.0/1.05.
+    pub fn default_of(kind: &str) -> Option<Self> {
+        Some(match kind {
+            "ppo" => PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.2, dual_clip: None },
+            "gspo" => PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 },
+            "sapo" => PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 1.05 },
+            "pg" => PolicyLoss::Pg,
+            _ => return None,
+        })
+    }
+
+    /// The clip range `(eps_low, eps_high)` of the clipped losses.
+    pub fn clip_range(&self) -> Option<(f32, f32)> {
+        match *self {
+            PolicyLoss::Ppo { eps_low, eps_high, .. } | PolicyLoss::Gspo { eps_low, eps_high } => {
+                Some((eps_low, eps_high))
+            }
+            PolicyLoss::Sapo { .. } | PolicyLoss::Pg => None,
+        }
+    }
+
+    /// Checks every parameter's range; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        if let Some((eps_low, eps_high)) = self.clip_range() {
+            if !(eps_low.is_finite() && (0.0..1.0).contains(&eps_low)) {
+                return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {eps_low}")));
+            }
+            if !(eps_high.is_finite() && eps_high >= 0.0) {
+                return Err(cfg_err("eps_high", format!("expected a number >= 0, found {eps_high}")));
+            }
+        }
+        match *self {
+            PolicyLoss::Ppo { dual_clip: Some(c), .. } if !(c.is_finite() && c > 1.0) => {
+                Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")))
+            }
+            PolicyLoss::Sapo { tau_pos, tau_neg } => {
+                for (f, v) in [("sapo_tau_pos", tau_pos), ("sapo_tau_neg", tau_neg)] {
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
+                    }
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// How per-token losses become one scalar (verl `loss_agg_mode`).
@@ -158,9 +235,10 @@ pub struct KlConfig {
     pub beta: f32,
 }
 
-/// Which token mask (beyond the response mask) decides the kept tokens.
+/// Which token mask (beyond the response mask) decides the kept tokens. Serialised with its
+/// `kind` as the tag: `{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": 0.75}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum MaskConfig {
     /// Keep every response token.
     None,
@@ -183,19 +261,8 @@ pub enum MaskConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ObjectiveConfig {
-    /// The per-token objective.
-    pub kind: ObjectiveKind,
-    /// Lower clip: ratio clipped at `1 - eps_low` (PPO, GSPO).
-    pub eps_low: f32,
-    /// Upper clip: ratio clipped at `1 + eps_high` (PPO, GSPO).
-    pub eps_high: f32,
-    /// Dual-clip bound `c > 1` for `A < 0` (PPO only; verl's default is 3.0, the papers use
-    /// none).
-    pub dual_clip: Option<f32>,
-    /// SAPO gate temperature for `A > 0`.
-    pub sapo_tau_pos: f32,
-    /// SAPO gate temperature for `A <= 0`.
-    pub sapo_tau_neg: f32,
+    /// The per-token policy loss and its parameters.
+    pub loss: PolicyLoss,
     /// KL penalty to a frozen reference policy.
     pub kl: Option<KlConfig>,
     /// Entropy bonus coefficient (the loss gets `-entropy_coef · agg(H)`).
@@ -247,12 +314,7 @@ impl Default for ObjectiveConfig {
     /// The `grpo` preset.
     fn default() -> Self {
         ObjectiveConfig {
-            kind: ObjectiveKind::Ppo,
-            eps_low: 0.2,
-            eps_high: 0.2,
-            dual_clip: None,
-            sapo_tau_pos: 1.0,
-            sapo_tau_neg: 1.05,
+            loss: PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.2, dual_clip: None },
             kl: None,
             entropy_coef: 0.0,
             agg: AggMode::SeqMeanTokenMean,
@@ -277,24 +339,7 @@ impl ObjectiveConfig {
                 Err(cfg_err(f, format!("expected a finite number, found {v}")))
             }
         };
-        finite("eps_low", self.eps_low)?;
-        finite("eps_high", self.eps_high)?;
-        if !(0.0..1.0).contains(&self.eps_low) {
-            return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {}", self.eps_low)));
-        }
-        if self.eps_high < 0.0 {
-            return Err(cfg_err("eps_high", format!("expected a number >= 0, found {}", self.eps_high)));
-        }
-        if let Some(c) = self.dual_clip {
-            if !(c.is_finite() && c > 1.0) {
-                return Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")));
-            }
-        }
-        for (f, v) in [("sapo_tau_pos", self.sapo_tau_pos), ("sapo_tau_neg", self.sapo_tau_neg)] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
-            }
-        }
+        self.loss.validate()?;
         if let Some(k) = &self.kl {
             if !(k.beta.is_finite() && k.beta >= 0.0) {
                 return Err(cfg_err("kl_beta", format!("expected a number >= 0, found {}", k.beta)));

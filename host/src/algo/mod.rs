@@ -11,7 +11,8 @@
 //!   aggregation modes, following verl `trainer/ppo/core_algos.py`.
 //! - [`config`]: the configuration types ([`ObjectiveConfig`], [`MaskConfig`], ...) and the
 //!   paper's S2T defaults, written once.
-//! - [`preset`]: named presets of [`ObjectiveConfig`] and `--set key=value` overrides.
+//! - [`preset`]: named presets of [`ObjectiveConfig`], one line each.
+//! - [`overrides`]: `--set key=value` overrides through the config's serde form.
 //!
 //! Tensors are `(B, T)` f32: B sequences of T response positions; masks are 0/1 f32.
 
@@ -19,6 +20,7 @@ pub mod advantage;
 pub mod config;
 pub mod mask;
 pub mod objective;
+pub mod overrides;
 pub mod preset;
 
 pub use advantage::{
@@ -26,7 +28,7 @@ pub use advantage::{
     OverlongConfig, RewardScale, StdKind,
 };
 pub use config::{
-    AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, ObjectiveKind, S2tThresholds, TauH,
+    AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, PolicyLoss, S2tThresholds, TauH,
     TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
 };
 pub use mask::{
@@ -34,7 +36,8 @@ pub use mask::{
     TopEntropyStats,
 };
 pub use objective::{aggregate, compute_loss, LossInputs, LossMetrics, LossOutput, Normaliser};
-pub use preset::{PRESETS, SET_KEYS};
+pub use overrides::{is_set_key, set_keys_help, ALIASES};
+pub use preset::{preset_names, presets_help, Preset, PRESETS};
 
 use candle_core::Tensor;
 

@@ -29,7 +29,7 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::config::ObjectiveConfig;
-pub use super::config::{AggMode, KlConfig, KlKind, ObjectiveKind};
+pub use super::config::{AggMode, KlConfig, KlKind, PolicyLoss};
 use super::{dims_bt, expand_advantages, expect_bt};
 use crate::{Error, Result};
 
@@ -205,8 +205,6 @@ pub struct LossOutput {
 /// position outside `mask` already set to 0 (so padding holding `-inf`/NaN cannot leak).
 #[derive(Clone, Copy, Debug)]
 pub struct PolicyInputs<'a> {
-    /// The objective's settings (clip range, dual clip, SAPO temperatures).
-    pub cfg: &'a ObjectiveConfig,
     /// Log-prob of the sampled token under the current policy (differentiable).
     pub logp: &'a Tensor,
     /// Per-token advantages (constant).
@@ -236,25 +234,19 @@ pub struct PolicyTerms {
     pub dual_clip: Option<Tensor>,
 }
 
-/// A per-token policy loss (verl `register_policy_loss`).
-pub type PolicyLossFn = fn(&PolicyInputs) -> Result<PolicyTerms>;
-
-/// The registry of policy losses, keyed by [`ObjectiveKind`] (verl `POLICY_LOSS_REGISTRY`).
-/// A new objective is one function here and one preset in `preset.rs`.
-pub const POLICY_LOSSES: [(ObjectiveKind, PolicyLossFn); 4] = [
-    (ObjectiveKind::Ppo, ppo_clip_loss),
-    (ObjectiveKind::Gspo, gspo_loss),
-    (ObjectiveKind::Sapo, sapo_loss),
-    (ObjectiveKind::Pg, pg_loss),
-];
-
-/// The registered policy loss of `kind`.
-pub fn policy_loss_fn(kind: ObjectiveKind) -> Result<PolicyLossFn> {
-    POLICY_LOSSES
-        .iter()
-        .find(|(k, _)| *k == kind)
-        .map(|(_, f)| *f)
-        .ok_or_else(|| Error::invalid(format!("loss: no policy loss registered for {kind:?}")))
+impl PolicyLoss {
+    /// The per-token loss of this kind with its parameters (verl's `POLICY_LOSS_REGISTRY`
+    /// as one exhaustive match: a new variant does not compile until it has its arm).
+    pub fn terms(&self, x: &PolicyInputs) -> Result<PolicyTerms> {
+        match *self {
+            PolicyLoss::Ppo { eps_low, eps_high, dual_clip } => {
+                ppo_clip_loss(x, eps_low, eps_high, dual_clip)
+            }
+            PolicyLoss::Gspo { eps_low, eps_high } => gspo_loss(x, eps_low, eps_high),
+            PolicyLoss::Sapo { tau_pos, tau_neg } => sapo_loss(x, tau_pos, tau_neg),
+            PolicyLoss::Pg => pg_loss(x),
+        }
+    }
 }
 
 /// The 0/1 tokens whose ratio `r` lies outside `[lo, hi]` on the side that clips: below
@@ -276,10 +268,15 @@ fn clipped_surrogate(r: &Tensor, adv: &Tensor, lo: f32, hi: f32) -> Result<(Tens
 }
 
 /// PPO-clip with DAPO clip-higher and optional dual-clip (verl `compute_policy_loss_vanilla`).
-pub fn ppo_clip_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
-    let (lo, hi) = (1.0 - x.cfg.eps_low, 1.0 + x.cfg.eps_high);
+pub fn ppo_clip_loss(
+    x: &PolicyInputs,
+    eps_low: f32,
+    eps_high: f32,
+    dual_clip: Option<f32>,
+) -> Result<PolicyTerms> {
+    let (lo, hi) = (1.0 - eps_low, 1.0 + eps_high);
     let (c1, low, high) = clipped_surrogate(x.ratio, x.adv, lo, hi)?;
-    let (loss, dual) = match x.cfg.dual_clip {
+    let (loss, dual) = match dual_clip {
         Some(c) => {
             let a_neg = x.adv.lt(0f32)?;
             let pg3 = x.adv.neg()?.affine(c as f64, 0.0)?;
@@ -296,8 +293,8 @@ pub fn ppo_clip_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
 /// the response tokens of row `i` (all of them, also those a token mask drops from the
 /// policy-gradient term), in the straight-through form
 /// `log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]` (capped at 10), clipped like PPO.
-pub fn gspo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
-    let (lo, hi) = (1.0 - x.cfg.eps_low, 1.0 + x.cfg.eps_high);
+pub fn gspo_loss(x: &PolicyInputs, eps_low: f32, eps_high: f32) -> Result<PolicyTerms> {
+    let (lo, hi) = (1.0 - eps_low, 1.0 + eps_high);
     let count = x.response.sum_keepdim(1)?.maximum(1f32)?; // (B, 1)
     let seq_log_ratio = x.response_log_ratio.detach().sum_keepdim(1)?.div(&count)?; // (B, 1)
     let log_s = (x.logp - x.logp.detach())?.broadcast_add(&seq_log_ratio)?.minimum(GSPO_LOG_RATIO_MAX)?;
@@ -307,10 +304,10 @@ pub fn gspo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
 
 /// SAPO (verl `compute_policy_loss_sapo`): `-A·f(r)`, `f(r) = sigmoid(tau·(r - 1))·4/tau`,
 /// `tau = tau_pos` where `A > 0`, else `tau_neg`. No hard clip.
-pub fn sapo_loss(x: &PolicyInputs) -> Result<PolicyTerms> {
+pub fn sapo_loss(x: &PolicyInputs, tau_pos: f32, tau_neg: f32) -> Result<PolicyTerms> {
     let (dims, dev) = (x.adv.dims(), x.adv.device());
-    let pos = Tensor::full(x.cfg.sapo_tau_pos, dims, dev)?;
-    let neg = Tensor::full(x.cfg.sapo_tau_neg, dims, dev)?;
+    let pos = Tensor::full(tau_pos, dims, dev)?;
+    let neg = Tensor::full(tau_neg, dims, dev)?;
     let tau = x.adv.gt(0f32)?.where_cond(&pos, &neg)?;
     let z = x.ratio.affine(1.0, -1.0)?.mul(&tau)?;
     let sig = z.neg()?.exp()?.affine(1.0, 1.0)?.recip()?; // sigmoid without overflow: |z| is bounded
@@ -339,12 +336,11 @@ pub fn kl_penalty(kind: KlKind, logp: &Tensor, ref_logp: &Tensor) -> Result<Tens
 
 /// Computes `agg(pg + beta·KL - entropy_coef·H)` for one (micro-)batch under `cfg`, dividing
 /// by `norm` (count it over the whole mini-batch with [`Normaliser::from_masks`]). The
-/// policy term is the registered [`PolicyLossFn`] of `cfg.kind`.
+/// policy term is [`PolicyLoss::terms`] of `cfg.loss`.
 ///
 /// Masked positions are replaced by 0 in every input before any arithmetic, so padding
 /// holding `-inf`/NaN log-probs yields neither NaN loss nor NaN gradients. An all-masked
-/// batch gives loss 0 and zero gradients. `cfg.dual_clip` applies to [`ObjectiveKind::Ppo`]
-/// only (as in verl).
+/// batch gives loss 0 and zero gradients.
 pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) -> Result<LossOutput> {
     cfg.validate()?;
     let (b, l) = dims_bt(inp.logp, "loss: logp")?;
@@ -371,7 +367,6 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     let logp_r = clean_r(inp.logp)?;
     let resp_log_ratio = (&logp_r - clean_r(&inp.old_logp.detach())?)?;
     let x = PolicyInputs {
-        cfg,
         logp: &logp,
         adv: &adv,
         mask: &m,
@@ -380,7 +375,7 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         response: &r,
         response_log_ratio: &resp_log_ratio,
     };
-    let terms = policy_loss_fn(cfg.kind)?(&x)?;
+    let terms = cfg.loss.terms(&x)?;
 
     // KL and entropy over the response tokens.
     let kl = match (&cfg.kl, inp.ref_logp) {
@@ -522,8 +517,14 @@ mod tests {
             assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
         }
     }
-    fn cfg(kind: ObjectiveKind, agg: AggMode) -> ObjectiveConfig {
-        ObjectiveConfig { kind, agg, eps_low: 0.2, eps_high: 0.28, ..ObjectiveConfig::default() }
+    /// The loss `kind` with eps 0.2 / 0.28 where it clips, aggregated by `agg`.
+    fn cfg(kind: &str, agg: AggMode) -> ObjectiveConfig {
+        let loss = match PolicyLoss::default_of(kind).unwrap() {
+            PolicyLoss::Ppo { dual_clip, .. } => PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip },
+            PolicyLoss::Gspo { .. } => PolicyLoss::Gspo { eps_low: 0.2, eps_high: 0.28 },
+            other => other,
+        };
+        ObjectiveConfig { loss, agg, ..ObjectiveConfig::default() }
     }
     fn ln(x: f32) -> f32 {
         x.ln()
@@ -557,7 +558,7 @@ mod tests {
         let old = t2(&[0.; 4], 2, 2);
         let adv = t1(&[1., -1.]);
         let mask = t2(&[1.; 4], 2, 2);
-        let c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
+        let c = cfg("ppo", AggMode::TokenMean);
         let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
         assert!((loss + 0.045).abs() < TOL, "{loss}");
         close(&g, &[0., -0.225, 0., 0.3], TOL, "grad");
@@ -585,8 +586,8 @@ mod tests {
         let old = t2(&[0.; 3], 3, 1);
         let adv = t1(&[-1., -1., 1.]);
         let mask = t2(&[1.; 3], 3, 1);
-        let mut c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
-        c.dual_clip = Some(3.0);
+        let mut c = cfg("ppo", AggMode::TokenMean);
+        c.loss = PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: Some(3.0) };
         let (loss, g, m) = run(&c, &logp, &old, &adv, &mask);
         assert!((loss - 1.24).abs() < 1e-5, "{loss}");
         close(&g, &[0., 2. / 3., 0.], 1e-5, "grad");
@@ -594,7 +595,7 @@ mod tests {
         assert!((m.clip_frac_high - 1. / 3.).abs() < TOL && m.clip_frac_low == 0.0);
         // Without dual clip t0 keeps c1 = 5 and its gradient r = 5:
         // loss = (5 + 2 - 1.28)/3 = 1.9066667, grads [5/3, 2/3, 0].
-        c.dual_clip = None;
+        c.loss = PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None };
         let (loss, g, _) = run(&c, &logp, &old, &adv, &mask);
         assert!((loss - 1.9066667).abs() < 1e-5, "{loss}");
         close(&g, &[5. / 3., 2. / 3., 0.], 1e-5, "grad");
@@ -651,7 +652,7 @@ mod tests {
         let logp = var(&[0.1, 0.2, -0.3], 1, 3);
         let old = t2(&[0.1, 0., 0.], 1, 3);
         let adv = t2(&[1., 4., 3.], 1, 3);
-        let c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        let c = cfg("pg", AggMode::TokenMean);
         let (loss, g, _) = run(&c, &logp, &old, &adv, &t2(&[1., 0., 1.], 1, 3));
         assert!((loss + 1.6112273).abs() < 2e-6, "{loss}");
         close(&g, &[-0.5, 0., -1.1112273], 2e-6, "grad");
@@ -687,7 +688,7 @@ mod tests {
             let zeros = t2(&[0., 0.], 1, 2);
             let mask = t2(&[1., 1.], 1, 2);
             let adv = t1(&[0.]);
-            let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+            let mut c = cfg("pg", AggMode::TokenMean);
             c.kl = Some(KlConfig { kind, beta: 0.1 });
             let old = logp.as_tensor().detach();
             let inp =
@@ -714,7 +715,7 @@ mod tests {
         let old = t2(&[0., 0.], 1, 2);
         let mask = t2(&[1., 1.], 1, 2);
         let adv = t1(&[0.]);
-        let mut c = cfg(ObjectiveKind::Ppo, AggMode::TokenMean);
+        let mut c = cfg("ppo", AggMode::TokenMean);
         c.entropy_coef = 0.01;
         let inp = LossInputs {
             entropy: Some(h.as_tensor()),
@@ -773,13 +774,16 @@ mod tests {
 
     fn all_configs() -> Vec<ObjectiveConfig> {
         let mut out = Vec::new();
-        for kind in [ObjectiveKind::Ppo, ObjectiveKind::Gspo, ObjectiveKind::Sapo, ObjectiveKind::Pg] {
+        for kind in PolicyLoss::KINDS {
             for agg in AggMode::ALL {
                 let mut c = cfg(kind, agg);
-                if kind == ObjectiveKind::Gspo {
-                    (c.eps_low, c.eps_high) = (3e-4, 4e-4);
-                }
-                c.dual_clip = Some(1.5);
+                c.loss = match c.loss {
+                    PolicyLoss::Gspo { .. } => PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 },
+                    PolicyLoss::Ppo { eps_low, eps_high, .. } => {
+                        PolicyLoss::Ppo { eps_low, eps_high, dual_clip: Some(1.5) }
+                    }
+                    other => other,
+                };
                 c.kl = Some(KlConfig { kind: KlKind::K3, beta: 0.1 });
                 c.entropy_coef = 0.01;
                 c.norm_len = Some(8);
@@ -795,7 +799,7 @@ mod tests {
         let splits = [(0usize, 1usize), (1, 3), (3, 4)];
         let t = 5;
         for c in all_configs() {
-            let what = format!("{:?}/{}", c.kind, c.agg.name());
+            let what = format!("{}/{}", c.loss.name(), c.agg.name());
             // Full mini-batch.
             let lv = var(&logp, 4, t);
             let hv = var(&h, 4, t);
@@ -864,7 +868,7 @@ mod tests {
         // The bug the global normaliser prevents: token-mean per micro-batch, then summed.
         // r = 1, A = 1, PG: per-token loss -1. Micro-batch 1 keeps 1 token, micro-batch 2
         // keeps 3. Global: -(1 + 3)/4 = -1. Local: -1/1 + -3/3 = -2.
-        let c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        let c = cfg("pg", AggMode::TokenMean);
         let m1 = t2(&[1., 0., 0.], 1, 3);
         let m2 = t2(&[1., 1., 1.], 1, 3);
         let global = Normaliser::from_masks(&[&m1, &m2], None).unwrap();
@@ -900,7 +904,7 @@ mod tests {
             let g = out.loss.backward().unwrap();
             for v in [&lv, &hv] {
                 let gv = g.get(v.as_tensor()).map(vec).unwrap_or(vec![0.; 4]);
-                assert!(gv.iter().all(|x| *x == 0.0), "{:?}: {gv:?}", c.kind);
+                assert!(gv.iter().all(|x| *x == 0.0), "{}: {gv:?}", c.loss.name());
             }
             let m = out.metrics;
             assert_eq!((m.n_tokens, m.n_seqs), (0, 0));
@@ -933,11 +937,20 @@ mod tests {
     }
 
     #[test]
-    fn every_kind_has_a_registered_loss() {
-        for kind in [ObjectiveKind::Ppo, ObjectiveKind::Gspo, ObjectiveKind::Sapo, ObjectiveKind::Pg] {
-            assert!(policy_loss_fn(kind).is_ok(), "{kind:?}");
-            assert_eq!(POLICY_LOSSES.iter().filter(|(k, _)| *k == kind).count(), 1, "{kind:?}");
+    fn every_kind_has_a_default_that_round_trips() {
+        for kind in PolicyLoss::KINDS {
+            let l = PolicyLoss::default_of(kind).unwrap();
+            assert_eq!(l.name(), kind);
+            l.validate().unwrap();
+            let j = serde_json::to_value(l).unwrap();
+            assert_eq!(j["kind"], kind, "{j}");
+            assert_eq!(serde_json::from_value::<PolicyLoss>(j).unwrap(), l);
         }
+        assert!(PolicyLoss::default_of("ppo2").is_none());
+        let e = serde_json::from_str::<PolicyLoss>(
+            r#"{"kind": "gspo", "eps_low": 0.1, "eps_high": 0.1, "dual_clip": 3}"#,
+        );
+        assert!(e.is_err(), "unknown fields of a variant are refused");
     }
 
     #[test]
@@ -954,7 +967,7 @@ mod tests {
         let old = logp.as_tensor().detach();
         let zeros = t2(&[0.; 3], 1, 3);
         let adv = t1(&[0.]);
-        let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        let mut c = cfg("pg", AggMode::TokenMean);
         c.kl = Some(KlConfig { kind: KlKind::K1, beta: 1.0 });
         let inp = LossInputs {
             ref_logp: Some(&zeros),
@@ -970,7 +983,7 @@ mod tests {
         // Entropy bonus 0.1, H = [1, 5, 3]: -0.1·9/3 = -0.3, dH = -0.1/3 each
         // (over the kept tokens it would be -0.2 and [-0.05, 0, -0.05]).
         let h = var(&[1., 5., 3.], 1, 3);
-        let mut c = cfg(ObjectiveKind::Pg, AggMode::TokenMean);
+        let mut c = cfg("pg", AggMode::TokenMean);
         c.entropy_coef = 0.1;
         let inp = LossInputs { ref_logp: None, entropy: Some(h.as_tensor()), ..inp };
         let out = compute_loss(&c, &inp, &norm).unwrap();

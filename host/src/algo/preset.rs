@@ -1,130 +1,137 @@
-//! Named presets of [`ObjectiveConfig`] (the objectives the STAPO paper compares) and
-//! `--set key=value` overrides. The types themselves live in `config.rs`.
+//! Named presets of [`ObjectiveConfig`]: the objectives the STAPO paper compares, one
+//! line each in [`PRESETS`] (name, summary, builder). The types live in `config.rs`,
+//! `--set key=value` overrides in `overrides.rs`.
 //!
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
-//! (arXiv:2506.01939), JustRL (He et al. 2025) and STAPO (2026: DAPO + the S2T mask,
-//! tau_p = 0.002, tau_h = the 0.75-quantile, token-mean). verl `core_algos.py` names the
-//! aggregation modes.
+//! (arXiv:2506.01939), JustRL (He et al. 2025), Dr.GRPO (arXiv:2503.20783) and STAPO
+//! (2026: DAPO + the S2T mask, tau_p = 0.002, tau_h = the 0.75-quantile, token-mean).
+//! verl `core_algos.py` names the aggregation modes.
 
-use super::advantage::{AdvEstimator, OverlongConfig, RewardScale, StdKind};
-use super::config::{
-    cfg_err, AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, ObjectiveKind, S2tThresholds,
-};
+use super::advantage::{AdvEstimator, OverlongConfig};
+use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss};
 use crate::Result;
 
-/// Names accepted by [`ObjectiveConfig::preset`].
-pub const PRESETS: [&str; 8] = ["grpo", "dapo", "gspo", "sapo", "entropy20", "justrl", "stapo", "drgrpo"];
+/// One named preset: what `--objective NAME` (or `objective: "NAME"`) starts from.
+pub struct Preset {
+    /// The name (matched case-insensitively, `-` and `_` ignored).
+    pub name: &'static str,
+    /// Other names it answers to.
+    pub aliases: &'static [&'static str],
+    /// One line for help texts and the README's table.
+    pub summary: &'static str,
+    build: fn() -> ObjectiveConfig,
+}
 
-/// Keys accepted by [`ObjectiveConfig::set`], with the value each expects.
-pub const SET_KEYS: [(&str, &str); 25] = [
-    ("kind", "ppo|gspo|sapo|pg"),
-    ("eps", "number (sets eps_low and eps_high)"),
-    ("eps_low", "number in [0, 1)"),
-    ("eps_high", "number >= 0"),
-    ("dual_clip", "number > 1, or none"),
-    ("sapo_tau_pos", "number > 0"),
-    ("sapo_tau_neg", "number > 0"),
-    ("kl", "none|k1|k2|k3"),
-    ("kl_beta", "number >= 0 (turns kl on as k3 if it was off)"),
-    ("entropy_coef", "number"),
-    ("agg", "token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm"),
-    ("norm_len", "positive integer, or none"),
-    ("adv", "grpo|dr_grpo"),
-    ("std", "sample|population"),
-    ("mask", "none|s2t|top_entropy"),
-    ("tau_p", "number > 0 (mask=s2t)"),
-    ("tau_h", "absolute entropy threshold (mask=s2t)"),
-    ("tau_h_quantile", "number in [0, 1] (mask=s2t)"),
-    ("rho", "number in (0, 1] (mask=top_entropy)"),
-    ("dynamic_sampling", "true|false"),
-    ("overlong", "none|on"),
-    (
-        "overlong_max_len",
-        "positive integer (turns overlong on if it was off; rescales cache_len to keep its fraction)",
-    ),
-    ("overlong_cache_len", "positive integer (turns overlong on if it was off)"),
-    ("overlong_factor", "number >= 0 (turns overlong on if it was off)"),
-    ("reward_scale", "zero_one|plus_minus_one"),
-];
+impl Preset {
+    /// The preset's configuration.
+    pub fn config(&self) -> ObjectiveConfig {
+        (self.build)()
+    }
+}
 
 /// DAPO's overlong buffer: L_max = 20480, L_cache = 4096, factor 1. Entry points size it
 /// to the run's response budget with [`ObjectiveConfig::fit_to_run`].
 pub const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 };
-/// verl's default `kl_loss_coef`.
-const DEFAULT_KL_BETA: f32 = 0.001;
+
+fn grpo() -> ObjectiveConfig {
+    ObjectiveConfig::default()
+}
+
+fn dapo() -> ObjectiveConfig {
+    ObjectiveConfig {
+        loss: PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None },
+        agg: AggMode::TokenMean,
+        dynamic_sampling: true,
+        overlong: Some(DAPO_OVERLONG),
+        ..grpo()
+    }
+}
+
+/// Every preset, in documentation order. A new objective is one line here.
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "grpo",
+        aliases: &[],
+        summary: "PPO clip eps 0.2/0.2, seq-mean-token-mean, GRPO advantages (sample std), no KL",
+        build: grpo,
+    },
+    Preset {
+        name: "dapo",
+        aliases: &[],
+        summary: "eps 0.2/0.28, token-mean, dynamic sampling, overlong penalty 20480/4096/1.0",
+        build: dapo,
+    },
+    Preset {
+        name: "gspo",
+        aliases: &[],
+        summary: "GSPO sequence ratio, eps 3e-4/4e-4, seq-mean-token-mean",
+        build: || ObjectiveConfig { loss: PolicyLoss::default_of("gspo").expect("gspo"), ..grpo() },
+    },
+    Preset {
+        name: "sapo",
+        aliases: &[],
+        summary: "SAPO soft gate, tau_pos 1.0, tau_neg 1.05, seq-mean-token-mean",
+        build: || ObjectiveConfig { loss: PolicyLoss::default_of("sapo").expect("sapo"), ..grpo() },
+    },
+    Preset {
+        name: "entropy20",
+        aliases: &["20entropy"],
+        summary: "dapo + top-entropy mask rho 0.2 (20-Entropy)",
+        build: || ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo() },
+    },
+    Preset {
+        name: "justrl",
+        aliases: &[],
+        summary: "eps 0.2/0.28, token-mean, no KL, no dynamic sampling, no overlong penalty",
+        build: || ObjectiveConfig {
+            loss: PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None },
+            agg: AggMode::TokenMean,
+            ..grpo()
+        },
+    },
+    Preset {
+        name: "stapo",
+        aliases: &[],
+        summary: "dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile of the candidates), token-mean",
+        build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo() },
+    },
+    Preset {
+        name: "drgrpo",
+        aliases: &[],
+        summary: "grpo with Dr.GRPO advantages (no std), seq-mean-token-sum-norm over the run's max_tokens",
+        build: || ObjectiveConfig { adv: AdvEstimator::DrGrpo, agg: AggMode::SeqMeanTokenSumNorm, ..grpo() },
+    },
+];
+
+/// The preset names, in documentation order.
+pub fn preset_names() -> Vec<&'static str> {
+    PRESETS.iter().map(|p| p.name).collect()
+}
+
+/// `name: summary` lines of every preset, for help texts.
+pub fn presets_help() -> String {
+    PRESETS.iter().map(|p| format!("  {:<10} {}", p.name, p.summary)).collect::<Vec<_>>().join("\n")
+}
 
 impl ObjectiveConfig {
-    /// A named preset (case-insensitive, `-` and `_` ignored; `20entropy` is an alias of
-    /// `entropy20`):
-    ///
-    /// | name | settings |
-    /// |---|---|
-    /// | grpo | PPO clip eps 0.2/0.2, seq-mean-token-mean, GRPO advantages (sample std), no KL (`--set kl=k3 --set kl_beta=0.04` for DeepSeekMath's) |
-    /// | dapo | eps 0.2/0.28, token-mean, dynamic sampling, overlong 20480/4096/1.0 |
-    /// | gspo | GSPO, eps 3e-4/4e-4, seq-mean-token-mean |
-    /// | sapo | SAPO, tau_pos 1.0, tau_neg 1.05, seq-mean-token-mean |
-    /// | entropy20 | dapo + top-entropy mask rho 0.2 |
-    /// | justrl | eps 0.2/0.28, token-mean, no KL, no dynamic sampling, no overlong |
-    /// | stapo | dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile), token-mean |
-    /// | drgrpo | grpo with Dr.GRPO advantages (no std) and seq-mean-token-sum-norm over a constant length (the run's max_tokens, see [`ObjectiveConfig::fit_to_run`]) |
+    /// A named preset from [`PRESETS`] (case-insensitive, `-` and `_` ignored, aliases
+    /// accepted); the error lists the valid names.
     pub fn preset(name: &str) -> Result<Self> {
-        let key: String =
-            name.trim().to_ascii_lowercase().chars().filter(|c| *c != '-' && *c != '_').collect();
-        let grpo = ObjectiveConfig::default();
-        let dapo = ObjectiveConfig {
-            eps_high: 0.28,
-            agg: AggMode::TokenMean,
-            dynamic_sampling: true,
-            overlong: Some(DAPO_OVERLONG),
-            ..grpo.clone()
+        let norm = |s: &str| -> String {
+            s.trim().to_ascii_lowercase().chars().filter(|c| *c != '-' && *c != '_').collect()
         };
-        let cfg = match key.as_str() {
-            "grpo" => grpo,
-            "dapo" => dapo,
-            "gspo" => ObjectiveConfig { kind: ObjectiveKind::Gspo, eps_low: 3e-4, eps_high: 4e-4, ..grpo },
-            "sapo" => ObjectiveConfig { kind: ObjectiveKind::Sapo, ..grpo },
-            "entropy20" | "20entropy" => {
-                ObjectiveConfig { mask: MaskConfig::TopEntropy { rho: 0.2 }, ..dapo }
-            }
-            "justrl" => ObjectiveConfig { eps_high: 0.28, agg: AggMode::TokenMean, ..grpo },
-            "stapo" => ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo },
-            "drgrpo" => {
-                ObjectiveConfig { adv: AdvEstimator::DrGrpo, agg: AggMode::SeqMeanTokenSumNorm, ..grpo }
-            }
-            _ => {
-                return Err(cfg_err(
+        let key = norm(name);
+        PRESETS
+            .iter()
+            .find(|p| norm(p.name) == key || p.aliases.iter().any(|a| norm(a) == key))
+            .map(Preset::config)
+            .ok_or_else(|| {
+                cfg_err(
                     "preset",
-                    format!("unknown preset `{name}`; valid presets: {}", PRESETS.join(", ")),
-                ))
-            }
-        };
-        Ok(cfg)
-    }
-
-    /// A preset with `key = value` overrides (the form run configs, script maps and
-    /// `stapo update --set` give), validated; the error names the preset or the key.
-    /// Overrides are applied in a fixed order whatever order they come in: switches
-    /// (`mask`, `kl`, `overlong`, ...) before their parameters, and `overlong_max_len`
-    /// (which rescales the buffer) before `overlong_cache_len`.
-    pub fn with_overrides<K: AsRef<str>, V: AsRef<str>>(
-        name: &str,
-        overrides: impl IntoIterator<Item = (K, V)>,
-    ) -> Result<Self> {
-        let rank = |k: &str| match k.trim() {
-            "kind" | "mask" | "kl" | "overlong" | "eps" => 0,
-            "overlong_max_len" => 1,
-            _ => 2,
-        };
-        let mut pairs: Vec<(K, V)> = overrides.into_iter().collect();
-        pairs
-            .sort_by(|a, b| rank(a.0.as_ref()).cmp(&rank(b.0.as_ref())).then(a.0.as_ref().cmp(b.0.as_ref())));
-        let mut o = ObjectiveConfig::preset(name)?;
-        for (k, v) in &pairs {
-            o.set(k.as_ref(), v.as_ref())?;
-        }
-        o.validate()?;
-        Ok(o)
+                    format!("unknown preset `{name}`; valid presets: {}", preset_names().join(", ")),
+                )
+            })
     }
 
     /// Sizes the settings that depend on the run's response budget `max_tokens` (every
@@ -162,201 +169,42 @@ impl ObjectiveConfig {
         }
         notes
     }
-
-    /// Applies one `--set key=value` override, then validates; on error the config is left
-    /// unchanged and the error names the key and what it expects (or lists the valid keys).
-    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
-        let before = self.clone();
-        let r = self.set_unchecked(key.trim(), value.trim()).and_then(|_| self.validate());
-        if r.is_err() {
-            *self = before;
-        }
-        r
-    }
-
-    fn set_unchecked(&mut self, key: &str, value: &str) -> Result<()> {
-        let expects = |k: &str| SET_KEYS.iter().find(|(n, _)| *n == k).map(|(_, e)| *e).unwrap_or("");
-        let bad = |k: &str| cfg_err(k, format!("expected {}, found `{value}`", expects(k)));
-        let num = |k: &str| -> Result<f32> {
-            value.parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| bad(k))
-        };
-        let int = |k: &str| -> Result<usize> { value.parse::<usize>().map_err(|_| bad(k)) };
-        let is_none = matches!(value.to_ascii_lowercase().as_str(), "none" | "off" | "null");
-        let lower = value.to_ascii_lowercase().replace('-', "_");
-        match key {
-            "kind" => {
-                self.kind = match lower.as_str() {
-                    "ppo" => ObjectiveKind::Ppo,
-                    "gspo" => ObjectiveKind::Gspo,
-                    "sapo" => ObjectiveKind::Sapo,
-                    "pg" => ObjectiveKind::Pg,
-                    _ => return Err(bad(key)),
-                }
-            }
-            "eps" => {
-                let v = num(key)?;
-                self.eps_low = v;
-                self.eps_high = v;
-            }
-            "eps_low" => self.eps_low = num(key)?,
-            "eps_high" => self.eps_high = num(key)?,
-            "dual_clip" => self.dual_clip = if is_none { None } else { Some(num(key)?) },
-            "sapo_tau_pos" => self.sapo_tau_pos = num(key)?,
-            "sapo_tau_neg" => self.sapo_tau_neg = num(key)?,
-            "kl" => {
-                let beta = self.kl.map(|k| k.beta).unwrap_or(DEFAULT_KL_BETA);
-                self.kl = match lower.as_str() {
-                    "none" | "off" | "null" => None,
-                    "k1" => Some(KlConfig { kind: KlKind::K1, beta }),
-                    "k2" => Some(KlConfig { kind: KlKind::K2, beta }),
-                    "k3" | "low_var_kl" => Some(KlConfig { kind: KlKind::K3, beta }),
-                    _ => return Err(bad(key)),
-                }
-            }
-            "kl_beta" => {
-                let beta = num(key)?;
-                let kind = self.kl.map(|k| k.kind).unwrap_or(KlKind::K3);
-                self.kl = Some(KlConfig { kind, beta });
-            }
-            "entropy_coef" => self.entropy_coef = num(key)?,
-            "agg" => self.agg = AggMode::parse(value).ok_or_else(|| bad(key))?,
-            "norm_len" => self.norm_len = if is_none { None } else { Some(int(key)?) },
-            "adv" => {
-                self.adv = match lower.as_str() {
-                    "grpo" => AdvEstimator::Grpo,
-                    "dr_grpo" | "drgrpo" => AdvEstimator::DrGrpo,
-                    _ => return Err(bad(key)),
-                }
-            }
-            "std" => {
-                self.std = match lower.as_str() {
-                    "sample" | "unbiased" => StdKind::Sample,
-                    "population" | "biased" => StdKind::Population,
-                    _ => return Err(bad(key)),
-                }
-            }
-            "mask" => {
-                self.mask = match (lower.as_str(), self.mask) {
-                    ("none" | "off", _) => MaskConfig::None,
-                    ("s2t", m @ MaskConfig::S2t { .. }) => m,
-                    ("s2t", _) => MaskConfig::S2T_DEFAULT,
-                    ("top_entropy", m @ MaskConfig::TopEntropy { .. }) => m,
-                    ("top_entropy", _) => MaskConfig::TopEntropy { rho: 0.2 },
-                    _ => return Err(bad(key)),
-                }
-            }
-            "tau_p" | "tau_h" | "tau_h_quantile" => {
-                let v = Some(num(key)? as f64);
-                let cur = self
-                    .mask
-                    .s2t()
-                    .ok_or_else(|| cfg_err(key, "applies to mask=s2t only; set mask=s2t first"))?;
-                let t: S2tThresholds = match key {
-                    "tau_p" => cur.with(v, None, None)?,
-                    "tau_h" => cur.with(None, v, None)?,
-                    _ => cur.with(None, None, v)?,
-                };
-                self.mask = t.into();
-            }
-            "rho" => {
-                let v = num(key)?;
-                match &mut self.mask {
-                    MaskConfig::TopEntropy { rho } => *rho = v,
-                    _ => {
-                        return Err(cfg_err(
-                            key,
-                            "applies to mask=top_entropy only; set mask=top_entropy first",
-                        ))
-                    }
-                }
-            }
-            "dynamic_sampling" => {
-                self.dynamic_sampling = match lower.as_str() {
-                    "true" | "on" | "1" | "yes" => true,
-                    "false" | "off" | "0" | "no" => false,
-                    _ => return Err(bad(key)),
-                }
-            }
-            "overlong" => {
-                self.overlong = match lower.as_str() {
-                    "none" | "off" | "null" | "false" => None,
-                    "on" | "true" => Some(self.overlong.unwrap_or(DAPO_OVERLONG)),
-                    _ => return Err(bad(key)),
-                }
-            }
-            "overlong_max_len" | "overlong_cache_len" | "overlong_factor" => {
-                let mut o = self.overlong.unwrap_or(DAPO_OVERLONG);
-                match key {
-                    "overlong_max_len" => {
-                        // Keep the buffer's fraction of L_max (DAPO: 4096 / 20480), so that
-                        // shrinking L_max for a small run stays valid; set the cache after.
-                        let new_max = int(key)?;
-                        let frac = o.cache_len as f64 / o.max_len.max(1) as f64;
-                        o.cache_len = ((new_max as f64 * frac).round() as usize).max(1);
-                        o.max_len = new_max;
-                    }
-                    "overlong_cache_len" => o.cache_len = int(key)?,
-                    _ => o.factor = num(key)?,
-                }
-                self.overlong = Some(o);
-            }
-            "reward_scale" => {
-                self.reward_scale = match lower.as_str() {
-                    "zero_one" | "01" => RewardScale::ZeroOne,
-                    "plus_minus_one" | "pm1" => RewardScale::PlusMinusOne,
-                    _ => return Err(bad(key)),
-                }
-            }
-            _ => {
-                let keys: Vec<&str> = SET_KEYS.iter().map(|(k, _)| *k).collect();
-                return Err(cfg_err(key, format!("unknown key; valid keys: {}", keys.join(", "))));
-            }
-        }
-        Ok(())
-    }
-
-    /// Applies `key=value` (the CLI's `--set` form).
-    pub fn set_pair(&mut self, pair: &str) -> Result<()> {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| cfg_err("--set", format!("expected key=value, found `{pair}`")))?;
-        self.set(k, v)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::config::TauH;
+    use crate::algo::advantage::OverlongConfig;
+    use crate::algo::config::{KlConfig, KlKind, TauH};
 
     #[test]
     fn presets_have_design_defaults() {
         let s = ObjectiveConfig::preset("stapo").unwrap();
-        assert_eq!(s.kind, ObjectiveKind::Ppo);
-        assert_eq!((s.eps_low, s.eps_high), (0.2, 0.28));
+        assert_eq!(s.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
         assert_eq!(s.agg, AggMode::TokenMean);
         assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.75) });
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
         let g = ObjectiveConfig::preset("GSPO").unwrap();
         assert_eq!(
-            (g.kind, g.eps_low, g.eps_high, g.agg),
-            (ObjectiveKind::Gspo, 3e-4, 4e-4, AggMode::SeqMeanTokenMean)
+            (g.loss, g.agg),
+            (PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 }, AggMode::SeqMeanTokenMean)
         );
         let sa = ObjectiveConfig::preset("sapo").unwrap();
-        assert_eq!((sa.kind, sa.sapo_tau_pos, sa.sapo_tau_neg), (ObjectiveKind::Sapo, 1.0, 1.05));
+        assert_eq!(sa.loss, PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 1.05 });
         let d = ObjectiveConfig::preset("dapo").unwrap();
         assert!(d.dynamic_sampling && d.overlong.is_some());
         let e = ObjectiveConfig::preset("entropy-20").unwrap();
         assert_eq!(e.mask, MaskConfig::TopEntropy { rho: 0.2 });
         let j = ObjectiveConfig::preset("justrl").unwrap();
-        assert!(!j.dynamic_sampling && j.kl.is_none() && j.overlong.is_none() && j.eps_high == 0.28);
+        assert!(!j.dynamic_sampling && j.kl.is_none() && j.overlong.is_none());
+        assert_eq!(j.loss.clip_range(), Some((0.2, 0.28)));
         assert_eq!(ObjectiveConfig::preset("grpo").unwrap(), ObjectiveConfig::default());
     }
 
     #[test]
     fn presets_round_trip_and_validate() {
-        for name in PRESETS {
+        for name in preset_names() {
             let c = ObjectiveConfig::preset(name).unwrap();
             c.validate().unwrap();
             let j = serde_json::to_string(&c).unwrap();
@@ -390,15 +238,60 @@ mod tests {
         // DAPO buffer 4096/20480 = 0.2 of L_max → round(0.2 · 1024) = 205.
         assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 205, factor: 1.0 }));
         c.set("overlong_cache_len", "256").unwrap();
-        assert_eq!(c.eps_high, 0.28);
+        assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: Some(3.0) });
         assert_eq!(c.agg, AggMode::TokenMean);
-        assert_eq!(c.dual_clip, Some(3.0));
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K3, beta: 0.04 }));
         assert_eq!(c.adv, AdvEstimator::DrGrpo);
         assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.5) });
         assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
         c.set("dual_clip", "none").unwrap();
-        assert_eq!(c.dual_clip, None);
+        assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
+        c.set("kl", "none").unwrap();
+        assert_eq!(c.kl, None);
+        c.set("kl", "k1").unwrap();
+        assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K1, beta: 0.001 }));
+        c.set("tau_h", "0.3").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.3) });
+        c.set("dynamic_sampling", "on").unwrap();
+        assert!(c.dynamic_sampling);
+        c.set("overlong", "off").unwrap();
+        assert_eq!(c.overlong, None);
+        c.set("overlong", "on").unwrap();
+        assert_eq!(c.overlong, Some(DAPO_OVERLONG));
+        c.set("agg", "seq_mean_token_sum").unwrap();
+        assert_eq!(c.agg, AggMode::SeqMeanTokenSum);
+    }
+
+    #[test]
+    fn switching_the_loss_kind_takes_that_kinds_defaults() {
+        let mut c = ObjectiveConfig::preset("dapo").unwrap();
+        c.set("kind", "gspo").unwrap();
+        assert_eq!(c.loss, PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 });
+        c.set("eps_high", "5e-4").unwrap();
+        c.set("kind", "gspo").unwrap(); // same kind: kept as it is
+        assert_eq!(c.loss, PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 5e-4 });
+        let e = c.set("dual_clip", "3").unwrap_err().to_string();
+        assert!(e.contains("dual_clip") && e.contains("loss=ppo"), "{e}");
+        c.set("kind", "sapo").unwrap();
+        c.set("sapo_tau_neg", "2").unwrap();
+        assert_eq!(c.loss, PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 2.0 });
+        let e = c.set("eps_low", "0.1").unwrap_err().to_string();
+        assert!(e.contains("eps_low") && e.contains("loss=ppo|gspo"), "{e}");
+        c.set("kind", "pg").unwrap();
+        assert_eq!(c.loss, PolicyLoss::Pg);
+    }
+
+    #[test]
+    fn help_lists_come_from_the_registries() {
+        let h = presets_help();
+        for p in PRESETS {
+            assert!(h.contains(p.name) && h.contains(p.summary), "{h}");
+        }
+        assert!(h.contains("drgrpo"));
+        let k = crate::algo::set_keys_help();
+        for a in crate::algo::ALIASES {
+            assert!(k.contains(a.key), "{k}");
+        }
     }
 
     #[test]

@@ -78,3 +78,25 @@ pub fn model_dir(p: &PathBuf) -> anyhow::Result<&PathBuf> {
     anyhow::ensure!(p.is_dir(), "--model {}: not a folder", p.display());
     Ok(p)
 }
+
+/// `--objective`'s one-line help: the preset names, from the one registry.
+pub fn presets_short_help() -> String {
+    format!("Objective preset: {}", stapo::algo::preset_names().join(", "))
+}
+
+/// `--objective`'s `--help` text: every preset with its summary.
+pub fn presets_long_help() -> String {
+    format!("Objective preset, one of:\n{}", stapo::algo::presets_help())
+}
+
+/// `--set`'s one-line help.
+pub const SET_SHORT_HELP: &str =
+    "Objective overrides, e.g. --set tau_p=0.01 --set eps_high=0.3 (--help lists the keys)";
+
+/// `--set`'s `--help` text: every key with what it expects, from the one alias table.
+pub fn set_long_help() -> String {
+    format!(
+        "Objective overrides KEY=VALUE (repeatable), e.g. --set tau_p=0.01. Keys:\n{}",
+        stapo::algo::set_keys_help()
+    )
+}

@@ -21,11 +21,9 @@ pub struct UpdateArgs {
     /// Rollouts JSONL (as written by a run or the REPL), with rewards.
     #[arg(long)]
     pub rollouts: PathBuf,
-    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
-    #[arg(long, default_value = "stapo")]
+    #[arg(long, default_value = "stapo", help = super::presets_short_help(), long_help = super::presets_long_help())]
     pub objective: String,
-    /// Objective overrides, e.g. --set tau_p=0.01 --set eps_high=0.3.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
+    #[arg(long = "set", value_name = "KEY=VALUE", help = super::SET_SHORT_HELP, long_help = super::set_long_help())]
     pub set: Vec<String>,
     #[arg(long, default_value_t = 1e-6)]
     pub lr: f64,

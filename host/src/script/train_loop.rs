@@ -47,7 +47,7 @@ use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
 use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
 use super::hooks::{hook_type_error, HookSet};
 use super::host::{timestamp, Host};
-use crate::algo::{MaskConfig, TauH, SET_KEYS};
+use crate::algo::{is_set_key, MaskConfig, TauH};
 use crate::train::{RunConfig, StepMetrics, StepPlan, Trainer};
 use crate::util::append_line;
 use crate::{Error, Result};
@@ -109,7 +109,7 @@ fn apply_args(host: &Host, v: &mut Value) -> RhaiResult<()> {
                     o.insert("sampling".into(), sampling_json(s));
                 }
             }
-        } else if SET_KEYS.iter().any(|(s, _)| s == k) {
+        } else if is_set_key(k) {
             let set = o.entry("set").or_insert(Value::Object(Default::default()));
             if let Value::Object(s) = set {
                 s.insert(k.clone(), Value::String(raw.clone()));

@@ -167,7 +167,7 @@ impl UpdateConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpdateOptions {
-    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+    /// Objective preset (`algo::PRESETS`: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo).
     pub objective: String,
     /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
     pub set: BTreeMap<String, String>,
@@ -1533,7 +1533,7 @@ mod tests {
                 .unwrap();
         let (c, notes) = o.to_config().unwrap();
         assert!(notes.is_empty());
-        assert_eq!(c.objective.eps_high, 0.28);
+        assert_eq!(c.objective.loss.clip_range(), Some((0.2, 0.28)));
         assert!(c.shuffle && c.epochs == 2 && o.lr == 1e-6);
         let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
         assert!(e.contains("epoch"), "{e}");

@@ -51,7 +51,7 @@ pub struct RunConfig {
     pub test_data: Option<PathBuf>,
     /// Field names and bad-line policy of the data files.
     pub data_options: DatasetOptions,
-    /// Objective preset: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+    /// Objective preset (`algo::PRESETS`: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo).
     pub objective: String,
     /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
     pub set: BTreeMap<String, String>,

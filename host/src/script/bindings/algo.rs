@@ -9,7 +9,7 @@ use rhai::{Array, Dynamic, Engine, Map};
 use serde::Deserialize;
 
 use super::{lock, RolloutHandle};
-use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, PRESETS, SET_KEYS};
+use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, ALIASES, PRESETS};
 use crate::script::convert::{clean_f64, options, to_dynamic};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
@@ -128,15 +128,15 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "presets", r#"
         /// presets() -> array of string
         ///
-        /// The objective presets: grpo, dapo, gspo, sapo, entropy20, justrl, stapo.
+        /// The objective presets: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo.
         ///
         /// # Example
         ///
         /// ```rhai
-        /// for p in presets() { print(objective(p).kind); }
+        /// for p in presets() { print(objective(p).loss.kind); }
         /// ```
     "#,
-        || -> Array { PRESETS.iter().map(|p| Dynamic::from(p.to_string())).collect() }
+        || -> Array { PRESETS.iter().map(|p| Dynamic::from(p.name.to_string())).collect() }
     }
     func! { engine, "set_keys", r#"
         /// set_keys() -> map
@@ -149,7 +149,7 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
         /// print(set_keys().tau_p);
         /// ```
     "#,
-        || -> Map { SET_KEYS.iter().map(|(k, v)| ((*k).into(), Dynamic::from(v.to_string()))).collect() }
+        || -> Map { ALIASES.iter().map(|a| (a.key.into(), Dynamic::from(a.expects.to_string()))).collect() }
     }
     func! { engine, "objective", r#"
         /// objective(preset) -> map
