@@ -5,13 +5,13 @@ pub mod optim;
 pub mod plot;
 pub mod sft;
 pub mod spurious;
-pub mod step;
 pub mod trainer;
+pub mod update;
 
 pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
-pub use step::{
+pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};
+pub use update::{
     token_analysis, update, AppliedThresholds, OldLogp, Sequence, TokenAnalysis, UpdateConfig, UpdateMetrics,
     UpdateOptions, UpdateOutcome, UpdateRecord,
 };
-pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};

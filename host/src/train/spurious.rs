@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::data::Tokenizer;
-use crate::train::step::UpdateRecord;
+use crate::train::update::UpdateRecord;
 
 /// The paper's tau_p: tokens below it are kept in full by [`SpuriousPoints`] whatever
 /// the run's own thresholds, so S2T-less runs show the same low-probability tail.
@@ -193,7 +193,7 @@ impl SilencedContexts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::step::AppliedThresholds;
+    use crate::train::update::AppliedThresholds;
 
     fn record() -> UpdateRecord {
         // Two sequences: A = +1 (three tokens, one silenced) and A = -1.

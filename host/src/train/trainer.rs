@@ -33,7 +33,9 @@ use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample,
 use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::train::plot::{self, RunCurves};
 use crate::train::spurious::{token_context, SilencedContexts, SpuriousPoints};
-use crate::train::step::{self, update_on, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::update::{
+    self, optimize_on, OldLogp, Policy, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
+};
 use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
 
@@ -582,25 +584,17 @@ impl Trainer {
         )
         .with_temperature(temperature);
         let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
-        let outcome = update_on(
-            &*self.comm,
-            &self.model,
-            &mut self.opt,
-            self.reference.as_ref(),
-            &seqs,
-            &ucfg,
-            plan.lr,
-            tok.pad_id(),
-        )?;
+        let policy = Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
+        let outcome = optimize_on(&*self.comm, policy, &seqs, &ucfg, plan.lr, tok.pad_id())?;
         if let Some(copy) = &self.rollout_copy {
             copy.refresh(&self.model)?;
         }
         let mut um = outcome.metrics;
         // Batch metrics over everything sampled this step (also groups dynamic sampling
         // dropped before the update).
-        let scored_all = step::score(&all_seqs, &objective)?;
+        let scored_all = update::score(&all_seqs, &objective)?;
         let [n_all, n_seqs] = dist::sum_f64(&*self.comm, [all_seqs.len() as f64, seqs.len() as f64])?;
-        step::batch_metrics(&*self.comm, &all_seqs, &scored_all, &mut um)?;
+        update::batch_metrics(&*self.comm, &all_seqs, &scored_all, &mut um)?;
         um.dropped_seqs += (n_all - n_seqs) as usize;
         let [groups_dropped_all] = dist::sum_f64(&*self.comm, [groups_dropped as f64])?;
         let groups_dropped = groups_dropped_all as usize;

@@ -14,7 +14,7 @@ use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::table::{format_sample, token_rows, TokenRow};
 use crate::train::spurious::TokenPoint;
-use crate::train::step::logit_grad_norm;
+use crate::train::update::logit_grad_norm;
 use crate::train::{token_analysis, Sequence};
 
 /// Samples shown when a rollout is printed.

@@ -1,0 +1,162 @@
+//! Step 4 of the update: the kept-token mask of a mini-batch (S2T or top-entropy, decided
+//! on the current policy over the whole global mini-batch, on every rank alike).
+
+use candle_core::{DType, Tensor};
+
+use super::global_normaliser;
+use super::layout::{layout, response_logp};
+use super::micro::{Ctx, Forward, MiniBatch};
+use crate::algo::{self, MaskConfig, Normaliser, S2tStats, TauH};
+use crate::dist::{self, Comm};
+use crate::model::Grad;
+use crate::{Error, Result};
+
+/// The kept-token mask of one mini-batch: the response mask times the objective's token
+/// mask, decided from the current policy's log-probs and entropies `stats` (required
+/// unless the mask is [`MaskConfig::None`]). Returns the S2T statistics when S2T ran.
+pub fn token_mask(
+    mask: &MaskConfig,
+    stats: Option<(&Tensor, &Tensor)>,
+    advantages: &Tensor,
+    response: &Tensor,
+) -> Result<(Tensor, Option<S2tStats>)> {
+    let need = || Error::invalid("update: the token mask needs the policy's log-probs and entropies");
+    match mask {
+        MaskConfig::None => Ok((response.clone(), None)),
+        MaskConfig::S2t { tau_p, tau_h } => {
+            let (lp, h) = stats.ok_or_else(need)?;
+            let (m, st) = algo::s2t_mask(lp, h, advantages, response, *tau_p, *tau_h)?;
+            Ok((algo::compose_masks(&[&m, response])?, Some(st)))
+        }
+        MaskConfig::TopEntropy { rho } => {
+            let (_, h) = stats.ok_or_else(need)?;
+            let (m, _) = algo::top_entropy_mask(h, response, *rho)?;
+            Ok((algo::compose_masks(&[&m, response])?, None))
+        }
+    }
+}
+
+/// [`token_mask`] for one rank's part of a global mini-batch (`local`: this rank's
+/// log-probs, entropies, advantages and response mask; `None` when it holds none of
+/// the mini-batch). Every rank calls it for every mini-batch. Thresholds that are a
+/// statistic of the mini-batch are taken over all ranks: the S2T `tau_h` quantile over
+/// every rank's candidates (then applied as an absolute threshold), the 20-Entropy
+/// top-k over every rank's response tokens (in rank order, as the one-process row
+/// order). One rank: exactly [`token_mask`].
+pub fn token_mask_on(
+    comm: &dyn Comm,
+    mask: &MaskConfig,
+    local: Option<(&Tensor, &Tensor, &Tensor, &Tensor)>,
+) -> Result<Option<(Tensor, Option<S2tStats>)>> {
+    let plain = |cfg: &MaskConfig| -> Result<Option<(Tensor, Option<S2tStats>)>> {
+        local.map(|(lp, h, adv, resp)| token_mask(cfg, Some((lp, h)), adv, resp)).transpose()
+    };
+    if comm.size() == 1 {
+        return plain(mask);
+    }
+    match *mask {
+        MaskConfig::S2t { tau_p, tau_h: TauH::Quantile(q) } => {
+            let mine = match local {
+                Some((lp, h, adv, resp)) => algo::s2t_candidate_entropies(lp, h, adv, resp, tau_p)?,
+                None => Vec::new(),
+            };
+            let all = comm.all_gather_f32(&mine)?;
+            let tau_h = algo::quantile_linear(&all, q).map_or(TauH::Quantile(q), TauH::Abs);
+            plain(&MaskConfig::S2t { tau_p, tau_h })
+        }
+        MaskConfig::TopEntropy { rho } => {
+            // This rank's response-token entropies, row-major.
+            let (mine, resp) = match local {
+                Some((_, h, _, resp)) => {
+                    let hv = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let rv = resp.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    (
+                        hv.iter().zip(&rv).filter(|(_, &r)| r > 0.5).map(|(&h, _)| h).collect(),
+                        Some((rv, resp)),
+                    )
+                }
+                None => (Vec::new(), None),
+            };
+            let (offset, _) = dist::offset_and_total(comm, mine.len())?;
+            let all = comm.all_gather_f32(&mine)?;
+            let Some((rv, resp)) = resp else { return Ok(None) };
+            if all.is_empty() {
+                return Ok(Some((resp.zeros_like()?, None)));
+            }
+            let n = all.len();
+            let device = resp.device();
+            let (keep, _) = algo::top_entropy_mask(
+                &Tensor::from_vec(all, (1, n), device)?,
+                &Tensor::ones((1, n), DType::F32, device)?,
+                rho,
+            )?;
+            let keep = keep.flatten_all()?.to_vec1::<f32>()?;
+            let mut k = offset;
+            let local_mask: Vec<f32> = rv
+                .iter()
+                .map(|&r| {
+                    if r > 0.5 {
+                        k += 1;
+                        keep[k - 1]
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            Ok(Some((Tensor::from_vec(local_mask, resp.shape(), device)?, None)))
+        }
+        _ => plain(mask),
+    }
+}
+
+/// Step 4 for one rank's part of a global mini-batch: the current policy's log-probs and
+/// entropies where the token mask needs them (from `single`, the gradient forward of a
+/// mini-batch that is one micro-batch, else one no-grad pass over its micro-batches),
+/// then [`token_mask_on`]. `None` when this rank holds none of the mini-batch.
+pub(super) fn mini_batch_mask(
+    x: &Ctx,
+    mb: &MiniBatch,
+    single: Option<&Forward>,
+) -> Result<Option<(Tensor, Option<S2tStats>)>> {
+    let needs_stats = !matches!(x.cfg.objective.mask, MaskConfig::None) && mb.here();
+    let stats = match (single, needs_stats) {
+        (_, false) => None,
+        (Some(f), true) => Some((f.logp.detach(), f.entropy.detach())),
+        (None, true) => {
+            let (mut lps, mut hs) = (Vec::new(), Vec::new());
+            for &(s, len) in &mb.micros {
+                let micro = layout(&mb.ss[s..s + len], mb.p, mb.t, x.pad_id, &x.device)?;
+                let (lp, h) = response_logp(x.model, &micro, Grad::Off, x.cfg.temperature)?;
+                lps.push(lp);
+                hs.push(h);
+            }
+            Some((Tensor::cat(&lps, 0)?, Tensor::cat(&hs, 0)?))
+        }
+    };
+    let local = match (&mb.response, &stats) {
+        (Some(resp), Some((lp, h))) => Some((lp, h, &mb.adv, resp)),
+        // No token mask: only the response mask is used.
+        (Some(resp), None) => Some((resp, resp, &mb.adv, resp)),
+        _ => None,
+    };
+    token_mask_on(x.comm, &x.cfg.objective.mask, local)
+}
+
+/// The loss normalisers of a global mini-batch: over its kept tokens (`mask`, this rank's
+/// part) and over its response tokens, each summed over ranks.
+pub(super) fn normalisers(
+    x: &Ctx,
+    mb: &MiniBatch,
+    mask: Option<&Tensor>,
+) -> Result<(Normaliser, Normaliser)> {
+    let norm_len = x.cfg.objective.norm_len;
+    let zero = Normaliser { tokens: 0.0, seqs: 0.0, norm_len: norm_len.unwrap_or(0) as f64 };
+    let (local, local_resp) = match (mask, &mb.response) {
+        (Some(mask), Some(resp)) => {
+            (Normaliser::from_masks(&[mask], norm_len)?, Normaliser::from_masks(&[resp], norm_len)?)
+        }
+        _ => (zero, zero),
+    };
+    let fixed = norm_len.is_some();
+    Ok((global_normaliser(x.comm, local, fixed)?, global_normaliser(x.comm, local_resp, fixed)?))
+}

@@ -1,0 +1,266 @@
+//! Step 7 of the update: what it reports. [`UpdateMetrics`] (the per-step figures verl and
+//! TRL users expect), [`UpdateRecord`] (what the update used, per sequence and token, for
+//! the REPL's token table), the running [`Totals`] over micro-batches and their reduction
+//! over ranks into the final metrics.
+
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::analysis::{grad_shares, logit_grad_norm, TOP_GRAD_FRAC};
+use super::layout::rows;
+use super::micro::MiniBatch;
+use super::score::Scored;
+use super::Sequence;
+use crate::algo::{LossMetrics, S2tStats};
+use crate::dist::{self, Comm};
+use crate::Result;
+
+/// What one update did: the per-step metrics researchers expect from verl/TRL.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateMetrics {
+    pub loss: f32,
+    pub reward_mean: f32,
+    pub reward_std: f32,
+    /// Fraction of responses with raw reward > 0.5.
+    pub accuracy: f32,
+    /// Mean full-vocabulary entropy over response tokens (current policy).
+    pub entropy: f32,
+    pub clip_frac_low: f32,
+    pub clip_frac_high: f32,
+    pub approx_kl: f32,
+    pub grad_norm: f32,
+    pub response_len_mean: f32,
+    pub response_len_max: usize,
+    pub truncation_rate: f32,
+    pub zero_var_group_frac: f32,
+    /// Sequences dropped by dynamic sampling.
+    pub dropped_seqs: usize,
+    pub response_tokens: usize,
+    pub kept_tokens: usize,
+    pub silenced_tokens: usize,
+    pub silenced_ratio: f32,
+    /// The S2T entropy threshold, averaged over the mini-batches that had candidates.
+    pub tau_h: Option<f32>,
+    /// Optimizer steps taken and skipped (non-finite loss or gradient).
+    pub optimizer_steps: usize,
+    pub skipped_steps: usize,
+    /// Token id → times silenced in this update, most frequent first.
+    pub silenced_token_ids: Vec<(u32, usize)>,
+    /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.
+    #[serde(default)]
+    pub s2t_candidates: usize,
+    /// Shares of the summed per-token logit-gradient norm carried by the silenced tokens
+    /// and by the top 0.01% of tokens (first epoch; with `token_grad_norms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub silenced_grad_share: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_grad_share: Option<f32>,
+    /// What went wrong without stopping the update (a skipped optimizer step, ...), for
+    /// the caller to show: the library prints nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// The S2T thresholds one mini-batch applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AppliedThresholds {
+    /// Epoch and mini-batch index within it.
+    pub epoch: usize,
+    pub mini_batch: usize,
+    pub tau_p: f32,
+    /// The entropy threshold used (`None`: a quantile over zero candidates).
+    pub tau_h: Option<f32>,
+    /// Tokens with `A > 0 && p < tau_p`, and those silenced.
+    pub candidates: usize,
+    pub silenced: usize,
+}
+
+/// What an update used, per input sequence (index = position in the `seqs` given to
+/// [`update`]), so that a token table shows exactly what the update did. Token-level
+/// fields are those of the first epoch (the policy that sampled, for `old_logp =
+/// recompute`); the metrics count every epoch.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateRecord {
+    /// Rewards after the objective's scale and overlong shaping.
+    pub rewards: Vec<f32>,
+    /// One advantage per sequence.
+    pub advantages: Vec<f32>,
+    /// False for sequences that never reached the loss (dropped by dynamic sampling, or
+    /// an empty response).
+    pub active: Vec<bool>,
+    /// Per response token: kept by the token mask (empty for inactive sequences).
+    pub kept: Vec<Vec<bool>>,
+    /// Per response token: silenced by S2T (empty when S2T was off or inactive).
+    pub silenced: Vec<Vec<bool>>,
+    /// Per response token: probability and entropy of the current policy at the first
+    /// epoch's training forward (empty for inactive sequences).
+    pub p: Vec<Vec<f32>>,
+    pub entropy: Vec<Vec<f32>>,
+    /// Per response token, with `token_grad_norms`: the collision probability `Σ_j p_j²` and
+    /// the logit-gradient norm `|A|·sqrt((1 - p_y)² + Σ_{j≠y} p_j²)` (see [`logit_grad_norm`]).
+    pub collision: Vec<Vec<f32>>,
+    pub grad_norm: Vec<Vec<f32>>,
+    /// The S2T thresholds of every mini-batch (empty without S2T).
+    pub thresholds: Vec<AppliedThresholds>,
+}
+
+/// What [`update`] returns.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateOutcome {
+    pub metrics: UpdateMetrics,
+    pub record: UpdateRecord,
+}
+
+/// Running sums over the micro-batches of an update.
+#[derive(Default)]
+pub(super) struct Totals {
+    pub(super) loss_metrics: LossMetrics,
+    pub(super) entropy_sum: f64,
+    pub(super) entropy_count: usize,
+    pub(super) tau_h_sum: f64,
+    pub(super) tau_h_count: usize,
+    pub(super) loss_sum: f64,
+    pub(super) grad_norm_sum: f64,
+    pub(super) silenced: HashMap<u32, usize>,
+}
+
+/// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups,
+/// over the global batch (every rank's `seqs`; groups never span ranks). Returns the
+/// global number of sequences.
+pub fn batch_metrics(
+    comm: &dyn Comm,
+    seqs: &[Sequence],
+    scored: &Scored,
+    m: &mut UpdateMetrics,
+) -> Result<usize> {
+    let rewards = &scored.rewards;
+    let [n, reward_sum, correct, len_sum, truncated, groups, zero_var] = dist::sum_f64(
+        comm,
+        [
+            seqs.len() as f64,
+            rewards.iter().map(|&r| r as f64).sum(),
+            seqs.iter().filter(|s| s.reward > 0.5).count() as f64,
+            seqs.iter().map(|s| s.response_ids.len()).sum::<usize>() as f64,
+            seqs.iter().filter(|s| s.truncated).count() as f64,
+            scored.advantages.n_groups as f64,
+            scored.advantages.zero_variance_groups.len() as f64,
+        ],
+    )?;
+    let n1 = n.max(1.0);
+    let mean = reward_sum / n1;
+    let [sq] = dist::sum_f64(comm, [rewards.iter().map(|&r| (r as f64 - mean).powi(2)).sum()])?;
+    m.reward_mean = mean as f32;
+    m.reward_std = (sq / n1).sqrt() as f32;
+    m.accuracy = (correct / n1) as f32;
+    m.response_len_mean = (len_sum / n1) as f32;
+    let longest = seqs.iter().map(|s| s.response_ids.len()).max().unwrap_or(0);
+    m.response_len_max = dist::max_f64(comm, longest as f64)? as usize;
+    m.truncation_rate = (truncated / n1) as f32;
+    m.zero_var_group_frac = if groups == 0.0 { 0.0 } else { (zero_var / groups) as f32 };
+    Ok(n as usize)
+}
+
+/// Per-token logit-gradient norms of the first epoch (active sequences) and their shares.
+pub(super) fn record_grad_norms(record: &mut UpdateRecord, metrics: &mut UpdateMetrics) {
+    let (mut all, mut sil) = (Vec::new(), Vec::new());
+    for i in 0..record.p.len() {
+        let (p, c) = (&record.p[i], &record.collision[i]);
+        if p.len() != c.len() {
+            continue;
+        }
+        let a = record.advantages[i];
+        let g: Vec<f32> = p.iter().zip(c).map(|(&p, &c)| logit_grad_norm(a, p, c)).collect();
+        let s = &record.silenced[i];
+        sil.extend((0..g.len()).map(|j| s.get(j).copied().unwrap_or(false)));
+        all.extend_from_slice(&g);
+        record.grad_norm[i] = g;
+    }
+    if !all.is_empty() {
+        let (s, t) = grad_shares(&all, &sil, TOP_GRAD_FRAC);
+        metrics.silenced_grad_share = Some(s);
+        metrics.top_grad_share = Some(t);
+    }
+}
+
+/// Stores the first epoch's kept and silenced tokens of a mini-batch in the record.
+pub(super) fn record_mask(
+    record: &mut UpdateRecord,
+    mb: &MiniBatch,
+    mask: &Tensor,
+    s2t: Option<&S2tStats>,
+) -> Result<()> {
+    for (&i, row) in mb.idx.iter().zip(rows(mask, &mb.ss)?) {
+        record.kept[i] = row.iter().map(|&x| x > 0.5).collect();
+        if s2t.is_some() {
+            record.silenced[i] = vec![false; row.len()];
+        }
+    }
+    if let Some(st) = s2t {
+        for &(b, j) in &st.positions {
+            record.silenced[mb.idx[b]][j] = true;
+        }
+    }
+    Ok(())
+}
+
+/// 7. Means over optimizer steps and tokens; the most silenced token ids. Sums and
+/// token-weighted means over ranks first (the optimizer-step figures are already global).
+pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut totals: Totals) -> Result<()> {
+    if comm.size() > 1 {
+        let lm = &mut totals.loss_metrics;
+        let w = lm.n_tokens as f64;
+        let [resp, silenced, candidates, ent_sum, ent_count, n, low, high, kl] = dist::sum_f64(
+            comm,
+            [
+                metrics.response_tokens as f64,
+                metrics.silenced_tokens as f64,
+                metrics.s2t_candidates as f64,
+                totals.entropy_sum,
+                totals.entropy_count as f64,
+                w,
+                lm.clip_frac_low as f64 * w,
+                lm.clip_frac_high as f64 * w,
+                lm.approx_kl as f64 * w,
+            ],
+        )?;
+        metrics.response_tokens = resp as usize;
+        metrics.silenced_tokens = silenced as usize;
+        metrics.s2t_candidates = candidates as usize;
+        totals.entropy_sum = ent_sum;
+        totals.entropy_count = ent_count as usize;
+        let mean = |x: f64| if n > 0.0 { (x / n) as f32 } else { 0.0 };
+        (lm.clip_frac_low, lm.clip_frac_high, lm.approx_kl) = (mean(low), mean(high), mean(kl));
+        lm.n_tokens = n as usize;
+        let mine: Vec<(u32, usize)> = totals.silenced.iter().map(|(&t, &c)| (t, c)).collect();
+        totals.silenced.clear();
+        for part in dist::all_gather_json(comm, &mine)? {
+            for (t, c) in part {
+                *totals.silenced.entry(t).or_default() += c;
+            }
+        }
+    }
+    let steps = metrics.optimizer_steps.max(1) as f64;
+    metrics.loss = (totals.loss_sum / steps) as f32;
+    metrics.grad_norm = (totals.grad_norm_sum / steps) as f32;
+    metrics.entropy = if totals.entropy_count == 0 {
+        0.0
+    } else {
+        (totals.entropy_sum / totals.entropy_count as f64) as f32
+    };
+    metrics.tau_h = (totals.tau_h_count > 0).then(|| (totals.tau_h_sum / totals.tau_h_count as f64) as f32);
+    metrics.clip_frac_low = totals.loss_metrics.clip_frac_low;
+    metrics.clip_frac_high = totals.loss_metrics.clip_frac_high;
+    metrics.approx_kl = totals.loss_metrics.approx_kl;
+    metrics.silenced_ratio = if metrics.response_tokens == 0 {
+        0.0
+    } else {
+        metrics.silenced_tokens as f32 / metrics.response_tokens as f32
+    };
+    let mut top: Vec<(u32, usize)> = totals.silenced.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    top.truncate(20);
+    metrics.silenced_token_ids = top;
+    Ok(())
+}

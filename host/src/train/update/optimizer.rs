@@ -1,0 +1,38 @@
+//! Step 6 of the update: the optimizer step of a mini-batch, skipped (with a warning in the
+//! metrics) when its loss or gradient norm is not finite.
+
+use candle_core::backprop::GradStore;
+
+use super::metrics::{Totals, UpdateMetrics};
+use crate::train::optim::AdamW;
+use crate::Result;
+
+/// The optimizer step of one mini-batch (skipped, with a warning, when its loss was not
+/// finite or AdamW finds a non-finite gradient norm).
+pub(super) fn optimizer_step(
+    opt: &mut AdamW,
+    acc: &GradStore,
+    lr: f64,
+    loss: Option<f64>,
+    metrics: &mut UpdateMetrics,
+    totals: &mut Totals,
+) -> Result<()> {
+    let Some(loss) = loss else {
+        metrics.warnings.push("non-finite loss; optimizer step skipped, weights unchanged".into());
+        metrics.skipped_steps += 1;
+        return Ok(());
+    };
+    let report = opt.step(acc, lr)?;
+    if report.skipped {
+        metrics.warnings.push(format!(
+            "gradient norm is {}; optimizer step skipped (weights and moments unchanged)",
+            report.grad_norm
+        ));
+        metrics.skipped_steps += 1;
+    } else {
+        metrics.optimizer_steps += 1;
+        totals.loss_sum += loss;
+        totals.grad_norm_sum += report.grad_norm;
+    }
+    Ok(())
+}

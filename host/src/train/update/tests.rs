@@ -1,0 +1,387 @@
+//! Tests of the update's seams and of the whole update against hand-computed values.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+
+use super::layout::layout;
+use super::metrics::{finish_metrics, Totals};
+use super::optimizer::optimizer_step;
+use super::score::run_setting_warnings;
+use super::*;
+use crate::algo::ObjectiveConfig;
+use crate::algo::{OverlongConfig, TauH};
+use crate::model::Config;
+use crate::model::TokenBatch;
+
+const TOL: f32 = 1e-6;
+
+fn seq(group: usize, reward: f32, prompt: &[u32], response: &[u32]) -> Sequence {
+    Sequence {
+        prompt_ids: prompt.to_vec(),
+        response_ids: response.to_vec(),
+        rollout_logprobs: None,
+        reward,
+        group,
+        truncated: false,
+    }
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+fn t2(v: &[f32], b: usize, l: usize) -> Tensor {
+    Tensor::from_slice(v, (b, l), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn score_shapes_then_advantages_and_filters_unshaped() {
+    // Overlong L_max 4, L_cache 2: penalty 0 up to 2 tokens, -0.5 at 3, -1 at 4 and beyond.
+    // Group 0: R = [1, 0, 0, 0], lengths [1, 3, 4, 5] → shaped [1, -0.5, -1, -1];
+    //   mean -0.375, sample std sqrt(2.6875 / 3) = 0.9464847,
+    //   A = [1.4527425, -0.1320675, -0.6603375, -0.6603375].
+    // Group 1: R = [1, 1], lengths [1, 4] → shaped [1, 0]: A = ±0.5 / (0.7071068 + 1e-6)
+    //   = ±0.7071058, yet dynamic sampling drops it: its *unshaped* rewards are equal.
+    let r = |n: usize| vec![3u32; n];
+    let seqs = vec![
+        seq(0, 1., &[1], &r(1)),
+        seq(0, 0., &[1], &r(3)),
+        seq(0, 0., &[1], &r(4)),
+        seq(0, 0., &[1], &r(5)),
+        seq(1, 1., &[1], &r(1)),
+        seq(1, 1., &[1], &r(4)),
+    ];
+    let mut obj = ObjectiveConfig::preset("dapo").unwrap();
+    obj.overlong = Some(OverlongConfig { max_len: 4, cache_len: 2, factor: 1.0 });
+    let s = score(&seqs, &obj).unwrap();
+    close(&s.unshaped, &[1., 0., 0., 0., 1., 1.], 0.0, "unshaped");
+    close(&s.rewards, &[1., -0.5, -1., -1., 1., 0.], TOL, "shaped");
+    let want = [1.4527425, -0.1320675, -0.6603375, -0.6603375, 0.7071058, -0.7071058];
+    close(&s.advantages.values, &want, 2e-6, "advantages");
+    assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 1, 2, 3]);
+    obj.dynamic_sampling = false;
+    assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+
+    // Batch metrics over the shaped rewards: mean -1/12, population std 0.8374896;
+    // accuracy 3/6; lengths mean 18/6 = 3, max 5.
+    let mut m = UpdateMetrics::default();
+    assert_eq!(batch_metrics(&Local, &seqs, &s, &mut m).unwrap(), 6);
+    assert!((m.reward_mean + 1. / 12.).abs() < TOL && (m.reward_std - 0.8374896).abs() < 1e-5, "{m:?}");
+    assert!((m.accuracy - 0.5).abs() < TOL && (m.response_len_mean - 3.).abs() < TOL);
+    assert_eq!(m.response_len_max, 5);
+    assert_eq!(m.zero_var_group_frac, 0.0);
+
+    // The same batch on two ranks, one group each: the same global figures on both.
+    let comms = crate::dist::ThreadComm::group(2);
+    let parts = [seqs[..4].to_vec(), seqs[4..].to_vec()];
+    let ms: Vec<(usize, UpdateMetrics)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&parts)
+            .map(|(c, part)| {
+                let obj = &obj;
+                sc.spawn(move || {
+                    let mut m = UpdateMetrics::default();
+                    let n = batch_metrics(c, part, &score(part, obj).unwrap(), &mut m).unwrap();
+                    (n, m)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (n, mr) in ms {
+        assert_eq!(n, 6);
+        assert!((mr.reward_mean - m.reward_mean).abs() < TOL && (mr.reward_std - m.reward_std).abs() < TOL);
+        assert_eq!((mr.accuracy, mr.response_len_mean, mr.response_len_max), (0.5, 3.0, 5));
+    }
+}
+
+#[test]
+fn empty_responses_never_reach_the_loss() {
+    let seqs = vec![seq(0, 1., &[1], &[2, 3]), seq(0, 0., &[1], &[]), seq(0, 0., &[1], &[4])];
+    let mut obj = ObjectiveConfig::preset("grpo").unwrap();
+    obj.dynamic_sampling = false;
+    let s = score(&seqs, &obj).unwrap();
+    assert_eq!(active_sequences(&seqs, &obj, &s).unwrap(), vec![0, 2]);
+}
+
+#[test]
+fn layout_pads_prompts_left_and_responses_right() {
+    // Prompts [5, 6] and [8] → P = 2; responses [7] and [9, 10] → T = 2.
+    let (a, b) = (seq(0, 0., &[5, 6], &[7]), seq(0, 0., &[8], &[9, 10]));
+    let mb = layout(&[&a, &b], 2, 2, 0, &Device::Cpu).unwrap();
+    assert_eq!(mb.tokens.ids.to_vec2::<u32>().unwrap(), vec![vec![5, 6, 7, 0], vec![0, 8, 9, 10]]);
+    assert_eq!(mb.tokens.mask, vec![vec![1, 1, 1, 0], vec![0, 1, 1, 1]]);
+    assert_eq!(mb.targets.to_vec2::<u32>().unwrap(), vec![vec![7, 0], vec![9, 10]]);
+    assert_eq!(mb.resp_mask.to_vec2::<f32>().unwrap(), vec![vec![1., 0.], vec![1., 1.]]);
+    let empty_prompt = seq(0, 0., &[], &[1]);
+    assert!(layout(&[&empty_prompt], 1, 1, 0, &Device::Cpu).is_err());
+}
+
+#[test]
+fn token_mask_by_hand() {
+    // Row 0 (A = +1): p [0.001, 0.5, 0.001, 0.001], H [0.2, 0.1, 0.9, 0.3], last position padding.
+    // Row 1 (A = -1): p [0.001, 0.001, 0.2, 0.2], H 0.1 everywhere, two response tokens.
+    let ln = |p: f32| p.ln();
+    let lp = t2(&[ln(0.001), ln(0.5), ln(0.001), ln(0.001), ln(0.001), ln(0.001), ln(0.2), ln(0.2)], 2, 4);
+    let h = t2(&[0.2, 0.1, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1], 2, 4);
+    let adv = Tensor::from_slice(&[1f32, -1.], 2, &Device::Cpu).unwrap();
+    let resp = t2(&[1., 1., 1., 0., 1., 1., 0., 0.], 2, 4);
+    // S2T, tau_p 0.002, tau_h 0.5: candidates (0,0) H 0.2 and (0,2) H 0.9 (padding and A < 0
+    // never are); only (0,0) is below tau_h.
+    let s2t = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.5) };
+    let (m, st) = token_mask(&s2t, Some((&lp, &h)), &adv, &resp).unwrap();
+    assert_eq!(m.to_vec2::<f32>().unwrap(), vec![vec![0., 1., 1., 0.], vec![1., 1., 0., 0.]]);
+    let st = st.unwrap();
+    assert_eq!((st.n_candidates, st.n_silenced, st.positions.clone()), (2, 1, vec![(0, 0)]));
+    // Top-entropy rho 0.5 over 5 response tokens: k = ceil(2.5) = 3: H 0.9, 0.2, then the
+    // first of the 0.1 ties in row-major order, (0, 1).
+    let top = MaskConfig::TopEntropy { rho: 0.5 };
+    let (m, st) = token_mask(&top, Some((&lp, &h)), &adv, &resp).unwrap();
+    assert_eq!(m.to_vec2::<f32>().unwrap(), vec![vec![1., 1., 1., 0.], vec![0., 0., 0., 0.]]);
+    assert!(st.is_none());
+    // No mask: the response mask; no statistics needed.
+    let (m, _) = token_mask(&MaskConfig::None, None, &adv, &resp).unwrap();
+    assert_eq!(m.to_vec2::<f32>().unwrap(), resp.to_vec2::<f32>().unwrap());
+    assert!(token_mask(&s2t, None, &adv, &resp).is_err());
+}
+
+#[test]
+fn skipped_steps_become_warnings_not_prints() {
+    let w = candle_core::Var::from_slice(&[1f32, 2.], 2, &Device::Cpu).unwrap();
+    let mut opt = AdamW::new(vec![("w".into(), w.clone())], Default::default()).unwrap();
+    let (mut m, mut totals) = (UpdateMetrics::default(), Totals::default());
+    optimizer_step(&mut opt, &GradStore::default(), 0.1, None, &mut m, &mut totals).unwrap();
+    assert_eq!((m.skipped_steps, m.optimizer_steps, opt.step_count()), (1, 0, 0));
+    assert!(m.warnings[0].contains("non-finite loss"), "{:?}", m.warnings);
+    let mut g = GradStore::default();
+    g.insert(w.as_tensor(), Tensor::from_slice(&[f32::NAN, 1.], 2, &Device::Cpu).unwrap());
+    optimizer_step(&mut opt, &g, 0.1, Some(1.0), &mut m, &mut totals).unwrap();
+    assert_eq!((m.skipped_steps, opt.step_count()), (2, 0));
+    assert!(m.warnings[1].contains("gradient norm is NaN"), "{:?}", m.warnings);
+    assert_eq!(w.to_vec1::<f32>().unwrap(), vec![1., 2.]);
+    // A finite gradient steps and counts its loss.
+    g.insert(w.as_tensor(), Tensor::from_slice(&[0.5f32, 1.], 2, &Device::Cpu).unwrap());
+    optimizer_step(&mut opt, &g, 0.1, Some(2.5), &mut m, &mut totals).unwrap();
+    assert_eq!((m.optimizer_steps, opt.step_count(), m.warnings.len()), (1, 1, 2));
+    assert_eq!(totals.loss_sum, 2.5);
+}
+
+#[test]
+fn finish_metrics_by_hand() {
+    let mut m =
+        UpdateMetrics { optimizer_steps: 2, silenced_tokens: 3, response_tokens: 12, ..Default::default() };
+    let totals = Totals {
+        loss_sum: 3.0,
+        grad_norm_sum: 1.5,
+        entropy_sum: 6.0,
+        entropy_count: 4,
+        tau_h_sum: 1.2,
+        tau_h_count: 2,
+        silenced: [(5, 2), (3, 2), (9, 1)].into_iter().collect(),
+        ..Default::default()
+    };
+    finish_metrics(&Local, &mut m, totals).unwrap();
+    assert_eq!((m.loss, m.grad_norm, m.entropy, m.silenced_ratio), (1.5, 0.75, 1.5, 0.25));
+    assert!((m.tau_h.unwrap() - 0.6).abs() < TOL);
+    assert_eq!(m.silenced_token_ids, vec![(3, 2), (5, 2), (9, 1)]);
+}
+
+#[test]
+fn options_build_the_config_and_reject_unknown_fields() {
+    let o: UpdateOptions =
+        serde_json::from_str(r#"{"objective": "grpo", "set": {"eps_high": "0.28"}, "epochs": 2}"#).unwrap();
+    let (c, notes) = o.to_config().unwrap();
+    assert!(notes.is_empty());
+    assert_eq!(c.objective.loss.clip_range(), Some((0.2, 0.28)));
+    assert!(c.shuffle && c.epochs == 2 && o.lr == 1e-6);
+    let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
+    assert!(e.contains("epoch"), "{e}");
+    assert!(serde_json::from_str::<UpdateOptions>(r#"{"epochs": -1}"#).is_err());
+    // max_tokens sizes the preset's overlong buffer (stapo: 20480/4096 → 64/13).
+    let o = UpdateOptions { max_tokens: Some(64), temperature: 0.7, ..Default::default() };
+    let (c, _) = o.to_config().unwrap();
+    assert_eq!(c.objective.overlong.map(|o| (o.max_len, o.cache_len)), Some((64, 13)));
+    assert_eq!(c.temperature, 0.7);
+    assert!(UpdateOptions { temperature: 0.0, ..Default::default() }.to_config().is_err());
+    let bad = UpdateOptions { set: [("tau_p".into(), "-1".into())].into(), ..Default::default() };
+    assert!(bad.to_config().unwrap_err().to_string().contains("tau_p"));
+}
+
+/// A random 2-layer, 64-wide Qwen3 over 97 tokens.
+fn tiny() -> Qwen3 {
+    let text = r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": true,
+        "eos_token_id": 1, "torch_dtype": "float32"}"#;
+    let cfg = Config::from_json_str(text, "tiny").unwrap();
+    crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn the_record_is_what_the_update_used() {
+    // Groups 0-2 mixed (rewards [0, 1, 0, 1] → A = ±0.5 / (sqrt(1/3) + 1e-6) = ±0.8660239);
+    // group 3 all correct, dropped by dynamic sampling.
+    let mut seqs = Vec::new();
+    for g in 0..4u32 {
+        for i in 0..4u32 {
+            let prompt: Vec<u32> = (0..3 + g).map(|t| (t * 13 + g * 7 + 2) % 97).collect();
+            let response: Vec<u32> = (0..4 + i + g).map(|t| (t * 29 + i * 5 + g + 3) % 97).collect();
+            let reward = if g == 3 { 1.0 } else { (i % 2) as f32 };
+            seqs.push(seq(g as usize, reward, &prompt, &response));
+        }
+    }
+    let m = tiny();
+    let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+    let mut obj = ObjectiveConfig::preset("stapo").unwrap();
+    obj.set("tau_p", "0.03").unwrap();
+    let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+    let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
+    let (rec, met) = (&out.record, &out.metrics);
+    let a = 0.8660239f32;
+    for (i, s) in seqs.iter().enumerate() {
+        let g = s.group;
+        let want = if g == 3 {
+            0.0
+        } else if i % 2 == 1 {
+            a
+        } else {
+            -a
+        };
+        assert!((rec.advantages[i] - want).abs() < 2e-6, "A[{i}] = {}", rec.advantages[i]);
+        assert_eq!(rec.active[i], g != 3, "active[{i}]");
+        let n = if g == 3 { 0 } else { s.response_ids.len() };
+        assert_eq!((rec.kept[i].len(), rec.silenced[i].len(), rec.p[i].len()), (n, n, n), "{i}");
+    }
+    assert_eq!(met.dropped_seqs, 4);
+    // One mini-batch: one set of thresholds, and the S2T rule holds token by token.
+    assert_eq!(rec.thresholds.len(), 1);
+    let th = rec.thresholds[0];
+    assert_eq!(th.tau_p, 0.03);
+    let tau_h = th.tau_h.expect("candidates exist at tau_p 0.03");
+    let mut silenced = 0;
+    for i in (0..seqs.len()).filter(|&i| rec.active[i]) {
+        for j in 0..rec.p[i].len() {
+            let spurious = rec.advantages[i] > 0.0 && rec.p[i][j] < 0.03 && rec.entropy[i][j] < tau_h;
+            assert_eq!(rec.silenced[i][j], spurious, "({i}, {j}): p {} H {}", rec.p[i][j], rec.entropy[i][j]);
+            assert_eq!(rec.kept[i][j], !spurious);
+            silenced += spurious as usize;
+        }
+    }
+    assert!(silenced > 0);
+    assert_eq!((silenced, th.silenced), (met.silenced_tokens, met.silenced_tokens));
+    let kept: usize = rec.kept.iter().flatten().filter(|&&k| k).count();
+    assert_eq!(kept, met.kept_tokens);
+}
+
+/// The tiny model, one group of two sequences (prompt [5, 6, 7], response [8, 9],
+/// rewards 1 and 0) and the model's full logits of that sequence in f64.
+fn tiny_pair() -> (Qwen3, Vec<Sequence>, Vec<Vec<Vec<f64>>>) {
+    let m = tiny();
+    let seqs = vec![seq(0, 1., &[5, 6, 7], &[8, 9]), seq(0, 0., &[5, 6, 7], &[8, 9])];
+    let batch = TokenBatch::left_padded(&[vec![5, 6, 7, 8, 9]], 0, &Device::Cpu).unwrap();
+    let logits = m.forward(&batch).unwrap().to_dtype(DType::F64).unwrap().to_vec3::<f64>().unwrap();
+    (m, seqs, logits)
+}
+
+/// `softmax(z / t)` of one row of logits, on the host in f64.
+fn host_softmax(z: &[f64], t: f64) -> Vec<f64> {
+    let z: Vec<f64> = z.iter().map(|x| x / t).collect();
+    let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = z.iter().map(|x| (x - mx).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+#[test]
+fn the_update_sees_the_tempered_policy() {
+    // One sequence, prompt [5, 6, 7], response [8, 9]; T = 2. The record's p must be the
+    // sampled token's probability under softmax(logits / 2), computed here on the host
+    // from the model's full logits; its H the entropy of that distribution.
+    let (m, seqs, logits) = tiny_pair();
+    let (mut want_p, mut want_h) = (Vec::new(), Vec::new());
+    for (pos, target) in [(2usize, 8usize), (3, 9)] {
+        let p = host_softmax(&logits[0][pos], 2.0);
+        want_p.push(p[target] as f32);
+        want_h.push(-p.iter().map(|q| q * q.ln()).sum::<f64>() as f32);
+    }
+    let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+    let cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0)
+        .with_temperature(2.0);
+    let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
+    close(&out.record.p[0], &want_p, 1e-5, "p at T = 2");
+    close(&out.record.entropy[0], &want_h, 1e-4, "H at T = 2");
+    // Log-probs recorded at T = 1 cannot serve as old log-probs of a tempered update.
+    let cfg = UpdateConfig { old_logp: OldLogp::Rollout, ..cfg };
+    let mut with_lp = seqs.clone();
+    for s in &mut with_lp {
+        s.rollout_logprobs = Some(vec![-1.0; 2]);
+    }
+    let e = update(&m, &mut opt, None, &with_lp, &cfg, 0.0, 0).unwrap_err().to_string();
+    assert!(e.contains("temperature 1"), "{e}");
+}
+
+#[test]
+fn settings_that_cannot_fire_are_warned() {
+    // DAPO's preset buffer starts after 20480 - 4096 tokens; responses cut at 3 tokens.
+    let mut s = seq(0, 1., &[1], &[2, 3, 4]);
+    s.truncated = true;
+    let w = run_setting_warnings(&ObjectiveConfig::preset("dapo").unwrap(), &[s.clone()]);
+    assert!(w.len() == 1 && w[0].contains("never fire") && w[0].contains("16384"), "{w:?}");
+    let mut fitted = ObjectiveConfig::preset("dapo").unwrap();
+    assert!(fitted.fit_to_run(3).is_empty());
+    assert!(run_setting_warnings(&fitted, &[s.clone()]).is_empty());
+    let dr = ObjectiveConfig::preset("drgrpo").unwrap();
+    assert!(run_setting_warnings(&dr, &[s])[0].contains("norm_len"));
+}
+
+#[test]
+fn logit_grad_norm_and_shares_by_hand() {
+    // p = [1/6, 2/6, 3/6], y = 2, A = 2: the gradient -A·(e_y - p) = [1/3, 2/3, -1] has norm
+    // sqrt(1/9 + 4/9 + 1) = sqrt(14/9) = 1.2472191; collision = 14/36.
+    let g = logit_grad_norm(2.0, 0.5, 14.0 / 36.0);
+    assert!((g - 1.2472191).abs() < 1e-6, "{g}");
+    assert_eq!(logit_grad_norm(0.0, 0.5, 0.4), 0.0);
+    // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4; top 0.01% of 5 tokens → 1 token, 5 → 0.5.
+    let (s, t) = grad_shares(&[5., 1., 0., 3., 1.], &[false, true, false, true, false], 1e-4);
+    assert!((s - 0.4).abs() < 1e-7 && (t - 0.5).abs() < 1e-7, "{s} {t}");
+    assert_eq!(grad_shares(&[0., 0.], &[true, false], 1e-4), (0.0, 0.0));
+}
+
+#[test]
+fn grad_norms_are_recorded_from_the_collision_probability() {
+    // One group of two, prompt [5, 6, 7]; the record's collision probability must be
+    // Σ p² of softmax(logits), computed on the host from the model's full logits.
+    let (m, seqs, logits) = tiny_pair();
+    let want_c: Vec<f32> = [2usize, 3]
+        .iter()
+        .map(|&pos| host_softmax(&logits[0][pos], 1.0).iter().map(|q| q.powi(2)).sum::<f64>() as f32)
+        .collect();
+    let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+    let mut cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0);
+    cfg.token_grad_norms = true;
+    let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
+    let rec = &out.record;
+    close(&rec.collision[0], &want_c, 1e-6, "collision");
+    for i in 0..2 {
+        for j in 0..2 {
+            let want = logit_grad_norm(rec.advantages[i], rec.p[i][j], rec.collision[i][j]);
+            assert_eq!(rec.grad_norm[i][j], want);
+            assert!(want > 0.0);
+        }
+    }
+    // The analysis of the same sequences without an update agrees with the record.
+    let an = token_analysis(&m, &seqs, 0, 1.0, 1).unwrap();
+    for i in 0..2 {
+        close(&an[i].p, &rec.p[i], 1e-6, "p");
+        close(&an[i].entropy, &rec.entropy[i], 1e-5, "H");
+        close(&an[i].collision, &rec.collision[i], 1e-6, "collision");
+    }
+    assert_eq!(out.metrics.silenced_grad_share, Some(0.0));
+    // The largest of 4 tokens, which come in equal pairs (the two responses are the same).
+    let top = out.metrics.top_grad_share.unwrap();
+    assert!((0.25..=0.5).contains(&top), "{top}");
+}
