@@ -73,6 +73,7 @@ fn opts(f: &Fixture, run_dir: &Path, smoke: bool) -> HostOptions {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     }
 }
 
@@ -118,6 +119,7 @@ fn paper_script_smoke_runs_the_real_model_path() {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     };
     let (host, buf) = buffered(o);
     let out = script::run_file(&host, &repo().join("scripts/paper.rhai"));
@@ -631,6 +633,7 @@ fn opts_plain(dir: &Path) -> HostOptions {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     }
 }
 
