@@ -87,7 +87,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         world.size()
     );
     let time_limits = script::TimeLimits {
-        hook: script::TimeLimits::seconds(a.hook_timeout).map_err(|e| anyhow::anyhow!("--hook-timeout: {e}"))?,
+        hook: script::TimeLimits::seconds(a.hook_timeout)
+            .map_err(|e| anyhow::anyhow!("--hook-timeout: {e}"))?,
         script: script::TimeLimits::seconds(a.script_timeout)
             .map_err(|e| anyhow::anyhow!("--script-timeout: {e}"))?,
     };

@@ -402,7 +402,8 @@ fn near_miss(name: &str) -> Option<&'static HookSpec> {
 /// the hook is thresholds(step, stats)`. A function is not reported when the
 /// script also defines the hook it resembles (then it is a helper).
 pub fn lint(file: &str, text: &str, ast: &AST) -> Vec<String> {
-    let defined = |h: &HookSpec| ast.iter_functions().any(|f| f.name == h.name && f.params.len() == h.arity());
+    let defined =
+        |h: &HookSpec| ast.iter_functions().any(|f| f.name == h.name && f.params.len() == h.arity());
     let lines: HashMap<(String, usize), usize> =
         fn_lines(text).into_iter().map(|(n, a, l)| ((n, a), l)).collect();
     let mut out = Vec::new();
@@ -470,10 +471,7 @@ mod tests {
     #[test]
     fn definitions_are_found_with_their_lines() {
         let src = "// fn hidden(a)\nlet s = \"fn nope(x)\";\n/* fn no(\n) */\nfn lr(step) { step }\n\nfn  on_step ( step, m ) {}\nfn f() {}\n";
-        assert_eq!(
-            fn_lines(src),
-            vec![("lr".into(), 1, 5), ("on_step".into(), 2, 7), ("f".into(), 0, 8)]
-        );
+        assert_eq!(fn_lines(src), vec![("lr".into(), 1, 5), ("on_step".into(), 2, 7), ("f".into(), 0, 8)]);
     }
 
     #[test]
@@ -493,7 +491,8 @@ mod tests {
         );
         assert_eq!(h.hook_pos(&SAMPLING), "scripts/x.rhai:4");
         // A helper beside the real hook is not reported.
-        let ok = HookSet::compile(&engine, "y.rhai", "fn lr(step) { 1 }\nfn lr(step, base) { base }\n").unwrap();
+        let ok =
+            HookSet::compile(&engine, "y.rhai", "fn lr(step) { 1 }\nfn lr(step, base) { base }\n").unwrap();
         assert!(ok.lint().is_empty(), "{:?}", ok.lint());
     }
 

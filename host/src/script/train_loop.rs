@@ -69,9 +69,9 @@ fn hook_timeout(host: &Host, cfg: &Map) -> RhaiResult<Option<Duration>> {
     match cfg.get("hook_timeout") {
         None => Ok(host.opts.time_limits.hook),
         Some(v) => {
-            let s = num(v).filter(|s| s.is_finite() && *s >= 0.0).ok_or_else(|| {
-                bad_arg("train", format!("hook_timeout: expected seconds >= 0, found {v}"))
-            })?;
+            let s = num(v)
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| bad_arg("train", format!("hook_timeout: expected seconds >= 0, found {v}")))?;
             Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
         }
     }
@@ -319,7 +319,8 @@ impl HookCaller<'_> {
                     self.host,
                     Some(self.run_dir),
                     &format!(
-                        "step {}: {e}; treated as a broken edit: keeping the previous hooks                          (from before the last reload): {}",
+                        "step {}: {e}; treated as a broken edit: keeping the previous hooks \
+                         (from before the last reload): {}",
                         self.step,
                         self.host.hooks().names().join(", ")
                     ),
