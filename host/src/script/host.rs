@@ -34,8 +34,9 @@ pub struct TimeLimits {
     /// Each call of a training hook (`lr`, `on_step`, ...): 60 s by default;
     /// `stapo run --hook-timeout`, or `hook_timeout` (seconds) in a `train` config map.
     pub hook: Option<Duration>,
-    /// The whole top-level script, training included: none by default (a run
-    /// may train for days; Ctrl-C stops it); `stapo run --script-timeout`.
+    /// The whole top-level script of `stapo run` ([`super::run_file`]),
+    /// training included: none by default (a run may train for days; Ctrl-C
+    /// stops it); `stapo run --script-timeout`. REPL inputs have no limit.
     pub script: Option<Duration>,
 }
 
@@ -297,6 +298,12 @@ impl Host {
 
     /// The message of a passed deadline (the hook's first), checked by `on_progress`.
     pub fn deadline_passed(&self) -> Option<String> {
+        // Without a deadline (the common case) the clock is not read.
+        if self.hook_deadline.at_ns.load(Ordering::Relaxed) == 0
+            && self.script_deadline.at_ns.load(Ordering::Relaxed) == 0
+        {
+            return None;
+        }
         let now = now_ns();
         self.hook_deadline.check(now).or_else(|| self.script_deadline.check(now))
     }
