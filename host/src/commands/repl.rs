@@ -20,6 +20,9 @@ pub struct ReplArgs {
     /// Where train() and trainer() write runs (default runs/repl-<time>/).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Wall-clock limit of one hook call during train(), in seconds (0: none).
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub hook_timeout: f64,
 }
 
 pub fn run(a: ReplArgs) -> anyhow::Result<()> {
@@ -35,7 +38,15 @@ pub fn run(a: ReplArgs) -> anyhow::Result<()> {
         resume: false,
         progress: std::io::stderr().is_terminal(),
         watch: false,
-        stdlib_dirs: script::runner::stdlib_dirs(None),
+        stdlib_dirs: script::runner::stdlib_dirs(
+            std::env::var_os("STAPO_STDLIB").map(std::path::PathBuf::from).as_deref(),
+            None,
+        ),
+        time_limits: script::TimeLimits {
+            hook: script::TimeLimits::seconds(a.hook_timeout)
+                .map_err(|e| anyhow::anyhow!("--hook-timeout: {e}"))?,
+            script: None,
+        },
     };
     if std::io::stdin().is_terminal() {
         let cancel = script::signal::install();

@@ -36,6 +36,13 @@ pub struct RunArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Wall-clock limit of one hook call during train(), in seconds (0: none). A hook past it
+    /// stops with an error naming it; after a hot reload the run goes back to the previous hooks.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub hook_timeout: f64,
+    /// Wall-clock limit of each whole script, training included, in seconds (0: none, the default).
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    pub script_timeout: f64,
 }
 
 fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
@@ -79,6 +86,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         "--watch with {} MPI ranks: each rank would reload at a different step; run without --watch",
         world.size()
     );
+    let time_limits = script::TimeLimits {
+        hook: script::TimeLimits::seconds(a.hook_timeout)
+            .map_err(|e| anyhow::anyhow!("--hook-timeout: {e}"))?,
+        script: script::TimeLimits::seconds(a.script_timeout)
+            .map_err(|e| anyhow::anyhow!("--script-timeout: {e}"))?,
+    };
+    // Read once here and passed down, so the library never looks at the environment.
+    let env_stdlib = std::env::var_os("STAPO_STDLIB").map(PathBuf::from);
     let cancel = script::signal::install();
     let mut outcomes = Vec::new();
     for path in &scripts {
@@ -95,7 +110,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             resume: a.resume.is_some(),
             progress: root && !a.quiet && std::io::stderr().is_terminal(),
             watch: a.watch,
-            stdlib_dirs: script::runner::stdlib_dirs(Some(path)),
+            stdlib_dirs: script::runner::stdlib_dirs(env_stdlib.as_deref(), Some(path)),
+            time_limits,
         };
         script::signal::clear();
         let console = if root { Console::Stdout } else { Console::Buffer(Default::default()) };

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | `:help` | lists the stapo functions and commands |
 //! | `:help name` | the doc comments of `name` (every overload) |
+//! | `:help hooks` | the hooks `train()` calls, their signatures and return values |
 //! | `:load file` | runs a script file in the session |
 //! | `:reload` | recompiles the loaded files' functions (hooks), top-level code not re-run |
 //! | `:vars` | variables and their values |
@@ -162,6 +163,7 @@ impl Repl {
         let out = match name {
             ":quit" | ":q" | ":exit" => return Feed::Quit,
             ":help" | ":h" if arg.is_empty() => self.help_all(),
+            ":help" | ":h" if arg == "hooks" => crate::script::hooks::hooks_help(),
             ":help" | ":h" => {
                 let docs = self.session.help(arg);
                 if docs.is_empty() {
@@ -189,7 +191,9 @@ impl Repl {
                 Err(e) => format!("error: {e} (previous functions kept)\n"),
             },
             ":vars" => self.session.vars().iter().map(|(n, t, v)| format!("{n:<16} {t:<12} {v}\n")).collect(),
-            _ => format!("unknown command `{cmd}`: try :help, :help fn, :load file, :reload, :vars, :quit\n"),
+            _ => format!(
+                "unknown command `{cmd}`: try :help, :help fn, :help hooks, :load file, :reload, :vars, :quit\n"
+            ),
         };
         Feed::Done(out)
     }
@@ -197,12 +201,14 @@ impl Repl {
     fn help_all(&self) -> String {
         let names = self.session.function_names();
         let mut s = String::from(
-            "Commands: :help [fn], :load file, :reload, :vars, :quit\nFunctions (:help name for details):\n",
+            "Commands: :help [fn], :help hooks, :load file, :reload, :vars, :quit\n\
+             Functions (:help name for details):\n",
         );
         for chunk in names.chunks(6) {
             s.push_str(&format!("  {}\n", chunk.join("  ")));
         }
-        s.push_str("Hooks a script may define for train(): sampling(step), thresholds(step, stats), lr(step), on_step(step, m), should_stop(step, m)\n");
+        let hooks: Vec<String> = crate::script::hooks::HOOKS.iter().map(|h| h.signature()).collect();
+        s.push_str(&format!("Hooks a script may define for train() (:help hooks): {}\n", hooks.join(", ")));
         s
     }
 }
@@ -329,7 +335,8 @@ mod tests {
 
     #[test]
     fn state_persists_and_commands_work() {
-        let input = "let x = 40;\nfn add(a,\n b) {\n a + b\n}\nadd(x, 2)\n:vars\n:help verify\n:bogus\nprint(\"hi\");\n:quit\nnot reached\n";
+        let input = "let x = 40;\nfn add(a,\n b) {\n a + b\n}\nadd(x, 2)\n:vars\n:help verify\n:bogus\nprint(\"hi\");\n\
+                     :help hooks\nfn on_steps(step, m) { }\n:quit\nnot reached\n";
         let mut out = Vec::new();
         run_repl(input.as_bytes(), &mut out, HostOptions::default()).unwrap();
         let out = String::from_utf8(out).unwrap();
@@ -337,5 +344,16 @@ mod tests {
         assert!(out.contains("x ") && out.contains("verify(answer, response)"), "{out}");
         assert!(out.contains("unknown command") && out.contains("hi\n"), "{out}");
         assert!(!out.contains("not reached"));
+        // `:help hooks` lists the one table, and a near-miss hook name is warned about.
+        for h in crate::script::hooks::HOOKS {
+            assert!(out.contains(&format!("  {}\n      -> {}", h.signature(), h.returns)), "{out}");
+        }
+        assert!(
+            out.contains(
+                "warning: <repl>:1: fn on_steps(step, m) is never called: did you mean the hook \
+                 on_step(step, metrics)?"
+            ),
+            "{out}"
+        );
     }
 }

@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rhai::{Dynamic, Map};
@@ -22,6 +23,40 @@ pub enum Console {
     Stdout,
     /// A shared buffer, drained by whoever owns it (the REPL driven by a test).
     Buffer(Arc<Mutex<String>>),
+}
+
+/// Wall-clock limits on script code, checked by the engine's `on_progress`
+/// (between script operations: a long host call such as a training step
+/// finishes first). A hook or script past its limit stops with an error naming
+/// it and its file:line.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimeLimits {
+    /// Each call of a training hook (`lr`, `on_step`, ...): 60 s by default;
+    /// `stapo run --hook-timeout`, or `hook_timeout` (seconds) in a `train` config map.
+    pub hook: Option<Duration>,
+    /// The whole top-level script of `stapo run` ([`super::run_file`]),
+    /// training included: none by default (a run may train for days; Ctrl-C
+    /// stops it); `stapo run --script-timeout`. REPL inputs have no limit.
+    pub script: Option<Duration>,
+}
+
+/// The default time limit of one hook call.
+pub const DEFAULT_HOOK_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl TimeLimits {
+    /// A limit of `secs` seconds; 0 means none. Negative or non-finite values are refused.
+    pub fn seconds(secs: f64) -> Result<Option<Duration>, String> {
+        if !(secs.is_finite() && secs >= 0.0) {
+            return Err(format!("expected seconds >= 0, found {secs}"));
+        }
+        Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
+    }
+}
+
+impl Default for TimeLimits {
+    fn default() -> Self {
+        TimeLimits { hook: Some(DEFAULT_HOOK_TIMEOUT), script: None }
+    }
 }
 
 /// What a session is allowed and asked to do.
@@ -43,6 +78,62 @@ pub struct HostOptions {
     pub watch: bool,
     /// Folders searched by `import` after the script's own folder.
     pub stdlib_dirs: Vec<PathBuf>,
+    /// Wall-clock limits of hooks and of the whole script.
+    pub time_limits: TimeLimits,
+}
+
+/// Nanoseconds since the first call (a process-wide origin for deadlines kept in atomics).
+fn now_ns() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64 + 1
+}
+
+/// A running deadline: the instant (0 = none) and what to say when it passes.
+#[derive(Default)]
+struct Deadline {
+    at_ns: AtomicU64,
+    what: Mutex<String>,
+    fired: AtomicBool,
+}
+
+impl Deadline {
+    fn set(&self, limit: Option<Duration>, what: String) -> u64 {
+        if let Ok(mut w) = self.what.lock() {
+            *w = what;
+        }
+        self.fired.store(false, Ordering::SeqCst);
+        let at = limit.map_or(0, |l| now_ns().saturating_add(l.as_nanos() as u64));
+        self.at_ns.swap(at, Ordering::SeqCst)
+    }
+
+    /// The message once the deadline has passed.
+    fn check(&self, now: u64) -> Option<String> {
+        let at = self.at_ns.load(Ordering::Relaxed);
+        if at == 0 || now < at {
+            return None;
+        }
+        self.fired.store(true, Ordering::SeqCst);
+        Some(self.what.lock().map(|w| w.clone()).unwrap_or_default())
+    }
+}
+
+/// Clears a hook deadline when the hook returns.
+pub struct HookDeadline<'a> {
+    host: &'a Host,
+    prev: u64,
+}
+
+impl HookDeadline<'_> {
+    /// True when the hook was stopped by this deadline.
+    pub fn fired(&self) -> bool {
+        self.host.hook_deadline.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for HookDeadline<'_> {
+    fn drop(&mut self) {
+        self.host.hook_deadline.at_ns.store(self.prev, Ordering::SeqCst);
+    }
 }
 
 /// Shared state of one script session; cheap to clone through `Arc`.
@@ -54,6 +145,11 @@ pub struct Host {
     script: RwLock<Option<PathBuf>>,
     /// The code hooks are called from; swapped by reloads.
     hooks: RwLock<Arc<HookSet>>,
+    /// The hooks a reload replaced (what a hook that times out falls back to).
+    previous_hooks: RwLock<Option<Arc<HookSet>>>,
+    /// The running hook's deadline and the script's.
+    hook_deadline: Deadline,
+    script_deadline: Deadline,
     /// Set by the file watcher; consumed at the next step boundary.
     reload_requested: AtomicBool,
     /// Files read by `import` (watched for hot reload).
@@ -79,6 +175,9 @@ impl Host {
             cancel,
             script: RwLock::new(None),
             hooks: RwLock::new(Arc::new(HookSet::empty())),
+            previous_hooks: RwLock::new(None),
+            hook_deadline: Deadline::default(),
+            script_deadline: Deadline::default(),
             reload_requested: AtomicBool::new(false),
             imported: Mutex::new(Vec::new()),
             trains: AtomicUsize::new(0),
@@ -155,11 +254,58 @@ impl Host {
         self.hooks.read().map(|h| h.clone()).unwrap_or_else(|_| Arc::new(HookSet::empty()))
     }
 
-    /// Replaces the hooks.
+    /// Replaces the hooks (a new script, a REPL input); no previous hooks to fall back to.
     pub fn set_hooks(&self, h: HookSet) {
         if let Ok(mut slot) = self.hooks.write() {
             *slot = Arc::new(h);
         }
+        if let Ok(mut p) = self.previous_hooks.write() {
+            *p = None;
+        }
+    }
+
+    /// Replaces the hooks on a hot reload, keeping the replaced ones to fall back to.
+    pub fn reload_hooks(&self, h: HookSet) {
+        let old = self.hooks();
+        if let Ok(mut slot) = self.hooks.write() {
+            *slot = Arc::new(h);
+        }
+        if let Ok(mut p) = self.previous_hooks.write() {
+            *p = Some(old);
+        }
+    }
+
+    /// Goes back to the hooks the last reload replaced; false when there are none.
+    pub fn revert_hooks(&self) -> bool {
+        let Some(prev) = self.previous_hooks.write().ok().and_then(|mut p| p.take()) else { return false };
+        if let Ok(mut slot) = self.hooks.write() {
+            *slot = prev;
+        }
+        true
+    }
+
+    /// Starts the deadline of one hook call (`limit`; `what` is the message
+    /// when it passes); it ends when the returned guard is dropped.
+    pub fn hook_deadline(&self, limit: Option<Duration>, what: String) -> HookDeadline<'_> {
+        let prev = self.hook_deadline.set(limit, what);
+        HookDeadline { host: self, prev }
+    }
+
+    /// Starts the deadline of the whole script (`what` is the message when it passes).
+    pub fn start_script_deadline(&self, limit: Option<Duration>, what: String) {
+        self.script_deadline.set(limit, what);
+    }
+
+    /// The message of a passed deadline (the hook's first), checked by `on_progress`.
+    pub fn deadline_passed(&self) -> Option<String> {
+        // Without a deadline (the common case) the clock is not read.
+        if self.hook_deadline.at_ns.load(Ordering::Relaxed) == 0
+            && self.script_deadline.at_ns.load(Ordering::Relaxed) == 0
+        {
+            return None;
+        }
+        let now = now_ns();
+        self.hook_deadline.check(now).or_else(|| self.script_deadline.check(now))
     }
 
     /// Asks for a reload at the next step boundary (called by the watcher).

@@ -4,7 +4,8 @@
 //! tests alike: standard Rhai packages (no file I/O), the stapo bindings
 //! (one registration file per domain under [`bindings`], modelled on
 //! apollographql/router's rhai plugin), limits (operations, call depth,
-//! string/array/map sizes), a cancellation check in `on_progress` (Ctrl-C),
+//! string/array/map sizes), a cancellation check in `on_progress` (Ctrl-C)
+//! with the wall-clock limits of hooks and scripts ([`host::TimeLimits`]),
 //! `print` routed to the session's console, and the [`resolver::Resolver`]
 //! for `import "schedules" as s;`.
 //!
@@ -37,7 +38,7 @@ use rhai::{Dynamic, Engine, Scope};
 
 pub use error::{from_eval, from_parse, is_host_error, HostError};
 pub use hooks::HookSet;
-pub use host::{Console, Host, HostOptions};
+pub use host::{Console, Host, HostOptions, TimeLimits};
 pub use runner::{run_file, RunOutcome};
 
 /// Most operations one evaluation may run (a runaway loop stops here).
@@ -48,6 +49,9 @@ pub const MAX_CALL_LEVELS: usize = 64;
 pub const MAX_STRING: usize = 16 << 20;
 pub const MAX_ARRAY: usize = 1 << 22;
 pub const MAX_MAP: usize = 1 << 16;
+
+/// Operations between two checks of the time limits.
+const DEADLINE_EVERY: u64 = 64;
 
 /// The engine with every stapo binding, limits, console and module resolver of `host`.
 pub fn build_engine(host: &Arc<Host>) -> Engine {
@@ -63,9 +67,16 @@ pub fn build_engine(host: &Arc<Host>) -> Engine {
     // `eval` would compile code the hooks, positions and limits never see.
     engine.disable_symbol("eval");
     let h = host.clone();
-    engine.on_progress(
-        move |_ops| if h.cancelled() { Some(Dynamic::from("cancelled (Ctrl-C)")) } else { None },
-    );
+    engine.on_progress(move |ops| {
+        if h.cancelled() {
+            return Some(Dynamic::from("cancelled (Ctrl-C)"));
+        }
+        // Reading the clock costs about as much as an operation: every 64th is enough.
+        if ops % DEADLINE_EVERY == 0 {
+            return h.deadline_passed().map(Dynamic::from);
+        }
+        None
+    });
     let h = host.clone();
     engine.on_print(move |s| h.println(s));
     let h = host.clone();

@@ -1,6 +1,7 @@
 //! `import "name" as x;` for scripts: looks for `name.rhai` next to the
 //! importing file, then in the running script's folder, then in the stdlib
-//! folders (`STAPO_STDLIB`, `stdlib/` above the script, `<crate>/../stdlib`).
+//! folders (`STAPO_STDLIB` as passed by the CLI, `stdlib/` above the script,
+//! `<crate>/../stdlib`).
 //!
 //! Only relative names without `..` are accepted, so `import` cannot read
 //! arbitrary files. Modules are cached by path and modification time: an
@@ -144,15 +145,14 @@ impl ModuleResolver for Resolver {
     }
 }
 
-/// The stdlib folders for a script at `script`: `$STAPO_STDLIB` (if set),
-/// the first `stdlib/` found in the script's folder or above it, and
-/// `<crate>/../stdlib` (the repository's, when run from a checkout).
-pub fn stdlib_dirs(script: Option<&Path>) -> Vec<PathBuf> {
+/// The stdlib folders for a script at `script`: `env_dir` (`$STAPO_STDLIB`,
+/// which the CLI reads once and passes here, so a test sets it without the
+/// environment), the first `stdlib/` found in the script's folder or above
+/// it, and `<crate>/../stdlib` (the repository's, when run from a checkout).
+pub fn stdlib_dirs(env_dir: Option<&Path>, script: Option<&Path>) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    if let Ok(p) = std::env::var("STAPO_STDLIB") {
-        if !p.is_empty() {
-            dirs.push(PathBuf::from(p));
-        }
+    if let Some(p) = env_dir.filter(|p| !p.as_os_str().is_empty()) {
+        dirs.push(p.to_path_buf());
     }
     let start =
         script.and_then(|s| s.parent()).map(Path::to_path_buf).or_else(|| std::env::current_dir().ok());
@@ -173,4 +173,18 @@ pub fn stdlib_dirs(script: Option<&Path>) -> Vec<PathBuf> {
     }
     dirs.dedup();
     dirs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_given_stdlib_folder_comes_first() {
+        let d = tempfile::tempdir().unwrap();
+        let dirs = stdlib_dirs(Some(d.path()), None);
+        assert_eq!(dirs.first().map(PathBuf::as_path), Some(d.path()));
+        assert!(!stdlib_dirs(Some(Path::new("")), None).contains(&PathBuf::new()));
+        assert!(!stdlib_dirs(None, None).iter().any(|p| p == d.path()));
+    }
 }

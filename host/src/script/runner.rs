@@ -75,7 +75,11 @@ fn run_inner(host: &Arc<Host>, path: &Path) -> Result<()> {
     let engine = build_engine(host);
     let mut ast = engine.compile(&text).map_err(|e| from_parse(&label, e))?;
     ast.set_source(label.as_str());
-    host.set_hooks(HookSet::compile(&engine, &label, &text)?);
+    let hooks = HookSet::compile(&engine, &label, &text)?;
+    for w in hooks.lint() {
+        host.notice(&format!("warning: {w}"));
+    }
+    host.set_hooks(hooks);
     let _watcher = if host.opts.watch {
         let mut dirs: Vec<PathBuf> =
             vec![path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))];
@@ -85,10 +89,20 @@ fn run_inner(host: &Arc<Host>, path: &Path) -> Result<()> {
         None
     };
     let mut scope = new_scope(host);
-    engine.run_ast_with_scope(&mut scope, &ast).map_err(|e| from_eval(&label, e))
+    let limit = host.opts.time_limits.script;
+    if let Some(l) = limit {
+        host.start_script_deadline(
+            limit,
+            format!("the script {label} ran past its time limit of {} s", l.as_secs_f64()),
+        );
+    }
+    let r = engine.run_ast_with_scope(&mut scope, &ast).map_err(|e| from_eval(&label, e));
+    host.start_script_deadline(None, String::new());
+    r
 }
 
-/// The stdlib folders for a script (re-exported for the CLI).
-pub fn stdlib_dirs(script: Option<&Path>) -> Vec<PathBuf> {
-    resolver::stdlib_dirs(script)
+/// The stdlib folders for a script (re-exported for the CLI); `env_dir` is
+/// `$STAPO_STDLIB`, read by the caller.
+pub fn stdlib_dirs(env_dir: Option<&Path>, script: Option<&Path>) -> Vec<PathBuf> {
+    resolver::stdlib_dirs(env_dir, script)
 }

@@ -11,7 +11,7 @@ use rhai::{Dynamic, Engine, Scope, AST};
 use serde_json::Value;
 
 use super::error::{from_eval, from_parse};
-use super::hooks::{top_level_imports, HookSet};
+use super::hooks::{lint, top_level_imports, HookSet};
 use super::host::Host;
 use super::{build_engine, new_scope};
 use crate::{Error, Result};
@@ -58,6 +58,7 @@ impl Session {
         self.host.reset_cancel();
         let mut line = self.engine.compile_with_scope(&self.scope, src).map_err(|e| from_parse(label, e))?;
         line.set_source(label);
+        self.warn_hook_like(label, src, &line);
         let prelude = self.engine.compile(&self.imports).map_err(|e| from_parse("<imports>", e))?;
         let new_imports = top_level_imports(src);
         // Functions first, so the input may call functions it defines itself.
@@ -87,6 +88,13 @@ impl Session {
         self.engine.eval_with_scope::<String>(&mut scope, "to_string(__v)").unwrap_or_else(|_| v.to_string())
     }
 
+    /// Warns about the functions of one input that look like hooks but would never be called.
+    fn warn_hook_like(&self, label: &str, src: &str, ast: &AST) {
+        for w in lint(label, src, ast) {
+            self.host.notice(&format!("warning: {w}"));
+        }
+    }
+
     fn update_hooks(&self) -> Result<()> {
         let h = HookSet::from_parts(&self.engine, "<repl>", &self.imports, &self.fns, "")?;
         self.host.set_hooks(h);
@@ -113,6 +121,7 @@ impl Session {
             let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
             let mut ast = self.engine.compile(&text).map_err(|e| from_parse(&label, e))?;
             ast.set_source(label.as_str());
+            self.warn_hook_like(&label, &text, &ast);
             self.fns = self.fns.merge(&ast.clone_functions_only());
             let imports = top_level_imports(&text);
             if imports.contains("import") {

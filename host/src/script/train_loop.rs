@@ -19,6 +19,14 @@
 //! 4. the step itself (rollout, reward, update; metrics logged to `metrics.jsonl`);
 //! 5. `on_step(step, metrics)` and `should_stop(step, metrics)` → bool.
 //!
+//! (The hooks' one table is [`super::hooks::HOOKS`].) Each hook call has a
+//! wall-clock limit, 60 s unless `hook_timeout` (seconds, in the config map)
+//! or `stapo run --hook-timeout` says otherwise. A hook past its limit is
+//! treated as a broken edit: when a hot reload brought it in, the run goes
+//! back to the hooks from before that reload, says so (stderr and
+//! `reloads.log`) and calls the previous version; otherwise the run ends with
+//! the error, which names the hook and its file:line, after a checkpoint.
+//!
 //! `steps` is the total: a resumed run continues from its checkpoint's step.
 //! The run ends with a checkpoint (also when cancelled or a hook fails, so it
 //! can be resumed), and `train` returns a summary map.
@@ -34,7 +42,7 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rhai::{Dynamic, Engine, Map, Scope};
@@ -45,7 +53,7 @@ use super::convert::{
 };
 use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
 use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
-use super::hooks::{hook_type_error, HookSet};
+use super::hooks::{hook_type_error, HookSet, HookSpec, LR, ON_STEP, SAMPLING, SHOULD_STOP, THRESHOLDS};
 use super::host::{timestamp, Host};
 use crate::algo::{is_set_key, MaskConfig, TauH};
 use crate::train::{RunConfig, StepMetrics, StepPlan, Trainer};
@@ -53,7 +61,21 @@ use crate::util::append_line;
 use crate::{Error, Result};
 
 /// Keys of a config map that belong to the host, not to `RunConfig`.
-const HOST_KEYS: [&str; 2] = ["steps", "name"];
+const HOST_KEYS: [&str; 3] = ["steps", "name", "hook_timeout"];
+
+/// The time limit of one hook call: `hook_timeout` (seconds; 0 = none) of the
+/// config map, else the session's.
+fn hook_timeout(host: &Host, cfg: &Map) -> RhaiResult<Option<Duration>> {
+    match cfg.get("hook_timeout") {
+        None => Ok(host.opts.time_limits.hook),
+        Some(v) => {
+            let s = num(v)
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| bad_arg("train", format!("hook_timeout: expected seconds >= 0, found {v}")))?;
+            Ok((s > 0.0).then(|| Duration::from_secs_f64(s)))
+        }
+    }
+}
 
 /// `RunConfig` from a script map, with `--set` overrides and smoke clamps.
 pub fn run_config(host: &Host, cfg: &Map) -> RhaiResult<RunConfig> {
@@ -221,12 +243,7 @@ pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: 
     }
     let Some(path) = host.script() else { return };
     let label = path.display().to_string();
-    let log = |line: &str| {
-        host.notice(line);
-        if let Some(d) = run_dir {
-            let _ = append_line(&d.join("reloads.log"), &format!("{} {line}", timestamp()));
-        }
-    };
+    let log = |line: &str| log_reload(host, run_dir, line);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) => {
@@ -236,7 +253,8 @@ pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: 
     match HookSet::compile(engine, &label, &text) {
         Ok(h) => {
             let same = h.text() == host.hooks().text();
-            host.set_hooks(h);
+            let warnings = h.lint();
+            host.reload_hooks(h);
             if let Some(d) = run_dir {
                 let _ = crate::util::write_file_atomically(
                     &d.join("reloads").join(format!("step-{step:06}.rhai")),
@@ -248,19 +266,74 @@ pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: 
                 "step {step}: reloaded {label} ({what}); hooks now: {}",
                 host.hooks().names().join(", ")
             ));
+            for w in warnings {
+                log(&format!("warning: {w}"));
+            }
         }
         Err(e) => log(&format!("step {step}: reload of {label} failed, keeping the previous hooks: {e}")),
     }
 }
 
-/// Calls hook `name` if the current hooks define it with `arity` parameters.
-fn call_hook(engine: &Engine, host: &Host, name: &str, args: Vec<Dynamic>) -> Result<Option<Dynamic>> {
-    let hooks = host.hooks();
-    if !hooks.has(name, args.len()) {
-        return Ok(None);
+/// A reload's outcome (or a hook's fallback) on stderr and in the run folder's `reloads.log`.
+fn log_reload(host: &Host, run_dir: Option<&Path>, line: &str) {
+    host.notice(line);
+    if let Some(d) = run_dir {
+        let _ = append_line(&d.join("reloads.log"), &format!("{} {line}", timestamp()));
     }
-    let mut scope: Scope = super::new_scope(host);
-    hooks.call(engine, &mut scope, name, args).map(Some)
+}
+
+/// How the loop calls hooks: the engine, the session, the time limit of one
+/// call, the run folder (for `reloads.log`) and the step (for messages).
+struct HookCaller<'a> {
+    engine: &'a Engine,
+    host: &'a Host,
+    limit: Option<Duration>,
+    run_dir: &'a Path,
+    step: u64,
+}
+
+impl HookCaller<'_> {
+    /// Calls `hook` if the current hooks define it, under the time limit. A
+    /// call past the limit falls back to the hooks from before the last reload
+    /// (logged) and calls the hook there; with no reload to undo it is an error.
+    fn call(&self, hook: &HookSpec, args: Vec<Dynamic>) -> Result<Option<Dynamic>> {
+        debug_assert_eq!(args.len(), hook.arity(), "{}", hook.signature());
+        loop {
+            let hooks = self.host.hooks();
+            if !hooks.has_hook(hook) {
+                return Ok(None);
+            }
+            let at = hooks.hook_pos(hook);
+            let what = format!(
+                "hook `{}` (defined at {at}) ran past its time limit of {}",
+                hook.name,
+                secs(self.limit)
+            );
+            let mut scope: Scope = super::new_scope(self.host);
+            let guard = self.host.hook_deadline(self.limit, what);
+            let r = hooks.call(self.engine, &mut scope, hook.name, args.clone());
+            let timed_out = r.is_err() && guard.fired();
+            drop(guard);
+            match r {
+                Err(e) if timed_out && self.host.revert_hooks() => log_reload(
+                    self.host,
+                    Some(self.run_dir),
+                    &format!(
+                        "step {}: {e}; treated as a broken edit: keeping the previous hooks \
+                         (from before the last reload): {}",
+                        self.step,
+                        self.host.hooks().names().join(", ")
+                    ),
+                ),
+                r => return r.map(Some),
+            }
+        }
+    }
+}
+
+/// `60 s` (or `no limit`).
+fn secs(d: Option<Duration>) -> String {
+    d.map_or("none".into(), |d| format!("{} s", d.as_secs_f64()))
 }
 
 fn expect_map(host: &Host, name: &str, v: Dynamic) -> Result<Map> {
@@ -333,7 +406,8 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     let run_dir = trainer.run_dir().to_path_buf();
     let pb = progress_bar(host, steps, trainer.step_count());
     host.set_progress(Some(pb.clone()));
-    let result = run_steps(engine, host, &mut trainer, steps, &pb);
+    let limit = hook_timeout(host, cfg)?;
+    let result = run_steps(engine, host, &mut trainer, steps, &pb, limit);
     pb.finish_and_clear();
     host.set_progress(None);
     // Checkpoint whatever happened, so the run can be resumed.
@@ -374,6 +448,7 @@ fn run_steps(
     trainer: &mut Trainer,
     steps: u64,
     pb: &ProgressBar,
+    limit: Option<Duration>,
 ) -> Result<(Map, bool)> {
     let mut last = Map::new();
     let mut prev_thresholds = Map::new();
@@ -387,16 +462,18 @@ fn run_steps(
         }
         let step = trainer.step_count();
         maybe_reload(engine, host, Some(trainer.run_dir()), step);
+        let run_dir = trainer.run_dir().to_path_buf();
+        let hooks = HookCaller { engine, host, limit, run_dir: &run_dir, step };
         let mut plan = trainer.default_plan();
         if host.opts.smoke {
             clamp_sampling(&mut plan.sampling);
         }
         let s = Dynamic::from(step as i64);
-        if let Some(v) = call_hook(engine, host, "sampling", vec![s.clone()])? {
-            let m = expect_map(host, "sampling", v)?;
+        if let Some(v) = hooks.call(&SAMPLING, vec![s.clone()])? {
+            let m = expect_map(host, SAMPLING.name, v)?;
             apply_sampling(&mut plan, &m, host.opts.smoke).map_err(into_error)?;
         }
-        let has_thresholds = host.hooks().has("thresholds", 2);
+        let has_thresholds = host.hooks().has_hook(&THRESHOLDS);
         if has_thresholds && plan.objective.mask.s2t().is_none() {
             // A thresholds hook only affects S2T: a logged no-op for other objectives (it
             // must never turn GRPO or 20-Entropy into STAPO).
@@ -407,21 +484,19 @@ fn run_steps(
                 ));
                 told_no_s2t = true;
             }
-        } else if let Some(v) = call_hook(
-            engine,
-            host,
-            "thresholds",
+        } else if let Some(v) = hooks.call(
+            &THRESHOLDS,
             vec![
                 s.clone(),
                 Dynamic::from_map(threshold_stats(&last, &plan, &prev_thresholds, step, &run_name)),
             ],
         )? {
-            let m = expect_map(host, "thresholds", v)?;
+            let m = expect_map(host, THRESHOLDS.name, v)?;
             apply_thresholds(&mut plan, &m).map_err(into_error)?;
             prev_thresholds = m;
         }
-        if let Some(v) = call_hook(engine, host, "lr", vec![s.clone()])? {
-            plan.lr = num(&v).ok_or_else(|| hook_type_error(&host.hooks(), "lr", "a number", &v))?;
+        if let Some(v) = hooks.call(&LR, vec![s.clone()])? {
+            plan.lr = num(&v).ok_or_else(|| hook_type_error(&host.hooks(), LR.name, "a number", &v))?;
         }
         let tokens = Mutex::new(0usize);
         let progress = |n: usize| {
@@ -444,10 +519,10 @@ fn run_steps(
             metrics.update.silenced_tokens
         ));
         let m = Dynamic::from_map(last.clone());
-        call_hook(engine, host, "on_step", vec![s.clone(), m.clone()])?;
-        if let Some(v) = call_hook(engine, host, "should_stop", vec![s, m])? {
+        hooks.call(&ON_STEP, vec![s.clone(), m.clone()])?;
+        if let Some(v) = hooks.call(&SHOULD_STOP, vec![s, m])? {
             let stop =
-                v.as_bool().map_err(|_| hook_type_error(&host.hooks(), "should_stop", "a bool", &v))?;
+                v.as_bool().map_err(|_| hook_type_error(&host.hooks(), SHOULD_STOP.name, "a bool", &v))?;
             if stop {
                 return Ok((last, true));
             }

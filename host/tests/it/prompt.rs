@@ -23,6 +23,7 @@ fn repl(input: &str) -> String {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     };
     let mut out = Vec::new();
     stapo::repl::run_repl(input.as_bytes(), &mut out, o).expect("repl");

@@ -73,6 +73,7 @@ fn opts(f: &Fixture, run_dir: &Path, smoke: bool) -> HostOptions {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     }
 }
 
@@ -118,6 +119,7 @@ fn paper_script_smoke_runs_the_real_model_path() {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     };
     let (host, buf) = buffered(o);
     let out = script::run_file(&host, &repo().join("scripts/paper.rhai"));
@@ -631,6 +633,7 @@ fn opts_plain(dir: &Path) -> HostOptions {
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
+        time_limits: Default::default(),
     }
 }
 
@@ -745,4 +748,99 @@ fn pairs<'a>(printed: &'a str, prefix: &str) -> std::collections::HashMap<&'a st
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k, v.parse().unwrap()))
         .collect()
+}
+
+/// `tiny_cfg` with a hook time limit of `secs` seconds.
+fn cfg_with_hook_timeout(f: &Fixture, secs: u32) -> String {
+    tiny_cfg(f, "grpo").replacen("#{", &format!("#{{ hook_timeout: {secs},"), 1)
+}
+
+#[test]
+fn a_hook_past_its_time_limit_stops_naming_the_hook_and_its_line() {
+    let f = fixture();
+    let path = f.root.join("slow.rhai");
+    std::fs::write(
+        &path,
+        format!(
+            "fn thresholds(step) {{ 0 }}\nfn lr(step) {{\n  loop {{ }}\n}}\ntrain({}, 2);\n",
+            cfg_with_hook_timeout(&f, 1)
+        ),
+    )
+    .unwrap();
+    let (host, buf) = buffered(opts(&f, &f.root.join("run"), false));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    let err = out.error.expect("the hook is stopped").to_string();
+    let at = format!("{}:2", path.display());
+    assert!(err.contains(&format!("hook `lr` (defined at {at}) ran past its time limit of 1 s")), "{err}");
+    // Loaded with a hook-like function the loop never calls: warned about, with the signature.
+    let warning = format!(
+        "warning: {}:1: fn thresholds(step) is never called: the hook is thresholds(step, stats)",
+        path.display()
+    );
+    assert!(printed.contains(&warning), "{printed}");
+}
+
+#[test]
+fn a_reloaded_hook_past_its_time_limit_falls_back_to_the_previous_hooks() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("live.rhai");
+    // on_step waits (under the 1 s limit) so the test can edit between steps.
+    let script = |lr: &str, on_step: &str| {
+        format!(
+            "fn lr(step) {{ {lr} }}\n\nfn {on_step}(step, m) {{ let t = timestamp(); while t.elapsed < 0.6 {{ }} }}\n\
+             train({}, 3);\n",
+            cfg_with_hook_timeout(&f, 1)
+        )
+    };
+    std::fs::write(&path, script("0.001", "on_step")).unwrap();
+    let (host, buf) = buffered(opts(&f, &run_dir, false));
+    let h2 = host.clone();
+    let p2 = path.clone();
+    let runner = std::thread::spawn(move || script::run_file(&h2, &p2));
+    wait_for("step 0", Duration::from_secs(60), || !metrics(&run_dir).is_empty());
+    // An edit whose lr never returns, and a misspelt hook; asked to reload as the watcher would.
+    std::fs::write(&path, script("loop { }", "on_steps")).unwrap();
+    host.request_reload();
+    let out = runner.join().unwrap();
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    let lrs: Vec<f64> = metrics(&run_dir).iter().map(|m| m["lr"].as_f64().unwrap()).collect();
+    assert_eq!(lrs, vec![0.001, 0.001, 0.001], "{printed}");
+    let log = std::fs::read_to_string(run_dir.join("reloads.log")).unwrap();
+    let at = format!("{}:1", path.display());
+    assert!(log.contains("step 1: reloaded"), "{log}");
+    assert!(
+        log.contains(&format!("step 1: script error at {}", path.display()))
+            && log.contains(&format!("hook `lr` (defined at {at}) ran past its time limit of 1 s"))
+            && log.contains("keeping the previous hooks"),
+        "{log}"
+    );
+    // The reload's warning names the line and the hook it resembles.
+    assert!(
+        log.contains(&format!(
+            "warning: {}:3: fn on_steps(step, m) is never called: did you mean the hook on_step(step, metrics)?",
+            path.display()
+        )),
+        "{log}"
+    );
+    assert_eq!(out.trains[0].steps, 3);
+}
+
+#[test]
+fn a_script_past_its_time_limit_stops_even_while_an_array_grows() {
+    let dir = tempdir();
+    let path = dir.path().join("grow.rhai");
+    std::fs::write(&path, "let a = [];\nloop { a.push(1); }\n").unwrap();
+    let o = HostOptions {
+        run_dir: Some(dir.path().join("run")),
+        time_limits: script::TimeLimits { hook: None, script: Some(Duration::from_secs(1)) },
+        ..Default::default()
+    };
+    let (host, _buf) = buffered(o);
+    let out = script::run_file(&host, &path);
+    let err = out.error.expect("the script is stopped").to_string();
+    assert!(err.contains(&format!("the script {} ran past its time limit of 1 s", path.display())), "{err}");
+    assert!(err.contains("grow.rhai:2:"), "{err}");
 }

@@ -196,4 +196,53 @@ mod tests {
             "functions without a doc comment with an example: {undocumented:#?}"
         );
     }
+
+    /// The ```` ```rhai ```` blocks of a doc comment, `///` stripped.
+    fn rhai_examples(doc: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut cur: Option<Vec<&str>> = None;
+        for l in doc.lines() {
+            let l = l.trim_start().strip_prefix("///").unwrap_or(l);
+            let l = l.strip_prefix(' ').unwrap_or(l);
+            match (&mut cur, l.trim()) {
+                (None, "```rhai") => cur = Some(Vec::new()),
+                (Some(_), "```") => out.push(cur.take().unwrap_or_default().join("\n")),
+                (Some(v), _) => v.push(l),
+                (None, _) => {}
+            }
+        }
+        assert!(cur.is_none(), "an unclosed ```rhai block in:\n{doc}");
+        out
+    }
+
+    /// Each ```` ```rhai ```` example of each binding's doc text compiles with
+    /// the engine scripts run in (a syntax error fails, naming the function).
+    #[test]
+    fn every_doc_example_compiles_with_the_real_engine() {
+        let host = Host::new(HostOptions::default(), Console::Buffer(Default::default()));
+        let engine = build_engine(&host);
+        let json = engine.gen_fn_metadata_to_json(false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let mut compiled = 0;
+        let mut broken = Vec::new();
+        for f in v["functions"].as_array().unwrap() {
+            let doc: String = f["docComments"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str())
+                .collect::<Vec<_>>()
+                .join("\n");
+            for ex in rhai_examples(&doc) {
+                match engine.compile(&ex) {
+                    Ok(_) => compiled += 1,
+                    Err(e) => {
+                        broken.push(format!("{}: {e}\n{ex}", f["signature"].as_str().unwrap_or_default()))
+                    }
+                }
+            }
+        }
+        assert!(compiled > 60, "only {compiled} examples found");
+        assert!(broken.is_empty(), "doc examples that do not compile:\n{}", broken.join("\n\n"));
+    }
 }
