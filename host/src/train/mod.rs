@@ -6,6 +6,7 @@ pub mod plot;
 pub mod sft;
 pub mod spurious;
 pub mod step;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
