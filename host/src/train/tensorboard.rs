@@ -199,16 +199,20 @@ const VERL_ALIASES: &[(&str, &str)] = &[
 ];
 
 /// A run's TensorBoard log (`<run>/tb/`), opened at the first scalar so that a
-/// rank that never logs creates no file.
+/// rank that never logs creates no file. A resumed run writes a new file; the
+/// steps it runs again replace those of the earlier files, as in metrics.jsonl
+/// (see [`Board::metrics`]).
 pub struct Board {
     dir: PathBuf,
     writer: Option<EventWriter>,
+    /// Whether earlier files were already cleared of the steps this run logs again.
+    replaced: bool,
 }
 
 impl Board {
     /// The log of the run in `run_dir` (nothing is written yet).
     pub fn new(run_dir: &Path) -> Self {
-        Self { dir: run_dir.join("tb"), writer: None }
+        Self { dir: run_dir.join("tb"), writer: None, replaced: false }
     }
 
     /// Logs `value` as scalar `tag` at `step`.
@@ -221,10 +225,16 @@ impl Board {
     }
 
     /// One `metrics.jsonl` row: every number in it as `stapo/<field>` at its
-    /// `step`, and the verl aliases.
+    /// `step`, and the verl aliases. The first row of a resumed run first drops
+    /// the step rows from that step on from the earlier files (the steps logged
+    /// after the checkpoint, run again now; evaluations stay, as in eval.jsonl).
     pub fn metrics(&mut self, row: &impl Serialize) -> Result<()> {
         let row = serde_json::to_value(row).map_err(|e| Error::invalid(e.to_string()))?;
         let step = row["step"].as_u64().unwrap_or(0);
+        if !self.replaced {
+            self.drop_rows_from(step)?;
+            self.replaced = true;
+        }
         let mut scalars = Vec::new();
         flatten("stapo", &row, &mut scalars);
         scalars.retain(|(tag, _)| tag != "stapo/step");
@@ -254,6 +264,138 @@ impl Board {
             }
         }
         scalars.into_iter().try_for_each(|(tag, v)| self.scalar(&tag, step, v))
+    }
+}
+
+impl Board {
+    /// Rewrites (atomically) each earlier event file in the folder without its
+    /// step-row scalars at `step` or later. Complete records are kept as they
+    /// are; a torn last record (a crash mid-write) is dropped.
+    fn drop_rows_from(&self, step: u64) -> Result<()> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return Ok(()) };
+        for entry in entries {
+            let path = entry.map_err(|e| Error::io(&self.dir, e))?.path();
+            let is_events = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.contains("tfevents"));
+            if !is_events || self.writer.as_ref().is_some_and(|w| w.path() == path) {
+                continue;
+            }
+            let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+            let (records, whole) = split_records(&bytes);
+            let kept: Vec<&[u8]> = records
+                .iter()
+                .copied()
+                .filter(|p| !(scalar_of(p).is_some_and(|(tag, s)| s >= step && is_step_row(&tag))))
+                .collect();
+            if kept.len() < records.len() || !whole {
+                crate::util::write_file_atomically(
+                    &path,
+                    &kept.iter().flat_map(|p| record(p)).collect::<Vec<_>>(),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `tag` comes from a metrics.jsonl row (not from an evaluation).
+fn is_step_row(tag: &str) -> bool {
+    !(tag.starts_with("stapo/eval/") || tag.starts_with("val-core/"))
+}
+
+/// The payloads of the complete, checksum-valid records at the start of
+/// `bytes`, and whether that was all of it.
+fn split_records(bytes: &[u8]) -> (Vec<&[u8]>, bool) {
+    let (mut i, mut out) = (0, Vec::new());
+    while bytes.len() - i >= 12 {
+        let len_bytes = &bytes[i..i + 8];
+        let len = u64::from_le_bytes(len_bytes.try_into().unwrap_or_default()) as usize;
+        let crc =
+            |at: usize| bytes.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap_or_default()));
+        if crc(i + 8) != Some(masked_crc32c(len_bytes)) || len > bytes.len() - i - 12 {
+            break;
+        }
+        let payload = &bytes[i + 12..i + 12 + len];
+        if crc(i + 12 + len) != Some(masked_crc32c(payload)) {
+            break;
+        }
+        out.push(payload);
+        i += 16 + len;
+    }
+    (out, i == bytes.len())
+}
+
+/// The `(tag, step)` of an event holding one scalar, as [`scalar_event`] writes them.
+fn scalar_of(payload: &[u8]) -> Option<(String, u64)> {
+    let (mut step, mut tag) = (0, None);
+    for (field, value) in Fields(payload) {
+        match (field, value) {
+            (2, Field::Varint(s)) => step = s,
+            (5, Field::Bytes(summary)) => {
+                for (f, v) in Fields(summary) {
+                    if let (1, Field::Bytes(value)) = (f, v) {
+                        for (vf, x) in Fields(value) {
+                            if let (1, Field::Bytes(t)) = (vf, x) {
+                                tag = Some(String::from_utf8_lossy(t).into_owned());
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    tag.map(|t| (t, step))
+}
+
+/// A protobuf field's value by wire type (fixed-size values are not needed here).
+enum Field<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+/// The fields of a protobuf message; stops at the first malformed one.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = (u64, Field<'a>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let b = self.0;
+        let mut i = 0;
+        let mut varint = || {
+            let (mut v, mut shift) = (0u64, 0);
+            loop {
+                let x = *b.get(i)?;
+                i += 1;
+                v |= ((x & 0x7f) as u64).checked_shl(shift)?;
+                if x & 0x80 == 0 {
+                    return Some(v);
+                }
+                shift += 7;
+            }
+        };
+        let key = varint()?;
+        let value = match key & 7 {
+            0 => Field::Varint(varint()?),
+            2 => {
+                let n = varint()? as usize;
+                let bytes = b.get(i..i.checked_add(n)?)?;
+                i += n;
+                Field::Bytes(bytes)
+            }
+            1 => {
+                i += 8;
+                Field::Fixed
+            }
+            5 => {
+                i += 4;
+                Field::Fixed
+            }
+            _ => return None,
+        };
+        self.0 = b.get(i..)?;
+        Some((key >> 3, value))
     }
 }
 
@@ -473,6 +615,40 @@ mod tests {
             d
         };
         assert_eq!(swap(&ours, "w"), swap(&records[0], "w"));
+    }
+
+    #[test]
+    fn a_resumed_run_replaces_the_steps_it_runs_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = |step: u64, loss: f64| serde_json::json!({"step": step, "loss": loss});
+        let eval = serde_json::json!({"overall": {"avg": 0.5}, "by_source": {}});
+        let mut first = Board::new(dir.path());
+        for s in 0..3 {
+            first.metrics(&row(s, s as f64)).unwrap();
+        }
+        first.eval(2, &eval).unwrap();
+        first.metrics(&row(3, 3.0)).unwrap();
+        let old = first.writer.as_ref().unwrap().path().to_path_buf();
+        drop(first);
+        // A crash tore the last record.
+        let mut f = OpenOptions::new().append(true).open(&old).unwrap();
+        f.write_all(&record(&scalar_event(9.0, "stapo/loss", 4, 4.0))[..20]).unwrap();
+        drop(f);
+        // Resumed from the checkpoint at step 2: step 2 runs again, with another loss.
+        let mut resumed = Board::new(dir.path());
+        resumed.metrics(&row(2, 20.0)).unwrap();
+        let new = resumed.writer.as_ref().unwrap().path().to_path_buf();
+        assert_ne!(new, old);
+        let summary = |p: &Path| -> Vec<(i64, String, f32)> {
+            events(p)[1..].iter().map(|e| (e.step, e.values[0].0.clone(), e.values[0].1)).collect()
+        };
+        let t = |s: i64, tag: &str, v: f32| (s, tag.to_string(), v);
+        assert_eq!(
+            summary(&old),
+            [t(0, "stapo/loss", 0.0), t(1, "stapo/loss", 1.0), t(2, "stapo/eval/overall/avg", 0.5)]
+        );
+        assert_eq!(summary(&new), [t(2, "stapo/loss", 20.0)]);
+        assert_eq!(events(&old)[0].file_version.as_deref(), Some("brain.Event:2"));
     }
 
     #[test]
