@@ -5,6 +5,7 @@ pub mod optim;
 pub mod plot;
 pub mod sft;
 pub mod spurious;
+pub mod tensorboard;
 pub mod trainer;
 pub mod update;
 

@@ -238,6 +238,8 @@ pub struct Trainer {
     dtype: DType,
     /// The ranks of a data-parallel run ([`dist::Local`] for one process).
     comm: Arc<dyn Comm>,
+    /// `tb/`: every metrics and eval row again as TensorBoard scalars (rank 0 writes).
+    tb: super::tensorboard::Board,
 }
 
 /// The device of this rank: under several ranks a bare `cuda` means the GPU
@@ -409,6 +411,7 @@ impl Trainer {
             // with rank 0's step-0 evaluation in a data-parallel run: a rank that saw rank 0's
             // line skipped the evaluation and its collectives.)
             evals: state.map(|s| read_evals(&run_dir.join("eval.jsonl"), s.step)).unwrap_or_default(),
+            tb: super::tensorboard::Board::new(run_dir),
             model: m,
             cfg,
             comm,
@@ -657,7 +660,10 @@ impl Trainer {
             m.eval_pass = Some(r.overall.pass);
         }
         let line = serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?;
-        dist::on_root(&*self.comm, || append_line(&self.run_dir.join("metrics.jsonl"), &line))?;
+        dist::on_root(&*self.comm, || {
+            append_line(&self.run_dir.join("metrics.jsonl"), &line)?;
+            self.tb.metrics(&m)
+        })?;
         if self.cfg.save_every > 0 && self.step % self.cfg.save_every as u64 == 0 {
             self.checkpoint()?;
         }
@@ -727,6 +733,7 @@ impl Trainer {
             append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
             Ok(report)
         })?;
+        dist::on_root(&*comm, || report.as_ref().map_or(Ok(()), |r| self.tb.eval(self.step, r)))?;
         let report = if comm.size() > 1 { dist::broadcast_json(&*comm, 0, &report)? } else { report };
         let report = report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))?;
         self.evals.push((self.step, report.overall.avg, report.overall.pass));

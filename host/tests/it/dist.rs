@@ -179,6 +179,8 @@ fn two_ranks_train_as_one() {
         // One metrics line per step, written once.
         let lines = std::fs::read_to_string(two.join("metrics.jsonl")).unwrap();
         assert_eq!(lines.lines().count(), 3, "{preset}");
+        // So are the TensorBoard scalars: one event file, from rank 0.
+        assert_eq!(std::fs::read_dir(two.join("tb")).unwrap().count(), 1, "{preset}");
         assert!(two.join("checkpoints/step-000002/model.safetensors").is_file());
 
         // The two-rank checkpoint (step 2) resumes on one rank: step 3 as before.

@@ -77,6 +77,9 @@ fn resume_equals_uninterrupted_run() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, vec![0, 1, 2]);
+    // TensorBoard: the first run's file and the resumed run's (whose step 2 replaced
+    // the lost one there: train::tensorboard's tests).
+    assert_eq!(std::fs::read_dir(b_dir.join("tb")).unwrap().count(), 2);
     // The run folder: config, checkpoint with optimizer and state, eval results.
     for f in [
         "run_config.json",
