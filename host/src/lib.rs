@@ -4,8 +4,8 @@
 //! Dependencies point one way, from the top of this list to the bottom:
 //! `repl` → `script` → `train` → `eval` → `rollout` → `model`, with `algo`,
 //! `reward`, `data` and `dist` standing alone (using nothing of the crate but
-//! [`util`] and [`error`]). Only `script` imports rhai. README.md's
-//! "Architecture" section follows one training step through these folders;
+//! [`util`] and [`error`]). Only `script` imports rhai.
+//! docs/architecture.md follows one training step through these folders;
 //! the design notes (the algorithm, the scripts, the scale the paper works at)
 //! are in DESIGN.md at the repository root.
 

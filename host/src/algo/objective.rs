@@ -343,9 +343,7 @@ pub fn kl_penalty(kind: KlKind, logp: &Tensor, ref_logp: &Tensor) -> Result<Tens
 /// batch gives loss 0 and zero gradients.
 pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) -> Result<LossOutput> {
     cfg.validate()?;
-    let (b, l) = dims_bt(inp.logp, "loss: logp")?;
-    expect_bt(inp.old_logp, "loss: old_logp", b, l)?;
-    expect_bt(inp.mask, "loss: mask", b, l)?;
+    let (b, l) = checked_dims(inp)?;
     let dev = inp.logp.device();
     let f32_ = DType::F32;
     let zeros = Tensor::zeros((b, l), f32_, dev)?;
@@ -421,6 +419,14 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     };
     let metrics = loss_metrics(cfg, &m, &terms, &extra, &log_ratio, &ratio, norm)?;
     Ok(LossOutput { loss, metrics })
+}
+
+/// The `(B, T)` of `logp`, after checking that `old_logp` and `mask` have it too.
+fn checked_dims(inp: &LossInputs) -> Result<(usize, usize)> {
+    let (b, l) = dims_bt(inp.logp, "loss: logp")?;
+    expect_bt(inp.old_logp, "loss: old_logp", b, l)?;
+    expect_bt(inp.mask, "loss: mask", b, l)?;
+    Ok((b, l))
 }
 
 /// The KL and entropy terms and what they aggregate over.

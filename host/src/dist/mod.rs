@@ -309,8 +309,8 @@ pub fn init() -> Result<Arc<dyn Comm>> {
                 "started by an MPI launcher with {n} ranks, but this stapo binary was built without MPI \
                  support, so every rank would train alone. Rebuild it with MPI: install an MPI library \
                  (Debian/Ubuntu: apt-get install libopenmpi-dev openmpi-bin libclang-dev) and run \
-                 `cargo build --release --features mpi` (add `cuda,nccl` for GPUs); see README \
-                 \"More than one machine\""
+                 `cargo build --release --features mpi` (add `cuda,nccl` for GPUs); see \
+                 docs/distributed.md"
             )))
         }
         _ => Arc::new(Local),

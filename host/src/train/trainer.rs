@@ -375,17 +375,7 @@ impl Trainer {
             _ => None,
         };
         let opt = AdamW::new(m.params(), cfg.adamw.clone())?;
-        let rollout_copy = match &cfg.rollout_dtype {
-            Some(name) => {
-                let dt = model::parse_dtype(name).map_err(|e| Error::Config {
-                    file: "run config".into(),
-                    field: "rollout_dtype".into(),
-                    msg: e.to_string(),
-                })?;
-                (dt != m.dtype()).then(|| model::RolloutCopy::new(&m, dt)).transpose()?
-            }
-            None => None,
-        };
+        let rollout_copy = rollout_copy(&cfg, &m)?;
         Ok(Self {
             rollout_copy,
             dtype: m.dtype(),
@@ -512,101 +502,23 @@ impl Trainer {
         if step == 0 && self.cfg.eval_every > 0 && self.test.is_some() && self.evals.is_empty() {
             self.evaluate(None)?;
         }
-        // Roll out and score. With dynamic sampling, keep generating batches of prompts
-        // until `prompts_per_step` groups have mixed rewards (verl `filter_groups`), at most
-        // `max_num_gen_batches` batches (0 = no limit).
-        let target = self.cfg.prompts_per_step;
-        let dynamic = plan.objective.dynamic_sampling;
-        let mut kept = Gathered::default();
-        // Mixed groups held over all ranks.
-        let mut held = 0usize;
-        let mut last_round = Gathered::default();
-        let mut all_seqs: Vec<Sequence> = Vec::new();
-        let (mut rollout_secs, mut local_tokens, mut gen_batches, mut groups_dropped) =
-            (0f64, 0usize, 0usize, 0usize);
         let mut warnings = std::mem::take(&mut self.pending_warnings);
-        loop {
-            let t0 = Instant::now();
-            let round = self.roll_out(plan, gen_batches as u64, progress, cancel)?;
-            rollout_secs += t0.elapsed().as_secs_f64();
-            local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
-            let offset = all_seqs.len();
-            all_seqs.extend(round.samples.iter().map(|s| {
-                let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
-                q.group += offset; // unique across batches, for the batch metrics
-                q
-            }));
-            gen_batches += 1;
-            if !dynamic {
-                kept = round;
-                break;
-            }
-            let (dropped, now) = kept.add_mixed(&*self.comm, &round, target, held)?;
-            groups_dropped += dropped;
-            held = now;
-            last_round = round;
-            if held >= target {
-                break;
-            }
-            if self.cfg.max_num_gen_batches > 0 && gen_batches >= self.cfg.max_num_gen_batches {
-                warnings.push(format!(
-                    "dynamic sampling: {} of {target} groups with mixed rewards after {gen_batches} \
-                     generation batches (max_num_gen_batches); updating on fewer",
-                    held
-                ));
-                break;
-            }
-        }
-        if dynamic && held == 0 {
-            // No group had mixed rewards: the update drops them all and reports it.
-            kept = last_round;
-        }
-        let Gathered { examples, texts: prompt_texts, samples } = kept;
+        let batch = self.gather(plan, progress, cancel, &mut warnings)?;
+        let Gathered { examples, texts: prompt_texts, samples } = batch.kept;
         let seqs: Vec<Sequence> =
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
-        let tok = &self.tokenizer;
-        let mut objective = plan.objective.clone();
-        for note in objective.fit_to_run(plan.sampling.max_new_tokens) {
-            if self.warned.insert(note.clone()) {
-                warnings.push(note);
-            }
-        }
-        // verl divides the logits by the sampling temperature for the old log-probs and the
-        // training forward alike, so that the ratio is on-policy (T <= 0 is greedy: none).
-        let t = plan.sampling.temperature;
-        let temperature = if self.cfg.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
-        let ucfg = UpdateConfig::new(
-            objective.clone(),
-            self.cfg.epochs,
-            self.cfg.mini_batch,
-            self.cfg.micro_batch,
-            self.cfg.old_logp,
-            mix(self.cfg.seed ^ 0x5eed, step),
-        )
-        .with_temperature(temperature);
-        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
-        let policy = Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
-        let outcome = optimize_on(&*self.comm, policy, &seqs, &ucfg, plan.lr, tok.pad_id())?;
-        if let Some(copy) = &self.rollout_copy {
-            copy.refresh(&self.model)?;
-        }
+        let (outcome, objective) = self.train_on(plan, &seqs, &mut warnings)?;
         let mut um = outcome.metrics;
-        // Batch metrics over everything sampled this step (also groups dynamic sampling
-        // dropped before the update).
-        let scored_all = update::score(&all_seqs, &objective)?;
-        let [n_all, n_seqs] = dist::sum_f64(&*self.comm, [all_seqs.len() as f64, seqs.len() as f64])?;
-        update::batch_metrics(&*self.comm, &all_seqs, &scored_all, &mut um)?;
-        um.dropped_seqs += (n_all - n_seqs) as usize;
-        let [groups_dropped_all] = dist::sum_f64(&*self.comm, [groups_dropped as f64])?;
-        let groups_dropped = groups_dropped_all as usize;
+        let groups_dropped =
+            self.batch_figures(&batch.all_seqs, &seqs, &objective, batch.groups_dropped, &mut um)?;
         warnings.append(&mut um.warnings);
         um.warnings = warnings;
         let ents = samples.iter().flat_map(|s| s.entropies.iter());
         let [n_tokens, ent_sum, ent_count] = dist::sum_f64(
             &*self.comm,
-            [local_tokens as f64, ents.clone().map(|&h| h as f64).sum::<f64>(), ents.count() as f64],
+            [batch.local_tokens as f64, ents.clone().map(|&h| h as f64).sum::<f64>(), ents.count() as f64],
         )?;
         if um.response_tokens == 0 {
             // Nothing reached the update (e.g. dynamic sampling dropped every
@@ -614,23 +526,7 @@ impl Trainer {
             um.entropy = (ent_sum / ent_count.max(1.0)) as f32;
         }
         let update_secs = t1.elapsed().as_secs_f64();
-        let silenced_tokens_text: Vec<(String, usize)> =
-            um.silenced_token_ids.iter().map(|&(id, c)| (self.tokenizer.token_str(id), c)).collect();
-        for (t, c) in &silenced_tokens_text {
-            *self.silenced_totals.entry(t.clone()).or_default() += c;
-        }
-        // Contexts of the silenced tokens (the record is indexed like `samples`).
-        let mut silenced_examples = Vec::new();
-        for (s, sil) in samples.iter().zip(&outcome.record.silenced) {
-            for (j, _) in sil.iter().enumerate().filter(|(_, &x)| x) {
-                let ctx = token_context(&self.tokenizer, &s.response_ids, j);
-                if silenced_examples.len() < SILENCED_EXAMPLES {
-                    silenced_examples.push(ctx.clone());
-                }
-                self.silenced_contexts.add(&self.tokenizer.token_str(s.response_ids[j]), ctx);
-            }
-        }
-        self.spurious.add(&outcome.record);
+        let (silenced_tokens_text, silenced_examples) = self.log_silenced(&um, &samples, &outcome.record);
         let prompts_info = examples
             .iter()
             .zip(&prompt_texts)
@@ -646,10 +542,10 @@ impl Trainer {
             update: um,
             silenced_tokens_text,
             silenced_examples,
-            rollout_secs,
+            rollout_secs: batch.rollout_secs,
             update_secs,
-            rollout_tokens_per_sec: n_tokens / rollout_secs.max(1e-9),
-            gen_batches,
+            rollout_tokens_per_sec: n_tokens / batch.rollout_secs.max(1e-9),
+            gen_batches: batch.gen_batches,
             groups_dropped,
             eval_avg: None,
             eval_pass: None,
@@ -668,6 +564,142 @@ impl Trainer {
             self.checkpoint()?;
         }
         Ok(m)
+    }
+
+    /// The step's rollouts, scored. With dynamic sampling, keeps generating batches of
+    /// prompts until `prompts_per_step` groups have mixed rewards (verl `filter_groups`), at
+    /// most `max_num_gen_batches` batches (0 = no limit).
+    fn gather(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&std::sync::atomic::AtomicBool>,
+        warnings: &mut Vec<String>,
+    ) -> Result<StepBatch> {
+        let target = self.cfg.prompts_per_step;
+        let dynamic = plan.objective.dynamic_sampling;
+        let mut b = StepBatch::default();
+        // Mixed groups held over all ranks.
+        let mut held = 0usize;
+        let mut last_round;
+        loop {
+            let t0 = Instant::now();
+            let round = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            b.rollout_secs += t0.elapsed().as_secs_f64();
+            b.local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
+            let offset = b.all_seqs.len();
+            b.all_seqs.extend(round.samples.iter().map(|s| {
+                let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
+                q.group += offset; // unique across batches, for the batch metrics
+                q
+            }));
+            b.gen_batches += 1;
+            if !dynamic {
+                b.kept = round;
+                return Ok(b);
+            }
+            let (dropped, now) = b.kept.add_mixed(&*self.comm, &round, target, held)?;
+            b.groups_dropped += dropped;
+            held = now;
+            last_round = round;
+            if held >= target {
+                break;
+            }
+            if self.cfg.max_num_gen_batches > 0 && b.gen_batches >= self.cfg.max_num_gen_batches {
+                warnings.push(format!(
+                    "dynamic sampling: {held} of {target} groups with mixed rewards after {} \
+                     generation batches (max_num_gen_batches); updating on fewer",
+                    b.gen_batches
+                ));
+                break;
+            }
+        }
+        if held == 0 {
+            // No group had mixed rewards: the update drops them all and reports it.
+            b.kept = last_round;
+        }
+        Ok(b)
+    }
+
+    /// The update of this step on `seqs` (the objective fitted to the run's response budget,
+    /// logits divided by the sampling temperature as verl does, so that the ratio is
+    /// on-policy; T <= 0 is greedy: none), then the rollout copy refreshed.
+    fn train_on(
+        &mut self,
+        plan: &StepPlan,
+        seqs: &[Sequence],
+        warnings: &mut Vec<String>,
+    ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
+        let mut objective = plan.objective.clone();
+        for note in objective.fit_to_run(plan.sampling.max_new_tokens) {
+            if self.warned.insert(note.clone()) {
+                warnings.push(note);
+            }
+        }
+        let t = plan.sampling.temperature;
+        let temperature = if self.cfg.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
+        let ucfg = UpdateConfig::new(
+            objective.clone(),
+            self.cfg.epochs,
+            self.cfg.mini_batch,
+            self.cfg.micro_batch,
+            self.cfg.old_logp,
+            mix(self.cfg.seed ^ 0x5eed, self.step),
+        )
+        .with_temperature(temperature);
+        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
+        let policy = Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
+        let outcome = optimize_on(&*self.comm, policy, seqs, &ucfg, plan.lr, self.tokenizer.pad_id())?;
+        if let Some(copy) = &self.rollout_copy {
+            copy.refresh(&self.model)?;
+        }
+        Ok((outcome, objective))
+    }
+
+    /// The batch metrics, computed once over everything sampled this step (also the groups
+    /// dynamic sampling dropped before the update); returns the groups dropped over ranks.
+    fn batch_figures(
+        &self,
+        all_seqs: &[Sequence],
+        seqs: &[Sequence],
+        objective: &ObjectiveConfig,
+        groups_dropped: usize,
+        um: &mut UpdateMetrics,
+    ) -> Result<usize> {
+        let scored_all = update::score(all_seqs, objective)?;
+        let [n_all, n_seqs, dropped] =
+            dist::sum_f64(&*self.comm, [all_seqs.len() as f64, seqs.len() as f64, groups_dropped as f64])?;
+        update::batch_metrics(&*self.comm, all_seqs, &scored_all, um)?;
+        um.dropped_seqs += (n_all - n_seqs) as usize;
+        Ok(dropped as usize)
+    }
+
+    /// Adds this step's silenced tokens to the run's spurious-token log (totals, contexts,
+    /// the scatter's points); returns them as text and a few in their context.
+    fn log_silenced(
+        &mut self,
+        um: &UpdateMetrics,
+        samples: &[Sample],
+        record: &UpdateRecord,
+    ) -> (Vec<(String, usize)>, Vec<String>) {
+        let text: Vec<(String, usize)> =
+            um.silenced_token_ids.iter().map(|&(id, c)| (self.tokenizer.token_str(id), c)).collect();
+        for (t, c) in &text {
+            *self.silenced_totals.entry(t.clone()).or_default() += c;
+        }
+        // Contexts of the silenced tokens (the record is indexed like `samples`).
+        let mut examples = Vec::new();
+        for (s, sil) in samples.iter().zip(&record.silenced) {
+            for (j, _) in sil.iter().enumerate().filter(|(_, &x)| x) {
+                let ctx = token_context(&self.tokenizer, &s.response_ids, j);
+                if examples.len() < SILENCED_EXAMPLES {
+                    examples.push(ctx.clone());
+                }
+                self.silenced_contexts.add(&self.tokenizer.token_str(s.response_ids[j]), ctx);
+            }
+        }
+        self.spurious.add(record);
+        (text, examples)
     }
 
     /// Generation batch `round` of this step: the next `prompts_per_step` prompts, rolled
@@ -847,6 +879,18 @@ impl Trainer {
     }
 }
 
+/// What [`Trainer::gather`] collected: the samples the update trains on, everything
+/// sampled (for the batch metrics) and the rollout figures.
+#[derive(Debug, Default)]
+struct StepBatch {
+    kept: Gathered,
+    all_seqs: Vec<Sequence>,
+    rollout_secs: f64,
+    local_tokens: usize,
+    gen_batches: usize,
+    groups_dropped: usize,
+}
+
 /// The prompts and scored samples of a step, gathered over one or more generation
 /// batches; sample `prompt_index` and `group` index `examples`.
 #[derive(Debug, Default)]
@@ -912,6 +956,18 @@ impl MaxPrecision for DType {
             other
         }
     }
+}
+
+/// The low-precision copy rollouts sample from, when `rollout_dtype` names a dtype other
+/// than the master weights'.
+fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<model::RolloutCopy>> {
+    let Some(name) = &cfg.rollout_dtype else { return Ok(None) };
+    let dt = model::parse_dtype(name).map_err(|e| Error::Config {
+        file: "run config".into(),
+        field: "rollout_dtype".into(),
+        msg: e.to_string(),
+    })?;
+    (dt != m.dtype()).then(|| model::RolloutCopy::new(m, dt)).transpose()
 }
 
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
