@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod fused;
 pub mod head;
+mod held;
 pub mod layer;
 pub mod mixed;
 pub mod ops;

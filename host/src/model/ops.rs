@@ -10,7 +10,7 @@
 //! candle ops that have a backward. The composed versions are also the
 //! reference the fused kernels are tested against.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::fused;
 use crate::Result;
@@ -137,7 +137,10 @@ impl AttnMask {
     /// The mask of `l` queries after `offset` cached keys, with `key_bias`
     /// `(B, 1, 1, S)` over all keys, for a model in `dtype` on `device`.
     pub fn new(l: usize, offset: usize, key_bias: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
-        let blockwise = l >= Self::BLOCKWISE_FROM && fused::supported_on(device, dtype);
+        // Blockwise on every device: the fused kernel on CPU f32/f64, the
+        // recomputed query blocks of [`attention_blocks`] elsewhere.
+        let _ = device;
+        let blockwise = l >= Self::BLOCKWISE_FROM;
         Self::with_kernel(l, offset, key_bias, dtype, blockwise)
     }
 
@@ -179,12 +182,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask, n_kv: usiz
         None if fused::supported(q) => {
             return fused::attention_blockwise(q, k, v, &mask.key_bias, mask.offset, fused::attention::BLOCKS)
         }
-        None => {
-            let (l, s) = (q.dim(2)?, mask.key_bias.dim(D::Minus1)?);
-            &causal_bias(l, s, mask.offset, q.device())?
-                .to_dtype(mask.key_bias.dtype())?
-                .broadcast_add(&mask.key_bias)?
-        }
+        None => return attention_blocks(q, k, v, &mask.key_bias, mask.offset, n_kv, ATTN_ELEMS),
         Some(m) => m,
     };
     if fused::supported(q) {
@@ -208,6 +206,144 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_k
     let probs = softmax(&scores)?.to_dtype(dtype)?;
     let ctx = probs.reshape((b, n_kv, g * l, s))?.matmul(&v)?; // (B, Hkv, G*L, D)
     Ok(ctx.reshape((b, nq, l, d))?.transpose(1, 2)?.reshape((b, l, nq * d))?)
+}
+
+/// Attention scores per query block of [`attention_blocks`]: about 64 MB in f32.
+pub const ATTN_ELEMS: usize = 16 << 20;
+
+/// Query rows per block so that one block's scores `(B, Hq, rows, S)` hold
+/// about `elems` elements.
+fn block_rows(b: usize, nq: usize, s: usize, elems: usize) -> usize {
+    (elems / (b * nq * s).max(1)).max(16)
+}
+
+/// One query block: queries `r0..r0+m` of `q` (global positions from
+/// `offset + r0`) against the keys they may see, `0..offset+r0+m` (the later
+/// ones are all causally masked, so skipping them changes nothing on real
+/// positions). Returns `(B, m, Hq * D)`.
+#[allow(clippy::too_many_arguments)]
+fn attention_block(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    offset: usize,
+    n_kv: usize,
+    (r0, m): (usize, usize),
+) -> Result<Tensor> {
+    let limit = (offset + r0 + m).min(k.dim(2)?);
+    let mask = causal_bias(m, limit, offset + r0, q.device())?
+        .to_dtype(key_bias.dtype())?
+        .broadcast_add(&key_bias.narrow(D::Minus1, 0, limit)?)?;
+    attention_composed(&q.narrow(2, r0, m)?, &k.narrow(2, 0, limit)?, &v.narrow(2, 0, limit)?, &mask, n_kv)
+}
+
+/// Attention in query blocks from candle ops, on any device and dtype, with
+/// no `L x S` tensor: the forward runs each block without a graph, the
+/// backward reruns it with one and backpropagates the block's share of the
+/// upstream gradient (as [`super::head::token_stats_recomputed`] does for the
+/// head). `key_bias` is `(B, 1, 1, S)` in the compute dtype; `elems` bounds
+/// one block's scores. Same value as [`attention_composed`] with the dense
+/// causal-plus-padding bias, on every query that sees a real key.
+pub fn attention_blocks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    offset: usize,
+    n_kv: usize,
+    elems: usize,
+) -> Result<Tensor> {
+    let (b, nq, l, _) = q.dims4()?;
+    let rows = block_rows(b, nq, k.dim(2)?, elems);
+    let blocks: Vec<(usize, usize)> = (0..l).step_by(rows).map(|r0| (r0, rows.min(l - r0))).collect();
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let parts = blocks
+        .iter()
+        .map(|&blk| attention_block(&qd, &kd, &vd, key_bias, offset, n_kv, blk))
+        .collect::<Result<Vec<_>>>()?;
+    let y = Tensor::cat(&parts, 1)?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(y);
+    }
+    let op = AttentionBlocks {
+        key_bias: key_bias.clone(),
+        offset,
+        n_kv,
+        blocks,
+        held: super::held::Held::new(y, "blockwise attention"),
+    };
+    Ok(q.apply_op3(k, v, op)?)
+}
+
+/// The op of [`attention_blocks`] over `(q, k, v)`.
+struct AttentionBlocks {
+    key_bias: Tensor,
+    offset: usize,
+    n_kv: usize,
+    blocks: Vec<(usize, usize)>,
+    held: super::held::Held,
+}
+
+impl candle_core::CustomOp3 for AttentionBlocks {
+    fn name(&self) -> &'static str {
+        "blockwise-attention"
+    }
+
+    #[rustfmt::skip]
+    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &candle_core::Layout, _: &candle_core::CpuStorage, _: &candle_core::Layout, _: &candle_core::CpuStorage, _: &candle_core::Layout) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.held.cpu()
+    }
+
+    #[rustfmt::skip]
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &candle_core::Layout, _: &candle_core::CudaStorage, _: &candle_core::Layout, _: &candle_core::CudaStorage, _: &candle_core::Layout) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        self.held.cuda()
+    }
+
+    #[rustfmt::skip]
+    fn metal_fwd(&self, _: &candle_core::MetalStorage, _: &candle_core::Layout, _: &candle_core::MetalStorage, _: &candle_core::Layout, _: &candle_core::MetalStorage, _: &candle_core::Layout) -> candle_core::Result<(candle_core::MetalStorage, candle_core::Shape)> {
+        self.held.metal()
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        dres: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let err = |e: crate::Error| candle_core::Error::Msg(format!("blockwise attention: {e}"));
+        let missing = || candle_core::Error::Msg("blockwise attention: a gradient is missing".into());
+        let (kv, vv) = (Var::from_tensor(&k.detach())?, Var::from_tensor(&v.detach())?);
+        let dq = Tensor::zeros(q.shape(), q.dtype(), q.device())?;
+        let (mut dk, mut dv) = (k.zeros_like()?, v.zeros_like()?);
+        for &(r0, m) in &self.blocks {
+            // The block's queries as a leaf; keys and values as leaves shared
+            // by every block, their gradients summed.
+            let qb = Var::from_tensor(&q.narrow(2, r0, m)?.detach())?;
+            let y = attention_composed(
+                qb.as_tensor(),
+                &kv.as_tensor().narrow(2, 0, (self.offset + r0 + m).min(k.dim(2)?))?,
+                &vv.as_tensor().narrow(2, 0, (self.offset + r0 + m).min(k.dim(2)?))?,
+                &causal_bias(m, (self.offset + r0 + m).min(k.dim(2)?), self.offset + r0, q.device())
+                    .map_err(err)?
+                    .to_dtype(self.key_bias.dtype())?
+                    .broadcast_add(&self.key_bias.narrow(
+                        D::Minus1,
+                        0,
+                        (self.offset + r0 + m).min(k.dim(2)?),
+                    )?)?,
+                self.n_kv,
+            )
+            .map_err(err)?;
+            let g = (y * dres.narrow(1, r0, m)?)?.sum_all()?.backward()?;
+            dq.slice_set(g.get(qb.as_tensor()).ok_or_else(missing)?, 2, r0)?;
+            dk = (dk + g.get(kv.as_tensor()).ok_or_else(missing)?)?;
+            dv = (dv + g.get(vv.as_tensor()).ok_or_else(missing)?)?;
+        }
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
 }
 
 /// Softmax over the last dimension. The max is subtracted for stability but
@@ -236,4 +372,71 @@ pub fn logprob_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<(Te
     let logp = logp_all.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
     let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
     Ok((logp, entropy))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fused::test_util::{check, randn, tol};
+
+    /// Query blocks (`elems` 1 gives the minimum of 16 rows: 37 queries in
+    /// blocks of 16, 16 and 5) against the
+    /// dense composed attention, with GQA (4 query heads over 2), left
+    /// padding on one row and 5 cached keys before the chunk, on values and
+    /// the gradients of q, k and v; padded query rows are masked out.
+    #[test]
+    fn query_blocks_match_dense_attention() {
+        let (b, nq, nkv, l, off, d) = (2, 4, 2, 37, 5, 8);
+        let s = off + l;
+        let pad = 9;
+        for dtype in [DType::F64, DType::F32] {
+            let bias: Vec<f32> = (0..b)
+                .flat_map(|r| (0..s).map(move |j| if r == 1 && j < pad { MASKED } else { 0.0 }))
+                .collect();
+            let key_bias =
+                Tensor::from_vec(bias, (b, 1, 1, s), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let keep: Vec<f64> = (0..b)
+                .flat_map(|r| (0..l).map(move |i| if r == 1 && off + i < pad { 0.0 } else { 1.0 }))
+                .collect();
+            let keep = Tensor::from_vec(keep, (b, l, 1), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let q = randn(&[b, nq, l, d], dtype, 1);
+            let k = randn(&[b, nkv, s, d], dtype, 2);
+            let v = randn(&[b, nkv, s, d], dtype, 3);
+            let dense = causal_bias(l, s, off, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let dense = dense.broadcast_add(&key_bias).unwrap();
+            let qs = || q.as_tensor().affine(1.5, 0.0).unwrap();
+            check(
+                &[&q, &k, &v],
+                &|| {
+                    let y = attention_blocks(&qs(), k.as_tensor(), v.as_tensor(), &key_bias, off, nkv, 1)
+                        .unwrap();
+                    y.broadcast_mul(&keep).unwrap()
+                },
+                &|| {
+                    let y = attention_composed(&qs(), k.as_tensor(), v.as_tensor(), &dense, nkv).unwrap();
+                    y.broadcast_mul(&keep).unwrap()
+                },
+                tol(dtype),
+                "query blocks",
+            );
+        }
+    }
+
+    /// bf16 query blocks against the f64 dense attention on the same values.
+    #[test]
+    fn bf16_query_blocks_match_an_f64_reference() {
+        let (b, nq, nkv, l, d) = (1, 4, 2, 40, 8);
+        let q = randn(&[b, nq, l, d], DType::BF16, 4);
+        let k = randn(&[b, nkv, l, d], DType::BF16, 5);
+        let v = randn(&[b, nkv, l, d], DType::BF16, 6);
+        let up = |t: &Var| t.as_tensor().to_dtype(DType::F64).unwrap();
+        let kb = Tensor::zeros((b, 1, 1, l), DType::F32, &Device::Cpu).unwrap();
+        let y = attention_blocks(q.as_tensor(), k.as_tensor(), v.as_tensor(), &kb, 0, nkv, 1).unwrap();
+        let dense = causal_bias(l, l, 0, &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+        let r = attention_composed(&up(&q), &up(&k), &up(&v), &dense, nkv).unwrap();
+        let e = crate::model::fused::test_util::rel_err(&y, &r);
+        assert!(e < 3e-2, "bf16 value error {e:e}");
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(g.get(q.as_tensor()).unwrap().dtype(), DType::BF16);
+    }
 }

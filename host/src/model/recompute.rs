@@ -14,14 +14,17 @@
 //! shared stash. The recomputation repeats the same kernels on the same
 //! inputs, so the gradients equal those of the plain graph.
 //!
-//! The custom op's forward is written for CPU storage; other devices keep the
-//! plain graph ([`Recompute::active`]).
+//! The ops' forwards hand candle a precomputed output ([`super::held`]) on
+//! whichever backend the inputs live, so this serves every device and dtype.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, Device, Layout, MetalStorage, Shape, Tensor, Var,
+};
 
+use super::held::{zero_like, Held};
 use super::layer::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
 use crate::{Error, Result};
 
@@ -69,14 +72,14 @@ impl Recompute {
         }
     }
 
-    /// Whether a forward pass of `tokens` tokens on `device` recomputes.
-    pub fn active(self, tokens: usize, device: &Device) -> bool {
-        device.is_cpu()
-            && match self {
-                Self::Off => false,
-                Self::On => true,
-                Self::Auto => tokens >= Self::AUTO_TOKENS,
-            }
+    /// Whether a forward pass of `tokens` tokens on `device` recomputes (the
+    /// same rule on every device).
+    pub fn active(self, tokens: usize, _device: &Device) -> bool {
+        match self {
+            Self::Off => false,
+            Self::On => true,
+            Self::Auto => tokens >= Self::AUTO_TOKENS,
+        }
     }
 
     pub(super) fn to_u8(self) -> u8 {
@@ -130,7 +133,8 @@ pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor>
     }
     let token = token.ok_or_else(|| Error::invalid("recomputed layer: a layer without weights"))?;
     let y = layer_forward(layer, ctx, &x.detach(), 0, None, Grad::Off)?;
-    let op = Checkpoint { layer: layer.clone(), ctx: ctx.clone(), y: Mutex::new(Some(y)), stash };
+    let op =
+        Checkpoint { layer: layer.clone(), ctx: ctx.clone(), y: Held::new(y, "recomputed layer"), stash };
     Ok(x.apply_op2(&token, op)?)
 }
 
@@ -138,8 +142,8 @@ pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor>
 struct Checkpoint {
     layer: Layer,
     ctx: LayerCtx,
-    /// The graph-free output, moved into the op's storage by the forward.
-    y: Mutex<Option<Tensor>>,
+    /// The graph-free output, copied into the op's storage by the forward.
+    y: Held,
     stash: Stash,
 }
 
@@ -155,17 +159,27 @@ impl CustomOp2 for Checkpoint {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self.y.lock().map_err(op_err)?.take().ok_or_else(|| op_err("forward ran twice"))?;
-        let shape = y.shape().clone();
-        let y = y.flatten_all()?;
-        let storage = match y.dtype() {
-            DType::F32 => CpuStorage::F32(y.to_vec1()?),
-            DType::F64 => CpuStorage::F64(y.to_vec1()?),
-            DType::BF16 => CpuStorage::BF16(y.to_vec1()?),
-            DType::F16 => CpuStorage::F16(y.to_vec1()?),
-            dt => return Err(op_err(format!("unsupported dtype {dt:?}"))),
-        };
-        Ok((storage, shape))
+        self.y.cpu()
+    }
+
+    fn cuda_fwd(
+        &self,
+        _s1: &CudaStorage,
+        _l1: &Layout,
+        _s2: &CudaStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.y.cuda()
+    }
+
+    fn metal_fwd(
+        &self,
+        _s1: &MetalStorage,
+        _l1: &Layout,
+        _s2: &MetalStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(MetalStorage, Shape)> {
+        self.y.metal()
     }
 
     fn bwd(
@@ -301,14 +315,15 @@ impl CustomOp1 for Inject {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let zero = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(vec![0.0]),
-            CpuStorage::F64(_) => CpuStorage::F64(vec![0.0]),
-            CpuStorage::BF16(_) => CpuStorage::BF16(vec![half::bf16::ZERO]),
-            CpuStorage::F16(_) => CpuStorage::F16(vec![half::f16::ZERO]),
-            _ => return Err(op_err("unsupported weight dtype")),
-        };
-        Ok((zero, Shape::from(())))
+        zero_like(s)
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, _l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        zero_like(s)
+    }
+
+    fn metal_fwd(&self, s: &MetalStorage, _l: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+        zero_like(s)
     }
 
     fn bwd(&self, _w: &Tensor, _res: &Tensor, _grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
