@@ -8,6 +8,7 @@
 use candle_core::{Tensor, Var};
 
 use super::config::Config;
+use super::lora::{self, LayerLora, Target};
 use super::ops;
 use crate::Result;
 
@@ -36,6 +37,8 @@ pub(super) struct Layer {
     pub(super) gate_proj: Var,
     pub(super) up_proj: Var,
     pub(super) down_proj: Var,
+    /// LoRA adapters on the projections (none by default).
+    pub(super) lora: LayerLora,
 }
 
 impl Layer {
@@ -57,6 +60,7 @@ impl Layer {
         if let Some(bs) = &self.biases {
             v.extend(bs.iter());
         }
+        v.extend(self.lora.vars());
         v
     }
 }
@@ -134,9 +138,9 @@ pub(super) fn qkv(
     let w = |v: &Var| weight(v, grad);
     let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], grad));
     let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let q = ops::linear(&h, &w(&layer.q_proj), bias(0).as_ref())?; // (B, L, Hq * D)
-    let k = ops::linear(&h, &w(&layer.k_proj), bias(1).as_ref())?; // (B, L, Hkv * D)
-    let v = ops::linear(&h, &w(&layer.v_proj), bias(2).as_ref())?.reshape((b, l, nkv, d))?;
+    let q = lora::linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?; // (B, L, Hq * D)
+    let k = lora::linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?; // (B, L, Hkv * D)
+    let v = lora::linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?.reshape((b, l, nkv, d))?;
     // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
     let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
     let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
@@ -157,7 +161,7 @@ pub(super) fn attention_out(
 ) -> Result<Tensor> {
     let o = ops::attention(q, k, v, &ctx.mask, ctx.cfg.num_key_value_heads)?; // (B, L, H*D)
     let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], grad));
-    ops::linear(&o, &weight(&layer.o_proj, grad), bias.as_ref())
+    lora::linear(&o, layer, Target::OProj, bias.as_ref(), grad)
 }
 
 /// The MLP half of a decoder layer with its residual:
@@ -166,8 +170,8 @@ pub(super) fn attention_out(
 pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Result<Tensor> {
     let w = |v: &Var| weight(v, grad);
     let h = ops::rms_norm(x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-    let gate = ops::linear(&h, &w(&layer.gate_proj), None)?;
-    let up = ops::linear(&h, &w(&layer.up_proj), None)?;
-    let mlp = ops::linear(&ops::swiglu(&gate, &up)?, &w(&layer.down_proj), None)?;
+    let gate = lora::linear(&h, layer, Target::GateProj, None, grad)?;
+    let up = lora::linear(&h, layer, Target::UpProj, None, grad)?;
+    let mlp = lora::linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
     Ok((x + mlp)?)
 }

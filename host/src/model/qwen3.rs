@@ -168,7 +168,7 @@ pub struct Qwen3 {
     dtype: DType,
     device: Device,
     embed_tokens: Var,
-    layers: Vec<Layer>,
+    pub(super) layers: Vec<Layer>,
     norm: Var,
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<Var>,
@@ -223,6 +223,7 @@ impl Qwen3 {
                 gate_proj: var(&p("mlp.gate_proj.weight"), &[i, h])?,
                 up_proj: var(&p("mlp.up_proj.weight"), &[i, h])?,
                 down_proj: var(&p("mlp.down_proj.weight"), &[h, i])?,
+                lora: Default::default(),
             });
         }
         let norm = var("model.norm.weight", &[h])?;

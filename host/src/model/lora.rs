@@ -1,0 +1,403 @@
+//! LoRA adapters on the linear layers of the Qwen3 blocks (Hu et al. 2021, as
+//! `peft` implements them): `y = x W^T + scale * (x A^T) B^T` with `A` `(r,
+//! in)` kaiming-uniform and `B` `(out, r)` zero at the start, so the adapted
+//! model starts as the base model. `scale` is `alpha / r`, or `alpha /
+//! sqrt(r)` with rsLoRA. No dropout: RL samples from the policy it trains.
+//!
+//! The base stays frozen (its Vars are not handed to the optimizer; see
+//! [`Qwen3::lora_params`]) and may be bf16 while the adapters are f32: the
+//! adapter term is computed in the adapters' dtype and cast to the output's.
+
+use candle_core::{DType, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::layer::{weight, Grad, Layer};
+use super::ops;
+use super::qwen3::Qwen3;
+use crate::{Error, Result};
+
+/// A linear layer of a Qwen3 block that may carry an adapter (peft's
+/// `target_modules` names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+}
+
+impl Target {
+    /// Every target, in the order of a layer's adapter slots.
+    pub const ALL: [Target; 7] =
+        [Self::QProj, Self::KProj, Self::VProj, Self::OProj, Self::GateProj, Self::UpProj, Self::DownProj];
+
+    /// The module's path inside a decoder layer, as in Hugging Face names.
+    pub fn module(self) -> &'static str {
+        match self {
+            Self::QProj => "self_attn.q_proj",
+            Self::KProj => "self_attn.k_proj",
+            Self::VProj => "self_attn.v_proj",
+            Self::OProj => "self_attn.o_proj",
+            Self::GateProj => "mlp.gate_proj",
+            Self::UpProj => "mlp.up_proj",
+            Self::DownProj => "mlp.down_proj",
+        }
+    }
+
+    fn slot(self) -> usize {
+        self as usize
+    }
+
+    /// The frozen base weight `(out, in)` this target adapts.
+    pub(super) fn base(self, layer: &Layer) -> &Var {
+        match self {
+            Self::QProj => &layer.q_proj,
+            Self::KProj => &layer.k_proj,
+            Self::VProj => &layer.v_proj,
+            Self::OProj => &layer.o_proj,
+            Self::GateProj => &layer.gate_proj,
+            Self::UpProj => &layer.up_proj,
+            Self::DownProj => &layer.down_proj,
+        }
+    }
+}
+
+fn default_targets() -> Vec<Target> {
+    Target::ALL.to_vec()
+}
+
+fn default_lr_scale() -> f64 {
+    // "LoRA Without Regret" (Thinking Machines, 2025): about 10x the full
+    // fine-tune's learning rate.
+    10.0
+}
+
+/// Which layers get adapters and how they are scaled and trained.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraConfig {
+    /// Rank `r` of every adapter.
+    pub rank: usize,
+    /// `alpha`: the adapter term is scaled by `alpha / r` (`alpha / sqrt(r)`
+    /// with `rslora`). Defaults to `rank` (scale 1).
+    #[serde(default)]
+    pub alpha: Option<f64>,
+    /// The adapted linear layers of every block (all seven by default).
+    #[serde(default = "default_targets")]
+    pub targets: Vec<Target>,
+    /// rsLoRA scaling, `alpha / sqrt(r)`.
+    #[serde(default)]
+    pub rslora: bool,
+    /// The adapters' learning rate is the run's times this.
+    #[serde(default = "default_lr_scale")]
+    pub lr_scale: f64,
+}
+
+impl LoraConfig {
+    /// All seven targets, alpha = rank, the 10x learning rate.
+    pub fn new(rank: usize) -> Self {
+        Self { rank, alpha: None, targets: default_targets(), rslora: false, lr_scale: default_lr_scale() }
+    }
+
+    /// The factor of the adapter term.
+    pub fn scale(&self) -> f64 {
+        let alpha = self.alpha.unwrap_or(self.rank as f64);
+        if self.rslora {
+            alpha / (self.rank as f64).sqrt()
+        } else {
+            alpha / self.rank as f64
+        }
+    }
+
+    /// Rejects a rank of 0, a non-finite alpha or an empty target list.
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(Error::invalid("lora.rank: must be at least 1"));
+        }
+        if !self.alpha.unwrap_or(1.0).is_finite() || !self.lr_scale.is_finite() || self.lr_scale <= 0.0 {
+            return Err(Error::invalid("lora.alpha / lora.lr_scale: must be finite (lr_scale > 0)"));
+        }
+        if self.targets.is_empty() {
+            return Err(Error::invalid("lora.targets: empty (name at least one of q_proj .. down_proj)"));
+        }
+        Ok(())
+    }
+}
+
+/// One adapter: `A` `(r, in)`, `B` `(out, r)` and the scale of `B A`.
+#[derive(Clone)]
+pub struct Adapter {
+    pub a: Var,
+    pub b: Var,
+    pub scale: f64,
+}
+
+/// The adapters of one decoder layer, one optional slot per [`Target`].
+#[derive(Clone, Default)]
+pub(super) struct LayerLora {
+    slots: [Option<Adapter>; 7],
+}
+
+impl LayerLora {
+    pub(super) fn get(&self, t: Target) -> Option<&Adapter> {
+        self.slots[t.slot()].as_ref()
+    }
+
+    /// The adapter Vars (A then B per target), so that recomputed layers
+    /// return their gradients too.
+    pub(super) fn vars(&self) -> impl Iterator<Item = &Var> {
+        self.slots.iter().flatten().flat_map(|a| [&a.a, &a.b])
+    }
+}
+
+/// `x W^T + bias` of target `t` of `layer`, plus its adapter's term when it
+/// has one. Every projection of a decoder layer goes through here.
+pub(super) fn linear(
+    x: &Tensor,
+    layer: &Layer,
+    t: Target,
+    bias: Option<&Tensor>,
+    grad: Grad,
+) -> Result<Tensor> {
+    let y = ops::linear(x, &weight(t.base(layer), grad), bias)?;
+    let Some(ad) = layer.lora.get(t) else { return Ok(y) };
+    let (a, b) = (weight(&ad.a, grad), weight(&ad.b, grad));
+    let xa = ops::linear(&x.to_dtype(a.dtype())?, &a, None)?; // (.., r)
+    let delta = (ops::linear(&xa, &b, None)? * ad.scale)?.to_dtype(y.dtype())?;
+    Ok((y + delta)?)
+}
+
+/// `W + scale * B A` in the base weight's dtype (the merged weight of target
+/// `t`; the base weight itself without an adapter).
+pub(super) fn merged_weight(layer: &Layer, t: Target) -> Result<Tensor> {
+    let w = t.base(layer).as_tensor().detach();
+    let Some(ad) = layer.lora.get(t) else { return Ok(w) };
+    let ba = (ad.b.as_tensor().detach().matmul(&ad.a.as_tensor().detach())? * ad.scale)?;
+    Ok((w.to_dtype(ba.dtype())? + ba)?.to_dtype(w.dtype())?)
+}
+
+impl Qwen3 {
+    /// Puts fresh adapters (f32, f64 on an f64 model; on the model's device) on the `cfg.targets`
+    /// of every block: `A` as `nn.init.kaiming_uniform_(A, a=sqrt(5))`
+    /// (uniform in `±1/sqrt(in)`), `B` zero. Replaces any adapters there were.
+    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
+        cfg.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let device = self.device().clone();
+        let scale = cfg.scale();
+        let dtype = if self.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        for layer in &mut self.layers {
+            let mut lora = LayerLora::default();
+            for &t in &cfg.targets {
+                let (out, inp) = t.base(layer).dims2()?;
+                // kaiming_uniform_ with a = sqrt(5): gain sqrt(2 / (1 + 5)),
+                // bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
+                let bound = 1.0 / (inp as f32).sqrt();
+                let a: Vec<f32> = (0..cfg.rank * inp).map(|_| rng.random_range(-bound..bound)).collect();
+                let a = Tensor::from_vec(a, (cfg.rank, inp), &device)?.to_dtype(dtype)?;
+                let a = Var::from_tensor(&a)?;
+                let b = Var::zeros((out, cfg.rank), dtype, &device)?;
+                lora.slots[t.slot()] = Some(Adapter { a, b, scale });
+            }
+            layer.lora = lora;
+        }
+        Ok(())
+    }
+
+    /// The adapters' parameters under peft's names
+    /// (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`,
+    /// `...lora_B.weight`): what the optimizer trains with LoRA on.
+    pub fn lora_params(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                if let Some(ad) = layer.lora.get(t) {
+                    let p = format!("base_model.model.model.layers.{i}.{}", t.module());
+                    out.push((format!("{p}.lora_A.weight"), ad.a.clone()));
+                    out.push((format!("{p}.lora_B.weight"), ad.b.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether any layer carries adapters.
+    pub fn has_lora(&self) -> bool {
+        self.layers.iter().any(|l| l.lora.vars().next().is_some())
+    }
+
+    /// Folds every adapter into its base weight (`W <- W + scale B A`) and
+    /// drops the adapters: the same function, one matmul per projection.
+    pub fn merge_lora(&mut self) -> Result<()> {
+        for layer in &mut self.layers {
+            for t in Target::ALL {
+                if layer.lora.get(t).is_some() {
+                    t.base(layer).set(&merged_weight(layer, t)?)?;
+                }
+            }
+            layer.lora = LayerLora::default();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+    use crate::model::config::Config;
+    use crate::model::fused::test_util::{probe, randn};
+    use crate::model::qwen3::TokenBatch;
+    use crate::model::Recompute;
+
+    fn tiny(dtype: DType, seed: u64) -> Qwen3 {
+        let cfg = Config::from_json_str(
+            r#"{"vocab_size": 31, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "tie_word_embeddings": true}"#,
+            "tiny",
+        )
+        .unwrap();
+        crate::model::init(&cfg, seed, 0.3, dtype, &Device::Cpu).unwrap()
+    }
+
+    fn batch() -> TokenBatch {
+        let ids = vec![1, 5, 9, 2, 7, 3, 11, 4, 0, 8, 6, 13];
+        TokenBatch::from_parts(ids, vec![vec![1; 6], vec![0, 1, 1, 1, 1, 1]], &Device::Cpu).unwrap()
+    }
+
+    fn flat(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Random B (and A) in every adapter, in the adapters' dtype.
+    fn randomize(m: &Qwen3, seed: u64) {
+        for (k, (_, v)) in m.lora_params().iter().enumerate() {
+            v.set(&(randn(v.dims(), v.dtype(), seed + k as u64).as_tensor() * 0.5).unwrap()).unwrap();
+        }
+    }
+
+    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+        let scale = b.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    #[test]
+    fn config_scale_and_defaults() {
+        let c: LoraConfig = serde_json::from_str(r#"{"rank": 16, "alpha": 32}"#).unwrap();
+        assert_eq!(c.scale(), 2.0);
+        assert_eq!(c.targets, Target::ALL.to_vec());
+        assert_eq!(c.lr_scale, 10.0);
+        let c: LoraConfig =
+            serde_json::from_str(r#"{"rank": 16, "alpha": 32, "rslora": true, "targets": ["q_proj"]}"#)
+                .unwrap();
+        assert_eq!(c.scale(), 8.0);
+        assert_eq!(c.targets, vec![Target::QProj]);
+        assert!(serde_json::from_str::<LoraConfig>(r#"{"rank": 4, "dropout": 0.1}"#).is_err());
+        assert!(LoraConfig::new(0).validate().is_err());
+    }
+
+    /// B = 0 at the start: the adapted model's logits are the base model's,
+    /// and A has peft's kaiming-uniform range.
+    #[test]
+    fn fresh_adapters_leave_the_logits_unchanged() {
+        let mut m = tiny(DType::F32, 1);
+        let base = flat(&m.forward(&batch()).unwrap());
+        m.add_lora(&LoraConfig::new(4), 7).unwrap();
+        assert_eq!(m.lora_params().len(), 2 * 7 * 2);
+        let (name, a) = &m.lora_params()[0];
+        assert_eq!(name, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight");
+        let a = flat(a.as_tensor());
+        let bound = 1.0 / 16f64.sqrt();
+        assert!(a.iter().all(|x| x.abs() <= bound) && a.iter().any(|x| x.abs() > bound / 2.0));
+        assert_eq!(flat(&m.forward(&batch()).unwrap()), base);
+    }
+
+    /// The merged model (`W + scale B A`, adapters dropped) computes the same
+    /// logits as the unmerged one, and differs from the base.
+    #[test]
+    fn merged_forward_equals_unmerged() {
+        let mut m = tiny(DType::F32, 2);
+        let base = flat(&m.forward(&batch()).unwrap());
+        let mut cfg = LoraConfig::new(3);
+        cfg.alpha = Some(6.0);
+        m.add_lora(&cfg, 3).unwrap();
+        randomize(&m, 40);
+        let unmerged = flat(&m.forward(&batch()).unwrap());
+        m.merge_lora().unwrap();
+        assert!(!m.has_lora());
+        let merged = flat(&m.forward(&batch()).unwrap());
+        assert!(max_rel(&merged, &unmerged) < 1e-5, "{}", max_rel(&merged, &unmerged));
+        assert!(max_rel(&base, &unmerged) > 1e-2);
+    }
+
+    /// A bf16 base with f32 adapters: the adapter term is added in f32 and
+    /// the logits match the f32 computation up to bf16 rounding.
+    #[test]
+    fn bf16_base_with_f32_adapters() {
+        let mut m = tiny(DType::BF16, 4);
+        m.add_lora(&LoraConfig::new(2), 5).unwrap();
+        assert!(m.lora_params().iter().all(|(_, v)| v.dtype() == DType::F32));
+        randomize(&m, 60);
+        let y = m.forward(&batch()).unwrap();
+        let grads = (y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap()).backward().unwrap();
+        for (name, v) in m.lora_params() {
+            let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}"));
+            assert_eq!(g.dtype(), DType::F32);
+        }
+    }
+
+    /// Gradients of a random functional of the hidden states with respect to
+    /// every adapter, against central finite differences in f64, with and
+    /// without recomputed layers; the base weights are in the graph but the
+    /// adapters' gradients are what is checked.
+    #[test]
+    fn adapter_gradients_match_finite_differences() {
+        for recompute in [Recompute::Off, Recompute::On] {
+            let mut m = tiny(DType::F64, 3);
+            m.set_recompute(recompute);
+            let mut cfg = LoraConfig::new(2);
+            cfg.alpha = Some(3.0);
+            m.add_lora(&cfg, 9).unwrap();
+            assert!(m.lora_params().iter().all(|(_, v)| v.dtype() == DType::F64));
+            randomize(&m, 80);
+            let b = batch();
+            // The same seed gives the same random functional each call.
+            let loss = |m: &Qwen3| -> f64 {
+                probe(&m.forward_hidden(&b, Grad::Off).unwrap(), 99).to_scalar::<f64>().unwrap()
+            };
+            let grads = probe(&m.forward_hidden(&b, Grad::Track).unwrap(), 99).backward().unwrap();
+            // Parts of the forward round below f64 (a step of 1e-5 gives
+            // differences off by 4e-4), so a step of 1e-3: truncation error
+            // O(eps^2) and rounding noise both near 1e-5 here.
+            let eps = 1e-3;
+            for (name, v) in m.lora_params() {
+                let g =
+                    flat(grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{recompute:?}: no grad {name}")));
+                let x0 = flat(v.as_tensor());
+                // A few entries of each adapter (every entry would be slow).
+                for j in (0..x0.len()).step_by(x0.len().div_ceil(5)) {
+                    let at = |d: f64| {
+                        let mut x = x0.clone();
+                        x[j] += d;
+                        v.set(&Tensor::from_vec(x, v.dims(), &Device::Cpu).unwrap()).unwrap();
+                        loss(&m)
+                    };
+                    let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                    v.set(&Tensor::from_vec(x0.clone(), v.dims(), &Device::Cpu).unwrap()).unwrap();
+                    assert!(
+                        (fd - g[j]).abs() < 1e-4 * (1.0 + fd.abs()),
+                        "{recompute:?} {name}[{j}]: {fd} vs {}",
+                        g[j]
+                    );
+                }
+            }
+        }
+    }
+}
