@@ -476,9 +476,18 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, seq: usize, device: &Device) -> any
         let wt = w.t()?.contiguous()?;
         let xt = r(&[k, m])?;
         let flops = 2.0 * (m * k * nn) as f64;
-        let t1 = time(a.reps, || Ok(drop(x.matmul(&w.t()?)?)))?;
-        let t2 = time(a.reps, || Ok(drop(x.matmul(&wt)?)))?;
-        let t3 = time(a.reps, || Ok(drop(xt.t()?.matmul(&wt)?)))?;
+        let t1 = time(a.reps, || {
+            let _ = x.matmul(&w.t()?)?;
+            Ok(())
+        })?;
+        let t2 = time(a.reps, || {
+            let _ = x.matmul(&wt)?;
+            Ok(())
+        })?;
+        let t3 = time(a.reps, || {
+            let _ = xt.t()?.matmul(&wt)?;
+            Ok(())
+        })?;
         report(&format!("{name} {m}x{k}x{nn} rhs^T view"), t1, Some(flops), n);
         report(&format!("{name} rhs contiguous"), t2, Some(flops), n);
         report(&format!("{name} lhs^T view"), t3, Some(flops), n);
@@ -486,16 +495,31 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, seq: usize, device: &Device) -> any
     // Elementwise: what each node of candle's backward costs (zeros_like + add).
     for len in [n * h, n * i] {
         let (x, y) = (r(&[len])?, r(&[len])?);
-        let t1 = time(a.reps, || Ok(drop((&x + &y)?)))?;
-        let t2 = time(a.reps, || Ok(drop((x.zeros_like()? + &y)?)))?;
+        let t1 = time(a.reps, || {
+            let _ = (&x + &y)?;
+            Ok(())
+        })?;
+        let t2 = time(a.reps, || {
+            let _ = (x.zeros_like()? + &y)?;
+            Ok(())
+        })?;
         println!("add of {len} f32: {:.2} ms; zeros_like + add {:.2} ms", t1 * 1e3, t2 * 1e3);
     }
     // Weight gradient dW = dy^T x (out x in), with dy^T as a view or copied first.
     let (dy, x) = (r(&[n, i])?, r(&[n, h])?);
     let flops = 2.0 * (n * h * i) as f64;
-    let t1 = time(a.reps, || Ok(drop(dy.t()?.matmul(&x)?)))?;
-    let t2 = time(a.reps, || Ok(drop(dy.t()?.contiguous()?.matmul(&x)?)))?;
-    let t3 = time(a.reps, || Ok(drop(x.t()?.matmul(&dy)?.t()?.contiguous()?)))?;
+    let t1 = time(a.reps, || {
+        let _ = dy.t()?.matmul(&x)?;
+        Ok(())
+    })?;
+    let t2 = time(a.reps, || {
+        let _ = dy.t()?.contiguous()?.matmul(&x)?;
+        Ok(())
+    })?;
+    let t3 = time(a.reps, || {
+        let _ = x.t()?.matmul(&dy)?.t()?.contiguous()?;
+        Ok(())
+    })?;
     report(&format!("dW {i}x{n}x{h}: dy^T view @ x"), t1, Some(flops), n);
     report("dW: copy dy^T then @ x", t2, Some(flops), n);
     report("dW: (x^T @ dy)^T", t3, Some(flops), n);
@@ -504,7 +528,10 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, seq: usize, device: &Device) -> any
     let q = r(&[a.batch, nkv, g * l, d])?;
     let k = r(&[a.batch, nkv, l, d])?;
     let flops = 2.0 * (a.batch * nkv * g * l * l * d) as f64;
-    let t = time(a.reps, || Ok(drop(q.matmul(&k.t()?)?)))?;
+    let t = time(a.reps, || {
+        let _ = q.matmul(&k.t()?)?;
+        Ok(())
+    })?;
     report("attn scores q @ k^T (batched)", t, Some(flops), n);
     Ok(())
 }

@@ -1005,7 +1005,7 @@ mod tests {
         assert_eq!(nothing.default_template(), PromptTemplate::raw());
         assert_eq!(PromptTemplate::None.resolve(&nothing).expect("r").note(), None);
 
-        let (_d, bad) = (tempfile::tempdir().expect("tempdir"), ());
+        let _d = tempfile::tempdir().expect("tempdir");
         std::fs::write(_d.path().join("tokenizer_config.json"), r#"{"stapo_template": "model"}"#).expect("w");
         let e = ModelPrompt::load(_d.path()).expect_err("model is not concrete").to_string();
         assert!(e.contains("stapo_template") && e.contains("tokenizer_config.json"), "{e}");
@@ -1016,7 +1016,6 @@ mod tests {
         std::fs::write(_d.path().join("tokenizer_config.json"), "{oops").expect("w");
         let e = ModelPrompt::load(_d.path()).expect_err("bad json").to_string();
         assert!(e.contains("tokenizer_config.json:1"), "{e}");
-        let _ = bad;
     }
 
     #[test]

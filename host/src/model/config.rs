@@ -111,7 +111,7 @@ impl Config {
                 return Err(bad(name, "must be positive, found 0".into()));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 format!(
@@ -120,7 +120,7 @@ impl Config {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
                 format!("must be even for rotary embeddings, found {}", self.head_dim),

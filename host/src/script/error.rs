@@ -75,6 +75,7 @@ pub fn from_parse(file: &str, e: ParseError) -> Error {
 /// Converts a runtime error raised while running code of `file`: the position
 /// is the innermost one (inside the called function or imported module), the
 /// message the innermost error plus the call chain.
+#[allow(clippy::boxed_local)] // rhai hands its errors over boxed; callers pass them on as they come
 pub fn from_eval(file: &str, e: Box<EvalAltResult>) -> Error {
     let mut cur_file = file.to_string();
     let mut best: Option<String> = None;

@@ -21,11 +21,15 @@ type SharedModule = Arc<Module>;
 use super::error::host_at;
 use super::host::Host;
 
+/// A cached module: the file's modification time when compiled, the module, and the
+/// newest modification time of what it imports.
+type Cached = (SystemTime, SharedModule, Option<SystemTime>);
+
 /// The module resolver of [`super::build_engine`].
 pub struct Resolver {
     host: Weak<Host>,
     /// path → (mtime of the loaded version, module, mtime of a version that failed).
-    cache: Mutex<HashMap<PathBuf, (SystemTime, SharedModule, Option<SystemTime>)>>,
+    cache: Mutex<HashMap<PathBuf, Cached>>,
 }
 
 impl Resolver {

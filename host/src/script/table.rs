@@ -74,7 +74,7 @@ pub fn format_sample(index: usize, s: &Sample, rows: &[TokenRow]) -> String {
         s.finish,
         if s.truncated { ", truncated" } else { "" }
     );
-    let _ = writeln!(out, "  {:>4}  {:<16} {:>8} {:>7} {:>7}  {}", "pos", "token", "p", "H", "A", "S2T");
+    let _ = writeln!(out, "  {:>4}  {:<16} {:>8} {:>7} {:>7}  S2T", "pos", "token", "p", "H", "A");
     for r in rows {
         let a = r.advantage.map_or("-".to_string(), |a| format!("{a:+.3}"));
         let s2t = match r.silenced {

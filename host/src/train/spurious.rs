@@ -113,11 +113,9 @@ impl SpuriousPoints {
         }
         let cut = self.region.map_or(PAPER_TAU_P, |r| r.tau_p.max(PAPER_TAU_P));
         for q in pts {
-            if q.silenced || q.p < cut {
-                if self.marked.len() < MAX_MARKED {
-                    self.marked.push(q);
-                    continue;
-                }
+            if (q.silenced || q.p < cut) && self.marked.len() < MAX_MARKED {
+                self.marked.push(q);
+                continue;
             }
             // Reservoir sampling (Vitter's algorithm R) over the remaining points.
             self.seen += 1;

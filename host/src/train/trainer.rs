@@ -367,7 +367,7 @@ impl Trainer {
             None => None,
         };
         let sampler = match state {
-            Some(s) => EpochSampler::restore(s.sampler.clone(), train.len())?,
+            Some(s) => EpochSampler::restore(s.sampler, train.len())?,
             None => EpochSampler::new(train.len(), cfg.seed)?,
         };
         let reference = match &objective.kl {
@@ -550,7 +550,10 @@ impl Trainer {
             eval_avg: None,
             eval_pass: None,
         };
-        if self.cfg.eval_every > 0 && self.step % self.cfg.eval_every as u64 == 0 && self.test.is_some() {
+        if self.cfg.eval_every > 0
+            && self.step.is_multiple_of(self.cfg.eval_every as u64)
+            && self.test.is_some()
+        {
             let r = self.evaluate(None)?;
             m.eval_avg = Some(r.overall.avg);
             m.eval_pass = Some(r.overall.pass);
@@ -560,7 +563,7 @@ impl Trainer {
             append_line(&self.run_dir.join("metrics.jsonl"), &line)?;
             self.tb.metrics(&m)
         })?;
-        if self.cfg.save_every > 0 && self.step % self.cfg.save_every as u64 == 0 {
+        if self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every as u64) {
             self.checkpoint()?;
         }
         Ok(m)

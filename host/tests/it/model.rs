@@ -42,7 +42,7 @@ fn logits_match_candle_transformers_qwen3() {
         let mut reference = candle_transformers::models::qwen3::ModelForCausalLM::new(&ref_cfg, vb).unwrap();
         let seq = ids(11, 1);
         // The reference returns last-position logits only: compare every prefix.
-        let batch = TokenBatch::left_padded(&[seq.clone()], 0, &Device::Cpu).unwrap();
+        let batch = TokenBatch::left_padded(std::slice::from_ref(&seq), 0, &Device::Cpu).unwrap();
         let ours = m.forward(&batch).unwrap().squeeze(0).unwrap();
         for len in [1, 5, 11] {
             reference.clear_kv_cache();
@@ -61,7 +61,8 @@ fn left_padded_row_equals_unpadded_row() {
     let long = ids(13, 3);
     let padded = TokenBatch::left_padded(&[short.clone(), long.clone()], 0, &Device::Cpu).unwrap();
     let logits = m.forward(&padded).unwrap();
-    let alone = m.forward(&TokenBatch::left_padded(&[short.clone()], 0, &Device::Cpu).unwrap()).unwrap();
+    let alone =
+        m.forward(&TokenBatch::left_padded(std::slice::from_ref(&short), 0, &Device::Cpu).unwrap()).unwrap();
     let row = logits.get(0).unwrap().narrow(0, 13 - 6, 6).unwrap();
     let d = max_abs_diff(&row, &alone.get(0).unwrap());
     assert!(d < 1e-5, "padded vs unpadded: {d}");

@@ -298,7 +298,7 @@ train({}, 3);
     let runner = std::thread::spawn(move || script::run_file(&h2, &p2));
 
     // Step 0 logged: edit lr; the swap happens at step 1.
-    wait_for("step 0", Duration::from_secs(60), || metrics(&run_dir).len() >= 1);
+    wait_for("step 0", Duration::from_secs(60), || !metrics(&run_dir).is_empty());
     save_by_rename(&path, &script("0.002", "// edited"));
     // Step 1 logged: break the script; step 2 keeps the edited hooks.
     wait_for("step 1", Duration::from_secs(60), || metrics(&run_dir).len() >= 2);

@@ -269,6 +269,8 @@ mod decode {
         let o = SendPtr(out);
         (0..b * nkv).into_par_iter().for_each(|bk| {
             let (bi, hk) = (bk / nkv, bk % nkv);
+            // Capture the whole SendPtr (edition 2021 closures would capture its field).
+            #[allow(clippy::redundant_locals)]
             let o = o;
             let mut p = vec![0f32; s];
             for gi in 0..g {
@@ -459,7 +461,7 @@ impl Kernel<2> for AttentionBwd {
     }
 }
 
-/// Fused grouped-query attention (see [`super::ops::attention`]): q `(B, Hq, L, D)`,
+/// Fused grouped-query attention (see [`crate::model::ops::attention`]): q `(B, Hq, L, D)`,
 /// k/v `(B, Hkv, S, D)`, additive mask broadcastable to `(B, 1, L, S)`.
 /// Returns `(B, L, Hq * D)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {

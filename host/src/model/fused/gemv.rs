@@ -362,7 +362,7 @@ mod tests {
             for shift in 1..16 {
                 let xs = &x[shift..shift + n * k];
                 let mut want = vec![0f32; n * o];
-                gemv(&xs.to_vec(), &w[..o * k], &mut want, n, o, k);
+                gemv(xs, &w[..o * k], &mut want, n, o, k);
                 let mut got = vec![0f32; n * o];
                 gemv(xs, &w[..o * k], &mut got, n, o, k);
                 assert_eq!(got, want, "x shifted by {shift} ({n},{o},{k})");

@@ -95,7 +95,7 @@ impl Kernel<3> for RmsNormBwd {
     }
 }
 
-/// Fused RMSNorm over the last dimension (see [`super::ops::rms_norm`]).
+/// Fused RMSNorm over the last dimension (see [`crate::model::ops::rms_norm`]).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(RmsNorm { eps }))?)
 }

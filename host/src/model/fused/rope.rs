@@ -126,7 +126,7 @@ impl Kernel<3> for NormRopeBwd {
 
 /// Per-head RMSNorm then rotary embedding, from `(B, L, H * D)` (heads side by
 /// side, as the projection leaves them) to `(B, H, L, D)`; `cos`/`sin` are
-/// `(B, 1, L, D/2)`, the rotary table (see [`super::ops::norm_rope`]).
+/// `(B, 1, L, D/2)`, the rotary table (see [`crate::model::ops::norm_rope`]).
 pub fn norm_rope(
     x: &Tensor,
     n_heads: usize,

@@ -185,8 +185,8 @@ mod tests {
                     .join("\n");
                 let lines: Vec<&str> = doc.lines().map(str::trim).collect();
                 let usage = lines.first().is_some_and(|l| l.len() > "/// ".len());
-                let example = lines.windows(2).any(|w| w == ["/// # Example", "///"])
-                    && lines.iter().any(|l| *l == "/// ```rhai");
+                let example =
+                    lines.windows(2).any(|w| w == ["/// # Example", "///"]) && lines.contains(&"/// ```rhai");
                 !(usage && example && lines.iter().all(|l| l.starts_with("///")))
             })
             .map(|f| f["signature"].as_str().unwrap_or_default().to_string())

@@ -90,7 +90,7 @@ fn init(cfg: &Map, opts: &Map) -> RhaiResult<ModelHandle> {
     let o: InitOpts = options("init_model", opts)?;
     let (dtype, dev) = dtype_device(&o.dtype, &o.device)?;
     let tokenizer = match &o.tokenizer {
-        Some(p) => Some(Tokenizer::from_file(&tokenizer_file(p)).map_err(host)?),
+        Some(p) => Some(Tokenizer::from_file(tokenizer_file(p)).map_err(host)?),
         None => None,
     };
     let mut j = tiny_config_json();
@@ -311,7 +311,7 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
         /// ```
     "#,
         |p: &str| -> RhaiResult<TokenizerHandle> {
-            Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(&tokenizer_file(Path::new(p))).map_err(host)?)))
+            Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(tokenizer_file(Path::new(p))).map_err(host)?)))
         }
     }
     func! { engine, "encode", r#"

@@ -70,7 +70,7 @@ impl AdamW {
     }
 
     /// Excludes from weight decay every parameter whose name satisfies `no_decay`
-    /// (e.g. [`is_norm_or_bias`]).
+    /// (e.g. [`is_norm_or_bias`](super::is_norm_or_bias)).
     pub fn with_no_decay(mut self, no_decay: impl Fn(&str) -> bool) -> Self {
         for p in &mut self.params {
             p.decay = !no_decay(&p.name);

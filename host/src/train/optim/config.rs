@@ -13,7 +13,7 @@ const CONFIG_NAME: &str = "adamw config";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdamWConfig {
-    /// Base learning rate (a schedule scales it; [`AdamW::step`] takes the final value).
+    /// Base learning rate (a schedule scales it; [`AdamW::step`](super::AdamW::step) takes the final value).
     #[serde(default = "default_lr")]
     pub lr: f64,
     /// Decay rate of the first moment.
@@ -96,7 +96,7 @@ impl AdamWConfig {
 
 /// The usual weight-decay exclusion for transformer weights: RMSNorm/LayerNorm
 /// scales (Qwen3's `*_layernorm.weight`, `q_norm.weight`, `k_norm.weight`,
-/// `model.norm.weight`) and biases. Pass it to [`AdamW::with_no_decay`].
+/// `model.norm.weight`) and biases. Pass it to [`AdamW::with_no_decay`](super::AdamW::with_no_decay).
 pub fn is_norm_or_bias(name: &str) -> bool {
     name.ends_with("norm.weight") || name.ends_with(".bias") || name == "bias"
 }

@@ -78,7 +78,7 @@ pub struct AppliedThresholds {
 }
 
 /// What an update used, per input sequence (index = position in the `seqs` given to
-/// [`update`]), so that a token table shows exactly what the update did. Token-level
+/// [`update`](super::update)), so that a token table shows exactly what the update did. Token-level
 /// fields are those of the first epoch (the policy that sampled, for `old_logp =
 /// recompute`); the metrics count every epoch.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -106,7 +106,7 @@ pub struct UpdateRecord {
     pub thresholds: Vec<AppliedThresholds>,
 }
 
-/// What [`update`] returns.
+/// What [`update`](super::update) returns.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UpdateOutcome {
     pub metrics: UpdateMetrics,
@@ -205,7 +205,7 @@ pub(super) fn record_mask(
     Ok(())
 }
 
-/// 7. Means over optimizer steps and tokens; the most silenced token ids. Sums and
+/// Step 7: means over optimizer steps and tokens; the most silenced token ids. Sums and
 /// token-weighted means over ranks first (the optimizer-step figures are already global).
 pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut totals: Totals) -> Result<()> {
     if comm.size() > 1 {

@@ -375,10 +375,10 @@ fn grad_norms_are_recorded_from_the_collision_probability() {
     }
     // The analysis of the same sequences without an update agrees with the record.
     let an = token_analysis(&m, &seqs, 0, 1.0, 1).unwrap();
-    for i in 0..2 {
-        close(&an[i].p, &rec.p[i], 1e-6, "p");
-        close(&an[i].entropy, &rec.entropy[i], 1e-5, "H");
-        close(&an[i].collision, &rec.collision[i], 1e-6, "collision");
+    for (i, a) in an.iter().enumerate().take(2) {
+        close(&a.p, &rec.p[i], 1e-6, "p");
+        close(&a.entropy, &rec.entropy[i], 1e-5, "H");
+        close(&a.collision, &rec.collision[i], 1e-6, "collision");
     }
     assert_eq!(out.metrics.silenced_grad_share, Some(0.0));
     // The largest of 4 tokens, which come in equal pairs (the two responses are the same).
