@@ -24,7 +24,7 @@ pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.75;
 pub enum TauH {
     /// A fixed entropy threshold (nats).
     Abs(f32),
-    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`]) of the candidates' entropies,
+    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`](super::mask::quantile_linear)) of the candidates' entropies,
     /// recomputed for every mini-batch.
     Quantile(f32),
 }
