@@ -1,6 +1,6 @@
 //! Batched sampling of responses from a Qwen3 policy: the rollout phase of GRPO.
 //!
-//! [`generate`] prefills every prompt once (left-padded, one batch), replicates
+//! [`generate`](mod@generate) prefills every prompt once (left-padded, one batch), replicates
 //! each prompt's KV cache `n` times to form a GRPO group (Shao et al. 2024,
 //! "DeepSeekMath", §4.1), then decodes one token per step with temperature,
 //! top-k and top-p (nucleus, Holtzman et al. 2020) sampling, dropping finished

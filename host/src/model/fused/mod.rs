@@ -15,8 +15,8 @@
 //! dispatches every other device and dtype to the composed candle ops, which
 //! are also the reference each file's tests check values and gradients against.
 //!
-//! One file per op: [`linear`], [`norm`] (RMSNorm), [`rope`] (per-head norm +
-//! rotary), [`attention`], [`swiglu`], [`head`] (log-prob and entropy from
+//! One file per op: [`linear`](mod@linear), [`norm`] (RMSNorm), [`rope`] (per-head norm +
+//! rotary), [`attention`](mod@attention), [`swiglu`](mod@swiglu), [`head`] (log-prob and entropy from
 //! logits), [`vocab`] (the same from hidden states, in tiles, no logits kept).
 //! This file holds what they share: dtype dispatch, raw slices and the gemm
 //! wrappers.

@@ -6,7 +6,7 @@
 //! the loss is the mean negative log-likelihood over all response tokens of the
 //! batch (token-mean, so long and short responses weigh by their tokens).
 //!
-//! The layout is the RL update's ([`crate::train::update`]):
+//! The layout is the RL update's ([`crate::train::update`](mod@crate::train::update)):
 //! `[left pad | prompt | response | right pad]`, prompts left-padded to the
 //! batch's longest prompt `P`, responses right-padded to its longest response
 //! `T`; response token `j` sits at `P + j` and is predicted by the hidden state
