@@ -5,8 +5,9 @@
 //!
 //! `objective.rs` (the losses), `mask.rs` (the masks) and `preset.rs` (named presets and
 //! `--set` overrides) all read these types; none of them depends on another for a type.
-//! STAPO's paper defaults (tau_p = 0.002, tau_h = the 0.75-quantile of the candidates'
-//! entropies) are written once, here: [`TAU_P_DEFAULT`], [`TAU_H_QUANTILE_DEFAULT`].
+//! STAPO's paper defaults (tau_p = 0.002, tau_h = the 0.8-quantile of the entropies of
+//! all response tokens of the mini-batch) are written once, here: [`TAU_P_DEFAULT`],
+//! [`TAU_H_QUANTILE_DEFAULT`], [`TauH::PAPER`].
 
 use serde::{Deserialize, Serialize};
 
@@ -15,18 +16,69 @@ use crate::{Error, Result};
 
 /// STAPO's probability threshold of the sampled token (paper v1 appendix).
 pub const TAU_P_DEFAULT: f32 = 0.002;
-/// STAPO's entropy threshold: this quantile of the candidates' entropies (paper v1 appendix).
-pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.75;
+/// STAPO's entropy threshold: this quantile of the response tokens' entropies. Two
+/// independent summaries of the paper give an 80% entropy quantile ("low entropy" =
+/// below the 80th percentile, the complement of 20-Entropy's top 20%); see DESIGN.md.
+pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.8;
+/// The quantile of the candidates' entropies that stapo used before it named the
+/// population (`dapo_s2t`): 0.75 over [`QuantileOver::Candidates`].
+pub const TAU_H_CANDIDATES_QUANTILE: f32 = 0.75;
 
-/// The entropy threshold of the S2T mask.
+/// The population whose entropies a quantile `tau_h` is taken over, per (global)
+/// mini-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuantileOver {
+    /// Every response token of the mini-batch (the paper's reading: tau_h marks the
+    /// `1 - q` share of highest-entropy positions that are never silenced).
+    Response,
+    /// Only the candidates (`A > 0 && p < tau_p`): with one candidate nothing is
+    /// silenced, with two at most one.
+    Candidates,
+}
+
+impl QuantileOver {
+    /// The serde name (`response` / `candidates`), for maps and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantileOver::Response => "response",
+            QuantileOver::Candidates => "candidates",
+        }
+    }
+
+    /// Parses `response` / `candidates`; the error names the field `tau_h_over`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "response" => Ok(QuantileOver::Response),
+            "candidates" => Ok(QuantileOver::Candidates),
+            other => Err(cfg_err("tau_h_over", format!("expected response|candidates, found {other:?}"))),
+        }
+    }
+}
+
+/// The entropy threshold of the S2T mask. Serialised externally tagged:
+/// `{"abs": 0.3}` or `{"quantile": {"q": 0.8, "over": "response"}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TauH {
     /// A fixed entropy threshold (nats).
     Abs(f32),
-    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`](super::mask::quantile_linear)) of the candidates' entropies,
-    /// recomputed for every mini-batch.
-    Quantile(f32),
+    /// The `q`-quantile (`0 <= q <= 1`, [`quantile_linear`](super::mask::quantile_linear))
+    /// of the entropies of `over`, recomputed for every (global) mini-batch.
+    Quantile {
+        /// The quantile, in `[0, 1]`.
+        q: f32,
+        /// Whose entropies.
+        over: QuantileOver,
+    },
+}
+
+impl TauH {
+    /// The paper's reading: the 0.8-quantile over all response tokens.
+    pub const PAPER: TauH = TauH::Quantile { q: TAU_H_QUANTILE_DEFAULT, over: QuantileOver::Response };
+    /// stapo's earlier rule (`dapo_s2t`): the 0.75-quantile over the candidates.
+    pub const CANDIDATES: TauH =
+        TauH::Quantile { q: TAU_H_CANDIDATES_QUANTILE, over: QuantileOver::Candidates };
 }
 
 /// The two thresholds of STAPO's S2T mask.
@@ -34,29 +86,43 @@ pub enum TauH {
 pub struct S2tThresholds {
     /// Probability threshold of the sampled token.
     pub tau_p: f32,
-    /// Entropy threshold, absolute or a quantile of the candidates.
+    /// Entropy threshold, absolute or a quantile of a named population.
     pub tau_h: TauH,
 }
 
 impl Default for S2tThresholds {
-    /// The paper's: tau_p = 0.002, tau_h = the 0.75-quantile.
+    /// The paper's: tau_p = 0.002, tau_h = the 0.8-quantile over the response.
     fn default() -> Self {
-        S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::Quantile(TAU_H_QUANTILE_DEFAULT) }
+        S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::PAPER }
     }
 }
 
 impl S2tThresholds {
     /// The one parser of thresholds given as numbers (a script map, a hook's result, a
     /// `--set` value): `tau_p` replaces the probability threshold; `tau_h` (absolute)
-    /// or else `tau_h_quantile` replaces the entropy threshold; what is not given stays.
+    /// or else `tau_h_quantile` / `tau_h_over` replace the entropy threshold (a quantile
+    /// keeps the population it had, or the response when it was absolute; a population
+    /// alone keeps the quantile's `q`, or the paper's 0.8); what is not given stays.
     /// Validated; the error names the field.
-    pub fn with(self, tau_p: Option<f64>, tau_h: Option<f64>, tau_h_quantile: Option<f64>) -> Result<Self> {
+    pub fn with(
+        self,
+        tau_p: Option<f64>,
+        tau_h: Option<f64>,
+        tau_h_quantile: Option<f64>,
+        tau_h_over: Option<QuantileOver>,
+    ) -> Result<Self> {
+        let (q0, over0) = match self.tau_h {
+            TauH::Quantile { q, over } => (q, over),
+            TauH::Abs(_) => (TAU_H_QUANTILE_DEFAULT, QuantileOver::Response),
+        };
         let out = S2tThresholds {
             tau_p: tau_p.map_or(self.tau_p, |x| x as f32),
-            tau_h: match (tau_h, tau_h_quantile) {
-                (Some(h), _) => TauH::Abs(h as f32),
-                (None, Some(q)) => TauH::Quantile(q as f32),
-                (None, None) => self.tau_h,
+            tau_h: match (tau_h, tau_h_quantile, tau_h_over) {
+                (Some(h), _, _) => TauH::Abs(h as f32),
+                (None, None, None) => self.tau_h,
+                (None, q, over) => {
+                    TauH::Quantile { q: q.map_or(q0, |q| q as f32), over: over.unwrap_or(over0) }
+                }
             },
         };
         out.validate()?;
@@ -71,7 +137,7 @@ impl S2tThresholds {
         }
         match self.tau_h {
             TauH::Abs(h) if h.is_nan() => Err(cfg_err("tau_h", "expected a number, found NaN")),
-            TauH::Quantile(q) if !(0.0..=1.0).contains(&q) => {
+            TauH::Quantile { q, .. } if !(0.0..=1.0).contains(&q) => {
                 Err(cfg_err("tau_h_quantile", format!("expected a number in [0, 1], found {q}")))
             }
             _ => Ok(()),
@@ -236,17 +302,21 @@ pub struct KlConfig {
 }
 
 /// Which token mask (beyond the response mask) decides the kept tokens. Serialised with its
-/// `kind` as the tag: `{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": 0.75}}`.
+/// `kind` as the tag: `{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.8, "over":
+/// "response"}}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum MaskConfig {
     /// Keep every response token.
     None,
-    /// STAPO's S2T: silence tokens with `A > 0 && p < tau_p && H < tau_h`.
+    /// STAPO's S2T: silence tokens with `A > 0 && p < tau_p && H < tau_h`, both
+    /// comparisons strict (a token exactly at `tau_h`, such as the quantile's own
+    /// order statistic, is kept).
     S2t {
         /// Probability threshold of the sampled token (paper: 0.002).
         tau_p: f32,
-        /// Entropy threshold, absolute or a quantile of the candidates (paper: 0.75-quantile).
+        /// Entropy threshold, absolute or a quantile of a named population (paper's
+        /// reading: the 0.8-quantile over the response tokens).
         tau_h: TauH,
     },
     /// 20-Entropy: keep the top `rho` fraction of response tokens by entropy (paper: 0.2).
@@ -287,8 +357,7 @@ pub struct ObjectiveConfig {
 
 impl MaskConfig {
     /// STAPO's S2T mask with the paper's thresholds.
-    pub const S2T_DEFAULT: MaskConfig =
-        MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::Quantile(TAU_H_QUANTILE_DEFAULT) };
+    pub const S2T_DEFAULT: MaskConfig = MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::PAPER };
 
     /// The S2T thresholds, when this is the S2T mask.
     pub fn s2t(&self) -> Option<S2tThresholds> {

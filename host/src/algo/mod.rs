@@ -28,11 +28,11 @@ pub use advantage::{
     OverlongConfig, RewardScale, StdKind,
 };
 pub use config::{
-    AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, PolicyLoss, S2tThresholds, TauH,
-    TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
+    AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, PolicyLoss, QuantileOver, S2tThresholds, TauH,
+    TAU_H_CANDIDATES_QUANTILE, TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
 };
 pub use mask::{
-    compose_masks, quantile_linear, s2t_candidate_entropies, s2t_mask, top_entropy_mask, S2tStats,
+    compose_masks, quantile_linear, s2t_mask, s2t_population_entropies, top_entropy_mask, S2tStats,
     TopEntropyStats,
 };
 pub use objective::{aggregate, compute_loss, LossInputs, LossMetrics, LossOutput, Normaliser};

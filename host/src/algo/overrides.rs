@@ -12,7 +12,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::config::{cfg_err, MaskConfig, ObjectiveConfig, PolicyLoss};
+use super::config::{cfg_err, MaskConfig, ObjectiveConfig, PolicyLoss, TauH};
 use super::preset::DAPO_OVERLONG;
 use crate::Result;
 
@@ -46,6 +46,9 @@ enum Action {
     Toggle(&'static str, Option<&'static str>, Kind),
     /// The externally tagged object at the path becomes `{tag: number}` (an S2T `tau_h`).
     Tagged(&'static [&'static str], &'static str),
+    /// One field of the S2T `tau_h` quantile (`q` or `over`), keeping the other; an
+    /// absolute `tau_h` becomes the paper's quantile first.
+    TauHQuantile(&'static str, Kind),
     /// `overlong.max_len`, with `cache_len` rescaled to keep its fraction of L_max (so
     /// that shrinking L_max for a small run stays valid; an explicit cache comes after).
     OverlongMaxLen,
@@ -68,6 +71,7 @@ pub struct Alias {
 }
 
 const NONE_WORDS: [&str; 3] = ["none", "off", "null"];
+const OVER: &[(&str, &str)] = &[("response", "response"), ("candidates", "candidates")];
 const LOSS_KINDS: &[(&str, &str)] = &[("ppo", "ppo"), ("gspo", "gspo"), ("sapo", "sapo"), ("pg", "pg")];
 const MASK_KINDS: &[(&str, &str)] =
     &[("none", "none"), ("off", "none"), ("s2t", "s2t"), ("top_entropy", "top_entropy")];
@@ -172,8 +176,16 @@ pub const ALIASES: &[Alias] = &[
         requires: Some(("mask", &["s2t"])),
         ..alias(
             "tau_h_quantile",
-            "number in [0, 1] (mask=s2t)",
-            Action::Tagged(&["mask", "tau_h"], "quantile"),
+            "number in [0, 1] (mask=s2t; keeps tau_h_over)",
+            Action::TauHQuantile("q", Kind::Num),
+        )
+    },
+    Alias {
+        requires: Some(("mask", &["s2t"])),
+        ..alias(
+            "tau_h_over",
+            "response|candidates: the tau_h quantile's population (mask=s2t; keeps tau_h_quantile)",
+            Action::TauHQuantile("over", Kind::Word(OVER)),
         )
     },
     Alias {
@@ -318,6 +330,18 @@ impl Alias {
             Action::Tagged(path, tag) => {
                 let v = self.parse(Kind::Num, value)?;
                 set_path(cfg, path, json!({ tag: v }))?;
+            }
+            Action::TauHQuantile(field, kind) => {
+                let v = self.parse(kind, value)?;
+                let here = cfg.get("mask").and_then(|m| m.get("tau_h")).and_then(|t| t.get("quantile"));
+                let mut qt = match here {
+                    Some(o) if o.is_object() => o.clone(),
+                    _ => serde_json::to_value(TauH::PAPER).map_err(|e| cfg_err("tau_h", e.to_string()))?
+                        ["quantile"]
+                        .clone(),
+                };
+                qt[field] = v;
+                set_path(cfg, &["mask", "tau_h"], json!({ "quantile": qt }))?;
             }
             Action::OverlongMaxLen => {
                 let new_max = self.parse(Kind::Int, value)?.as_u64().unwrap_or(0);

@@ -5,11 +5,13 @@
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
 //! (arXiv:2506.01939), JustRL (He et al. 2025), Dr.GRPO (arXiv:2503.20783) and STAPO
-//! (2026: DAPO + the S2T mask, tau_p = 0.002, tau_h = the 0.75-quantile, token-mean).
+//! (2026: the paper's listed recipe, JustRL's settings + the S2T mask with tau_p = 0.002,
+//! tau_h = the 0.8-quantile of the response tokens' entropies; `dapo_s2t` is DAPO + S2T
+//! with the 0.75-quantile of the candidates, stapo's earlier reading).
 //! verl `core_algos.py` names the aggregation modes.
 
 use super::advantage::{AdvEstimator, OverlongConfig};
-use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss};
+use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss, TauH, TAU_P_DEFAULT};
 use crate::Result;
 
 /// One named preset: what `--objective NAME` (or `objective: "NAME"`) starts from.
@@ -36,6 +38,15 @@ pub const DAPO_OVERLONG: OverlongConfig = OverlongConfig { max_len: 20480, cache
 
 fn grpo() -> ObjectiveConfig {
     ObjectiveConfig::default()
+}
+
+/// JustRL: DAPO's clip range and token-mean, nothing else of DAPO's.
+fn justrl() -> ObjectiveConfig {
+    ObjectiveConfig {
+        loss: PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None },
+        agg: AggMode::TokenMean,
+        ..grpo()
+    }
 }
 
 fn dapo() -> ObjectiveConfig {
@@ -84,17 +95,22 @@ pub const PRESETS: &[Preset] = &[
         name: "justrl",
         aliases: &[],
         summary: "eps 0.2/0.28, token-mean, no KL, no dynamic sampling, no overlong penalty",
-        build: || ObjectiveConfig {
-            loss: PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None },
-            agg: AggMode::TokenMean,
-            ..grpo()
-        },
+        build: justrl,
     },
     Preset {
         name: "stapo",
         aliases: &[],
-        summary: "dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile of the candidates), token-mean",
-        build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo() },
+        summary: "justrl + S2T mask (tau_p 0.002, tau_h = 0.8-quantile over the response tokens)",
+        build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..justrl() },
+    },
+    Preset {
+        name: "dapo_s2t",
+        aliases: &[],
+        summary: "dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile over the candidates)",
+        build: || ObjectiveConfig {
+            mask: MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::CANDIDATES },
+            ..dapo()
+        },
     },
     Preset {
         name: "drgrpo",
@@ -175,16 +191,31 @@ impl ObjectiveConfig {
 mod tests {
     use super::*;
     use crate::algo::advantage::OverlongConfig;
-    use crate::algo::config::{KlConfig, KlKind, TauH};
+    use crate::algo::config::{KlConfig, KlKind, QuantileOver};
 
     #[test]
     fn presets_have_design_defaults() {
+        // stapo: JustRL's settings + S2T, tau_h the 0.8-quantile over the response.
         let s = ObjectiveConfig::preset("stapo").unwrap();
         assert_eq!(s.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
         assert_eq!(s.agg, AggMode::TokenMean);
-        assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.75) });
+        let paper = TauH::Quantile { q: 0.8, over: QuantileOver::Response };
+        assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: paper });
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
+        assert!(!s.dynamic_sampling && s.overlong.is_none());
+        assert_eq!(
+            ObjectiveConfig { mask: MaskConfig::None, ..s },
+            ObjectiveConfig::preset("justrl").unwrap()
+        );
+        // dapo_s2t: DAPO + S2T, the 0.75-quantile over the candidates.
+        let ds = ObjectiveConfig::preset("dapo_s2t").unwrap();
+        let cand = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
+        assert_eq!(ds.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: cand });
+        assert_eq!(
+            ObjectiveConfig { mask: MaskConfig::None, ..ds },
+            ObjectiveConfig::preset("dapo").unwrap()
+        );
         let g = ObjectiveConfig::preset("GSPO").unwrap();
         assert_eq!(
             (g.loss, g.agg),
@@ -216,6 +247,31 @@ mod tests {
         c.set("tau_h", "0.5").unwrap();
         let back: ObjectiveConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
+        // The JSON form of tau_h names q and the population.
+        let s2t = serde_json::to_value(MaskConfig::S2T_DEFAULT).unwrap();
+        let want = serde_json::json!({"kind": "s2t", "tau_p": 0.002f32,
+            "tau_h": {"quantile": {"q": 0.8f32, "over": "response"}}});
+        assert_eq!(s2t, want);
+        for j in [
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"abs": 0.3}}"#,
+        ] {
+            let m: MaskConfig = serde_json::from_str(j).unwrap();
+            let back: MaskConfig = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+            assert_eq!(back, m, "{j}");
+        }
+        let m: MaskConfig = serde_json::from_str(
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(m, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::CANDIDATES });
+        // A population that is not one of the two is an error naming the choices.
+        let e = serde_json::from_str::<MaskConfig>(
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.8, "over": "all"}}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("response") && e.contains("candidates"), "{e}");
     }
 
     #[test]
@@ -242,7 +298,8 @@ mod tests {
         assert_eq!(c.agg, AggMode::TokenMean);
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K3, beta: 0.04 }));
         assert_eq!(c.adv, AdvEstimator::DrGrpo);
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile(0.5) });
+        let q = |q, over| TauH::Quantile { q, over };
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Response) });
         assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
         c.set("dual_clip", "none").unwrap();
         assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
@@ -250,8 +307,19 @@ mod tests {
         assert_eq!(c.kl, None);
         c.set("kl", "k1").unwrap();
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K1, beta: 0.001 }));
+        // tau_h_over keeps q; tau_h_quantile keeps the population.
+        c.set("tau_h_over", "candidates").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Candidates) });
+        c.set("tau_h_quantile", "0.9").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.9, QuantileOver::Candidates) });
         c.set("tau_h", "0.3").unwrap();
         assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.3) });
+        // From an absolute tau_h, a population alone starts from the paper's q = 0.8.
+        c.set("tau_h_over", "response").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::PAPER });
+        c.set("tau_h", "0.3").unwrap();
+        c.set("tau_h_quantile", "0.6").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.6, QuantileOver::Response) });
         c.set("dynamic_sampling", "on").unwrap();
         assert!(c.dynamic_sampling);
         c.set("overlong", "off").unwrap();
@@ -311,6 +379,8 @@ mod tests {
         let e = c.set("agg", "mean").unwrap_err().to_string();
         assert!(e.contains("agg") && e.contains("token-mean"), "{e}");
         assert!(c.set("tau_h_quantile", "1.5").is_err());
+        let e = c.set("tau_h_over", "tokens").unwrap_err().to_string();
+        assert!(e.contains("tau_h_over") && e.contains("response|candidates"), "{e}");
         assert!(c.set("overlong_cache_len", "99999").is_err()); // cache > max_len
         assert!(c.set_pair("eps_low").is_err());
         assert_eq!(c, before, "failed sets leave the config unchanged");
@@ -321,11 +391,11 @@ mod tests {
         // Given cache first, L_max still comes first: 1024 rescales the DAPO buffer
         // (round(0.2 · 1024) = 205), then the cache is set to 256.
         let pairs = [("overlong_cache_len", "256"), ("overlong_max_len", "1024"), ("tau_p", "0.01")];
-        let c = ObjectiveConfig::with_overrides("stapo", pairs).unwrap();
+        let c = ObjectiveConfig::with_overrides("dapo_s2t", pairs).unwrap();
         assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
         // `mask` switches S2T on before its threshold is read, whatever the order.
         let c = ObjectiveConfig::with_overrides("grpo", [("tau_p", "0.01"), ("mask", "s2t")]).unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.01, tau_h: TauH::Quantile(0.75) });
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.01, tau_h: TauH::PAPER });
         let e = ObjectiveConfig::with_overrides("grpo", [("tau_q", "1")]).unwrap_err().to_string();
         assert!(e.contains("tau_q"), "{e}");
     }
@@ -337,7 +407,7 @@ mod tests {
         assert!(d.fit_to_run(512).is_empty());
         assert_eq!(d.norm_len, Some(512));
         // DAPO's preset buffer follows the run: 20480/4096 → 64/13 (round(0.2 · 64)).
-        let mut s = ObjectiveConfig::preset("stapo").unwrap();
+        let mut s = ObjectiveConfig::preset("dapo_s2t").unwrap();
         assert!(s.fit_to_run(64).is_empty());
         assert_eq!(s.overlong, Some(OverlongConfig { max_len: 64, cache_len: 13, factor: 1.0 }));
         assert_eq!(s.norm_len, None); // token-mean: no constant length

@@ -7,7 +7,7 @@
 //!
 //! 1. `sampling(step)` → map merged into the step's `SamplingParams`
 //!    (`n`, `temperature`, `top_p`, `top_k`, `max_tokens`, ...);
-//! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile}`,
+//! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile, tau_h_over}`,
 //!    applied to the step's S2T mask (S2T objectives only: with another objective
 //!    the hook is not called and a note says so once). `stats` holds the previous step's
 //!    metrics (`silenced_ratio`, `s2t_candidates`, `response_tokens`, ...; absent at the
@@ -49,13 +49,13 @@ use rhai::{Dynamic, Engine, Map, Scope};
 use serde_json::Value;
 
 use super::convert::{
-    clean_f64, from_json, get_num, num, parse_cli_value, sampling_from_map, sampling_json, to_json,
+    clean_f64, from_json, get_num, get_str, num, parse_cli_value, sampling_from_map, sampling_json, to_json,
 };
 use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
 use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
 use super::hooks::{hook_type_error, HookSet, HookSpec, LR, ON_STEP, SAMPLING, SHOULD_STOP, THRESHOLDS};
 use super::host::{timestamp, Host};
-use crate::algo::{is_set_key, MaskConfig, TauH};
+use crate::algo::{is_set_key, MaskConfig, QuantileOver, TauH};
 use crate::train::{RunConfig, StepMetrics, StepPlan, Trainer};
 use crate::util::append_line;
 use crate::{Error, Result};
@@ -177,15 +177,25 @@ pub fn metrics_map(m: &StepMetrics, plan: &StepPlan) -> RhaiResult<Map> {
 }
 
 /// Inserts the S2T thresholds of `mask` (if it is S2T): `tau_p`, and `abs_key` or
-/// `tau_h_quantile`.
+/// `tau_h_quantile` with `tau_h_over` (`"response"` / `"candidates"`).
 fn insert_thresholds(map: &mut Map, mask: &MaskConfig, abs_key: &str) {
     if let Some(t) = mask.s2t() {
         map.insert("tau_p".into(), clean_f64(t.tau_p).into());
         match t.tau_h {
-            TauH::Abs(h) => map.insert(abs_key.into(), clean_f64(h).into()),
-            TauH::Quantile(q) => map.insert("tau_h_quantile".into(), clean_f64(q).into()),
-        };
+            TauH::Abs(h) => {
+                map.insert(abs_key.into(), clean_f64(h).into());
+            }
+            TauH::Quantile { q, over } => {
+                map.insert("tau_h_quantile".into(), clean_f64(q).into());
+                map.insert("tau_h_over".into(), over.name().into());
+            }
+        }
     }
+}
+
+/// `m.tau_h_over` (`"response"` / `"candidates"`), if present.
+pub(crate) fn get_over(m: &Map) -> RhaiResult<Option<QuantileOver>> {
+    get_str(m, "tau_h_over")?.map(|s| QuantileOver::parse(&s).map_err(host_err)).transpose()
 }
 
 /// Applies a `sampling` hook's map to the plan.
@@ -197,7 +207,7 @@ pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<(
     Ok(())
 }
 
-/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile`) to the plan's S2T
+/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile` / `tau_h_over`) to the plan's S2T
 /// mask; what the map leaves out stays as configured. Thresholds apply to S2T only: for
 /// an objective without the S2T mask this is an error (it never switches the mask on).
 pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
@@ -212,7 +222,7 @@ pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
         )
     })?;
     let t = cur
-        .with(get_num(m, "tau_p")?, get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?)
+        .with(get_num(m, "tau_p")?, get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?, get_over(m)?)
         .map_err(host_err)?;
     plan.objective.mask = t.into();
     plan.objective.validate().map_err(host_err)
@@ -532,7 +542,7 @@ fn run_steps(
 }
 
 /// `run.step(plan)` for the REPL: one step with optional overrides
-/// (`#{sampling: #{..}, lr, tau_p, tau_h, tau_h_quantile}`), no hooks.
+/// (`#{sampling: #{..}, lr, tau_p, tau_h, tau_h_quantile, tau_h_over}`), no hooks.
 pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
     let mut t = lock(&run.0, "run")?;
     let mut plan = t.default_plan();
@@ -545,7 +555,7 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
         }
         apply_sampling(&mut plan, &s.clone().cast::<Map>(), host.opts.smoke)?;
     }
-    if ["tau_p", "tau_h", "tau_h_quantile"].iter().any(|k| over.contains_key(*k)) {
+    if ["tau_p", "tau_h", "tau_h_quantile", "tau_h_over"].iter().any(|k| over.contains_key(*k)) {
         apply_thresholds(&mut plan, over)?;
     }
     if let Some(lr) = get_num(over, "lr")? {

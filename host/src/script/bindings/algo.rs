@@ -9,7 +9,9 @@ use rhai::{Array, Dynamic, Engine, Map};
 use serde::Deserialize;
 
 use super::{lock, RolloutHandle};
-use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, ALIASES, PRESETS};
+use crate::algo::{
+    AdvEstimator, ObjectiveConfig, QuantileOver, S2tStats, S2tThresholds, StdKind, ALIASES, PRESETS,
+};
 use crate::script::convert::{clean_f64, options, to_dynamic};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
@@ -24,14 +26,15 @@ struct AdvOpts {
     std: Option<StdKind>,
 }
 
-/// `s2t(r, thresholds)`: `tau_p`, and `tau_h` (absolute) or `tau_h_quantile`;
-/// paper defaults 0.002 and the 0.75-quantile.
+/// `s2t(r, thresholds)`: `tau_p`, and `tau_h` (absolute) or `tau_h_quantile` /
+/// `tau_h_over`; paper defaults 0.002 and the 0.8-quantile over the response.
 #[derive(Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 struct ThresholdOpts {
     tau_p: Option<f64>,
     tau_h: Option<f64>,
     tau_h_quantile: Option<f64>,
+    tau_h_over: Option<QuantileOver>,
 }
 
 fn advantages(r: &RolloutHandle, opts: &Map) -> RhaiResult<Array> {
@@ -43,8 +46,9 @@ fn advantages(r: &RolloutHandle, opts: &Map) -> RhaiResult<Array> {
 
 fn s2t(r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let o: ThresholdOpts = options("s2t", opts)?;
-    let th =
-        S2tThresholds::default().with(o.tau_p, o.tau_h, o.tau_h_quantile).map_err(|e| bad_arg("s2t", e))?;
+    let th = S2tThresholds::default()
+        .with(o.tau_p, o.tau_h, o.tau_h_quantile, o.tau_h_over)
+        .map_err(|e| bad_arg("s2t", e))?;
     let stats = lock(&r.0, "rollout")?.compute_s2t(th).map_err(|e| bad_arg("s2t", e))?;
     Ok(s2t_map(&stats, th.tau_p))
 }
@@ -54,6 +58,10 @@ fn s2t_map(stats: &S2tStats, tau_p: f32) -> Map {
     let mut m = Map::new();
     m.insert("response_tokens".into(), (stats.n_response as i64).into());
     m.insert("candidates".into(), (stats.n_candidates as i64).into());
+    m.insert(
+        "tau_h_population".into(),
+        stats.tau_h_population.map_or(Dynamic::UNIT, |n| Dynamic::from(n as i64)),
+    );
     m.insert("silenced".into(), (stats.n_silenced as i64).into());
     m.insert("silenced_ratio".into(), (stats.silenced_ratio() as f64).into());
     m.insert("tau_p".into(), clean_f64(tau_p).into());
@@ -100,9 +108,10 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "s2t", r#"
         /// s2t(rollout) -> map
         ///
-        /// STAPO's S2T mask with the paper's thresholds (tau_p 0.002, tau_h = 0.75-quantile of the
-        /// candidates): silences tokens with A > 0, p < tau_p, H < tau_h. Returns #{response_tokens,
-        /// candidates, silenced, silenced_ratio, tau_p, tau_h}; the token table then marks them.
+        /// STAPO's S2T mask with the paper's thresholds (tau_p 0.002, tau_h = 0.8-quantile of the
+        /// response tokens' entropies): silences tokens with A > 0, p < tau_p, H < tau_h (strict).
+        /// Returns #{response_tokens, candidates, tau_h_population, silenced, silenced_ratio, tau_p,
+        /// tau_h}; the token table then marks them.
         ///
         /// # Example
         ///
@@ -115,12 +124,13 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "s2t", r#"
         /// s2t(rollout, thresholds) -> map
         ///
-        /// thresholds: #{tau_p, tau_h} (absolute) or #{tau_p, tau_h_quantile}.
+        /// thresholds: #{tau_p, tau_h} (absolute) or #{tau_p, tau_h_quantile, tau_h_over}, with
+        /// tau_h_over "response" (every response token, the default) or "candidates".
         ///
         /// # Example
         ///
         /// ```rhai
-        /// s2t(r, #{tau_p: 0.05, tau_h_quantile: 0.5})
+        /// s2t(r, #{tau_p: 0.05, tau_h_quantile: 0.5, tau_h_over: "candidates"})
         /// ```
     "#,
         |r: RolloutHandle, opts: Map| s2t(&r, &opts)

@@ -40,7 +40,8 @@ pub fn token_mask(
 /// log-probs, entropies, advantages and response mask; `None` when it holds none of
 /// the mini-batch). Every rank calls it for every mini-batch. Thresholds that are a
 /// statistic of the mini-batch are taken over all ranks: the S2T `tau_h` quantile over
-/// every rank's candidates (then applied as an absolute threshold), the 20-Entropy
+/// every rank's population (candidates or response tokens; then applied as an absolute
+/// threshold, with the global population size in the statistics), the 20-Entropy
 /// top-k over every rank's response tokens (in rank order, as the one-process row
 /// order). One rank: exactly [`token_mask`].
 pub fn token_mask_on(
@@ -55,14 +56,18 @@ pub fn token_mask_on(
         return plain(mask);
     }
     match *mask {
-        MaskConfig::S2t { tau_p, tau_h: TauH::Quantile(q) } => {
+        MaskConfig::S2t { tau_p, tau_h: TauH::Quantile { q, over } } => {
             let mine = match local {
-                Some((lp, h, adv, resp)) => algo::s2t_candidate_entropies(lp, h, adv, resp, tau_p)?,
+                Some((lp, h, adv, resp)) => algo::s2t_population_entropies(lp, h, adv, resp, tau_p, over)?,
                 None => Vec::new(),
             };
             let all = comm.all_gather_f32(&mine)?;
-            let tau_h = algo::quantile_linear(&all, q).map_or(TauH::Quantile(q), TauH::Abs);
-            plain(&MaskConfig::S2t { tau_p, tau_h })
+            let tau_h = algo::quantile_linear(&all, q).map_or(TauH::Quantile { q, over }, TauH::Abs);
+            let mut out = plain(&MaskConfig::S2t { tau_p, tau_h })?;
+            if let Some((_, Some(st))) = out.as_mut() {
+                st.tau_h_population = Some(all.len());
+            }
+            Ok(out)
         }
         MaskConfig::TopEntropy { rho } => {
             // This rank's response-token entropies, row-major.

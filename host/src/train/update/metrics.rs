@@ -51,6 +51,23 @@ pub struct UpdateMetrics {
     /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.
     #[serde(default)]
     pub s2t_candidates: usize,
+    /// Response tokens with `A < 0 && p < tau_p`, over all mini-batches (S2T on).
+    #[serde(default)]
+    pub low_p_negative: usize,
+    /// Candidates per 10k response tokens, and the shares of response tokens with
+    /// `p < tau_p` and `A > 0` / `A < 0`: rates that do not collapse to a handful of
+    /// silenced tokens (S2T on; 0 without response tokens).
+    #[serde(default)]
+    pub candidates_per_10k: f32,
+    #[serde(default)]
+    pub low_p_positive_share: f32,
+    #[serde(default)]
+    pub low_p_negative_share: f32,
+    /// The size of the population the quantile `tau_h` was taken over (response tokens
+    /// or candidates of the global mini-batch), summed over the mini-batches; `None`
+    /// without S2T or with an absolute `tau_h`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tau_h_population: Option<usize>,
     /// Shares of the summed per-token logit-gradient norm carried by the silenced tokens
     /// and by the top 0.01% of tokens (first epoch; with `token_grad_norms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -70,8 +87,12 @@ pub struct AppliedThresholds {
     pub epoch: usize,
     pub mini_batch: usize,
     pub tau_p: f32,
-    /// The entropy threshold used (`None`: a quantile over zero candidates).
+    /// The entropy threshold used (`None`: a quantile over an empty population).
     pub tau_h: Option<f32>,
+    /// How many entropies (of the whole global mini-batch) the quantile was taken
+    /// over; `None` for an absolute `tau_h`.
+    #[serde(default)]
+    pub population: Option<usize>,
     /// Tokens with `A > 0 && p < tau_p`, and those silenced.
     pub candidates: usize,
     pub silenced: usize,
@@ -211,12 +232,13 @@ pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut t
     if comm.size() > 1 {
         let lm = &mut totals.loss_metrics;
         let w = lm.n_tokens as f64;
-        let [resp, silenced, candidates, ent_sum, ent_count, n, low, high, kl] = dist::sum_f64(
+        let [resp, silenced, candidates, low_neg, ent_sum, ent_count, n, low, high, kl] = dist::sum_f64(
             comm,
             [
                 metrics.response_tokens as f64,
                 metrics.silenced_tokens as f64,
                 metrics.s2t_candidates as f64,
+                metrics.low_p_negative as f64,
                 totals.entropy_sum,
                 totals.entropy_count as f64,
                 w,
@@ -228,6 +250,7 @@ pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut t
         metrics.response_tokens = resp as usize;
         metrics.silenced_tokens = silenced as usize;
         metrics.s2t_candidates = candidates as usize;
+        metrics.low_p_negative = low_neg as usize;
         totals.entropy_sum = ent_sum;
         totals.entropy_count = ent_count as usize;
         let mean = |x: f64| if n > 0.0 { (x / n) as f32 } else { 0.0 };
@@ -258,6 +281,12 @@ pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut t
     } else {
         metrics.silenced_tokens as f32 / metrics.response_tokens as f32
     };
+    if metrics.response_tokens > 0 {
+        let per = |n: usize| n as f64 / metrics.response_tokens as f64;
+        metrics.candidates_per_10k = (per(metrics.s2t_candidates) * 1e4) as f32;
+        metrics.low_p_positive_share = per(metrics.s2t_candidates) as f32;
+        metrics.low_p_negative_share = per(metrics.low_p_negative) as f32;
+    }
     let mut top: Vec<(u32, usize)> = totals.silenced.into_iter().collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     top.truncate(20);

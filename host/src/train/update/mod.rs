@@ -308,19 +308,27 @@ fn record_s2t(
     if let Some(st) = stats {
         out.metrics.silenced_tokens += st.n_silenced;
         out.metrics.s2t_candidates += st.n_candidates;
+        out.metrics.low_p_negative += st.n_low_p_negative;
         for &(b, j) in &st.positions {
             *out.totals.silenced.entry(mb.ss[b].response_ids[j]).or_default() += 1;
         }
     }
     let MaskConfig::S2t { tau_p, .. } = x.cfg.objective.mask else { return Ok(()) };
     let mut tau_h = stats.and_then(|st| st.tau_h);
+    let mut population = stats.and_then(|st| st.tau_h_population);
     if x.comm.size() > 1 {
         let v = dist::max_f64(x.comm, tau_h.map_or(f64::NEG_INFINITY, |t| t as f64))?;
         tau_h = (v > f64::NEG_INFINITY).then_some(v as f32);
+        // Every rank holding part of the mini-batch has the same global size.
+        let n = dist::max_f64(x.comm, population.map_or(-1.0, |n| n as f64))?;
+        population = (n >= 0.0).then_some(n as usize);
     }
     if let Some(t) = tau_h {
         out.totals.tau_h_sum += t as f64;
         out.totals.tau_h_count += 1;
+    }
+    if let Some(n) = population {
+        *out.metrics.tau_h_population.get_or_insert(0) += n;
     }
     if let Some(st) = stats {
         out.record.thresholds.push(AppliedThresholds {
@@ -328,6 +336,7 @@ fn record_s2t(
             mini_batch: mb.index,
             tau_p,
             tau_h,
+            population,
             candidates: st.n_candidates,
             silenced: st.n_silenced,
         });
