@@ -149,6 +149,59 @@ fn token_mask_by_hand() {
     assert!(token_mask(&s2t, None, &adv, &resp).is_err());
 }
 
+/// The S2T quantile under two ranks, one row each: over the response (the paper's
+/// reading) and over the candidates, each rank gathers the population, and mask,
+/// tau_h and population size are the one-process ones.
+#[test]
+fn token_mask_on_ranks_takes_the_quantile_over_the_global_population() {
+    use crate::algo::QuantileOver;
+    // The rows of `token_mask_by_hand`. Response entropies: row 0 [0.2, 0.1, 0.9], row 1
+    // [0.1, 0.1]; sorted [0.1, 0.1, 0.1, 0.2, 0.9], q 0.8: pos 3.2 → 0.2 + 0.2 · 0.7 = 0.34
+    // (row 0 alone would give 0.62). Candidate (0,0) H 0.2 is silenced, (0,2) H 0.9 kept.
+    let ln = |p: f32| p.ln();
+    let lp = t2(&[ln(0.001), ln(0.5), ln(0.001), ln(0.001), ln(0.001), ln(0.001), ln(0.2), ln(0.2)], 2, 4);
+    let h = t2(&[0.2, 0.1, 0.9, 0.3, 0.1, 0.1, 0.1, 0.1], 2, 4);
+    let adv = Tensor::from_slice(&[1f32, -1.], 2, &Device::Cpu).unwrap();
+    let resp = t2(&[1., 1., 1., 0., 1., 1., 0., 0.], 2, 4);
+    for (over, q) in [(QuantileOver::Response, 0.8), (QuantileOver::Candidates, 0.75)] {
+        let cfg = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile { q, over } };
+        let (whole, ws) = token_mask(&cfg, Some((&lp, &h)), &adv, &resp).unwrap();
+        let ws = ws.unwrap();
+        if over == QuantileOver::Response {
+            assert!((ws.tau_h.unwrap() - 0.34).abs() < 1e-6, "{ws:?}");
+            assert_eq!((ws.tau_h_population, ws.positions.clone()), (Some(5), vec![(0, 0)]));
+        } else {
+            // Candidates H [0.2, 0.9]: pos 0.75 → 0.2 + 0.75 · 0.7 = 0.725.
+            assert!((ws.tau_h.unwrap() - 0.725).abs() < 1e-6, "{ws:?}");
+            assert_eq!((ws.tau_h_population, ws.positions.clone()), (Some(2), vec![(0, 0)]));
+        }
+        let comms = crate::dist::ThreadComm::group(2);
+        let row = |t: &Tensor, i: usize| t.narrow(0, i, 1).unwrap();
+        let outs: Vec<(Vec<f32>, Option<f32>, Option<usize>)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let (lp, h, adv, resp, cfg) =
+                        (row(&lp, i), row(&h, i), row(&adv, i), row(&resp, i), &cfg);
+                    sc.spawn(move || {
+                        let (m, st) = token_mask_on(c, cfg, Some((&lp, &h, &adv, &resp))).unwrap().unwrap();
+                        let st = st.unwrap();
+                        (m.flatten_all().unwrap().to_vec1::<f32>().unwrap(), st.tau_h, st.tau_h_population)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut parts = Vec::new();
+        for (m, tau_h, n) in outs {
+            assert_eq!((tau_h, n), (ws.tau_h, ws.tau_h_population), "{over:?}");
+            parts.extend(m);
+        }
+        assert_eq!(parts, whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{over:?}");
+    }
+}
+
 #[test]
 fn skipped_steps_become_warnings_not_prints() {
     let w = candle_core::Var::from_slice(&[1f32, 2.], 2, &Device::Cpu).unwrap();
@@ -201,8 +254,13 @@ fn options_build_the_config_and_reject_unknown_fields() {
     let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
     assert!(e.contains("epoch"), "{e}");
     assert!(serde_json::from_str::<UpdateOptions>(r#"{"epochs": -1}"#).is_err());
-    // max_tokens sizes the preset's overlong buffer (stapo: 20480/4096 → 64/13).
-    let o = UpdateOptions { max_tokens: Some(64), temperature: 0.7, ..Default::default() };
+    // max_tokens sizes the preset's overlong buffer (dapo_s2t: 20480/4096 → 64/13).
+    let o = UpdateOptions {
+        objective: "dapo_s2t".into(),
+        max_tokens: Some(64),
+        temperature: 0.7,
+        ..Default::default()
+    };
     let (c, _) = o.to_config().unwrap();
     assert_eq!(c.objective.overlong.map(|o| (o.max_len, o.cache_len)), Some((64, 13)));
     assert_eq!(c.temperature, 0.7);
@@ -236,9 +294,10 @@ fn the_record_is_what_the_update_used() {
     }
     let m = tiny();
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
-    let mut obj = ObjectiveConfig::preset("stapo").unwrap();
+    // dapo_s2t: dynamic sampling, tau_h over the candidates.
+    let mut obj = ObjectiveConfig::preset("dapo_s2t").unwrap();
     obj.set("tau_p", "0.03").unwrap();
-    let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+    let cfg = UpdateConfig { objective: obj.clone(), micro_batch: 5, ..Default::default() };
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
     let (rec, met) = (&out.record, &out.metrics);
     let a = 0.8660239f32;
@@ -275,6 +334,49 @@ fn the_record_is_what_the_update_used() {
     assert_eq!((silenced, th.silenced), (met.silenced_tokens, met.silenced_tokens));
     let kept: usize = rec.kept.iter().flatten().filter(|&&k| k).count();
     assert_eq!(kept, met.kept_tokens);
+    // The population of the quantile is the candidates; the rates count from the record.
+    assert_eq!((th.population, met.tau_h_population), (Some(met.s2t_candidates), Some(met.s2t_candidates)));
+    check_rates(rec, met, 0.03);
+
+    // stapo (the paper's reading): no dynamic sampling, tau_h over every response token.
+    obj.mask = ObjectiveConfig::preset("stapo").unwrap().mask;
+    obj.set("tau_p", "0.03").unwrap();
+    let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+    let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+    let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
+    let (rec, met) = (&out.record, &out.metrics);
+    let th = rec.thresholds[0];
+    let all_h: Vec<f32> =
+        (0..seqs.len()).filter(|&i| rec.active[i]).flat_map(|i| rec.entropy[i].clone()).collect();
+    assert_eq!((th.population, met.tau_h_population), (Some(all_h.len()), Some(met.response_tokens)));
+    let tau_h = th.tau_h.unwrap();
+    assert!((tau_h - crate::algo::quantile_linear(&all_h, 0.8).unwrap()).abs() < 1e-6, "{tau_h}");
+    for i in (0..seqs.len()).filter(|&i| rec.active[i]) {
+        for j in 0..rec.p[i].len() {
+            let spurious = rec.advantages[i] > 0.0 && rec.p[i][j] < 0.03 && rec.entropy[i][j] < tau_h;
+            assert_eq!(rec.silenced[i][j], spurious, "({i}, {j})");
+        }
+    }
+    check_rates(rec, met, 0.03);
+}
+
+/// The low-probability rates of the metrics against a count over the record (one
+/// epoch, every active token).
+fn check_rates(rec: &UpdateRecord, met: &UpdateMetrics, tau_p: f32) {
+    let (mut pos, mut neg, mut n) = (0usize, 0usize, 0usize);
+    for i in (0..rec.p.len()).filter(|&i| rec.active[i]) {
+        for &p in &rec.p[i] {
+            n += 1;
+            pos += (p < tau_p && rec.advantages[i] > 0.0) as usize;
+            neg += (p < tau_p && rec.advantages[i] < 0.0) as usize;
+        }
+    }
+    assert_eq!((n, pos, neg), (met.response_tokens, met.s2t_candidates, met.low_p_negative));
+    assert!(pos > 0 && neg > 0, "the test needs both signs: {pos} {neg}");
+    let per = |k: usize| k as f32 / n as f32;
+    assert!((met.candidates_per_10k - per(pos) * 1e4).abs() < 1e-2, "{}", met.candidates_per_10k);
+    assert!((met.low_p_positive_share - per(pos)).abs() < 1e-6);
+    assert!((met.low_p_negative_share - per(neg)).abs() < 1e-6);
 }
 
 /// The tiny model, one group of two sequences (prompt [5, 6, 7], response [8, 9],
