@@ -231,11 +231,27 @@ fn attention_block(
     n_kv: usize,
     (r0, m): (usize, usize),
 ) -> Result<Tensor> {
+    block_of_queries(&q.narrow(2, r0, m)?, k, v, key_bias, offset, n_kv, r0)
+}
+
+/// [`attention_block`] given the block's queries `qb` `(B, Hq, m, D)`, those of
+/// positions `r0..r0 + m`: the forward and the backward of [`attention_blocks`]
+/// both run it (the backward on leaves of its own).
+fn block_of_queries(
+    qb: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_bias: &Tensor,
+    offset: usize,
+    n_kv: usize,
+    r0: usize,
+) -> Result<Tensor> {
+    let m = qb.dim(2)?;
     let limit = (offset + r0 + m).min(k.dim(2)?);
-    let mask = causal_bias(m, limit, offset + r0, q.device())?
+    let mask = causal_bias(m, limit, offset + r0, qb.device())?
         .to_dtype(key_bias.dtype())?
         .broadcast_add(&key_bias.narrow(D::Minus1, 0, limit)?)?;
-    attention_composed(&q.narrow(2, r0, m)?, &k.narrow(2, 0, limit)?, &v.narrow(2, 0, limit)?, &mask, n_kv)
+    attention_composed(qb, &k.narrow(2, 0, limit)?, &v.narrow(2, 0, limit)?, &mask, n_kv)
 }
 
 /// Attention in query blocks from candle ops, on any device and dtype, with
@@ -322,19 +338,14 @@ impl candle_core::CustomOp3 for AttentionBlocks {
             // The block's queries as a leaf; keys and values as leaves shared
             // by every block, their gradients summed.
             let qb = Var::from_tensor(&q.narrow(2, r0, m)?.detach())?;
-            let y = attention_composed(
+            let y = block_of_queries(
                 qb.as_tensor(),
-                &kv.as_tensor().narrow(2, 0, (self.offset + r0 + m).min(k.dim(2)?))?,
-                &vv.as_tensor().narrow(2, 0, (self.offset + r0 + m).min(k.dim(2)?))?,
-                &causal_bias(m, (self.offset + r0 + m).min(k.dim(2)?), self.offset + r0, q.device())
-                    .map_err(err)?
-                    .to_dtype(self.key_bias.dtype())?
-                    .broadcast_add(&self.key_bias.narrow(
-                        D::Minus1,
-                        0,
-                        (self.offset + r0 + m).min(k.dim(2)?),
-                    )?)?,
+                kv.as_tensor(),
+                vv.as_tensor(),
+                &self.key_bias,
+                self.offset,
                 self.n_kv,
+                r0,
             )
             .map_err(err)?;
             let g = (y * dres.narrow(1, r0, m)?)?.sum_all()?.backward()?;

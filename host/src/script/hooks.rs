@@ -207,21 +207,7 @@ pub fn top_level_imports(src: &str) -> String {
                 continue;
             }
             '/' if next == Some('*') => {
-                let mut nest = 0;
-                while i < chars.len() {
-                    if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
-                        nest += 1;
-                        i += 2;
-                    } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
-                        nest -= 1;
-                        i += 2;
-                        if nest == 0 {
-                            break;
-                        }
-                    } else {
-                        i += 1;
-                    }
-                }
+                i = skip_block_comment(&chars, i);
                 continue;
             }
             '"' | '`' | '\'' => {
