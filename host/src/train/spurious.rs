@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::data::Tokenizer;
+use crate::rollout::Sample;
 use crate::train::update::UpdateRecord;
 
 /// The paper's tau_p: tokens below it are kept in full by [`SpuriousPoints`] whatever
@@ -28,6 +29,91 @@ pub const CONTEXT_TOKENS: usize = 4;
 /// Contexts kept per silenced token string, and distinct token strings with contexts.
 pub const CONTEXTS_PER_TOKEN: usize = 3;
 pub const MAX_CONTEXT_TOKENS: usize = 2_000;
+/// Silenced tokens reported per step in their context.
+pub const STEP_EXAMPLES: usize = 8;
+
+/// A run's spurious-token log: how often each token string was silenced, a few of its
+/// contexts, and the points of `spurious.png`. Totals and contexts are saved with each
+/// checkpoint; the points belong to the updates of this process.
+#[derive(Debug, Clone, Default)]
+pub struct SpuriousLog {
+    totals: HashMap<String, usize>,
+    contexts: SilencedContexts,
+    points: SpuriousPoints,
+}
+
+/// What one step adds to the log, for its metrics line.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepSilenced {
+    /// The step's silenced tokens as text, most frequent first.
+    pub tokens: Vec<(String, usize)>,
+    /// Up to [`STEP_EXAMPLES`] of them in their response (`…12+7=1⟦9⟧\n\boxed…`).
+    pub examples: Vec<String>,
+}
+
+impl SpuriousLog {
+    /// The log as a checkpoint left it.
+    pub fn restore(totals: &[(String, usize)], contexts: SilencedContexts) -> Self {
+        Self { totals: totals.iter().cloned().collect(), contexts, points: SpuriousPoints::default() }
+    }
+
+    /// Adds one update: `silenced` are its silenced token ids with counts, `record` is
+    /// indexed like `samples`.
+    pub fn add(
+        &mut self,
+        tok: &Tokenizer,
+        silenced: &[(u32, usize)],
+        samples: &[Sample],
+        record: &UpdateRecord,
+    ) -> StepSilenced {
+        let tokens: Vec<(String, usize)> = silenced.iter().map(|&(id, c)| (tok.token_str(id), c)).collect();
+        for (t, c) in &tokens {
+            *self.totals.entry(t.clone()).or_default() += c;
+        }
+        let mut examples = Vec::new();
+        for (s, sil) in samples.iter().zip(&record.silenced) {
+            for (j, _) in sil.iter().enumerate().filter(|(_, &x)| x) {
+                let ctx = token_context(tok, &s.response_ids, j);
+                if examples.len() < STEP_EXAMPLES {
+                    examples.push(ctx.clone());
+                }
+                self.contexts.add(&tok.token_str(s.response_ids[j]), ctx);
+            }
+        }
+        self.points.add(record);
+        StepSilenced { tokens, examples }
+    }
+
+    /// Silenced tokens over the whole run, most frequent first.
+    pub fn totals(&self) -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = self.totals.iter().map(|(k, c)| (k.clone(), *c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+
+    /// Up to [`CONTEXTS_PER_TOKEN`] readable contexts of a silenced token string.
+    pub fn contexts(&self, token: &str) -> &[String] {
+        self.contexts.get(token)
+    }
+
+    /// Every context kept, for the checkpoint.
+    pub fn all_contexts(&self) -> &SilencedContexts {
+        &self.contexts
+    }
+
+    /// The token points `spurious.png` draws.
+    pub fn points(&self) -> &SpuriousPoints {
+        &self.points
+    }
+
+    /// `silenced_tokens.tsv`: token (quoted), count, contexts; most frequent first.
+    pub fn tsv(&self) -> String {
+        self.totals()
+            .iter()
+            .map(|(t, c)| format!("{t:?}\t{c}\t{}\n", self.contexts(t).join("  |  ")))
+            .collect()
+    }
+}
 
 /// One response token of a positive-advantage response.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -12,32 +12,39 @@
 //! `curves.png`/`.svg`, `spurious.png`/`.svg` (STAPO's token scatter, see
 //! [`Trainer::plot`]) and writes `silenced_tokens.tsv` (token, count, contexts). Every random choice is seeded from
 //! `(seed, step)`, so a resumed run reproduces the uninterrupted one.
+//!
+//! The trainer is composed of parts, one file each: [`PolicyState`] (model, optimizer,
+//! rollout copy, reference; the update runs there), [`PromptSource`] (data, epoch
+//! sampler, tokenizer, template), [`RunFolder`] (every file of the run folder and
+//! TensorBoard) and the spurious-token log ([`SpuriousLog`]). This file holds the run
+//! configuration and the step that drives them.
 
-use std::collections::{BTreeMap, HashMap};
+mod folder;
+mod policy;
+mod prompts;
+
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{ObjectiveConfig, S2tThresholds, TauH};
-use crate::data::{
-    Dataset, DatasetOptions, EpochSampler, Example, Prompt, PromptTemplate, Prompter, SamplerState, Tokenizer,
-};
+use crate::data::{DatasetOptions, Example, Prompt, PromptTemplate, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
-use crate::model::{self, checkpoint, Qwen3};
+use crate::model::{self, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
-use crate::train::optim::{AdamW, AdamWConfig, LrSchedule};
-use crate::train::plot::{self, RunCurves};
-use crate::train::spurious::{token_context, SilencedContexts, SpuriousPoints};
-use crate::train::update::{
-    self, optimize_on, OldLogp, Policy, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
-};
-use crate::util::{append_line, write_file_atomically};
+use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::train::optim::{AdamWConfig, LrSchedule};
+use crate::train::spurious::{SpuriousLog, SpuriousPoints};
+use crate::train::update::{self, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::{Error, Result};
+pub use folder::RunFolder;
+use folder::TrainerState;
+pub use policy::PolicyState;
+pub use prompts::PromptSource;
 
 /// Everything a run needs, as a script map or JSON gives it. Missing fields
 /// take their defaults (the STAPO paper's, scaled to a CPU where noted).
@@ -189,57 +196,49 @@ pub struct StepMetrics {
     pub eval_pass: Option<f64>,
 }
 
-/// Silenced-token contexts reported per step in the metrics.
-const SILENCED_EXAMPLES: usize = 8;
-
-/// Saved with each checkpoint: where the run stood.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct TrainerState {
-    step: u64,
-    sampler: SamplerState,
-    silenced_totals: Vec<(String, usize)>,
-    #[serde(default)]
-    silenced_contexts: SilencedContexts,
-}
-
-/// A training run in progress.
+/// A training run in progress, composed of its parts: the policy (model, optimizer,
+/// rollout copy, reference), the prompt source (data, sampler, tokenizer, template), the
+/// run folder (files, TensorBoard, evaluations) and the spurious-token log; plus where
+/// the run stands (step, last rollout and update, notes not yet reported).
 pub struct Trainer {
     cfg: RunConfig,
     objective: ObjectiveConfig,
-    model: Qwen3,
-    /// The low-precision copy rollouts sample from (`rollout_dtype`).
-    rollout_copy: Option<model::RolloutCopy>,
-    reference: Option<Qwen3>,
-    opt: AdamW,
-    tokenizer: Tokenizer,
-    /// `cfg.template` resolved against the model folder.
-    prompter: Prompter,
-    train: Dataset,
-    test: Option<Dataset>,
-    sampler: EpochSampler,
+    policy: PolicyState,
+    prompts: PromptSource,
+    folder: RunFolder,
+    spurious: SpuriousLog,
     step: u64,
-    run_dir: PathBuf,
-    silenced_totals: HashMap<String, usize>,
-    /// Readable contexts of silenced tokens, by token string (bounded).
-    silenced_contexts: SilencedContexts,
-    /// Positive-advantage tokens of this process's updates for `spurious.png` (bounded).
-    spurious: SpuriousPoints,
-    last_rollout: Option<RolloutBatch>,
-    /// What the last update used, one entry per sample of `last_rollout`.
-    last_update: Option<UpdateRecord>,
-    /// Warnings not yet reported (data lines skipped at load); the next step's metrics
-    /// carry them, since the library prints nothing.
-    pending_warnings: Vec<String>,
-    /// Notes already reported once (settings that cannot take effect).
-    warned: std::collections::HashSet<String>,
-    last_eval: Option<EvalReport>,
-    /// (step, avg@n, pass@n) of every held-out evaluation of this run.
-    evals: Vec<(u64, f64, f64)>,
-    dtype: DType,
     /// The ranks of a data-parallel run ([`dist::Local`] for one process).
     comm: Arc<dyn Comm>,
-    /// `tb/`: every metrics and eval row again as TensorBoard scalars (rank 0 writes).
-    tb: super::tensorboard::Board,
+    last: LastStep,
+    notes: Notes,
+}
+
+/// What the latest step and evaluation produced, for the REPL and scripts.
+#[derive(Default)]
+struct LastStep {
+    rollout: Option<RolloutBatch>,
+    /// What the last update used, one entry per sample of `rollout`.
+    update: Option<UpdateRecord>,
+    eval: Option<EvalReport>,
+}
+
+/// Warnings on their way to the next step's metrics (the library prints nothing).
+#[derive(Default)]
+struct Notes {
+    /// Not yet reported (data lines skipped at load, ...).
+    pending: Vec<String>,
+    /// Reported once already (settings that cannot take effect).
+    warned: HashSet<String>,
+}
+
+impl Notes {
+    /// Adds `note` to `out` unless it was reported before.
+    fn once(&mut self, note: String, out: &mut Vec<String>) {
+        if self.warned.insert(note.clone()) {
+            out.push(note);
+        }
+    }
 }
 
 /// The device of this rank: under several ranks a bare `cuda` means the GPU
@@ -249,6 +248,13 @@ fn rank_device(name: &str, comm: &dyn Comm) -> Result<candle_core::Device> {
         return model::parse_device(&format!("cuda:{}", dist::local_rank()));
     }
     model::parse_device(name)
+}
+
+/// The model of `dir` in the dtype and on the device `cfg` names, for this rank.
+fn load_model(cfg: &RunConfig, dir: &Path, comm: &dyn Comm) -> Result<Qwen3> {
+    let device = rank_device(&cfg.device, comm)?;
+    let dtype = model::parse_dtype(&cfg.dtype)?;
+    model::load(dir, dtype, &device)
 }
 
 impl Trainer {
@@ -263,20 +269,8 @@ impl Trainer {
     pub fn new_on(comm: Arc<dyn Comm>, cfg: RunConfig, run_dir: &Path) -> Result<Self> {
         eval::check_pass_k(&cfg.eval_pass_k, cfg.eval_n)
             .map_err(|e| Error::invalid(format!("eval_pass_k (eval_n = {}): {e}", cfg.eval_n)))?;
-        dist::on_root(&*comm, || {
-            if run_dir.join("run_config.json").exists() {
-                return Err(Error::invalid(format!(
-                    "{} already holds a run; resume it or pick another folder",
-                    run_dir.display()
-                )));
-            }
-            std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
-            let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
-            write_file_atomically(&run_dir.join("run_config.json"), text.as_bytes())
-        })?;
-        let device = rank_device(&cfg.device, &*comm)?;
-        let dtype = model::parse_dtype(&cfg.dtype)?;
-        let m = model::load(&cfg.model, dtype, &device)?;
+        dist::on_root(&*comm, || RunFolder::create(run_dir, &cfg))?;
+        let m = load_model(&cfg, &cfg.model, &*comm)?;
         Self::assemble(comm, cfg, m, run_dir, None)
     }
 
@@ -288,50 +282,14 @@ impl Trainer {
 
     /// [`Trainer::resume`] as one rank of `comm`.
     pub fn resume_on(comm: Arc<dyn Comm>, run_dir: &Path) -> Result<Self> {
-        let cfg_path = run_dir.join("run_config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-        let cfg: RunConfig = serde_json::from_str(&text).map_err(|e| Error::Parse {
-            path: cfg_path.clone(),
-            line: e.line(),
-            msg: e.to_string(),
-        })?;
-        let latest = run_dir.join("checkpoints/latest");
-        let name = std::fs::read_to_string(&latest).map_err(|e| Error::io(&latest, e))?;
-        let ckpt = run_dir.join("checkpoints").join(name.trim());
-        let device = rank_device(&cfg.device, &*comm)?;
-        let dtype = model::parse_dtype(&cfg.dtype)?;
-        let m = model::load(&ckpt, dtype, &device)?;
-        let state_path = ckpt.join("trainer_state.json");
-        let state_text = std::fs::read_to_string(&state_path).map_err(|e| Error::io(&state_path, e))?;
-        let state: TrainerState = serde_json::from_str(&state_text).map_err(|e| Error::Parse {
-            path: state_path.clone(),
-            line: e.line(),
-            msg: e.to_string(),
-        })?;
+        let cfg = RunFolder::read_config(run_dir)?;
+        let ckpt = RunFolder::latest_checkpoint(run_dir)?;
+        let m = load_model(&cfg, &ckpt, &*comm)?;
+        let state = RunFolder::read_state(&ckpt)?;
         let mut t = Self::assemble(comm.clone(), cfg, m, run_dir, Some(&state))?;
-        let opt_path = ckpt.join("optimizer.safetensors");
-        let tensors = candle_core::safetensors::load(&opt_path, &device).map_err(|e| Error::Config {
-            file: opt_path.display().to_string(),
-            field: "<safetensors>".into(),
-            msg: format!("unreadable optimizer state: {e}"),
-        })?;
-        t.opt.load_state(&tensors, state.step, &opt_path.display().to_string())?;
+        t.policy.restore_optimizer(&ckpt, state.step)?;
         // Metrics logged after the checkpoint belong to steps that will run again.
-        let metrics = run_dir.join("metrics.jsonl");
-        let root = comm.rank() == 0;
-        if let (true, Ok(text)) = (root, std::fs::read_to_string(&metrics)) {
-            let kept: String = text
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| s < state.step)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect();
-            write_file_atomically(&metrics, kept.as_bytes())?;
-        }
+        dist::on_root(&*comm, || t.folder.drop_metrics_from(state.step))?;
         Ok(t)
     }
 
@@ -356,53 +314,20 @@ impl Trainer {
         }
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
-        let tok_path = cfg.model.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tok_path)?;
-        let prompter = tokenizer.prompter(&cfg.template)?;
-        let (train, mut warnings) = Dataset::load(&cfg.data, &cfg.data_options)?;
-        // Reported with the first step's warnings (library code prints nothing).
-        warnings.extend(prompter.note().map(str::to_string));
-        let test = match &cfg.test_data {
-            Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
-            None => None,
-        };
-        let sampler = match state {
-            Some(s) => EpochSampler::restore(s.sampler, train.len())?,
-            None => EpochSampler::new(train.len(), cfg.seed)?,
-        };
-        let reference = match &objective.kl {
-            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, m.dtype(), m.device())?),
-            _ => None,
-        };
-        let opt = AdamW::new(m.params(), cfg.adamw.clone())?;
-        let rollout_copy = rollout_copy(&cfg, &m)?;
+        let (prompts, pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
+        let policy = PolicyState::new(&cfg, &objective, m)?;
+        let spurious = state.map_or_else(SpuriousLog::default, |s| {
+            SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
+        });
         Ok(Self {
-            rollout_copy,
-            dtype: m.dtype(),
             objective,
-            reference,
-            opt,
-            tokenizer,
-            prompter,
-            train,
-            test,
-            sampler,
+            policy,
+            prompts,
+            folder: RunFolder::open(run_dir, state.map(|s| s.step)),
+            spurious,
             step: state.map_or(0, |s| s.step),
-            run_dir: run_dir.to_path_buf(),
-            silenced_totals: state.map(|s| s.silenced_totals.iter().cloned().collect()).unwrap_or_default(),
-            silenced_contexts: state.map(|s| s.silenced_contexts.clone()).unwrap_or_default(),
-            spurious: SpuriousPoints::default(),
-            last_rollout: None,
-            last_update: None,
-            pending_warnings: warnings,
-            warned: Default::default(),
-            last_eval: None,
-            // A new run has no evaluations yet. (Reading eval.jsonl here for a new run raced
-            // with rank 0's step-0 evaluation in a data-parallel run: a rank that saw rank 0's
-            // line skipped the evaluation and its collectives.)
-            evals: state.map(|s| read_evals(&run_dir.join("eval.jsonl"), s.step)).unwrap_or_default(),
-            tb: super::tensorboard::Board::new(run_dir),
-            model: m,
+            last: LastStep::default(),
+            notes: Notes { pending, warned: HashSet::new() },
             cfg,
             comm,
         })
@@ -417,53 +342,51 @@ impl Trainer {
         &self.cfg
     }
     pub fn model(&self) -> &Qwen3 {
-        &self.model
+        self.policy.model()
     }
     /// The weights rollouts and evaluation sample from: the `rollout_dtype` copy
     /// when there is one, else the master weights.
     pub fn sampling_model(&self) -> &Qwen3 {
-        self.rollout_copy.as_ref().map_or(&self.model, |c| c.model())
+        self.policy.sampling_model()
     }
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.prompts.tokenizer()
     }
     /// Steps completed.
     pub fn step_count(&self) -> u64 {
         self.step
     }
     pub fn run_dir(&self) -> &Path {
-        &self.run_dir
+        self.folder.path()
     }
     pub fn last_rollout(&self) -> Option<&RolloutBatch> {
-        self.last_rollout.as_ref()
+        self.last.rollout.as_ref()
     }
     /// What the last update used (advantages, kept and silenced tokens, thresholds),
     /// one entry per sample of [`Trainer::last_rollout`].
     pub fn last_update(&self) -> Option<&UpdateRecord> {
-        self.last_update.as_ref()
+        self.last.update.as_ref()
     }
     /// (step, avg@n, pass@n) of every held-out evaluation so far.
     pub fn eval_history(&self) -> &[(u64, f64, f64)] {
-        &self.evals
+        self.folder.evals()
     }
     pub fn last_eval(&self) -> Option<&EvalReport> {
-        self.last_eval.as_ref()
+        self.last.eval.as_ref()
     }
     /// Silenced tokens over the whole run, most frequent first.
     pub fn silenced_totals(&self) -> Vec<(String, usize)> {
-        let mut v: Vec<(String, usize)> = self.silenced_totals.iter().map(|(k, c)| (k.clone(), *c)).collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        v
+        self.spurious.totals()
     }
 
     /// Up to three readable contexts (`…left⟦token⟧right…`) of a silenced token string.
     pub fn silenced_contexts(&self, token: &str) -> &[String] {
-        self.silenced_contexts.get(token)
+        self.spurious.contexts(token)
     }
 
     /// The token points `spurious.png` draws (see [`Trainer::plot`]).
     pub fn spurious_points(&self) -> &SpuriousPoints {
-        &self.spurious
+        self.spurious.points()
     }
 
     /// The configuration's plan for the next step (schedules applied).
@@ -499,10 +422,10 @@ impl Trainer {
     ) -> Result<StepMetrics> {
         let step = self.step;
         // Like verl's val_before_train: the curve of held-out accuracy starts at step 0.
-        if step == 0 && self.cfg.eval_every > 0 && self.test.is_some() && self.evals.is_empty() {
+        if step == 0 && self.cfg.eval_every > 0 && self.prompts.has_test() && self.folder.evals().is_empty() {
             self.evaluate(None)?;
         }
-        let mut warnings = std::mem::take(&mut self.pending_warnings);
+        let mut warnings = std::mem::take(&mut self.notes.pending);
         let batch = self.gather(plan, progress, cancel, &mut warnings)?;
         let Gathered { examples, texts: prompt_texts, samples } = batch.kept;
         let seqs: Vec<Sequence> =
@@ -526,22 +449,23 @@ impl Trainer {
             um.entropy = (ent_sum / ent_count.max(1.0)) as f32;
         }
         let update_secs = t1.elapsed().as_secs_f64();
-        let (silenced_tokens_text, silenced_examples) = self.log_silenced(&um, &samples, &outcome.record);
+        let silenced =
+            self.spurious.add(self.prompts.tokenizer(), &um.silenced_token_ids, &samples, &outcome.record);
         let prompts_info = examples
             .iter()
             .zip(&prompt_texts)
             .map(|(e, t)| PromptInfo { id: e.id.clone(), text: t.clone(), answer: Some(e.answer.clone()) })
             .collect();
-        self.last_rollout = Some(RolloutBatch::new(samples, prompts_info));
-        self.last_update = Some(outcome.record);
+        self.last.rollout = Some(RolloutBatch::new(samples, prompts_info));
+        self.last.update = Some(outcome.record);
         self.step += 1;
 
         let mut m = StepMetrics {
             step,
             lr: plan.lr,
             update: um,
-            silenced_tokens_text,
-            silenced_examples,
+            silenced_tokens_text: silenced.tokens,
+            silenced_examples: silenced.examples,
             rollout_secs: batch.rollout_secs,
             update_secs,
             rollout_tokens_per_sec: n_tokens / batch.rollout_secs.max(1e-9),
@@ -550,23 +474,24 @@ impl Trainer {
             eval_avg: None,
             eval_pass: None,
         };
-        if self.cfg.eval_every > 0
-            && self.step.is_multiple_of(self.cfg.eval_every as u64)
-            && self.test.is_some()
-        {
+        self.finish_step(&mut m)?;
+        Ok(m)
+    }
+
+    /// After a step: the held-out evaluation when one is due, the metrics line, the
+    /// checkpoint when one is due.
+    fn finish_step(&mut self, m: &mut StepMetrics) -> Result<()> {
+        let every = self.cfg.eval_every as u64;
+        if every > 0 && self.step.is_multiple_of(every) && self.prompts.has_test() {
             let r = self.evaluate(None)?;
             m.eval_avg = Some(r.overall.avg);
             m.eval_pass = Some(r.overall.pass);
         }
-        let line = serde_json::to_string(&m).map_err(|e| Error::invalid(e.to_string()))?;
-        dist::on_root(&*self.comm, || {
-            append_line(&self.run_dir.join("metrics.jsonl"), &line)?;
-            self.tb.metrics(&m)
-        })?;
+        dist::on_root(&*self.comm, || self.folder.log_step(m))?;
         if self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every as u64) {
             self.checkpoint()?;
         }
-        Ok(m)
+        Ok(())
     }
 
     /// The step's rollouts, scored. With dynamic sampling, keeps generating batches of
@@ -635,9 +560,7 @@ impl Trainer {
     ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
         let mut objective = plan.objective.clone();
         for note in objective.fit_to_run(plan.sampling.max_new_tokens) {
-            if self.warned.insert(note.clone()) {
-                warnings.push(note);
-            }
+            self.notes.once(note, warnings);
         }
         let t = plan.sampling.temperature;
         let temperature = if self.cfg.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
@@ -651,11 +574,8 @@ impl Trainer {
         )
         .with_temperature(temperature);
         let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
-        let policy = Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
-        let outcome = optimize_on(&*self.comm, policy, seqs, &ucfg, plan.lr, self.tokenizer.pad_id())?;
-        if let Some(copy) = &self.rollout_copy {
-            copy.refresh(&self.model)?;
-        }
+        let pad_id = self.prompts.tokenizer().pad_id();
+        let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr, pad_id)?;
         Ok((outcome, objective))
     }
 
@@ -677,34 +597,6 @@ impl Trainer {
         Ok(dropped as usize)
     }
 
-    /// Adds this step's silenced tokens to the run's spurious-token log (totals, contexts,
-    /// the scatter's points); returns them as text and a few in their context.
-    fn log_silenced(
-        &mut self,
-        um: &UpdateMetrics,
-        samples: &[Sample],
-        record: &UpdateRecord,
-    ) -> (Vec<(String, usize)>, Vec<String>) {
-        let text: Vec<(String, usize)> =
-            um.silenced_token_ids.iter().map(|&(id, c)| (self.tokenizer.token_str(id), c)).collect();
-        for (t, c) in &text {
-            *self.silenced_totals.entry(t.clone()).or_default() += c;
-        }
-        // Contexts of the silenced tokens (the record is indexed like `samples`).
-        let mut examples = Vec::new();
-        for (s, sil) in samples.iter().zip(&record.silenced) {
-            for (j, _) in sil.iter().enumerate().filter(|(_, &x)| x) {
-                let ctx = token_context(&self.tokenizer, &s.response_ids, j);
-                if examples.len() < SILENCED_EXAMPLES {
-                    examples.push(ctx.clone());
-                }
-                self.silenced_contexts.add(&self.tokenizer.token_str(s.response_ids[j]), ctx);
-            }
-        }
-        self.spurious.add(record);
-        (text, examples)
-    }
-
     /// Generation batch `round` of this step: the next `prompts_per_step` prompts, rolled
     /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
     fn roll_out(
@@ -714,19 +606,16 @@ impl Trainer {
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Gathered> {
-        // The global batch is the same on every rank; each samples its contiguous
-        // share of the prompts (so a GRPO group stays on one rank), with each
-        // response's seed from its global prompt index.
-        let idx = self.sampler.next_batch(self.cfg.prompts_per_step)?;
-        let share = dist::shard(idx.len(), self.comm.rank(), self.comm.size());
-        let examples: Vec<Example> = self.train.select(&idx[share.clone()])?.into_iter().cloned().collect();
+        // Each rank samples its share of the global batch, with each response's seed from
+        // its global prompt index.
+        let (examples, share) = self.prompts.next_share(self.cfg.prompts_per_step, &*self.comm)?;
         let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
         let hooks =
             GenerateHooks { progress, cancel, first_prompt_index: share.start, ..GenerateHooks::default() };
-        let gen = Generator::with_prompter(self.sampling_model(), &self.tokenizer, self.prompter.clone());
+        let gen = self.prompts.generator(self.policy.sampling_model());
         let generated = gen.generate(&prompts, &sampling, &hooks)?;
         let (mut samples, texts) = (generated.samples, generated.prompt_texts);
         for s in &mut samples {
@@ -740,15 +629,9 @@ impl Trainer {
 
     /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
-        let owned: Vec<Example>;
-        let ex: &[Example] = match (examples, &self.test) {
-            (Some(e), _) => e,
-            (None, Some(t)) => {
-                let n = self.cfg.eval_limit.unwrap_or(t.len()).min(t.len());
-                owned = t.examples()[..n].to_vec();
-                &owned
-            }
-            (None, None) => return Err(Error::invalid("evaluate: the run has no test_data")),
+        let ex = match examples {
+            Some(e) => e.to_vec(),
+            None => self.prompts.test_examples(self.cfg.eval_limit)?,
         };
         let mut params = self.cfg.sampling.clone();
         params.n = self.cfg.eval_n;
@@ -759,20 +642,16 @@ impl Trainer {
         // every rank's hooks see the same numbers.
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
-            let gen = Generator::with_prompter(self.sampling_model(), &self.tokenizer, self.prompter.clone());
-            let report = eval::evaluate(&gen, ex, &params, self.cfg.extract, 64, &|_| {})?
+            let gen = self.prompts.generator(self.policy.sampling_model());
+            let report = eval::evaluate(&gen, &ex, &params, self.cfg.extract, 64, &|_| {})?
                 .with_pass_k(&self.cfg.eval_pass_k)?;
-            let dir = self.run_dir.join("eval");
-            eval::write_samples(&dir.join(format!("step-{:06}.jsonl", self.step)), &report.samples)?;
-            let summary = serde_json::json!({"step": self.step, "overall": report.overall, "by_source": report.by_source});
-            append_line(&self.run_dir.join("eval.jsonl"), &summary.to_string())?;
+            self.folder.log_eval(self.step, &report)?;
             Ok(report)
         })?;
-        dist::on_root(&*comm, || report.as_ref().map_or(Ok(()), |r| self.tb.eval(self.step, r)))?;
         let report = if comm.size() > 1 { dist::broadcast_json(&*comm, 0, &report)? } else { report };
         let report = report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))?;
-        self.evals.push((self.step, report.overall.avg, report.overall.pass));
-        self.last_eval = Some(report.clone());
+        self.folder.note_eval(self.step, &report);
+        self.last.eval = Some(report.clone());
         Ok(report)
     }
 
@@ -780,70 +659,30 @@ impl Trainer {
     /// Under several ranks (whose states are identical) rank 0 alone writes, with
     /// its share of the last rollout as the sample rollouts.
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
-        let path = self.run_dir.join("checkpoints").join(format!("step-{:06}", self.step));
+        let path = self.run_dir().join("checkpoints").join(format!("step-{:06}", self.step));
         let comm = self.comm.clone();
         dist::on_root(&*comm, || self.write_checkpoint())?;
         Ok(path)
     }
 
     fn write_checkpoint(&self) -> Result<PathBuf> {
-        let dir = self.run_dir.join("checkpoints");
-        let name = format!("step-{:06}", self.step);
-        let path = dir.join(&name);
-        let save_dtype = model::parse_dtype(&self.model.config().torch_dtype).unwrap_or(DType::F32);
         let state = TrainerState {
             step: self.step,
-            sampler: self.sampler.state(),
-            silenced_totals: self.silenced_totals(),
-            silenced_contexts: self.silenced_contexts.clone(),
+            sampler: self.prompts.sampler_state(),
+            silenced_totals: self.spurious.totals(),
+            silenced_contexts: self.spurious.all_contexts().clone(),
         };
-        checkpoint::write_atomically(&path, |tmp| {
-            checkpoint::write_model_files(
-                &self.model,
-                tmp,
-                save_dtype.max_precision(self.dtype),
-                Some(&self.cfg.model),
-            )?;
-            let opt: HashMap<String, candle_core::Tensor> = self.opt.state_tensors()?.into_iter().collect();
-            candle_core::safetensors::save(&opt, tmp.join("optimizer.safetensors"))?;
-            let text = serde_json::to_string_pretty(&state).map_err(|e| Error::invalid(e.to_string()))?;
-            std::fs::write(tmp.join("trainer_state.json"), text)
-                .map_err(|e| Error::io(tmp.join("trainer_state.json"), e))
-        })?;
-        write_file_atomically(&dir.join("latest"), name.as_bytes())?;
-        // Keep the newest `keep_checkpoints` folders.
-        let mut all: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .map_err(|e| Error::io(&dir, e))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
-            .collect();
-        all.sort();
-        let keep = self.cfg.keep_checkpoints.max(1);
-        if all.len() > keep {
-            for old in &all[..all.len() - keep] {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
-        if let Some(r) = &self.last_rollout {
-            let dir = self.run_dir.join("rollouts");
-            std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-            r.save_jsonl(&self.run_dir.join("rollouts").join(format!("step-{:06}.jsonl", self.step)))?;
+        let path = self
+            .folder
+            .checkpoint(&state, self.cfg.keep_checkpoints, |tmp| self.policy.save(tmp, &self.cfg.model))?;
+        if let Some(r) = &self.last.rollout {
+            self.folder.save_rollouts(self.step, r)?;
         }
         self.plot()?;
-        write_file_atomically(
-            &self.run_dir.join("silenced_tokens.tsv"),
-            self.silenced_totals()
-                .iter()
-                .map(|(t, c)| format!("{t:?}\t{c}\t{}\n", self.silenced_contexts(t).join("  |  ")))
-                .collect::<String>()
-                .as_bytes(),
-        )?;
+        self.folder.write_silenced(&self.spurious)?;
         Ok(path)
     }
-}
 
-impl Trainer {
     /// Draws the run's curves into `curves.png` and `curves.svg` in the run folder, and,
     /// once an update recorded gradient norms (`token_grad_norms`), STAPO's token scatter
     /// into `spurious.png` and `spurious.svg`.
@@ -856,29 +695,7 @@ impl Trainer {
     /// trained on; the S2T region drawn is the latest step's (tau_p, mean tau_h of its
     /// mini-batches).
     pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
-        if !self.spurious.is_empty() {
-            let title = format!(
-                "{}: tokens of positive-advantage responses of {} update{}",
-                self.cfg.objective,
-                self.spurious.steps,
-                if self.spurious.steps == 1 { "" } else { "s" }
-            );
-            plot::spurious(
-                &self.spurious.points(),
-                self.spurious.region,
-                &title,
-                &self.run_dir.join("spurious"),
-            )?;
-        }
-        let runs = [RunCurves {
-            label: self.cfg.objective.clone(),
-            metrics: self.run_dir.join("metrics.jsonl"),
-            eval: Some(self.run_dir.join("eval.jsonl")),
-        }];
-        if !runs[0].metrics.is_file() {
-            return Err(Error::invalid(format!("{}: no metrics yet", runs[0].metrics.display())));
-        }
-        plot::plot(&plot::standard_panels(&runs)?, &self.run_dir.join("curves"))
+        self.folder.plot(&self.cfg.objective, &self.spurious)
     }
 }
 
@@ -946,49 +763,9 @@ impl Gathered {
     }
 }
 
-/// Keeps full precision when the weights in memory are wider than on disk.
-trait MaxPrecision {
-    fn max_precision(self, other: DType) -> DType;
-}
-
-impl MaxPrecision for DType {
-    fn max_precision(self, other: DType) -> DType {
-        if self.size_in_bytes() >= other.size_in_bytes() {
-            self
-        } else {
-            other
-        }
-    }
-}
-
-/// The low-precision copy rollouts sample from, when `rollout_dtype` names a dtype other
-/// than the master weights'.
-fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<model::RolloutCopy>> {
-    let Some(name) = &cfg.rollout_dtype else { return Ok(None) };
-    let dt = model::parse_dtype(name).map_err(|e| Error::Config {
-        file: "run config".into(),
-        field: "rollout_dtype".into(),
-        msg: e.to_string(),
-    })?;
-    (dt != m.dtype()).then(|| model::RolloutCopy::new(m, dt)).transpose()
-}
-
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
     crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
-}
-
-/// Evaluations recorded in `eval.jsonl` before `before_step` (a resumed run
-/// re-runs later steps).
-fn read_evals(path: &Path, before_step: u64) -> Vec<(u64, f64, f64)> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| {
-            Some((v["step"].as_u64()?, v["overall"]["avg"].as_f64()?, v["overall"]["pass"].as_f64()?))
-        })
-        .filter(|e| e.0 <= before_step)
-        .collect()
 }
 
 #[cfg(test)]

@@ -1,0 +1,79 @@
+//! Where a run's prompts come from: the training set in epoch order (the sampler's
+//! position is part of every checkpoint), the held-out set, the tokenizer and the
+//! prompt template resolved against the model folder.
+
+use std::ops::Range;
+
+use super::RunConfig;
+use crate::data::{Dataset, EpochSampler, Example, Prompter, SamplerState, Tokenizer};
+use crate::dist::{self, Comm};
+use crate::model::Qwen3;
+use crate::rollout::Generator;
+use crate::{Error, Result};
+
+/// Training and held-out problems, their order, and how they become prompts.
+pub struct PromptSource {
+    tokenizer: Tokenizer,
+    /// `cfg.template` resolved against the model folder.
+    prompter: Prompter,
+    train: Dataset,
+    test: Option<Dataset>,
+    sampler: EpochSampler,
+}
+
+impl PromptSource {
+    /// Loads the tokenizer of `cfg.model` and the data files of `cfg`; the sampler starts
+    /// a new epoch order from `cfg.seed` or continues from `resumed`. Returns the notes
+    /// to report with the first step (data lines skipped, how the template was chosen).
+    pub fn load(cfg: &RunConfig, resumed: Option<SamplerState>) -> Result<(Self, Vec<String>)> {
+        let tokenizer = Tokenizer::from_file(&cfg.model.join("tokenizer.json"))?;
+        let prompter = tokenizer.prompter(&cfg.template)?;
+        let (train, mut notes) = Dataset::load(&cfg.data, &cfg.data_options)?;
+        notes.extend(prompter.note().map(str::to_string));
+        let test = match &cfg.test_data {
+            Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
+            None => None,
+        };
+        let sampler = match resumed {
+            Some(s) => EpochSampler::restore(s, train.len())?,
+            None => EpochSampler::new(train.len(), cfg.seed)?,
+        };
+        Ok((Self { tokenizer, prompter, train, test, sampler }, notes))
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Where the epoch order stands (saved with a checkpoint).
+    pub fn sampler_state(&self) -> SamplerState {
+        self.sampler.state()
+    }
+
+    /// A generator sampling from `model` with this run's prompt template.
+    pub fn generator<'a>(&'a self, model: &'a Qwen3) -> Generator<'a> {
+        Generator::with_prompter(model, &self.tokenizer, self.prompter.clone())
+    }
+
+    /// The next `n` problems of the global batch (the same on every rank) and this rank's
+    /// contiguous share of them, so that a GRPO group stays on one rank; returns the share's
+    /// problems and its range in the global batch.
+    pub fn next_share(&mut self, n: usize, comm: &dyn Comm) -> Result<(Vec<Example>, Range<usize>)> {
+        let idx = self.sampler.next_batch(n)?;
+        let share = dist::shard(idx.len(), comm.rank(), comm.size());
+        let examples = self.train.select(&idx[share.clone()])?.into_iter().cloned().collect();
+        Ok((examples, share))
+    }
+
+    /// Whether the run has held-out problems.
+    pub fn has_test(&self) -> bool {
+        self.test.is_some()
+    }
+
+    /// The first `limit` held-out problems (all when `None`).
+    pub fn test_examples(&self, limit: Option<usize>) -> Result<Vec<Example>> {
+        let t = self.test.as_ref().ok_or_else(|| Error::invalid("evaluate: the run has no test_data"))?;
+        let n = limit.unwrap_or(t.len()).min(t.len());
+        Ok(t.examples()[..n].to_vec())
+    }
+}
