@@ -40,11 +40,8 @@ pub struct EvalArgs {
     /// Only the first N problems of each file.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Prompt template: model (what the model folder declares: its stapo_template,
-    /// else its chat template, else raw), none (the problem as is), raw (problem +
-    /// boxed instruction), chat (the model's chat template, thinking off),
-    /// chat-think, or a JSON map such as '{"kind":"raw","suffix":""}'.
-    #[arg(long, default_value = "model", value_parser = super::model::parse_template)]
+    #[arg(long, default_value = "model", value_parser = super::model::parse_template,
+          help = super::model::TEMPLATE_SHORT_HELP, long_help = stapo::data::templates_help())]
     pub template: PromptTemplate,
     /// Answer extraction: strict (last \boxed{}), flexible, or answer_line (DAPO-Math's last "Answer:" line).
     #[arg(long, default_value = "strict")]

@@ -68,9 +68,8 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// Prompt template: model (what the model folder declares), none, raw,
-    /// chat, chat-think, or a JSON map such as '{"kind":"raw","suffix":""}'.
-    #[arg(long, default_value = "model", value_parser = parse_template)]
+    #[arg(long, default_value = "model", value_parser = parse_template,
+          help = TEMPLATE_SHORT_HELP, long_help = stapo::data::templates_help())]
     pub template: PromptTemplate,
     /// Same as `--template chat`.
     #[arg(long, conflicts_with = "template")]
@@ -133,6 +132,9 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     eprintln!("{n_tokens} tokens in {secs:.2} s ({:.0} tokens/s)", n_tokens as f64 / secs.max(1e-9));
     Ok(())
 }
+
+/// `--template`'s one-line help (`--help` lists the names from `stapo::data::TEMPLATES`).
+pub const TEMPLATE_SHORT_HELP: &str = "Prompt template: a name (--help lists them) or a JSON map";
 
 /// `--template` values: a name or a JSON map.
 pub fn parse_template(s: &str) -> Result<PromptTemplate, String> {

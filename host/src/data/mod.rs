@@ -34,7 +34,8 @@ pub use task::{
     Problem, TaskConfig, TokenizerConfig,
 };
 pub use template::{
-    ChatTemplate, Message, ModelPrompt, Prompt, PromptTemplate, Prompter, BOXED_SUFFIX, SUFFIX_SEPARATOR,
+    templates_help, ChatTemplate, Message, ModelPrompt, Prompt, PromptTemplate, Prompter, TemplateName,
+    BOXED_SUFFIX, SUFFIX_SEPARATOR, TEMPLATES,
 };
 pub use tokenizer::Tokenizer;
 

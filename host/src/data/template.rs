@@ -352,8 +352,59 @@ pub enum PromptTemplate {
     },
 }
 
-/// The names [`PromptTemplate::from_name`] accepts, for error messages.
-const NAMES: &str = "\"model\", \"none\", \"raw\", \"chat\" or \"chat-think\"";
+/// One named template: what `--template NAME` and `template: "NAME"` select.
+pub struct TemplateName {
+    /// The name (`chat_think` is accepted for `chat-think`).
+    pub name: &'static str,
+    /// What it builds, for help texts.
+    pub summary: &'static str,
+    /// The template itself.
+    pub build: fn() -> PromptTemplate,
+}
+
+/// The registry of named templates: [`PromptTemplate::from_name`], the error messages and
+/// every `--template` help text come from this one table.
+pub const TEMPLATES: &[TemplateName] = &[
+    TemplateName {
+        name: "model",
+        summary: "what the model folder declares: its stapo_template, else its chat template, else raw",
+        build: || PromptTemplate::Model,
+    },
+    TemplateName { name: "none", summary: "the problem as is", build: || PromptTemplate::None },
+    TemplateName {
+        name: "raw",
+        summary: "the problem + the boxed-answer instruction",
+        build: PromptTemplate::raw,
+    },
+    TemplateName {
+        name: "chat",
+        summary: "the model's chat template, thinking off, + the boxed-answer instruction",
+        build: || PromptTemplate::chat(false),
+    },
+    TemplateName {
+        name: "chat-think",
+        summary: "the chat template with thinking on",
+        build: || PromptTemplate::chat(true),
+    },
+];
+
+/// The template names, quoted and joined for error messages (`"model", ... or "chat-think"`).
+fn names() -> String {
+    let quoted: Vec<String> = TEMPLATES.iter().map(|t| format!("{:?}", t.name)).collect();
+    match quoted.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => quoted.join(""),
+    }
+}
+
+/// `--template`'s help text: every named template with its summary, and the JSON form.
+pub fn templates_help() -> String {
+    let lines: Vec<String> = TEMPLATES.iter().map(|t| format!("  {:<11} {}", t.name, t.summary)).collect();
+    format!(
+        "Prompt template, one of:\n{}\nor a JSON map such as '{{\"kind\":\"raw\",\"suffix\":\"\"}}' (docs/data.md)",
+        lines.join("\n")
+    )
+}
 
 impl PromptTemplate {
     /// `Raw` with the paper's suffix ([`BOXED_SUFFIX`]).
@@ -366,16 +417,13 @@ impl PromptTemplate {
         PromptTemplate::Chat { system: None, suffix: Some(BOXED_SUFFIX.to_string()), enable_thinking }
     }
 
-    /// A template by name: `model`, `none`, `raw`, `chat` or `chat-think`.
+    /// A template by name, from [`TEMPLATES`] (`_` accepted for `-`).
     pub fn from_name(name: &str) -> Result<Self> {
-        Ok(match name {
-            "model" => PromptTemplate::Model,
-            "none" => PromptTemplate::None,
-            "raw" => PromptTemplate::raw(),
-            "chat" => PromptTemplate::chat(false),
-            "chat-think" | "chat_think" => PromptTemplate::chat(true),
-            other => return Err(Error::invalid(format!("template: expected {NAMES}, found {other:?}"))),
-        })
+        let key = name.replace('_', "-");
+        match TEMPLATES.iter().find(|t| t.name == key) {
+            Some(t) => Ok((t.build)()),
+            None => Err(Error::invalid(format!("template: expected {}, found {name:?}", names()))),
+        }
     }
 
     /// A template from JSON: a name (string) or a map with `kind`. Errors name
@@ -387,7 +435,8 @@ impl PromptTemplate {
             J::Object(m) => m,
             other => {
                 return Err(Error::invalid(format!(
-                    "template: expected a name ({NAMES}) or a map with `kind`, found {other}"
+                    "template: expected a name ({}) or a map with `kind`, found {other}",
+                    names()
                 )))
             }
         };
@@ -810,6 +859,49 @@ mod tests {
     use super::*;
     use crate::data::test_support::{chat_fixture, repo_root};
     use crate::data::Tokenizer;
+
+    #[test]
+    fn template_names_and_help_come_from_the_registry() {
+        let want = [
+            ("model", PromptTemplate::Model),
+            ("none", PromptTemplate::None),
+            ("raw", PromptTemplate::Raw { suffix: BOXED_SUFFIX.to_string() }),
+            (
+                "chat",
+                PromptTemplate::Chat {
+                    system: None,
+                    suffix: Some(BOXED_SUFFIX.into()),
+                    enable_thinking: false,
+                },
+            ),
+            (
+                "chat-think",
+                PromptTemplate::Chat {
+                    system: None,
+                    suffix: Some(BOXED_SUFFIX.into()),
+                    enable_thinking: true,
+                },
+            ),
+            (
+                "chat_think",
+                PromptTemplate::Chat {
+                    system: None,
+                    suffix: Some(BOXED_SUFFIX.into()),
+                    enable_thinking: true,
+                },
+            ),
+        ];
+        for (name, t) in want {
+            assert_eq!(PromptTemplate::from_name(name).expect(name), t, "{name}");
+        }
+        let help = templates_help();
+        let err = PromptTemplate::from_name("bogus").unwrap_err().to_string();
+        for t in TEMPLATES {
+            assert!(help.contains(t.name) && help.contains(t.summary), "{help}");
+            assert!(err.contains(&format!("{:?}", t.name)), "{err}");
+        }
+        assert!(err.contains(r#""chat" or "chat-think""#), "{err}");
+    }
 
     fn qwen3_folder() -> ModelPrompt {
         ModelPrompt::load(&repo_root().join("models/qwen3-tokenizer")).expect("qwen3 folder")
