@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// $STAPO_RECOMPUTE, else auto).
     #[arg(long)]
     pub recompute: Option<String>,
+    /// Kernels: `fused` (the fused CPU kernels where they apply) or `composed`
+    /// (candle ops on every device: the code CUDA and bf16 run; default:
+    /// composed when $STAPO_NO_FUSED=1, else fused).
+    #[arg(long)]
+    pub kernels: Option<String>,
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -70,6 +75,10 @@ pub struct BenchArgs {
     /// in a long run.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// `train`: the `--seq` table (a fresh process per length, one full
+    /// update per repetition, no pieces) even for one length.
+    #[arg(long)]
+    pub table: bool,
     /// Internal: run one length of the `--seq` table in this process and print
     /// it as one machine-readable row. The table runs each length in a fresh
     /// process, so that no length's peak memory depends on the lengths before
@@ -187,13 +196,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
     let recompute = a.recompute.as_deref().map(|r| model::Recompute::parse(r, "--recompute")).transpose()?;
-    if a.what == What::Train && a.seqs.len() > 1 && !a.table_row {
-        return train_table(&a, recompute.map_or_else(model::Recompute::from_env, Ok)?);
+    let mut options = model::ModelOptions::process_default();
+    if let Some(k) = &a.kernels {
+        options.kernels = model::Kernels::parse(k, "--kernels")?;
+    }
+    options.recompute = recompute.unwrap_or(options.recompute);
+    options.set_process_default();
+    println!("kernels: {}, recompute: {}", options.kernels.name(), options.recompute.name());
+    if a.what == What::Train && (a.seqs.len() > 1 || a.table) && !a.table_row {
+        return train_table(&a, options);
     }
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
-    if let Some(r) = recompute {
-        m.set_recompute(r);
-    }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
     }
@@ -369,13 +382,14 @@ fn reset_peak_rss() {
 /// each length in a fresh process (this program with `--table-row`): time,
 /// tokens/s, peak RSS, and the growth of the peak per extra token from the
 /// previous length.
-fn train_table(a: &BenchArgs, recompute: model::Recompute) -> anyhow::Result<()> {
+fn train_table(a: &BenchArgs, options: model::ModelOptions) -> anyhow::Result<()> {
     println!(
-        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
-         mean of {} after {} warm-up; each length in a fresh process",
+        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, {} kernels, \
+         recompute {}, mean of {} after {} warm-up; each length in a fresh process",
         a.batch,
         a.response.map_or("seq/2".to_string(), |r| r.to_string()),
-        recompute.name(),
+        options.kernels.name(),
+        options.recompute.name(),
         a.reps.max(1),
         a.warmup
     );

@@ -50,7 +50,7 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Activation checkpointing: auto (from 2048 tokens per forward), on or off
-    /// (default: $STAPO_RECOMPUTE, else auto).
+    /// (default: $STAPO_RECOMPUTE, else auto; read once by the CLI).
     #[arg(long)]
     pub recompute: Option<String>,
     /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
