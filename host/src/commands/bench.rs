@@ -85,6 +85,19 @@ pub struct BenchArgs {
     /// it (freed memory that the allocator keeps would count).
     #[arg(long, hide = true)]
     pub table_row: bool,
+    /// For `train`: response lengths drawn from `lognormal:LO:HI` (LO and HI the 2.5% and
+    /// 97.5% quantiles, draws clamped to them; prompts of `--prompt` tokens, `--batch`
+    /// responses): one full update with padded micro-batches against one with micro-batches
+    /// cut by `--max-tokens-per-micro`, with their padding shares.
+    #[arg(long)]
+    pub lengths: Option<String>,
+    /// With `--lengths`: the token budget of the budget path.
+    #[arg(long, default_value_t = 16384)]
+    pub max_tokens_per_micro: usize,
+    /// With `--lengths`: sequences per micro-batch of the padded path (default: as many
+    /// of the longest sequence as fit the budget).
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
     #[command(flatten)]
     pub device: DeviceArgs,
 }
@@ -209,6 +222,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
+    }
+    if let (What::Train, Some(lengths)) = (a.what, &a.lengths) {
+        let plan = super::bench_lengths::Plan {
+            lengths: super::bench_lengths::LogNormal::parse(lengths)?,
+            batch: a.batch,
+            prompt: a.prompt,
+            micro_batch: a.micro_batch,
+            budget: a.max_tokens_per_micro,
+            reps: a.reps,
+        };
+        return super::bench_lengths::run(&m, &cfg, &plan);
     }
     let rows: Vec<Vec<u32>> = (0..a.batch)
         .map(|b| (0..seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())

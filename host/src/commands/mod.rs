@@ -1,6 +1,7 @@
 //! Command-line definitions (clap) and the code behind each subcommand.
 
 pub mod bench;
+pub mod bench_lengths;
 pub mod data_args;
 pub mod eval;
 pub mod model;

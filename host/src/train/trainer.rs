@@ -39,7 +39,9 @@ use crate::reward::{self, ExtractMode};
 use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamWConfig, LrSchedule};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
-use crate::train::update::{self, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::update::{
+    self, OldLogp, RolloutCorrection, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
+};
 use crate::{Error, Result};
 pub use folder::RunFolder;
 use folder::TrainerState;
@@ -80,6 +82,10 @@ pub struct RunConfig {
     pub epochs: usize,
     pub mini_batch: usize,
     pub micro_batch: usize,
+    /// Tokens per forward/backward, prompt + response with padding counted (0 = no
+    /// budget): sequences sorted by length and cut by this budget, as verl's
+    /// `ppo_max_token_len_per_gpu` ([`UpdateConfig::max_tokens_per_micro`]).
+    pub max_tokens_per_micro: usize,
     pub old_logp: OldLogp,
     /// With dynamic sampling: at most this many prompt batches per step to fill
     /// `prompts_per_step` groups with mixed rewards (verl `max_num_gen_batches`; 0 = no
@@ -114,6 +120,11 @@ pub struct RunConfig {
     /// update ([`model::RolloutCopy`]); `None` (or `dtype` itself) samples from the
     /// master weights.
     pub rollout_dtype: Option<String>,
+    /// The correction of the mismatch between the rollout copy and the master weights
+    /// (`mode`: auto | off | token_tis | seq_mis, `cap` 2, `seq_lower` 0.5, `seq_upper` 2;
+    /// auto is token_tis when `rollout_dtype` differs from `dtype`, at temperature 1):
+    /// see [`update::RolloutCorrection`].
+    pub rollout_correction: RolloutCorrection,
 }
 
 impl Default for RunConfig {
@@ -135,6 +146,7 @@ impl Default for RunConfig {
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
+            max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
             max_num_gen_batches: 10,
             scale_logits_by_temperature: true,
@@ -151,6 +163,7 @@ impl Default for RunConfig {
             dtype: "float32".into(),
             device: "cpu".into(),
             rollout_dtype: None,
+            rollout_correction: RolloutCorrection::default(),
         }
     }
 }
@@ -301,6 +314,7 @@ impl Trainer {
         state: Option<&TrainerState>,
     ) -> Result<Self> {
         let objective = cfg.objective_config()?;
+        cfg.rollout_correction.validate()?;
         if cfg.prompts_per_step < comm.size() {
             return Err(Error::Config {
                 file: "run config".into(),
@@ -572,8 +586,17 @@ impl Trainer {
             self.cfg.old_logp,
             mix(self.cfg.seed ^ 0x5eed, self.step),
         )
-        .with_temperature(temperature);
-        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
+        .with_temperature(temperature)
+        .with_max_tokens_per_micro(self.cfg.max_tokens_per_micro);
+        let (rollout_correction, note) = self.cfg.rollout_correction.resolve(
+            self.policy.samples_from_copy(),
+            temperature,
+            self.cfg.old_logp,
+        )?;
+        if let Some(n) = note {
+            self.notes.once(n, warnings);
+        }
+        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, rollout_correction, ..ucfg };
         let pad_id = self.prompts.tokenizer().pad_id();
         let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr, pad_id)?;
         Ok((outcome, objective))

@@ -194,3 +194,60 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
     assert!(err.contains("rollout_dtype"), "{err}");
 }
+
+/// Rollouts sampled from a bf16 copy on the CPU: their log-probs are the copy's, not the
+/// f32 master's; the update measures the mismatch against its recomputed f32 old log-probs
+/// (the k1 KL is the hand-computed mean of rollout - master over the response tokens) and,
+/// the copy's dtype differing, applies token-TIS by default. An explicit mode at T != 1 is
+/// an error naming why; auto there is off, with a note.
+#[test]
+fn bf16_rollout_copy_log_probs_and_their_mismatch() {
+    use stapo::train::update::{RolloutCorrMode, RolloutCorrection};
+    use stapo::train::{token_analysis, Sequence};
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    cfg.eval_every = 0;
+    cfg.save_every = 0;
+    cfg.rollout_dtype = Some("bfloat16".into());
+    // The same policy, never updated: the master and the copy that sampled the step's rollouts.
+    let t0 = Trainer::new(cfg.clone(), &dir.path().join("run-0")).unwrap();
+    let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
+    let m = t.step(&t.default_plan(), None, None).unwrap();
+    let seqs: Vec<Sequence> =
+        t.last_rollout().unwrap().samples.iter().map(|s| Sequence::from_sample(s, 0.0)).collect();
+    let on_copy = token_analysis(t0.sampling_model(), &seqs, 0, 1.0, 4).unwrap();
+    let on_master = token_analysis(t0.model(), &seqs, 0, 1.0, 4).unwrap();
+    let (mut to_copy, mut to_master, mut k1, mut n) = (0f64, 0f64, 0f64, 0usize);
+    for ((s, c), mm) in seqs.iter().zip(&on_copy).zip(&on_master) {
+        for ((&r, pc), pm) in s.rollout_logprobs.as_ref().unwrap().iter().zip(&c.p).zip(&mm.p) {
+            to_copy += (r as f64 - (*pc as f64).ln()).abs();
+            to_master += (r as f64 - (*pm as f64).ln()).abs();
+            k1 += r as f64 - (*pm as f64).ln();
+            n += 1;
+        }
+    }
+    let (to_copy, to_master, k1) = (to_copy / n as f64, to_master / n as f64, k1 / n as f64);
+    assert!(to_copy < 0.5 * to_master, "rollout log-probs: |r - copy| {to_copy} vs |r - master| {to_master}");
+    let rc = m.update.rollout_corr.clone().expect("rollout_corr metrics");
+    assert_eq!(rc.mode, RolloutCorrMode::TokenTis);
+    assert!(rc.log_ratio_abs_max > 0.0 && rc.log_ratio_abs_mean > 0.0, "{rc:?}");
+    assert!((rc.kl as f64 - k1).abs() < 1e-4 * k1.abs().max(1e-2), "kl {} vs {k1}", rc.kl);
+    assert!((rc.log_ratio_abs_mean as f64 - to_master).abs() < 1e-4 * to_master.max(1e-2), "{rc:?}");
+
+    // At T = 0.7 the sampled log-probs (T = 1) are not the tempered policy's.
+    let mut plan = t.default_plan();
+    plan.sampling.temperature = 0.7;
+    let m = t.step(&plan, None, None).unwrap();
+    assert!(m.update.rollout_corr.is_none());
+    assert!(
+        m.update.warnings.iter().any(|w| w.contains("rollout correction off")),
+        "{:?}",
+        m.update.warnings
+    );
+    let tis = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..RolloutCorrection::default() };
+    let mut t =
+        Trainer::new(RunConfig { rollout_correction: tis, ..cfg }, &dir.path().join("run-2")).unwrap();
+    let err = t.step(&plan, None, None).err().unwrap().to_string();
+    assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
+}

@@ -429,7 +429,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         ///
         /// One RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo),
         /// set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch,
-        /// micro_batch, old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
+        /// micro_batch, max_tokens_per_micro (a token budget per forward, padding counted; 0 none),
+        /// old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
         /// are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer
         /// and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state
         /// stays with the model; warnings (a skipped step) are in the result's `warnings`.

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::analysis::{grad_shares, logit_grad_norm, TOP_GRAD_FRAC};
 use super::layout::rows;
 use super::micro::MiniBatch;
+use super::rollout_corr::{CorrSums, RolloutCorrMetrics};
 use super::score::Scored;
 use super::Sequence;
 use crate::algo::{LossMetrics, S2tStats};
@@ -74,6 +75,10 @@ pub struct UpdateMetrics {
     pub silenced_grad_share: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_grad_share: Option<f32>,
+    /// The mismatch between the rollout's log-probs (the sampling copy's) and the old
+    /// log-probs, when they are comparable (temperature 1, old log-probs recomputed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_corr: Option<RolloutCorrMetrics>,
     /// What went wrong without stopping the update (a skipped optimizer step, ...), for
     /// the caller to show: the library prints nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -145,6 +150,7 @@ pub(super) struct Totals {
     pub(super) loss_sum: f64,
     pub(super) grad_norm_sum: f64,
     pub(super) silenced: HashMap<u32, usize>,
+    pub(super) corr: CorrSums,
 }
 
 /// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups,

@@ -122,6 +122,103 @@ fn layout_pads_prompts_left_and_responses_right() {
 }
 
 #[test]
+fn token_budget_cuts_by_hand() {
+    use super::layout::{Cut, Span};
+    // (prompt, response) of rows 0..5; totals 7, 4, 9, 4, 4.
+    let lens = [(2, 5), (3, 1), (1, 8), (2, 2), (1, 3)];
+    let span = |start, len, p, t| Span { start, len, p, t };
+    // Longest first; the three of total 4 by response length: 2 (9), 0 (7), 4, 3, 1.
+    let budget = Cut::Tokens { budget: 20, max_seqs: 10 };
+    let order = budget.order(&lens);
+    assert_eq!(order, vec![2, 0, 4, 3, 1]);
+    let sorted: Vec<(usize, usize)> = order.iter().map(|&i| lens[i]).collect();
+    // Rows 2 + 0: 2 x (2 + 8) = 20 fits; + 4 would be 3 x 10 = 30. Rows 4, 3, 1: 3 x (3 + 3) = 18.
+    assert_eq!(budget.spans(&sorted), vec![span(0, 2, 2, 8), span(2, 3, 3, 3)]);
+    // At most two sequences: row 1 goes alone.
+    let two = Cut::Tokens { budget: 20, max_seqs: 2 };
+    assert_eq!(two.spans(&sorted), vec![span(0, 2, 2, 8), span(2, 2, 2, 3), span(4, 1, 3, 1)]);
+    // A budget below the longest sequence: that sequence alone, the others as they fit
+    // (rows 4 + 3 would be 2 x (2 + 3) = 10 > 5).
+    let tight = Cut::Tokens { budget: 5, max_seqs: 10 };
+    let want = vec![span(0, 1, 1, 8), span(1, 1, 2, 5), span(2, 1, 1, 3), span(3, 1, 2, 2), span(4, 1, 3, 1)];
+    assert_eq!(tight.spans(&sorted), want);
+    // A fixed count keeps the order and pads to the mini-batch's longest (3, 8).
+    let count = Cut::Count(2);
+    assert_eq!(count.order(&lens), vec![0, 1, 2, 3, 4]);
+    assert_eq!(count.spans(&lens), vec![span(0, 2, 3, 8), span(2, 2, 3, 8), span(4, 1, 3, 8)]);
+    // The shapes the bench reports: 38 tokens with the budget, 5 x 11 = 55 padded.
+    assert_eq!(micro_batch_shapes(&lens, 0, 20), vec![(2, 10), (3, 6)]);
+    assert_eq!(micro_batch_shapes(&lens, 0, 0), vec![(5, 11)]);
+    assert_eq!(micro_batch_shapes(&lens, 2, 20), vec![(2, 10), (2, 5), (1, 4)]);
+}
+
+/// token-TIS by hand: PG loss, token-mean over 3 tokens, A = 1, logp = old (ratio 1);
+/// old - rollout = [ln 3, ln 0.5, 0] gives weights [min(3, 2), 0.5, 1] = [2, 0.5, 1], so the
+/// loss is -(2 + 0.5 + 1) / 3 = -7/6 and d loss / d logp = -w / 3.
+#[test]
+fn token_tis_loss_by_hand() {
+    use crate::algo::compute_loss;
+    use crate::algo::LossInputs;
+    use crate::algo::Normaliser;
+    let corr = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..RolloutCorrection::default() };
+    let d = t2(&[3f32.ln(), 0.5f32.ln(), 0.0], 1, 3);
+    let w = corr.weights(&d).unwrap().unwrap();
+    close(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &[2.0, 0.5, 1.0], 1e-6, "weights");
+    let logp = candle_core::Var::from_tensor(&t2(&[-0.5, -1.0, -2.0], 1, 3)).unwrap();
+    let old = logp.as_tensor().detach();
+    let adv = Tensor::from_slice(&[1f32], 1, &Device::Cpu).unwrap();
+    let mask = t2(&[1., 1., 1.], 1, 3);
+    let obj = ObjectiveConfig::preset("grpo").unwrap();
+    let obj =
+        ObjectiveConfig { loss: crate::algo::PolicyLoss::Pg, agg: crate::algo::AggMode::TokenMean, ..obj };
+    let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+    let inp = LossInputs { pg_weights: Some(&w), ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask) };
+    let out = compute_loss(&obj, &inp, &norm).unwrap();
+    assert!((out.loss.to_scalar::<f32>().unwrap() + 7.0 / 6.0).abs() < 1e-6, "{}", out.loss);
+    let g = out.loss.backward().unwrap();
+    let g = g.get(logp.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    close(&g, &[-2.0 / 3.0, -0.5 / 3.0, -1.0 / 3.0], 1e-6, "grad");
+    // seq-MIS: the sequence weight exp(ln 3 + ln 0.5) = 1.5 on every token; kept within
+    // [0.5, 2], rejected above 2 and below 0.5.
+    let seq = RolloutCorrection { mode: RolloutCorrMode::SeqMis, ..corr };
+    let w = seq.weights(&d).unwrap().unwrap();
+    close(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &[1.5; 3], 1e-5, "seq weights");
+    assert!(seq.keeps_sequence(&[0.0, 0.0], &[-(1.5f32.ln()), 0.0]));
+    assert!(!seq.keeps_sequence(&[0.0, 0.0], &[-(2.5f32.ln()), 0.0]));
+    assert!(!seq.keeps_sequence(&[0.0], &[-(0.4f32.ln())]));
+}
+
+/// Which correction is in force: auto follows the rollout copy; an explicit mode where the
+/// rollout's log-probs are not the sampling policy's is an error naming why.
+#[test]
+fn rollout_correction_resolves_auto_and_refuses_explicit_modes_at_t_not_1() {
+    let auto = RolloutCorrection::default();
+    let mode =
+        |c: &RolloutCorrection, copy, t, old| c.resolve(copy, t, old).map(|(c, n)| (c.mode, n.is_some()));
+    assert_eq!(mode(&auto, true, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::TokenTis, false));
+    assert_eq!(mode(&auto, false, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, false));
+    assert_eq!(mode(&auto, true, 0.7, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, true));
+    assert_eq!(mode(&auto, true, 1.0, OldLogp::Rollout).unwrap(), (RolloutCorrMode::Off, true));
+    let tis = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..auto };
+    assert_eq!(mode(&tis, false, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::TokenTis, false));
+    let err = tis.resolve(true, 0.7, OldLogp::Recompute).unwrap_err().to_string();
+    assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
+    let seq = RolloutCorrection { mode: RolloutCorrMode::SeqMis, ..auto };
+    let err = seq.resolve(true, 1.0, OldLogp::Rollout).unwrap_err().to_string();
+    assert!(err.contains("old_logp = rollout"), "{err}");
+    let off = RolloutCorrection { mode: RolloutCorrMode::Off, ..auto };
+    assert_eq!(mode(&off, true, 0.7, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, false));
+    for (bad, field) in [
+        (RolloutCorrection { cap: 0.5, ..auto }, "cap"),
+        (RolloutCorrection { seq_lower: 0.0, ..auto }, "seq_lower"),
+        (RolloutCorrection { seq_upper: f32::NAN, ..auto }, "seq_upper"),
+    ] {
+        let err = bad.resolve(false, 1.0, OldLogp::Recompute).unwrap_err().to_string();
+        assert!(err.contains(&format!("rollout_correction.{field}")), "{err}");
+    }
+}
+
+#[test]
 fn token_mask_by_hand() {
     // Row 0 (A = +1): p [0.001, 0.5, 0.001, 0.001], H [0.2, 0.1, 0.9, 0.3], last position padding.
     // Row 1 (A = -1): p [0.001, 0.001, 0.2, 0.2], H 0.1 everywhere, two response tokens.
