@@ -129,11 +129,14 @@ pub fn run(m: &Qwen3, cfg: &Config, plan: &Plan) -> anyhow::Result<()> {
     }
     let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let mut secs = [0f64; 2];
-    for _ in 0..plan.reps.max(1) {
-        for (k, (_, ucfg, _)) in paths.iter().enumerate() {
+    for rep in 0..plan.reps.max(1) {
+        for (k, (name, ucfg, _)) in paths.iter().enumerate() {
             let s = Instant::now();
             stapo::train::update(m, &mut opt, None, &seqs, ucfg, 1e-7, 0)?;
-            secs[k] += s.elapsed().as_secs_f64();
+            let d = s.elapsed().as_secs_f64();
+            secs[k] += d;
+            // As it goes: a long comparison cut short still reports what ran.
+            println!("  rep {rep}: {name} update {d:.1} s");
         }
     }
     let r = plan.reps.max(1) as f64;
