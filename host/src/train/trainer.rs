@@ -114,6 +114,10 @@ pub struct RunConfig {
     /// update ([`model::RolloutCopy`]); `None` (or `dtype` itself) samples from the
     /// master weights.
     pub rollout_dtype: Option<String>,
+    /// LoRA (`lora: #{rank, alpha, targets, lr_scale}`): train adapters on a frozen
+    /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
+    /// ([`model::peft`]). `None`: full fine-tuning.
+    pub lora: Option<model::LoraConfig>,
 }
 
 impl Default for RunConfig {
@@ -151,6 +155,7 @@ impl Default for RunConfig {
             dtype: "float32".into(),
             device: "cpu".into(),
             rollout_dtype: None,
+            lora: None,
         }
     }
 }

@@ -26,7 +26,7 @@ impl PromptSource {
     /// a new epoch order from `cfg.seed` or continues from `resumed`. Returns the notes
     /// to report with the first step (data lines skipped, how the template was chosen).
     pub fn load(cfg: &RunConfig, resumed: Option<SamplerState>) -> Result<(Self, Vec<String>)> {
-        let tokenizer = Tokenizer::from_file(&cfg.model.join("tokenizer.json"))?;
+        let tokenizer = Tokenizer::from_file(cfg.model.join("tokenizer.json"))?;
         let prompter = tokenizer.prompter(&cfg.template)?;
         let (train, mut notes) = Dataset::load(&cfg.data, &cfg.data_options)?;
         notes.extend(prompter.note().map(str::to_string));
