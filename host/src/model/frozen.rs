@@ -6,7 +6,7 @@
 //! `(out, in)` gradient per projection and per micro-batch (and the time of
 //! its gemm). This op is what peft gets from `requires_grad = False`: the
 //! forward is the ordinary projection, run without a graph and handed to
-//! candle through [`Held`]; the backward is one matmul.
+//! candle through `model::held`; the backward is one matmul.
 
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Tensor};
 
