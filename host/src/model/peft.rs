@@ -180,7 +180,11 @@ pub fn config_json(lora: &LoraConfig, base: &str) -> Value {
         "init_lora_weights": true,
         "layers_pattern": null,
         "layers_to_transform": null,
-        "lora_alpha": lora.alpha.unwrap_or(lora.rank as f64),
+        // An integer when it is one, as peft's dataclass types it.
+        "lora_alpha": match lora.alpha.unwrap_or(lora.rank as f64) {
+            a if a.fract() == 0.0 && a.abs() < 1e15 => json!(a as i64),
+            a => json!(a),
+        },
         "lora_dropout": 0.0,
         "modules_to_save": null,
         "peft_type": "LORA",
