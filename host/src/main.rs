@@ -50,6 +50,7 @@ fn main() -> ExitCode {
         Command::Verify(a) => commands::verify::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::Parity(a) => commands::parity::run(a),
+        Command::Merge(a) => commands::lora::merge(a),
     };
     match result {
         Ok(()) => {

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_lengths;
 pub mod data_args;
 pub mod eval;
+pub mod lora;
 pub mod model;
 pub mod parity;
 pub mod repl;
@@ -47,6 +48,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Compare a small model on a device/dtype against the CPU in f32: log-probs, one update, sampling.
     Parity(parity::ParityArgs),
+    /// Merge a LoRA adapter folder (peft's format) into its base: a full Hugging Face model.
+    Merge(lora::MergeArgs),
 }
 
 /// Where and in which precision a model runs.

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod frozen;
 pub mod fused;
 pub mod head;
 mod held;
@@ -13,6 +14,7 @@ pub mod lora;
 pub mod mixed;
 pub mod ops;
 pub mod options;
+pub mod peft;
 pub mod qwen3;
 pub mod recompute;
 

@@ -125,6 +125,10 @@ pub struct RunConfig {
     /// auto is token_tis when `rollout_dtype` differs from `dtype`, at temperature 1):
     /// see [`update::RolloutCorrection`].
     pub rollout_correction: RolloutCorrection,
+    /// LoRA (`lora: #{rank, alpha, targets, lr_scale}`): train adapters on a frozen
+    /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
+    /// ([`model::peft`]). `None`: full fine-tuning.
+    pub lora: Option<model::LoraConfig>,
 }
 
 impl Default for RunConfig {
@@ -164,6 +168,7 @@ impl Default for RunConfig {
             device: "cpu".into(),
             rollout_dtype: None,
             rollout_correction: RolloutCorrection::default(),
+            lora: None,
         }
     }
 }
