@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// $STAPO_RECOMPUTE, else auto).
     #[arg(long)]
     pub recompute: Option<String>,
+    /// Kernels: `fused` (the fused CPU kernels where they apply) or `composed`
+    /// (candle ops on every device: the code CUDA and bf16 run; default:
+    /// composed when $STAPO_NO_FUSED=1, else fused).
+    #[arg(long)]
+    pub kernels: Option<String>,
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -70,6 +75,10 @@ pub struct BenchArgs {
     /// in a long run.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// `train`: the `--seq` table (a fresh process per length, one full
+    /// update per repetition, no pieces) even for one length.
+    #[arg(long)]
+    pub table: bool,
     /// Internal: run one length of the `--seq` table in this process and print
     /// it as one machine-readable row. The table runs each length in a fresh
     /// process, so that no length's peak memory depends on the lengths before
@@ -91,6 +100,10 @@ pub struct BenchArgs {
     pub micro_batch: Option<usize>,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// LoRA: `train` updates adapters on a frozen base (AdamW over the adapters alone);
+    /// `generate` times the unmerged adapter path against merged weights.
+    #[command(flatten)]
+    pub lora: super::lora::LoraArgs,
 }
 
 /// A Qwen3 shape; defaults are the 16.8M benchmark model.
@@ -200,12 +213,26 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
     let recompute = a.recompute.as_deref().map(|r| model::Recompute::parse(r, "--recompute")).transpose()?;
-    if a.what == What::Train && a.seqs.len() > 1 && !a.table_row {
-        return train_table(&a, recompute.map_or_else(model::Recompute::from_env, Ok)?);
+    let mut options = model::ModelOptions::process_default();
+    if let Some(k) = &a.kernels {
+        options.kernels = model::Kernels::parse(k, "--kernels")?;
     }
-    let m = model::init(&cfg, 0, 0.02, dtype, &device)?;
-    if let Some(r) = recompute {
-        m.set_recompute(r);
+    options.recompute = recompute.unwrap_or(options.recompute);
+    options.set_process_default();
+    println!("kernels: {}, recompute: {}", options.kernels.name(), options.recompute.name());
+    if a.what == What::Train && (a.seqs.len() > 1 || a.table) && !a.table_row {
+        return train_table(&a, options);
+    }
+    let mut m = model::init(&cfg, 0, 0.02, dtype, &device)?;
+    if let Some(lora) = a.lora.config()? {
+        m.add_lora(&lora, 0)?;
+        let n: usize = m.lora_params().iter().map(|(_, v)| v.elem_count()).sum();
+        println!(
+            "lora: rank {}, {} targets, {:.2}M adapter parameters (f32)",
+            lora.rank,
+            lora.targets.len(),
+            n as f64 / 1e6
+        );
     }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
@@ -291,7 +318,7 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Re
         let s = m.token_stats(&h, &targets, grad)?;
         Ok((s.logp, s.entropy))
     };
-    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
+    let mut opt = AdamW::new(m.trainable_params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let (mut t_old, mut t_fwd, mut t_bwd, mut t_opt) = (0f64, 0f64, 0f64, 0f64);
     let mut best = [f64::INFINITY; 5];
     let mut cpu = [0f64; 4];
@@ -393,13 +420,14 @@ fn reset_peak_rss() {
 /// each length in a fresh process (this program with `--table-row`): time,
 /// tokens/s, peak RSS, and the growth of the peak per extra token from the
 /// previous length.
-fn train_table(a: &BenchArgs, recompute: model::Recompute) -> anyhow::Result<()> {
+fn train_table(a: &BenchArgs, options: model::ModelOptions) -> anyhow::Result<()> {
     println!(
-        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
-         mean of {} after {} warm-up; each length in a fresh process",
+        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, {} kernels, \
+         recompute {}, mean of {} after {} warm-up; each length in a fresh process",
         a.batch,
         a.response.map_or("seq/2".to_string(), |r| r.to_string()),
-        recompute.name(),
+        options.kernels.name(),
+        options.recompute.name(),
         a.reps.max(1),
         a.warmup
     );
@@ -466,7 +494,7 @@ fn parse_row(row: &str) -> anyhow::Result<(usize, f64, u64)> {
 /// One length of [`train_table`]: `warmup` then `reps` full updates from a
 /// fresh optimizer, the latter timed, printed as `table-row <tokens> <seconds per update> <peak RSS bytes>`.
 fn table_row(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Result<()> {
-    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
+    let mut opt = AdamW::new(m.trainable_params(), AdamWConfig { lr: 1e-7, ..AdamWConfig::default() })?;
     let ucfg = UpdateConfig::default();
     let reps = a.reps.max(1);
     let resp = a.response.unwrap_or(seq / 2).clamp(1, seq - 1);
@@ -562,6 +590,16 @@ fn bench_matmul(cfg: &Config, a: &BenchArgs, seq: usize, device: &Device) -> any
 
 /// Times batched generation; see [`What::Generate`].
 fn bench_generate(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
+    if m.has_lora() {
+        // The unmerged adapter path against the merged copy the trainer samples from.
+        let merged = model::RolloutCopy::new(m, m.dtype())?;
+        let unmerged = generate_tps(m, a)?;
+        let merged_tps = generate_tps(merged.model(), a)?;
+        println!(
+            "generate with LoRA: unmerged {unmerged:.0} tok/s, merged {merged_tps:.0} tok/s (merged/unmerged time {:.2})",
+            unmerged / merged_tps
+        );
+    }
     stapo::rollout::bench_generate(m, a.batch, a.prompt, a.new_tokens)?; // warm-up
     let mut best = 0f64;
     let mut sum = 0f64;
@@ -595,6 +633,16 @@ fn bench_generate(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Mean generation tokens/s of `m` over `reps` runs after a warm-up.
+fn generate_tps(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<f64> {
+    stapo::rollout::bench_generate(m, a.batch, a.prompt, a.new_tokens)?;
+    let mut sum = 0f64;
+    for _ in 0..a.reps.max(1) {
+        sum += stapo::rollout::bench_generate(m, a.batch, a.prompt, a.new_tokens)?;
+    }
+    Ok(sum / a.reps.max(1) as f64)
 }
 
 /// Prints one timing line: seconds, tokens/s and GFLOP/s when FLOPs are known.

@@ -60,7 +60,7 @@ pub struct UpdateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Activation checkpointing: auto (from 2048 tokens per forward), on or off
-    /// (default: $STAPO_RECOMPUTE, else auto).
+    /// (default: $STAPO_RECOMPUTE, else auto; read once by the CLI).
     #[arg(long)]
     pub recompute: Option<String>,
     /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
@@ -68,12 +68,22 @@ pub struct UpdateArgs {
     pub out: PathBuf,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub lora: super::lora::LoraArgs,
 }
 
 pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
-    let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let mut m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let lora = match (a.lora.config()?, m.lora_config().cloned()) {
+        (Some(c), _) => {
+            // Fresh adapters (replacing any the folder carried).
+            m.add_lora(&c, a.seed)?;
+            Some(c)
+        }
+        (None, loaded) => loaded, // an adapter folder keeps training its adapters
+    };
     if let Some(r) = &a.recompute {
         m.set_recompute(model::Recompute::parse(r, "--recompute")?);
     }
@@ -121,15 +131,28 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     let pad_id = m.config().eos_token_id.unwrap_or(0);
-    let mut opt = AdamW::new(m.params(), AdamWConfig { lr: a.lr, ..AdamWConfig::default() })?;
-    let outcome = train::update(&m, &mut opt, None, &seqs, &cfg, a.lr, pad_id)?;
+    // With LoRA the optimizer holds the adapters alone, at lr x lr_scale.
+    let lr = lora.as_ref().map_or(a.lr, |l| a.lr * l.lr_scale);
+    let mut opt = AdamW::new(m.trainable_params(), AdamWConfig { lr, ..AdamWConfig::default() })?;
+    let outcome = train::update(&m, &mut opt, None, &seqs, &cfg, lr, pad_id)?;
     let metrics = outcome.metrics;
     for w in &metrics.warnings {
         eprintln!("warning: {w}");
     }
     let save_dtype = model::parse_dtype(&m.config().torch_dtype).unwrap_or(DType::F32);
     model::checkpoint::write_atomically(&a.out, |tmp| {
-        model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?;
+        match &lora {
+            // A peft adapter folder on the same base.
+            Some(l) => {
+                let base = match model::peft::is_adapter_dir(dir) {
+                    true => model::peft::read_config(dir)?.base_dir(dir)?,
+                    false => dir.clone(),
+                };
+                let name = model::peft::base_name(&base);
+                model::peft::write_adapter_files(&m, l, tmp, &name, Some(dir))?
+            }
+            None => model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?,
+        }
         let text = serde_json::to_string_pretty(&serde_json::json!({"config": cfg, "metrics": metrics}))
             .map_err(|e| stapo::Error::invalid(e.to_string()))?;
         std::fs::write(tmp.join("update_metrics.json"), text)

@@ -188,8 +188,13 @@ impl WeightSource for RandomInit {
     }
 }
 
-/// Loads the model in `dir` with weights converted to `dtype` on `device`.
+/// Loads the model in `dir` with weights converted to `dtype` on `device`. A
+/// peft adapter folder (`adapter_config.json`, no `config.json`) loads its
+/// base model with the adapters on ([`super::peft::load_with_adapter`]).
 pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Qwen3> {
+    if super::peft::is_adapter_dir(dir) && !dir.join("config.json").is_file() {
+        return Ok(super::peft::load_with_adapter(dir, None, dtype, device)?.0);
+    }
     let cfg = Config::from_file(&dir.join("config.json"))?;
     let mut src = SafetensorsSource::open(dir, dtype, device)?;
     Qwen3::new(&cfg, &mut src, dtype, device)

@@ -203,8 +203,14 @@ impl CustomOp2 for HeadTiles {
         let n = h.dim(0)?;
         // The weight as a leaf of the nested graphs: the parameter itself when
         // it is one (no copy), else a copy, so the nested backward never walks
-        // into the outer graph.
-        let wv = if w.is_variable() { w.clone() } else { Var::from_tensor(&w.detach())?.into_inner() };
+        // into the outer graph; a frozen weight (LoRA's base, detached) stays
+        // detached and gets no (V, H) gradient.
+        let need_dw = w.track_op();
+        let wv = match (need_dw, w.is_variable()) {
+            (false, _) => w.detach(),
+            (true, true) => w.clone(),
+            (true, false) => Var::from_tensor(&w.detach())?.into_inner(),
+        };
         let dh = Tensor::zeros(h.shape(), h.dtype(), h.device())?;
         let mut dw: Option<Tensor> = None;
         for r0 in (0..n).step_by(self.rows) {
@@ -221,7 +227,8 @@ impl CustomOp2 for HeadTiles {
                 });
             }
         }
-        Ok((Some(dh), Some(dw.map_or_else(|| w.zeros_like(), Ok)?)))
+        let dw = if need_dw { Some(dw.map_or_else(|| w.zeros_like(), Ok)?) } else { None };
+        Ok((Some(dh), dw))
     }
 }
 

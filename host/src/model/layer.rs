@@ -42,8 +42,12 @@ pub(super) struct Layer {
 }
 
 impl Layer {
-    /// Every weight of the layer, in a fixed order (for recomputation).
+    /// Every weight of the layer that trains, in a fixed order (for
+    /// recomputation): with a frozen base (LoRA) the adapters alone.
     pub(super) fn vars(&self) -> Vec<&Var> {
+        if self.lora.frozen() {
+            return self.lora.vars().collect();
+        }
         let mut v = vec![
             &self.q_proj,
             &self.k_proj,
@@ -80,6 +84,18 @@ pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
     match grad {
         Grad::Track => v.as_tensor().clone(),
         Grad::Off => v.as_tensor().detach(),
+    }
+}
+
+impl Layer {
+    /// How the forward reads the base weights (projections, norms, biases):
+    /// never tracked when the base is frozen.
+    pub(super) fn base_grad(&self, grad: Grad) -> Grad {
+        if self.lora.frozen() {
+            Grad::Off
+        } else {
+            grad
+        }
     }
 }
 
@@ -135,8 +151,8 @@ pub(super) fn qkv(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, l, _) = x.dims3()?;
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let w = |v: &Var| weight(v, grad);
-    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], grad));
+    let w = |v: &Var| weight(v, layer.base_grad(grad));
+    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
     let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
     let q = lora::linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?; // (B, L, Hq * D)
     let k = lora::linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?; // (B, L, Hkv * D)
@@ -160,7 +176,7 @@ pub(super) fn attention_out(
     grad: Grad,
 ) -> Result<Tensor> {
     let o = ops::attention(q, k, v, &ctx.mask, ctx.cfg.num_key_value_heads)?; // (B, L, H*D)
-    let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], grad));
+    let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], layer.base_grad(grad)));
     lora::linear(&o, layer, Target::OProj, bias.as_ref(), grad)
 }
 
@@ -168,7 +184,7 @@ pub(super) fn attention_out(
 /// `x + down(silu(gate(norm(x))) * up(norm(x)))`. Each position on its own, so
 /// it may run over any subset of positions.
 pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Result<Tensor> {
-    let w = |v: &Var| weight(v, grad);
+    let w = |v: &Var| weight(v, layer.base_grad(grad));
     let h = ops::rms_norm(x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
     let gate = lora::linear(&h, layer, Target::GateProj, None, grad)?;
     let up = lora::linear(&h, layer, Target::UpProj, None, grad)?;

@@ -12,6 +12,7 @@ use candle_core::{DType, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use super::frozen::frozen_linear;
 use super::layer::{weight, Grad, Layer};
 use super::ops;
 use super::qwen3::Qwen3;
@@ -137,13 +138,20 @@ pub struct Adapter {
     pub scale: f64,
 }
 
-/// The adapters of one decoder layer, one optional slot per [`Target`].
+/// The adapters of one decoder layer, one optional slot per [`Target`], and
+/// whether the layer's base weights are frozen (they are while it has adapters).
 #[derive(Clone, Default)]
 pub(super) struct LayerLora {
     slots: [Option<Adapter>; 7],
+    frozen: bool,
 }
 
 impl LayerLora {
+    /// True when the base weights take no gradient (only the adapters train).
+    pub(super) fn frozen(&self) -> bool {
+        self.frozen
+    }
+
     pub(super) fn get(&self, t: Target) -> Option<&Adapter> {
         self.slots[t.slot()].as_ref()
     }
@@ -164,7 +172,13 @@ pub(super) fn linear(
     bias: Option<&Tensor>,
     grad: Grad,
 ) -> Result<Tensor> {
-    let y = ops::linear(x, &weight(t.base(layer), grad), bias)?;
+    let base = t.base(layer).as_tensor();
+    let y = if layer.lora.frozen() && grad == Grad::Track {
+        // dx only: no gradient (and no gemm) for the frozen base weight.
+        frozen_linear(x, base, bias)?
+    } else {
+        ops::linear(x, &weight(t.base(layer), grad), bias)?
+    };
     let Some(ad) = layer.lora.get(t) else { return Ok(y) };
     let (a, b) = (weight(&ad.a, grad), weight(&ad.b, grad));
     let xa = ops::linear(&x.to_dtype(a.dtype())?, &a, None)?; // (.., r)
@@ -192,7 +206,7 @@ impl Qwen3 {
         let scale = cfg.scale();
         let dtype = if self.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
         for layer in &mut self.layers {
-            let mut lora = LayerLora::default();
+            let mut lora = LayerLora { frozen: true, ..LayerLora::default() };
             for &t in &cfg.targets {
                 let (out, inp) = t.base(layer).dims2()?;
                 // kaiming_uniform_ with a = sqrt(5): gain sqrt(2 / (1 + 5)),
@@ -206,7 +220,13 @@ impl Qwen3 {
             }
             layer.lora = lora;
         }
+        self.lora = Some(cfg.clone());
         Ok(())
+    }
+
+    /// The settings of the adapters the model carries (`None` without adapters).
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// The adapters' parameters under peft's names
@@ -226,6 +246,30 @@ impl Qwen3 {
         out
     }
 
+    /// Every base parameter under its Hugging Face name, detached, with the
+    /// adapted projections merged (`W + scale B A`, in the base dtype): the
+    /// weights of the same function without adapters, which the rollout copy
+    /// samples from. Without adapters, [`Qwen3::params`] detached.
+    pub fn merged_params(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut merged = std::collections::HashMap::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                if layer.lora.get(t).is_some() {
+                    merged
+                        .insert(format!("model.layers.{i}.{}.weight", t.module()), merged_weight(layer, t)?);
+                }
+            }
+        }
+        Ok(self
+            .params()
+            .into_iter()
+            .map(|(n, v)| {
+                let t = merged.remove(&n).unwrap_or_else(|| v.as_tensor().detach());
+                (n, t)
+            })
+            .collect())
+    }
+
     /// Whether any layer carries adapters.
     pub fn has_lora(&self) -> bool {
         self.layers.iter().any(|l| l.lora.vars().next().is_some())
@@ -242,6 +286,7 @@ impl Qwen3 {
             }
             layer.lora = LayerLora::default();
         }
+        self.lora = None;
         Ok(())
     }
 }
@@ -350,6 +395,90 @@ mod tests {
         for (name, v) in m.lora_params() {
             let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}"));
             assert_eq!(g.dtype(), DType::F32);
+        }
+    }
+
+    /// With the base frozen no base weight gets a gradient (layers, embedding,
+    /// norm, the tied head through the chunked statistics), with and without
+    /// recomputed layers, and the adapters' gradients equal those of the same
+    /// model whose base is not frozen (candle's plain matmul backward).
+    #[test]
+    fn frozen_base_gets_no_gradient_and_adapters_the_same() {
+        for recompute in [Recompute::Off, Recompute::On] {
+            for dtype in [DType::F32, DType::F64] {
+                let mut m = tiny(dtype, 11);
+                m.set_recompute(recompute);
+                m.add_lora(&LoraConfig::new(3), 12).unwrap();
+                randomize(&m, 90);
+                assert!(m.base_frozen());
+                let b = batch();
+                let targets =
+                    Tensor::from_vec((0..12u32).map(|i| (i * 7) % 31).collect(), (2, 6), &Device::Cpu)
+                        .unwrap();
+                let run = |m: &Qwen3| {
+                    let h = m.forward_hidden(&b, Grad::Track).unwrap();
+                    let st = m.token_stats(&h, &targets, Grad::Track).unwrap();
+                    let loss = (st.logp.sum_all().unwrap() + st.entropy.sum_all().unwrap()).unwrap();
+                    loss.backward().unwrap()
+                };
+                let frozen = run(&m);
+                for (name, v) in m.params() {
+                    assert!(
+                        frozen.get(v.as_tensor()).is_none(),
+                        "{recompute:?} {dtype:?}: gradient for {name}"
+                    );
+                }
+                assert_eq!(m.trainable_params().len(), m.lora_params().len());
+                for layer in &mut m.layers {
+                    layer.lora.frozen = false;
+                }
+                assert!(!m.base_frozen());
+                let open = run(&m);
+                assert!(
+                    open.get(m.params()[0].1.as_tensor()).is_some(),
+                    "the unfrozen reference trains the base"
+                );
+                for (name, v) in m.lora_params() {
+                    let (a, r) = (frozen.get(v.as_tensor()).unwrap(), open.get(v.as_tensor()).unwrap());
+                    let e = max_rel(&flat(a), &flat(r));
+                    assert!(e < 1e-5, "{recompute:?} {dtype:?} {name}: {e:e}");
+                }
+            }
+        }
+    }
+
+    /// The merged parameters are the base ones except the adapted projections,
+    /// which are `W + scale B A`.
+    #[test]
+    fn merged_params_fold_the_adapters() {
+        let mut m = tiny(DType::F32, 13);
+        let mut cfg = LoraConfig::new(2);
+        cfg.targets = vec![Target::VProj, Target::DownProj];
+        cfg.alpha = Some(5.0);
+        m.add_lora(&cfg, 14).unwrap();
+        randomize(&m, 100);
+        let merged: std::collections::HashMap<String, Tensor> =
+            m.merged_params().unwrap().into_iter().collect();
+        for (name, v) in m.params() {
+            let w = flat(v.as_tensor());
+            let got = flat(&merged[&name]);
+            let adapted = name.contains("v_proj.weight") || name.contains("down_proj.weight");
+            if !adapted {
+                assert_eq!(got, w, "{name}");
+                continue;
+            }
+            let layer: usize = name.split('.').nth(2).unwrap().parse().unwrap();
+            let t = if name.contains("v_proj") { Target::VProj } else { Target::DownProj };
+            let ad = m.layers[layer].lora.get(t).unwrap();
+            let (a, bm) = (flat(ad.a.as_tensor()), flat(ad.b.as_tensor()));
+            let (out, inp) = v.dims2().unwrap();
+            for o in 0..out {
+                for i in 0..inp {
+                    let ba: f64 = (0..2).map(|r| bm[o * 2 + r] * a[r * inp + i]).sum();
+                    let want = w[o * inp + i] + 2.5 * ba;
+                    assert!((got[o * inp + i] - want).abs() < 1e-5, "{name}[{o},{i}]");
+                }
+            }
         }
     }
 

@@ -53,9 +53,11 @@ pub struct RolloutCopy {
 }
 
 impl RolloutCopy {
-    /// Builds the copy of `master` in `dtype` on the master's device.
+    /// Builds the copy of `master` in `dtype` on the master's device; a master
+    /// with LoRA adapters is copied merged ([`Qwen3::merged_params`]), so the
+    /// copy computes the adapted function without adapters.
     pub fn new(master: &Qwen3, dtype: DType) -> Result<Self> {
-        let params = master.params().into_iter().map(|(n, v)| (n, v.as_tensor().detach())).collect();
+        let params = master.merged_params()?.into_iter().collect();
         let model = Qwen3::new(master.config(), &mut FromModel { params }, dtype, master.device())?;
         Ok(Self { model })
     }
@@ -70,11 +72,11 @@ impl RolloutCopy {
         self.model.dtype()
     }
 
-    /// Overwrites the copy with `master`'s current weights (call after every
-    /// optimizer step). Fails if `master` is not the model the copy was made of
-    /// (different parameter names or shapes).
+    /// Overwrites the copy with `master`'s current weights, adapters merged
+    /// (call after every optimizer step). Fails if `master` is not the model the
+    /// copy was made of (different parameter names or shapes).
     pub fn refresh(&self, master: &Qwen3) -> Result<()> {
-        let (src, dst) = (master.params(), self.model.params());
+        let (src, dst) = (master.merged_params()?, self.model.params());
         if src.len() != dst.len() {
             return Err(Error::invalid(format!(
                 "rollout copy: the master has {} parameters, the copy {}",
@@ -91,7 +93,7 @@ impl RolloutCopy {
                     d.dims()
                 )));
             }
-            d.set(&s.as_tensor().detach().to_dtype(dtype)?)?;
+            d.set(&s.to_dtype(dtype)?)?;
         }
         Ok(())
     }

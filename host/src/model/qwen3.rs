@@ -22,6 +22,7 @@ use super::head::TokenStats;
 pub use super::layer::Grad;
 use super::layer::{layer_forward, weight, Layer, LayerCtx};
 use super::ops;
+use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
 
@@ -175,6 +176,8 @@ pub struct Qwen3 {
     inv_freq: Tensor,
     /// When decoder layers are recomputed in the backward pass.
     recompute: RecomputeCell,
+    /// The settings of the LoRA adapters the layers carry (`None`: none).
+    pub(super) lora: Option<super::lora::LoraConfig>,
 }
 
 /// Where the model reads its named weights from when it is built.
@@ -242,7 +245,8 @@ impl Qwen3 {
             norm,
             lm_head,
             inv_freq,
-            recompute: RecomputeCell::new(Recompute::from_env()?),
+            recompute: RecomputeCell::new(ModelOptions::process_default().recompute),
+            lora: None,
         })
     }
 
@@ -326,7 +330,7 @@ impl Qwen3 {
 
     /// Projects hidden states `(.., hidden)` to vocabulary logits `(.., vocab)`.
     pub fn lm_head(&self, hidden: &Tensor, grad: Grad) -> Result<Tensor> {
-        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), grad);
+        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), self.base_grad(grad));
         ops::linear(hidden, &w, None)
     }
 
@@ -335,7 +339,7 @@ impl Qwen3 {
     /// last dimension), through the LM head without materialising the
     /// `(.., vocab)` logits (see [`super::head`]).
     pub fn token_stats(&self, hidden: &Tensor, targets: &Tensor, grad: Grad) -> Result<TokenStats> {
-        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), grad);
+        let w = self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), self.base_grad(grad));
         super::head::token_stats(hidden, &w, targets)
     }
 
@@ -381,6 +385,31 @@ impl Qwen3 {
         weight(v, grad)
     }
 
+    /// True when the base weights are frozen (LoRA: only the adapters train).
+    pub fn base_frozen(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.lora.frozen())
+    }
+
+    /// How the base weights outside the layers (embedding, final norm, head)
+    /// are read: never tracked when the base is frozen.
+    fn base_grad(&self, grad: Grad) -> Grad {
+        if self.base_frozen() {
+            Grad::Off
+        } else {
+            grad
+        }
+    }
+
+    /// The parameters the optimizer trains, with their names: the adapters
+    /// (peft's names) when the base is frozen, else [`Qwen3::params`].
+    pub fn trainable_params(&self) -> Vec<(String, Var)> {
+        if self.base_frozen() {
+            self.lora_params()
+        } else {
+            self.params()
+        }
+    }
+
     /// The decoder stack. `pad_bias` is `(B, 1, 1, S)` over all keys (cached and
     /// new); `offset` is the number of cached keys before this chunk.
     fn run(
@@ -394,11 +423,10 @@ impl Qwen3 {
     ) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;
         // (B, L) -> (B, L, hidden)
-        let mut x = self.w(&self.embed_tokens, grad).index_select(&ids.flatten_all()?, 0)?.reshape((
-            b,
-            l,
-            self.cfg.hidden_size,
-        ))?;
+        let mut x = self
+            .w(&self.embed_tokens, self.base_grad(grad))
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, l, self.cfg.hidden_size))?;
         let ctx = self.layer_ctx(positions, pad_bias, offset, l)?;
         // Activation checkpointing: keep only each layer's input, rerun the
         // layer in the backward pass (model::recompute).
@@ -412,12 +440,18 @@ impl Qwen3 {
                 layer_forward(layer, &ctx, &x, offset, kv, grad)?
             };
         }
-        ops::rms_norm(&x, &self.w(&self.norm, grad), self.cfg.rms_norm_eps)
+        ops::rms_norm(&x, &self.w(&self.norm, self.base_grad(grad)), self.cfg.rms_norm_eps)
     }
 
     /// The rotary tables and attention mask of `l` positions after `offset`
     /// cached keys, shared by every layer.
-    fn layer_ctx(&self, positions: &Tensor, pad_bias: &Tensor, offset: usize, l: usize) -> Result<LayerCtx> {
+    pub(super) fn layer_ctx(
+        &self,
+        positions: &Tensor,
+        pad_bias: &Tensor,
+        offset: usize,
+        l: usize,
+    ) -> Result<LayerCtx> {
         // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
         let freqs = positions
             .to_dtype(DType::F32)?

@@ -125,6 +125,10 @@ pub struct RunConfig {
     /// auto is token_tis when `rollout_dtype` differs from `dtype`, at temperature 1):
     /// see [`update::RolloutCorrection`].
     pub rollout_correction: RolloutCorrection,
+    /// LoRA (`lora: #{rank, alpha, targets, lr_scale}`): train adapters on a frozen
+    /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
+    /// ([`model::peft`]). `None`: full fine-tuning.
+    pub lora: Option<model::LoraConfig>,
 }
 
 impl Default for RunConfig {
@@ -164,6 +168,7 @@ impl Default for RunConfig {
             device: "cpu".into(),
             rollout_dtype: None,
             rollout_correction: RolloutCorrection::default(),
+            lora: None,
         }
     }
 }
@@ -652,30 +657,63 @@ impl Trainer {
 
     /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
+        let report = self.evaluate_once(examples, (self.cfg.eval_temperature, self.cfg.eval_top_p), false)?;
+        self.folder.note_eval(self.step, &report);
+        self.last.eval = Some(report.clone());
+        Ok(report)
+    }
+
+    /// Evaluates at `temperature` / `top_p` (the paper reports T 1.0 and T 0.7 / top-p
+    /// 0.9). At the configured setting this is [`evaluate`](Self::evaluate); at another,
+    /// the report goes to `eval-t<T>-p<top_p>.jsonl` (not to `eval.jsonl`, the curves,
+    /// TensorBoard or the run's evaluation history).
+    pub fn evaluate_at(
+        &mut self,
+        examples: Option<&[Example]>,
+        temperature: f64,
+        top_p: f64,
+    ) -> Result<EvalReport> {
+        if (temperature, top_p) == (self.cfg.eval_temperature, self.cfg.eval_top_p) {
+            return self.evaluate(examples);
+        }
+        check_eval_sampling(temperature, top_p)?;
+        self.evaluate_once(examples, (temperature, top_p), true)
+    }
+
+    /// Sets the sampling of the periodic evaluations (`eval_temperature`, `eval_top_p`)
+    /// from the next one on.
+    pub fn set_eval_sampling(&mut self, temperature: f64, top_p: f64) -> Result<()> {
+        check_eval_sampling(temperature, top_p)?;
+        (self.cfg.eval_temperature, self.cfg.eval_top_p) = (temperature, top_p);
+        Ok(())
+    }
+
+    /// One evaluation at `setting` (temperature, top_p), written by rank 0 (`extra`: not
+    /// the configured setting) and broadcast, so every rank's hooks see the same numbers.
+    fn evaluate_once(
+        &mut self,
+        examples: Option<&[Example]>,
+        setting: (f64, f64),
+        extra: bool,
+    ) -> Result<EvalReport> {
         let ex = match examples {
             Some(e) => e.to_vec(),
             None => self.prompts.test_examples(self.cfg.eval_limit)?,
         };
         let mut params = self.cfg.sampling.clone();
         params.n = self.cfg.eval_n;
-        params.temperature = self.cfg.eval_temperature;
-        params.top_p = self.cfg.eval_top_p;
+        (params.temperature, params.top_p) = setting;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
-        // Rank 0 evaluates and writes; the others receive its report, so that
-        // every rank's hooks see the same numbers.
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
             let gen = self.prompts.generator(self.policy.sampling_model());
             let report = eval::evaluate(&gen, &ex, &params, self.cfg.extract, 64, &|_| {})?
                 .with_pass_k(&self.cfg.eval_pass_k)?;
-            self.folder.log_eval(self.step, &report)?;
+            self.folder.log_eval(self.step, &report, setting, extra)?;
             Ok(report)
         })?;
         let report = if comm.size() > 1 { dist::broadcast_json(&*comm, 0, &report)? } else { report };
-        let report = report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))?;
-        self.folder.note_eval(self.step, &report);
-        self.last.eval = Some(report.clone());
-        Ok(report)
+        report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))
     }
 
     /// Writes a checkpoint of model, optimizer and trainer state; returns its folder.
@@ -789,6 +827,19 @@ impl Gathered {
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
     crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
+}
+
+/// Checks an evaluation's sampling: temperature finite and >= 0, top_p in (0, 1].
+fn check_eval_sampling(temperature: f64, top_p: f64) -> Result<()> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(Error::invalid(format!(
+            "evaluate: `temperature`: expected a finite value >= 0, found {temperature}"
+        )));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(Error::invalid(format!("evaluate: `top_p`: expected a value in (0, 1], found {top_p}")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ mod dataset;
 mod dist;
 mod hf;
 mod kill;
+mod lora;
 mod model;
 mod prompt;
 mod script;

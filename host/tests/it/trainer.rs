@@ -251,3 +251,79 @@ fn bf16_rollout_copy_log_probs_and_their_mismatch() {
     let err = t.step(&plan, None, None).err().unwrap().to_string();
     assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
 }
+
+/// The stress test's pairing: an S2T mask that silences nothing (tau_h = -1, below every
+/// entropy) trains exactly as no mask, weight for weight, while its candidate and low-p
+/// statistics are reported; so paired arms stay identical until the first silencing.
+#[test]
+fn an_s2t_mask_that_silences_nothing_trains_as_no_mask() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut base = config(model, train, test);
+    (base.eval_every, base.save_every, base.mini_batch) = (0, 0, 4);
+    base.objective = "dapo".into();
+    base.set.clear();
+    base.set.insert("dynamic_sampling".into(), "false".into());
+    let mut observer = base.clone();
+    observer.objective = "dapo_s2t".into();
+    observer.set.insert("tau_p".into(), "0.05".into());
+    observer.set.insert("tau_h".into(), "-1".into());
+    let mut a = Trainer::new(base, &dir.path().join("plain")).unwrap();
+    let mut b = Trainer::new(observer, &dir.path().join("observer")).unwrap();
+    let (mut candidates, mut moved) = (0, 0);
+    for _ in 0..2 {
+        let ma = a.step(&a.default_plan(), None, None).unwrap();
+        let mb = b.step(&b.default_plan(), None, None).unwrap();
+        for key in ["loss", "entropy", "entropy_p99", "grad_norm", "kept_tokens", "optimizer_steps"] {
+            let (x, y) = (serde_json::to_value(&ma).unwrap(), serde_json::to_value(&mb).unwrap());
+            assert_eq!(x[key], y[key], "metric {key}");
+        }
+        assert!(
+            ma.update.optimizer_steps >= 3,
+            "several mini-batches per rollout: {}",
+            ma.update.optimizer_steps
+        );
+        assert_eq!((mb.update.silenced_tokens, ma.update.candidate_grad_share), (0, None));
+        assert!(mb.update.candidate_grad_share.is_some());
+        candidates += mb.update.s2t_candidates;
+        moved += a.last_update().unwrap().advantages.iter().filter(|x| **x != 0.0).count();
+    }
+    assert!(candidates > 0 && moved > 0, "candidates {candidates}, non-zero advantages {moved}");
+    assert_eq!(weights(&a), weights(&b), "weights differ");
+}
+
+/// `evaluate_at` another sampling setting writes its own file (with the setting) and
+/// leaves eval.jsonl, whose lines now record theirs, and the evaluation history alone.
+#[test]
+fn evaluations_at_another_setting_are_logged_apart() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    (cfg.eval_every, cfg.save_every) = (1, 0);
+    let run = dir.path().join("run");
+    let mut t = Trainer::new(cfg, &run).unwrap();
+    t.step(&t.default_plan(), None, None).unwrap();
+    let low = t.evaluate_at(None, 0.7, 0.9).unwrap();
+    assert_eq!(t.eval_history().len(), 2, "steps 0 and 1 at the configured setting only");
+    let lines = |f: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(run.join(f)).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let main = lines("eval.jsonl");
+    assert_eq!(main.len(), 2);
+    assert!(main.iter().all(|v| v["temperature"] == 1.0 && v["top_p"] == 1.0), "{main:?}");
+    let extra = lines("eval-t0.7-p0.9.jsonl");
+    assert_eq!(extra.len(), 1);
+    assert_eq!((extra[0]["step"].as_u64(), extra[0]["temperature"].as_f64()), (Some(1), Some(0.7)));
+    assert_eq!(extra[0]["top_p"], 0.9);
+    assert_eq!(extra[0]["overall"]["avg"].as_f64(), Some(low.overall.avg));
+    assert!(run.join("eval/step-000001-t0.7-p0.9.jsonl").is_file());
+    // The configured setting is evaluate() itself; a bad setting names its field.
+    t.evaluate_at(None, 1.0, 1.0).unwrap();
+    assert_eq!(t.eval_history().len(), 3);
+    let err = t.evaluate_at(None, 0.7, 1.5).unwrap_err().to_string();
+    assert!(err.contains("top_p") && err.contains("1.5"), "{err}");
+    t.set_eval_sampling(0.7, 0.9).unwrap();
+    t.evaluate(None).unwrap();
+    assert_eq!(lines("eval.jsonl").last().unwrap()["temperature"], 0.7);
+}

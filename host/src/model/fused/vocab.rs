@@ -110,18 +110,29 @@ impl Kernel<2> for VocabStats {
     }
 
     fn bwd(&self, [h, w]: [&Tensor; 2], res: &Tensor, dres: &Tensor) -> Grads<2> {
-        let op = VocabStatsBwd { targets: self.targets.clone(), res: res.clone(), tiles: self.tiles };
-        split_like(&h.apply_op3_no_bwd(w, &dres.contiguous()?, &Op(op))?, [h, w])
+        // A frozen head (LoRA's base weight, detached) needs no (V, H) gradient.
+        let need_dw = w.track_op();
+        let op =
+            VocabStatsBwd { targets: self.targets.clone(), res: res.clone(), tiles: self.tiles, need_dw };
+        let flat = h.apply_op3_no_bwd(w, &dres.contiguous()?, &Op(op))?;
+        if need_dw {
+            split_like(&flat, [h, w])
+        } else {
+            let [dh] = split_like(&flat, [h])?;
+            Ok([dh, None])
+        }
     }
 }
 
-/// Backward of [`VocabStats`] over `(h, w, dres)`: returns `[dh | dw]` flat.
+/// Backward of [`VocabStats`] over `(h, w, dres)`: returns `[dh | dw]` flat
+/// (`dh` alone without `need_dw`).
 /// With `p = exp(x - lse)` and `C = sum p^2`, the gradient of the logits is
 /// `dx_j = gl (1[j = t] - p_j) - ge p_j (x_j - lse + H) + 2 gc p_j (p_j - C)`.
 struct VocabStatsBwd {
     targets: Tensor,
     res: Tensor,
     tiles: Tiles,
+    need_dw: bool,
 }
 
 impl Kernel<3> for VocabStatsBwd {
@@ -131,7 +142,7 @@ impl Kernel<3> for VocabStatsBwd {
         with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
             let [h, w, dres] = data::<T, 3>(&ins)?;
-            let mut out = vec![zero::<T>(); n * hd + v * hd];
+            let mut out = vec![zero::<T>(); n * hd + if self.need_dw { v * hd } else { 0 }];
             let (dh, dw) = out.split_at_mut(n * hd);
             let (rc, vc) = (self.tiles.bwd_rows.clamp(1, n.max(1)), self.tiles.bwd_cols.clamp(1, v));
             let mut buf = vec![zero::<T>(); rc * vc];
@@ -194,6 +205,9 @@ impl Kernel<3> for VocabStatsBwd {
                                 one,
                                 all_threads(),
                             );
+                            if !self.need_dw {
+                                continue;
+                            }
                             // dw[c0..] += g^T · h[r0..]
                             mm_par(
                                 (k, hd, m),

@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 use super::RunConfig;
 use crate::algo::ObjectiveConfig;
 use crate::dist::Comm;
-use crate::model::{self, checkpoint, Qwen3, RolloutCopy};
+use crate::model::{self, checkpoint, peft, LoraConfig, Qwen3, RolloutCopy};
 use crate::train::optim::AdamW;
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateOutcome};
 use crate::{Error, Result};
@@ -23,19 +23,38 @@ pub struct PolicyState {
     /// The low-precision copy rollouts sample from (`rollout_dtype`).
     rollout_copy: Option<RolloutCopy>,
     reference: Option<Qwen3>,
+    /// The run's LoRA settings (`None`: full fine-tuning).
+    lora: Option<LoraConfig>,
 }
 
 impl PolicyState {
     /// The policy `model` with a fresh optimizer, the rollout copy `cfg` asks for, and
     /// (when `objective` has a KL penalty) the reference loaded again from `cfg.model`.
-    pub fn new(cfg: &RunConfig, objective: &ObjectiveConfig, model: Qwen3) -> Result<Self> {
+    ///
+    /// With `cfg.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
+    /// carries them already (a resumed LoRA checkpoint, whose rank and targets must be the
+    /// configuration's); the optimizer then holds the adapters alone, and rollouts sample
+    /// a copy with the adapters merged, refreshed after every update.
+    pub fn new(cfg: &RunConfig, objective: &ObjectiveConfig, mut model: Qwen3) -> Result<Self> {
         let reference = match &objective.kl {
             Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, model.dtype(), model.device())?),
             _ => None,
         };
-        let opt = AdamW::new(model.params(), cfg.adamw.clone())?;
+        attach_lora(cfg, &mut model)?;
+        let opt = AdamW::new(model.trainable_params(), cfg.adamw.clone())?;
         let rollout_copy = rollout_copy(cfg, &model)?;
-        Ok(Self { model, opt, rollout_copy, reference })
+        Ok(Self { model, opt, rollout_copy, reference, lora: cfg.lora.clone() })
+    }
+
+    /// The learning rate the optimizer takes for the run's `lr`: times `lora.lr_scale`
+    /// with LoRA ("LoRA Without Regret": about 10x the full fine-tune's).
+    pub fn effective_lr(&self, lr: f64) -> f64 {
+        self.lora.as_ref().map_or(lr, |l| lr * l.lr_scale)
+    }
+
+    /// Parameters the optimizer trains (the adapters alone with LoRA).
+    pub fn trainable_count(&self) -> usize {
+        self.opt.n_elements()
     }
 
     /// The master weights (what the update trains).
@@ -63,6 +82,7 @@ impl PolicyState {
         lr: f64,
         pad_id: u32,
     ) -> Result<UpdateOutcome> {
+        let lr = self.effective_lr(lr);
         let policy =
             update::Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
         let outcome = update::optimize_on(comm, policy, seqs, ucfg, lr, pad_id)?;
@@ -75,7 +95,15 @@ impl PolicyState {
     /// Writes the model (HF files, in the checkpoint's dtype unless the weights in memory
     /// are wider) and `optimizer.safetensors` into `dir`; `source` is the model folder
     /// whose tokenizer files are copied along.
+    ///
+    /// With LoRA the model files are a peft adapter folder (`adapter_model.safetensors`,
+    /// `adapter_config.json` naming `source` as the base), and the optimizer state covers
+    /// the adapters.
     pub fn save(&self, dir: &Path, source: &Path) -> Result<()> {
+        if let Some(lora) = &self.lora {
+            peft::write_adapter_files(&self.model, lora, dir, &peft::base_name(source), Some(source))?;
+            return self.save_optimizer(dir);
+        }
         let on_disk = model::parse_dtype(&self.model.config().torch_dtype).unwrap_or(DType::F32);
         let dtype = if on_disk.size_in_bytes() >= self.model.dtype().size_in_bytes() {
             on_disk
@@ -83,6 +111,10 @@ impl PolicyState {
             self.model.dtype()
         };
         checkpoint::write_model_files(&self.model, dir, dtype, Some(source))?;
+        self.save_optimizer(dir)
+    }
+
+    fn save_optimizer(&self, dir: &Path) -> Result<()> {
         let opt: HashMap<String, Tensor> = self.opt.state_tensors()?.into_iter().collect();
         candle_core::safetensors::save(&opt, dir.join("optimizer.safetensors"))?;
         Ok(())
@@ -101,14 +133,49 @@ impl PolicyState {
     }
 }
 
-/// The low-precision copy rollouts sample from, when `rollout_dtype` names a dtype other
-/// than the master weights'.
+/// The copy rollouts sample from: in `rollout_dtype` when it names a dtype other than the
+/// master weights'; with LoRA always (in the master's dtype unless told), since sampling
+/// merged weights is faster than the unmerged adapter path (docs/lora.md).
 fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<RolloutCopy>> {
-    let Some(name) = &cfg.rollout_dtype else { return Ok(None) };
-    let dt = model::parse_dtype(name).map_err(|e| Error::Config {
-        file: "run config".into(),
-        field: "rollout_dtype".into(),
-        msg: e.to_string(),
-    })?;
-    (dt != m.dtype()).then(|| RolloutCopy::new(m, dt)).transpose()
+    let dt = match &cfg.rollout_dtype {
+        Some(name) => model::parse_dtype(name).map_err(|e| Error::Config {
+            file: "run config".into(),
+            field: "rollout_dtype".into(),
+            msg: e.to_string(),
+        })?,
+        None => m.dtype(),
+    };
+    (dt != m.dtype() || m.has_lora()).then(|| RolloutCopy::new(m, dt)).transpose()
+}
+
+/// Puts the adapters of `cfg.lora` on `m`: fresh ones, or (a resumed checkpoint) checks
+/// that those it carries are the configuration's.
+fn attach_lora(cfg: &RunConfig, m: &mut Qwen3) -> Result<()> {
+    let Some(lora) = &cfg.lora else {
+        if m.has_lora() {
+            return Err(Error::Config {
+                file: "run config".into(),
+                field: "lora".into(),
+                msg: "the model carries LoRA adapters but the run has no `lora` settings".into(),
+            });
+        }
+        return Ok(());
+    };
+    if !m.has_lora() {
+        return m.add_lora(lora, cfg.seed ^ 0x10ba);
+    }
+    let have = m.lora_config();
+    if have.map(|h| (h.rank, &h.targets)) != Some((lora.rank, &lora.targets)) {
+        return Err(Error::Config {
+            file: "run config".into(),
+            field: "lora".into(),
+            msg: format!(
+                "the checkpoint's adapters (rank {:?}) differ from the configured rank {} / targets {:?}",
+                have.map(|h| h.rank),
+                lora.rank,
+                lora.targets
+            ),
+        });
+    }
+    Ok(())
 }

@@ -44,7 +44,9 @@ use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-pub use analysis::{grad_shares, logit_grad_norm, token_analysis, TokenAnalysis, TOP_GRAD_FRAC};
+pub use analysis::{
+    grad_shares, logit_grad_norm, token_analysis, GradShares, TokenAnalysis, TOP_1PCT, TOP_GRAD_FRAC, TOP_K,
+};
 pub use config::{OldLogp, Sequence, UpdateConfig, UpdateOptions};
 pub use mask::{token_mask, token_mask_on};
 pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
@@ -58,7 +60,7 @@ use crate::train::optim::AdamW;
 use crate::{Error, Result};
 pub use layout::micro_batch_shapes;
 use layout::{rows, Cut};
-use metrics::{finish_metrics, record_grad_norms, record_mask, Totals};
+use metrics::{entropy_p99, finish_metrics, record_grad_norms, record_mask, Totals};
 use micro::{micro_step, Ctx, Forward, LossTargets, MiniBatch};
 use old_logp::{old_logprobs, reference_logprobs, OldLogps};
 use optimizer::optimizer_step;
@@ -180,8 +182,10 @@ pub fn optimize_on(
         out.metrics.rollout_corr = out.totals.corr.finish(comm, c)?;
     }
     finish_metrics(comm, &mut out.metrics, out.totals)?;
+    out.metrics.entropy_p99 = entropy_p99(comm, &out.record)?;
     if cfg.token_grad_norms {
-        record_grad_norms(&mut out.record, &mut out.metrics);
+        let tau_p = cfg.objective.mask.s2t().map(|t| t.tau_p);
+        record_grad_norms(&mut out.record, &mut out.metrics, tau_p);
     }
     Ok(UpdateOutcome { metrics: out.metrics, record: out.record })
 }

@@ -438,7 +438,7 @@ fn the_record_is_what_the_update_used() {
     // stapo (the paper's reading): no dynamic sampling, tau_h over every response token.
     obj.mask = ObjectiveConfig::preset("stapo").unwrap().mask;
     obj.set("tau_p", "0.03").unwrap();
-    let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+    let cfg = UpdateConfig { objective: obj, micro_batch: 5, token_grad_norms: true, ..Default::default() };
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
     let (rec, met) = (&out.record, &out.metrics);
@@ -474,6 +474,23 @@ fn check_rates(rec: &UpdateRecord, met: &UpdateMetrics, tau_p: f32) {
     assert!((met.candidates_per_10k - per(pos) * 1e4).abs() < 1e-2, "{}", met.candidates_per_10k);
     assert!((met.low_p_positive_share - per(pos)).abs() < 1e-6);
     assert!((met.low_p_negative_share - per(neg)).abs() < 1e-6);
+    let all_h: Vec<f32> = rec.entropy.iter().flatten().copied().collect();
+    assert_eq!(met.entropy_p99, crate::algo::quantile_linear(&all_h, 0.99));
+    assert!(met.entropy_p99 > Some(met.entropy), "{:?} vs mean {}", met.entropy_p99, met.entropy);
+    // With grad norms recorded: the candidates' share of Σ g, summed here from the record.
+    if rec.grad_norm.iter().any(|g| !g.is_empty()) {
+        let (mut cand, mut total) = (0f64, 0f64);
+        for i in (0..rec.p.len()).filter(|&i| rec.active[i]) {
+            for (&p, &g) in rec.p[i].iter().zip(&rec.grad_norm[i]) {
+                total += g as f64;
+                cand += if p < tau_p && rec.advantages[i] > 0.0 { g as f64 } else { 0.0 };
+            }
+        }
+        let got = met.candidate_grad_share.expect("S2T on: a candidate share");
+        assert!(cand > 0.0 && (got as f64 - cand / total).abs() < 1e-5, "{got} vs {}", cand / total);
+        let (t1, t10) = (met.top_1pct_grad_share.unwrap(), met.top_10_grad_share.unwrap());
+        assert!(met.top_grad_share.unwrap() <= t1 && t1 <= t10.max(t1) && t10 <= 1.0, "{met:?}");
+    }
 }
 
 /// The tiny model, one group of two sequences (prompt [5, 6, 7], response [8, 9],
@@ -544,10 +561,34 @@ fn logit_grad_norm_and_shares_by_hand() {
     let g = logit_grad_norm(2.0, 0.5, 14.0 / 36.0);
     assert!((g - 1.2472191).abs() < 1e-6, "{g}");
     assert_eq!(logit_grad_norm(0.0, 0.5, 0.4), 0.0);
-    // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4; top 0.01% of 5 tokens → 1 token, 5 → 0.5.
-    let (s, t) = grad_shares(&[5., 1., 0., 3., 1.], &[false, true, false, true, false], 1e-4);
-    assert!((s - 0.4).abs() < 1e-7 && (t - 0.5).abs() < 1e-7, "{s} {t}");
-    assert_eq!(grad_shares(&[0., 0.], &[true, false], 1e-4), (0.0, 0.0));
+    // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4, candidates 0 and 4 → 0.6; the top
+    // 0.01% and the top 1% of 5 tokens are 1 token (5 → 0.5); the top 10 are all 5 → 1.
+    let sh = grad_shares(
+        &[5., 1., 0., 3., 1.],
+        &[false, true, false, true, false],
+        &[true, false, false, false, true],
+    );
+    let want = GradShares { silenced: 0.4, candidates: 0.6, top_frac: 0.5, top_1pct: 0.5, top_10: 1.0 };
+    for (got, want) in [
+        (sh.silenced, want.silenced),
+        (sh.candidates, want.candidates),
+        (sh.top_frac, want.top_frac),
+        (sh.top_1pct, want.top_1pct),
+        (sh.top_10, want.top_10),
+    ] {
+        assert!((got - want).abs() < 1e-7, "{sh:?}");
+    }
+    assert_eq!(grad_shares(&[0., 0.], &[true, false], &[]), GradShares::default());
+    // g = 1..=250, shuffled (sum 31375): the top 1% is ceil(2.5) = 3 tokens (250 + 249 + 248),
+    // the top 10 are 241..=250 (2455), the top 0.01% is 1 token (250); flags may be short.
+    let mut g: Vec<f32> = (1..=250).map(|x| x as f32).collect();
+    g.reverse();
+    g.swap(0, 100);
+    let sh = grad_shares(&g, &[], &[]);
+    assert!((sh.top_1pct - 747.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert!((sh.top_10 - 2455.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert!((sh.top_frac - 250.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert_eq!((sh.silenced, sh.candidates), (0.0, 0.0));
 }
 
 #[test]
