@@ -385,11 +385,7 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         response: &r,
         response_log_ratio: &resp_log_ratio,
     };
-    let mut terms = cfg.loss.terms(&x)?;
-    if let Some(w) = inp.pg_weights {
-        expect_bt(w, "loss: pg_weights", b, l)?;
-        terms.loss = terms.loss.mul(&clean(&w.detach())?)?;
-    }
+    let terms = weighted(cfg.loss.terms(&x)?, inp.pg_weights.map(|w| (w, &keep, &zeros)))?;
 
     // KL and entropy over the response tokens.
     let kl = match (&cfg.kl, inp.ref_logp) {
@@ -435,6 +431,17 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
     };
     let metrics = loss_metrics(cfg, &m, &terms, &extra, &log_ratio, &ratio, norm)?;
     Ok(LossOutput { loss, metrics })
+}
+
+/// The policy terms with their per-token loss times the constant `weights` (the rollout
+/// correction's; 0 outside `keep`), when given.
+fn weighted(mut terms: PolicyTerms, weights: Option<(&Tensor, &Tensor, &Tensor)>) -> Result<PolicyTerms> {
+    if let Some((w, keep, zeros)) = weights {
+        let (b, l) = zeros.dims2()?;
+        expect_bt(w, "loss: pg_weights", b, l)?;
+        terms.loss = terms.loss.mul(&keep.where_cond(&w.detach().to_dtype(DType::F32)?, zeros)?)?;
+    }
+    Ok(terms)
 }
 
 /// The `(B, T)` of `logp`, after checking that `old_logp` and `mask` have it too.
