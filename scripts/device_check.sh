@@ -1,23 +1,72 @@
 #!/usr/bin/env bash
 # The GPU check: CPU-vs-CUDA parity on a small model, then update and
-# generation benchmarks at the Qwen3-0.6B and 1.7B shapes, as one table.
-# Sized to finish in about five minutes on one H200.
+# generation benchmarks at the Qwen3-0.6B and 1.7B shapes, including the
+# paper's shape of work (an update of 8 x 8192 tokens at 1.7B, rollouts of
+# 256 rows x 4096 new tokens at 0.6B), as one table with peak GPU memory.
+# Sized for a 15-minute device lease: at most BUDGET_S (default 570) seconds
+# of commands, each row with its own time limit; a row that the remaining
+# budget cannot hold is reported as not run.
 #
-#   scripts/device_check.sh [path/to/stapo]
+#   scripts/device_check.sh [path/to/stapo | path/to/stapo.xz]
+#   scripts/device_check.sh --pack [path/to/stapo]
 #
 # The binary is a `--features cuda` build (`.ci/cuda-check` makes one in
-# target-cuda/release/stapo; that is the default). It needs at run time the
-# driver's libcuda.so.1 and the CUDA 13 libraries libcublas, libcublasLt,
-# libcurand, libnvrtc and libcudart. On a machine without a system CUDA they
-# are taken from the Python environment's `nvidia` packages (PyTorch's CUDA
-# wheels), found with python3; LD_LIBRARY_PATH set by the caller comes first.
+# target-cuda/release/stapo; that is the default). `--pack` compresses it with
+# xz into target-cuda/stapo.xz for the trip to the device and prints what
+# travels (the tracked and untracked-but-not-ignored files, plus the packed
+# binary) against the 64 MiB limit; given a `.xz`, the check unpacks it into
+# a temporary folder first (xz, else python3's lzma). At run time the binary
+# needs the driver's libcuda.so.1 and the CUDA 13 libraries libcublas,
+# libcublasLt, libcurand, libnvrtc and libcudart. On a machine without a
+# system CUDA they are taken from the Python environment's `nvidia` packages
+# (PyTorch's CUDA wheels), found with python3; LD_LIBRARY_PATH set by the
+# caller comes first.
 #
 # Env: LOG_DIR (default device-check-logs; $OUT/logs when $OUT is set),
+#      BUDGET_S (seconds of commands, default 570),
 #      QUICK=1 (parity and the 0.6B rows only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+LIMIT_MIB=64
+PACKED=target-cuda/stapo.xz
+
+# --pack: compress the binary, measure what travels, fail when over the limit.
+if [[ "${1:-}" == "--pack" ]]; then
+    bin="${2:-target-cuda/release/stapo}"
+    [[ -x "$bin" ]] || { echo "device_check --pack: no executable at $bin" >&2; exit 2; }
+    mkdir -p "$(dirname "$PACKED")"
+    xz -9 -T0 -c "$bin" >"$PACKED.tmp" && mv "$PACKED.tmp" "$PACKED" || exit 2
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
+        awk '{s += $1} END {print s + 0}')
+    raw=$(stat -c %s "$bin")
+    packed=$(stat -c %s "$PACKED")
+    total=$((tree + packed))
+    mb() { awk -v b="$1" 'BEGIN{printf "%.1f MB", b / 1e6}'; }
+    echo "binary $(mb "$raw") -> $PACKED $(mb "$packed"); tree $(mb "$tree"); total $(mb "$total")" \
+        "(limit $LIMIT_MIB MiB = $(mb $((LIMIT_MIB << 20))))"
+    if ((total >= LIMIT_MIB << 20)); then
+        echo "device_check --pack: what travels exceeds $LIMIT_MIB MiB" >&2
+        exit 1
+    fi
+    echo "carry $PACKED; on the device: scripts/device_check.sh $PACKED"
+    exit 0
+fi
+
 BIN="${1:-target-cuda/release/stapo}"
+if [[ "$BIN" == *.xz ]]; then
+    [[ -f "$BIN" ]] || { echo "device_check: no file at $BIN" >&2; exit 2; }
+    unpacked="$(mktemp -d)/stapo"
+    if command -v xz >/dev/null 2>&1; then
+        xz -dc "$BIN" >"$unpacked"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+            "$BIN" "$unpacked"
+    fi || { echo "device_check: cannot unpack $BIN" >&2; exit 2; }
+    chmod +x "$unpacked"
+    echo "device_check: unpacked $BIN to $unpacked"
+    BIN="$unpacked"
+fi
 if [[ ! -x "$BIN" ]]; then
     echo "device_check: no executable at $BIN (build it with .ci/cuda-check)" >&2
     exit 2
@@ -25,6 +74,8 @@ fi
 if [[ -n "${OUT:-}" ]]; then LOG_DIR="${LOG_DIR:-$OUT/logs}"; fi
 LOG_DIR="${LOG_DIR:-device-check-logs}"
 mkdir -p "$LOG_DIR"
+BUDGET_S="${BUDGET_S:-570}"
+START=$SECONDS
 
 # --- CUDA libraries -----------------------------------------------------------
 py_libs=$(python3 - <<'EOF' 2>/dev/null
@@ -59,10 +110,19 @@ gpu_mem_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounit
 
 # run NAME TIMEOUT ARGS...: runs the binary, logs to $LOG_DIR/NAME.log, samples
 # GPU memory every 100 ms; sets RC and PEAK_MIB (peak above the idle baseline).
+# A row whose limit the remaining budget cannot hold gets the rest of it, and
+# none (RC 125, "not run") under 15 s.
 run() {
     local name=$1 limit=$2
     shift 2
     local log="$LOG_DIR/$name.log" mem="$LOG_DIR/$name.mem"
+    local left=$((BUDGET_S - (SECONDS - START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 15)); then
+        RC=125 PEAK_MIB="-" WALL=0
+        echo "== $name: not run (${left}s of the ${BUDGET_S}s budget left)" | tee "$log"
+        return
+    fi
     local base
     base=$(gpu_mem_used)
     : >"$mem"
@@ -81,7 +141,9 @@ run() {
 }
 
 why() { # the reason a row has no figure
-    if [[ $RC -eq 124 ]]; then echo "timed out"; elif grep -qi "out of memory" "$LOG_DIR/$1.log"; then
+    if [[ $RC -eq 125 ]]; then echo "not run (budget spent)"; elif [[ $RC -eq 124 ]]; then
+        echo "timed out"
+    elif grep -qi "out of memory" "$LOG_DIR/$1.log"; then
         echo "out of GPU memory"
     else echo "failed (rc $RC, see $LOG_DIR/$1.log)"; fi
 }
@@ -92,9 +154,9 @@ row() { ROWS+=("$(printf '| %-34s | %-28s | %12s | %10s | %12s |' "$@")"); }
 # --- 1. parity ------------------------------------------------------------------
 FAILED=0
 for dt in float32 bfloat16; do
-    run "parity-$dt" 90 parity --device cuda --dtype "$dt"
+    run "parity-$dt" 45 parity --device cuda --dtype "$dt"
     if [[ $RC -eq 0 ]]; then
-        row "parity cuda $dt vs cpu f32" "16.8M shape, 8 x 96" "-" "-" "${PEAK_MIB} MiB"
+        row "parity cuda $dt vs cpu f32" "16.8M shape, 8 x 96" "-" "${WALL}" "${PEAK_MIB} MiB"
     else
         FAILED=1
         row "parity cuda $dt vs cpu f32" "$(why "parity-$dt")" "-" "-" "-"
@@ -105,45 +167,54 @@ done
 SHAPE_06B="--layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936"
 SHAPE_17B="--layers 28 --hidden 2048 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 6144 --vocab 151936"
 
-bench_train() { # name shape batch seq limit
-    local name=$1 shape=$2 b=$3 s=$4 limit=$5
+# bench_train NAME SHAPE BATCH SEQ LIMIT WARMUP: one process, WARMUP untimed
+# updates then one timed `train::update` (f32 master weights, AdamW, half of
+# each sequence response), via the one-length table of `bench train`.
+bench_train() {
+    local name=$1 shape=$2 b=$3 s=$4 limit=$5 warmup=$6
     # shellcheck disable=SC2086
-    run "$name" "$limit" bench train $shape --batch "$b" --seq "$s" --reps 1 --device cuda --dtype float32
+    run "$name" "$limit" bench train $shape --batch "$b" --seq "$s" --table --warmup "$warmup" --reps 1 \
+        --device cuda --dtype float32
     local line
-    line=$(grep -E "^full update step +[0-9.]+ ms" "$LOG_DIR/$name.log" | head -n 1)
+    line=$(grep -E "^ +$s +[0-9]+ +[0-9.]+ +[0-9]+ " "$LOG_DIR/$name.log" | head -n 1)
     if [[ $RC -eq 0 && -n "$line" ]]; then
-        local ms tps
-        ms=$(awk '{print $4}' <<<"$line")
-        tps=$(awk '{print $6}' <<<"$line")
-        row "update f32 $name" "$b x $s tokens" "$tps" "$(awk -v m="$ms" 'BEGIN{printf "%.2f", m/1000}')" \
-            "${PEAK_MIB} MiB"
+        local secs tps
+        secs=$(awk '{print $3}' <<<"$line")
+        tps=$(awk '{print $4}' <<<"$line")
+        row "update f32 $name" "$b x $s tokens, warm-up $warmup" "$tps" "$secs" "${PEAK_MIB} MiB"
     else
         row "update f32 $name" "$b x $s: $(why "$name")" "not measured" "not measured" "${PEAK_MIB} MiB"
     fi
 }
 
-bench_generate() { # name shape batch prompt new limit
+# bench_generate NAME SHAPE BATCH PROMPT NEW LIMIT: one long-answer run of
+# `bench generate --long` (after a warm-up of 8 tokens); peak GPU memory also
+# per row of the batch.
+bench_generate() {
     local name=$1 shape=$2 b=$3 p=$4 n=$5 limit=$6
     # shellcheck disable=SC2086
-    run "$name" "$limit" bench generate $shape --batch "$b" --prompt "$p" --new-tokens "$n" --reps 1 \
-        --device cuda --dtype bfloat16
+    run "$name" "$limit" bench generate $shape --batch "$b" --prompt "$p" --new-tokens 8 --long "$n" \
+        --reps 1 --device cuda --dtype bfloat16
     local tps
-    tps=$(grep -oE "^generate .*: [0-9.]+ tok/s mean" "$LOG_DIR/$name.log" | grep -oE "[0-9.]+ tok/s" | awk '{print $1}')
+    tps=$(grep -oE "^generate long .*: [0-9.]+ tok/s" "$LOG_DIR/$name.log" | grep -oE "[0-9.]+ tok/s" | awk '{print $1}')
+    local per_row="-"
+    [[ "$PEAK_MIB" =~ ^[0-9]+$ ]] && per_row=$(awk -v m="$PEAK_MIB" -v b="$b" 'BEGIN{printf "%.0f", m / b}')
     if [[ $RC -eq 0 && -n "$tps" ]]; then
         row "generate bf16 $name" "$b rows, $p + $n tokens" "$tps" \
-            "$(awk -v t="$tps" -v k=$((b * n)) 'BEGIN{printf "%.2f", k/t}')" "${PEAK_MIB} MiB"
+            "$(awk -v t="$tps" -v k=$((b * n)) 'BEGIN{printf "%.1f", k/t}')" "${PEAK_MIB} MiB, ${per_row}/row"
     else
-        row "generate bf16 $name" "$b rows: $(why "$name")" "not measured" "not measured" "${PEAK_MIB} MiB"
+        row "generate bf16 $name" "$b rows x $n: $(why "$name")" "not measured" "not measured" \
+            "${PEAK_MIB} MiB"
     fi
 }
 
-bench_train 0.6B "$SHAPE_06B" 32 1024 75
-bench_generate 0.6B-b64 "$SHAPE_06B" 64 128 256 30
+bench_train 0.6B "$SHAPE_06B" 32 1024 60 1
 bench_generate 0.6B-b256 "$SHAPE_06B" 256 128 256 40
 if [[ "${QUICK:-0}" != 1 ]]; then
-    bench_train 1.7B "$SHAPE_17B" 32 1024 90
-    bench_generate 1.7B-b256 "$SHAPE_17B" 256 128 256 45
+    # The paper's shape of work; the first update of a fresh process (no warm-up).
+    bench_train 1.7B-8x8192 "$SHAPE_17B" 8 8192 180 0
 fi
+bench_generate 0.6B-256x4096 "$SHAPE_06B" 256 128 4096 210
 
 # --- the table ------------------------------------------------------------------
 echo
@@ -152,7 +223,9 @@ printf '| %-34s | %-28s | %12s | %10s | %12s |\n' "check" "setting" "tok/s" "ste
 printf '|%s|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..36})" "$(printf -- '-%.0s' {1..30})" \
     "$(printf -- '-%.0s' {1..14})" "$(printf -- '-%.0s' {1..12})" "$(printf -- '-%.0s' {1..14})"
 printf '%s\n' "${ROWS[@]}"
-echo "(update: one train::update of the batch, f32 master weights, AdamW; tok/s counts all tokens."
-echo " generate: sampled tokens/s, prefill included, T=1 device-side sampling; step s = one generate call."
-echo " peak GPU mem: nvidia-smi memory.used above idle, sampled every 0.1 s.)"
+echo "(update: one train::update of the batch after the stated warm-up updates, f32 master weights,"
+echo " AdamW, composed ops (the only ones CUDA has); tok/s counts all tokens. generate: sampled tokens/s,"
+echo " prefill included, T=1 device-side sampling; step s = one generate call. parity: step s = wall time."
+echo " peak GPU mem: nvidia-smi memory.used above idle, sampled every 0.1 s; commands took"
+echo " $((SECONDS - START)) s of the ${BUDGET_S} s budget.)"
 exit $FAILED

@@ -16,6 +16,15 @@ fn main() -> ExitCode {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
     let cli = Cli::parse();
+    // STAPO_NO_FUSED and STAPO_RECOMPUTE are read here, once; the library
+    // takes them as options.
+    match commands::model_options_from_env() {
+        Ok(o) => o.set_process_default(),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    }
     // Under an MPI launcher every rank runs this same command; only `run` is
     // data-parallel, so the others would repeat each other's work and files.
     let world = match stapo::dist::init() {

@@ -60,13 +60,25 @@ pub struct LossInputs<'a> {
     /// use the response (verl; the 20-Entropy authors' code). `None`: `mask` and the
     /// normaliser given to [`compute_loss`].
     pub response: Option<(&'a Tensor, &'a Normaliser)>,
+    /// Constant per-token weights of the policy term (the rollout correction's importance
+    /// weights: token-TIS, seq-MIS), `(B, T)`; `None`: 1.
+    pub pg_weights: Option<&'a Tensor>,
 }
 
 impl<'a> LossInputs<'a> {
     /// The four tensors every loss needs; no reference, no entropy, and `mask` as the
     /// response (set the others with struct update syntax).
     pub fn new(logp: &'a Tensor, old_logp: &'a Tensor, advantages: &'a Tensor, mask: &'a Tensor) -> Self {
-        Self { logp, old_logp, advantages, mask, ref_logp: None, entropy: None, response: None }
+        Self {
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            ref_logp: None,
+            entropy: None,
+            response: None,
+            pg_weights: None,
+        }
     }
 }
 
@@ -373,7 +385,11 @@ pub fn compute_loss(cfg: &ObjectiveConfig, inp: &LossInputs, norm: &Normaliser) 
         response: &r,
         response_log_ratio: &resp_log_ratio,
     };
-    let terms = cfg.loss.terms(&x)?;
+    let mut terms = cfg.loss.terms(&x)?;
+    if let Some(w) = inp.pg_weights {
+        expect_bt(w, "loss: pg_weights", b, l)?;
+        terms.loss = terms.loss.mul(&clean(&w.detach())?)?;
+    }
 
     // KL and entropy over the response tokens.
     let kl = match (&cfg.kl, inp.ref_logp) {

@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// $STAPO_RECOMPUTE, else auto).
     #[arg(long)]
     pub recompute: Option<String>,
+    /// Kernels: `fused` (the fused CPU kernels where they apply) or `composed`
+    /// (candle ops on every device: the code CUDA and bf16 run; default:
+    /// composed when $STAPO_NO_FUSED=1, else fused).
+    #[arg(long)]
+    pub kernels: Option<String>,
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -70,12 +75,29 @@ pub struct BenchArgs {
     /// in a long run.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// `train`: the `--seq` table (a fresh process per length, one full
+    /// update per repetition, no pieces) even for one length.
+    #[arg(long)]
+    pub table: bool,
     /// Internal: run one length of the `--seq` table in this process and print
     /// it as one machine-readable row. The table runs each length in a fresh
     /// process, so that no length's peak memory depends on the lengths before
     /// it (freed memory that the allocator keeps would count).
     #[arg(long, hide = true)]
     pub table_row: bool,
+    /// For `train`: response lengths drawn from `lognormal:LO:HI` (LO and HI the 2.5% and
+    /// 97.5% quantiles, draws clamped to them; prompts of `--prompt` tokens, `--batch`
+    /// responses): one full update with padded micro-batches against one with micro-batches
+    /// cut by `--max-tokens-per-micro`, with their padding shares.
+    #[arg(long)]
+    pub lengths: Option<String>,
+    /// With `--lengths`: the token budget of the budget path.
+    #[arg(long, default_value_t = 16384)]
+    pub max_tokens_per_micro: usize,
+    /// With `--lengths`: sequences per micro-batch of the padded path (default: as many
+    /// of the longest sequence as fit the budget).
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// LoRA: `train` updates adapters on a frozen base (AdamW over the adapters alone);
@@ -191,8 +213,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
     let recompute = a.recompute.as_deref().map(|r| model::Recompute::parse(r, "--recompute")).transpose()?;
-    if a.what == What::Train && a.seqs.len() > 1 && !a.table_row {
-        return train_table(&a, recompute.map_or_else(model::Recompute::from_env, Ok)?);
+    let mut options = model::ModelOptions::process_default();
+    if let Some(k) = &a.kernels {
+        options.kernels = model::Kernels::parse(k, "--kernels")?;
+    }
+    options.recompute = recompute.unwrap_or(options.recompute);
+    options.set_process_default();
+    println!("kernels: {}, recompute: {}", options.kernels.name(), options.recompute.name());
+    if a.what == What::Train && (a.seqs.len() > 1 || a.table) && !a.table_row {
+        return train_table(&a, options);
     }
     let mut m = model::init(&cfg, 0, 0.02, dtype, &device)?;
     if let Some(lora) = a.lora.config()? {
@@ -205,11 +234,19 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             n as f64 / 1e6
         );
     }
-    if let Some(r) = recompute {
-        m.set_recompute(r);
-    }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
+    }
+    if let (What::Train, Some(lengths)) = (a.what, &a.lengths) {
+        let plan = super::bench_lengths::Plan {
+            lengths: super::bench_lengths::LogNormal::parse(lengths)?,
+            batch: a.batch,
+            prompt: a.prompt,
+            micro_batch: a.micro_batch,
+            budget: a.max_tokens_per_micro,
+            reps: a.reps,
+        };
+        return super::bench_lengths::run(&m, &cfg, &plan);
     }
     let rows: Vec<Vec<u32>> = (0..a.batch)
         .map(|b| (0..seq).map(|t| ((b * 7919 + t * 104_729) % cfg.vocab_size) as u32).collect())
@@ -383,13 +420,14 @@ fn reset_peak_rss() {
 /// each length in a fresh process (this program with `--table-row`): time,
 /// tokens/s, peak RSS, and the growth of the peak per extra token from the
 /// previous length.
-fn train_table(a: &BenchArgs, recompute: model::Recompute) -> anyhow::Result<()> {
+fn train_table(a: &BenchArgs, options: model::ModelOptions) -> anyhow::Result<()> {
     println!(
-        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, recompute {}, \
-         mean of {} after {} warm-up; each length in a fresh process",
+        "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, {} kernels, \
+         recompute {}, mean of {} after {} warm-up; each length in a fresh process",
         a.batch,
         a.response.map_or("seq/2".to_string(), |r| r.to_string()),
-        recompute.name(),
+        options.kernels.name(),
+        options.recompute.name(),
         a.reps.max(1),
         a.warmup
     );

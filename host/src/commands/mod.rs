@@ -1,6 +1,7 @@
 //! Command-line definitions (clap) and the code behind each subcommand.
 
 pub mod bench;
+pub mod bench_lengths;
 pub mod data_args;
 pub mod eval;
 pub mod lora;
@@ -102,4 +103,51 @@ pub fn set_long_help() -> String {
         "Objective overrides KEY=VALUE (repeatable), e.g. --set tau_p=0.01. Keys:\n{}",
         stapo::algo::set_keys_help()
     )
+}
+
+/// The model options the environment names, the only place that reads
+/// `STAPO_NO_FUSED` (`1`: composed candle ops instead of the fused CPU
+/// kernels; unset, empty or `0`: fused) and `STAPO_RECOMPUTE` (`auto`, `on`,
+/// `off`); `main` makes them the process default before any command runs.
+pub fn model_options_from_env() -> anyhow::Result<stapo::model::ModelOptions> {
+    model_options_from(|k| std::env::var(k).ok())
+}
+
+/// [`model_options_from_env`] over any lookup of variables (for tests).
+pub fn model_options_from(
+    var: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<stapo::model::ModelOptions> {
+    use stapo::model::{Kernels, ModelOptions, Recompute};
+    let kernels = match var("STAPO_NO_FUSED").as_deref() {
+        None | Some("" | "0") => Kernels::Fused,
+        Some("1") => Kernels::Composed,
+        Some(v) => anyhow::bail!("STAPO_NO_FUSED: expected 1 (composed ops) or 0 (fused kernels), got {v:?}"),
+    };
+    let recompute = match var("STAPO_RECOMPUTE") {
+        Some(s) => Recompute::parse(&s, "STAPO_RECOMPUTE")?,
+        None => Recompute::default(),
+    };
+    Ok(ModelOptions { kernels, recompute })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stapo::model::{Kernels, ModelOptions, Recompute};
+
+    fn from(vars: &[(&str, &str)]) -> anyhow::Result<ModelOptions> {
+        model_options_from(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+    }
+
+    #[test]
+    fn model_options_come_from_the_two_variables() {
+        assert_eq!(from(&[]).unwrap(), ModelOptions::default());
+        let o = from(&[("STAPO_NO_FUSED", "1"), ("STAPO_RECOMPUTE", "off")]).unwrap();
+        assert_eq!(o, ModelOptions { kernels: Kernels::Composed, recompute: Recompute::Off });
+        assert_eq!(from(&[("STAPO_NO_FUSED", "0")]).unwrap().kernels, Kernels::Fused);
+        let e = from(&[("STAPO_NO_FUSED", "yes")]).unwrap_err().to_string();
+        assert!(e.contains("STAPO_NO_FUSED") && e.contains("\"yes\""), "{e}");
+        let e = format!("{:#}", from(&[("STAPO_RECOMPUTE", "sometimes")]).unwrap_err());
+        assert!(e.contains("STAPO_RECOMPUTE") && e.contains("\"sometimes\""), "{e}");
+    }
 }

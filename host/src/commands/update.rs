@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use stapo::model;
 use stapo::rollout::RolloutBatch;
+use stapo::train::update::RolloutCorrection;
 use stapo::train::{self, AdamW, AdamWConfig, OldLogp, Sequence, UpdateOptions};
 
 use super::{model_dir, DeviceArgs};
@@ -35,6 +36,10 @@ pub struct UpdateArgs {
     /// Sequences per forward/backward (0 = the mini-batch).
     #[arg(long, default_value_t = 0)]
     pub microbatch: usize,
+    /// Tokens per forward/backward, prompt + response with padding counted (0 = no budget):
+    /// sequences sorted by length and cut by this budget (verl's ppo_max_token_len_per_gpu).
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens_per_micro: usize,
     /// The rollouts' sampling temperature: the update divides the logits by it (as verl
     /// does, so the ratio is on-policy); 1 for untempered sampling.
     #[arg(long, default_value_t = 1.0)]
@@ -44,13 +49,18 @@ pub struct UpdateArgs {
     /// when the overlong penalty can never fire).
     #[arg(long)]
     pub max_tokens: Option<usize>,
+    /// Rollout correction against the rollouts' recorded log-probs: off, token_tis (each
+    /// token's policy loss times min(exp(old - rollout), 2)) or seq_mis (sequences whose
+    /// weight lies outside [0.5, 2] rejected); its metrics are reported in every mode.
+    #[arg(long, default_value = "off", value_parser = ["off", "token_tis", "seq_mis"])]
+    pub rollout_correction: String,
     /// Take old log-probs from the rollouts instead of recomputing them.
     #[arg(long)]
     pub rollout_logprobs: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Activation checkpointing: auto (from 2048 tokens per forward), on or off
-    /// (default: $STAPO_RECOMPUTE, else auto).
+    /// (default: $STAPO_RECOMPUTE, else auto; read once by the CLI).
     #[arg(long)]
     pub recompute: Option<String>,
     /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
@@ -94,10 +104,15 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         epochs: a.epochs,
         mini_batch: a.minibatch,
         micro_batch: a.microbatch,
+        max_tokens_per_micro: a.max_tokens_per_micro,
         old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
         seed: a.seed,
         temperature: a.temperature,
         max_tokens: a.max_tokens,
+        rollout_correction: RolloutCorrection {
+            mode: serde_json::from_value(serde_json::json!(a.rollout_correction))?,
+            ..RolloutCorrection::default()
+        },
     };
     let (cfg, notes) = opts.to_config()?;
     for n in &notes {

@@ -22,6 +22,7 @@ use super::head::TokenStats;
 pub use super::layer::Grad;
 use super::layer::{layer_forward, weight, Layer, LayerCtx};
 use super::ops;
+use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
 
@@ -244,7 +245,7 @@ impl Qwen3 {
             norm,
             lm_head,
             inv_freq,
-            recompute: RecomputeCell::new(Recompute::from_env()?),
+            recompute: RecomputeCell::new(ModelOptions::process_default().recompute),
             lora: None,
         })
     }
@@ -463,7 +464,13 @@ impl Qwen3 {
 
     /// The rotary tables and attention mask of `l` positions after `offset`
     /// cached keys, shared by every layer.
-    fn layer_ctx(&self, positions: &Tensor, pad_bias: &Tensor, offset: usize, l: usize) -> Result<LayerCtx> {
+    pub(super) fn layer_ctx(
+        &self,
+        positions: &Tensor,
+        pad_bias: &Tensor,
+        offset: usize,
+        l: usize,
+    ) -> Result<LayerCtx> {
         // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
         let freqs = positions
             .to_dtype(DType::F32)?

@@ -54,15 +54,6 @@ impl Recompute {
         }
     }
 
-    /// The setting named by `$STAPO_RECOMPUTE` (the default for every model
-    /// built, so configs and scripts can switch it), else `Auto`.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var("STAPO_RECOMPUTE") {
-            Ok(s) => Self::parse(&s, "STAPO_RECOMPUTE"),
-            Err(_) => Ok(Self::default()),
-        }
-    }
-
     /// The name [`Recompute::parse`] reads.
     pub fn name(self) -> &'static str {
         match self {

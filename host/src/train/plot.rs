@@ -306,16 +306,20 @@ pub fn band(label: &str, series: &[Series]) -> Band {
     Band { label: label.to_string(), points, runs: series.len() }
 }
 
-/// The seed-group panels: held-out avg@n, entropy, reward, silenced ratio, and the shares
-/// of the logit-gradient norm carried by silenced tokens and by the top 0.01% of tokens.
+/// The seed-group panels: held-out avg@n, reward, entropy (mean and 0.99-quantile),
+/// silenced ratio, S2T candidates per 10k tokens, and the shares of the logit-gradient
+/// norm carried by silenced tokens, by the candidates and by the top 1% of tokens.
 pub fn seed_panels(groups: &[SeedGroup]) -> Result<Vec<BandPanel>> {
-    let specs: [(&str, bool, &[&str]); 6] = [
+    let specs: [(&str, bool, &[&str]); 9] = [
         ("held-out accuracy (avg@n)", true, &["overall", "avg"]),
-        ("entropy (nats/token)", false, &["entropy"]),
         ("reward (mean)", false, &["reward_mean"]),
+        ("entropy (nats/token)", false, &["entropy"]),
+        ("entropy p99 (nats)", false, &["entropy_p99"]),
         ("silenced-token ratio", false, &["silenced_ratio"]),
+        ("S2T candidates per 10k tokens", false, &["candidates_per_10k"]),
         ("grad-norm share of silenced tokens", false, &["silenced_grad_share"]),
-        ("grad-norm share of top 0.01% tokens", false, &["top_grad_share"]),
+        ("grad-norm share of candidates", false, &["candidate_grad_share"]),
+        ("grad-norm share of top 1% tokens", false, &["top_1pct_grad_share"]),
     ];
     let mut panels: Vec<BandPanel> =
         specs.iter().map(|(t, _, _)| BandPanel { title: t.to_string(), bands: Vec::new() }).collect();
@@ -579,13 +583,13 @@ mod tests {
             runs.push(RunCurves { label: format!("s{seed}"), metrics: m, eval: Some(e) });
         }
         let panels = seed_panels(&[SeedGroup { label: "grpo".into(), runs }]).unwrap();
-        assert_eq!(panels.len(), 6);
+        assert_eq!(panels.len(), 9);
         let eval = &panels[0].bands[0];
         assert_eq!(eval.points.len(), 2);
         let last = eval.points[1];
         assert!((last.1 - 0.1).abs() < 1e-12 && last.2 == 0.0 && (last.3 - 0.2).abs() < 1e-12, "{last:?}");
         // Entropy at step 1: 0.1, 0.2, 0.3 over the seeds.
-        let h = panels[1].bands[0].points[1];
+        let h = panels[2].bands[0].points[1];
         assert!((h.1 - 0.2).abs() < 1e-9 && (h.2 - 0.1).abs() < 1e-9 && (h.3 - 0.3).abs() < 1e-9, "{h:?}");
         let (png, svg) = plot_bands(&panels, &dir.path().join("stress")).unwrap();
         assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");

@@ -184,7 +184,9 @@ fn hostname() -> String {
 /// the objective's scale and overlong shaping, verl's token-level rewards.
 /// `actor/pg_clipfrac` (the sum of both clip sides) is added in [`Board::metrics`].
 /// Not aliased: `loss` (verl's `actor/pg_loss` is the policy term alone) and
-/// `approx_kl` (k3; verl's `actor/ppo_kl` is k1).
+/// `approx_kl` (k3; verl's `actor/ppo_kl` is k1). Fields of nested objects are
+/// named by their path (`rollout_corr/kl`); `rollout_corr/seq_outside_fraction` is
+/// not aliased, being verl's `rollout_rs_seq_masked_fraction` only under seq-MIS.
 const VERL_ALIASES: &[(&str, &str)] = &[
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
@@ -196,6 +198,10 @@ const VERL_ALIASES: &[(&str, &str)] = &[
     ("response_length/clip_ratio", "truncation_rate"),
     ("timing_s/gen", "rollout_secs"),
     ("timing_s/update_actor", "update_secs"),
+    ("rollout_corr/kl", "rollout_corr/kl"),
+    ("rollout_corr/k3_kl", "rollout_corr/k3_kl"),
+    ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_mean"),
+    ("rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/fraction_high"),
 ];
 
 /// A run's TensorBoard log (`<run>/tb/`), opened at the first scalar so that a
@@ -239,7 +245,7 @@ impl Board {
         flatten("stapo", &row, &mut scalars);
         scalars.retain(|(tag, _)| tag != "stapo/step");
         for (verl, field) in VERL_ALIASES {
-            if let Some(v) = row[field].as_f64() {
+            if let Some(v) = row.pointer(&format!("/{field}")).and_then(|v| v.as_f64()) {
                 scalars.push((verl.to_string(), v));
             }
         }
@@ -666,7 +672,8 @@ mod tests {
         let mut b = Board::new(dir.path());
         let row = serde_json::json!({"step": 2, "lr": 1e-6, "loss": 0.25, "entropy": 1.5, "accuracy": 0.75,
             "reward_mean": 0.5, "clip_frac_low": 0.125, "clip_frac_high": 0.25, "response_len_max": 40,
-            "tau_h": null, "warnings": ["w"], "silenced_tokens_text": [["a", 1]]});
+            "tau_h": null, "warnings": ["w"], "silenced_tokens_text": [["a", 1]],
+            "rollout_corr": {"kl": 0.5, "fraction_high": 0.25}});
         b.metrics(&row).unwrap();
         let report = serde_json::json!({"overall": {"avg": 0.5, "pass": 0.75, "samples_per_problem": 4},
             "by_source": {"gsm8k": {"avg": 0.25, "pass": 0.5, "samples_per_problem": 4}}});
@@ -691,6 +698,10 @@ mod tests {
             (2, "critic/rewards/mean", 0.5),
             (2, "response_length/max", 40.0),
             (2, "actor/pg_clipfrac", 0.375),
+            (2, "stapo/rollout_corr/kl", 0.5),
+            (2, "stapo/rollout_corr/fraction_high", 0.25),
+            (2, "rollout_corr/kl", 0.5),
+            (2, "rollout_corr/rollout_is_ratio_fraction_high", 0.25),
             (5, "stapo/eval/overall/avg", 0.5),
             (5, "stapo/eval/overall/pass", 0.75),
             (5, "stapo/eval/overall/samples_per_problem", 4.0),

@@ -39,7 +39,9 @@ use crate::reward::{self, ExtractMode};
 use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::train::optim::{AdamWConfig, LrSchedule};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
-use crate::train::update::{self, OldLogp, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::update::{
+    self, OldLogp, RolloutCorrection, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
+};
 use crate::{Error, Result};
 pub use folder::RunFolder;
 use folder::TrainerState;
@@ -80,6 +82,10 @@ pub struct RunConfig {
     pub epochs: usize,
     pub mini_batch: usize,
     pub micro_batch: usize,
+    /// Tokens per forward/backward, prompt + response with padding counted (0 = no
+    /// budget): sequences sorted by length and cut by this budget, as verl's
+    /// `ppo_max_token_len_per_gpu` ([`UpdateConfig::max_tokens_per_micro`]).
+    pub max_tokens_per_micro: usize,
     pub old_logp: OldLogp,
     /// With dynamic sampling: at most this many prompt batches per step to fill
     /// `prompts_per_step` groups with mixed rewards (verl `max_num_gen_batches`; 0 = no
@@ -114,6 +120,11 @@ pub struct RunConfig {
     /// update ([`model::RolloutCopy`]); `None` (or `dtype` itself) samples from the
     /// master weights.
     pub rollout_dtype: Option<String>,
+    /// The correction of the mismatch between the rollout copy and the master weights
+    /// (`mode`: auto | off | token_tis | seq_mis, `cap` 2, `seq_lower` 0.5, `seq_upper` 2;
+    /// auto is token_tis when `rollout_dtype` differs from `dtype`, at temperature 1):
+    /// see [`update::RolloutCorrection`].
+    pub rollout_correction: RolloutCorrection,
     /// LoRA (`lora: #{rank, alpha, targets, lr_scale}`): train adapters on a frozen
     /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
     /// ([`model::peft`]). `None`: full fine-tuning.
@@ -139,6 +150,7 @@ impl Default for RunConfig {
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
+            max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
             max_num_gen_batches: 10,
             scale_logits_by_temperature: true,
@@ -155,6 +167,7 @@ impl Default for RunConfig {
             dtype: "float32".into(),
             device: "cpu".into(),
             rollout_dtype: None,
+            rollout_correction: RolloutCorrection::default(),
             lora: None,
         }
     }
@@ -306,6 +319,7 @@ impl Trainer {
         state: Option<&TrainerState>,
     ) -> Result<Self> {
         let objective = cfg.objective_config()?;
+        cfg.rollout_correction.validate()?;
         if cfg.prompts_per_step < comm.size() {
             return Err(Error::Config {
                 file: "run config".into(),
@@ -577,8 +591,17 @@ impl Trainer {
             self.cfg.old_logp,
             mix(self.cfg.seed ^ 0x5eed, self.step),
         )
-        .with_temperature(temperature);
-        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, ..ucfg };
+        .with_temperature(temperature)
+        .with_max_tokens_per_micro(self.cfg.max_tokens_per_micro);
+        let (rollout_correction, note) = self.cfg.rollout_correction.resolve(
+            self.policy.samples_from_copy(),
+            temperature,
+            self.cfg.old_logp,
+        )?;
+        if let Some(n) = note {
+            self.notes.once(n, warnings);
+        }
+        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, rollout_correction, ..ucfg };
         let pad_id = self.prompts.tokenizer().pad_id();
         let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr, pad_id)?;
         Ok((outcome, objective))
@@ -634,30 +657,63 @@ impl Trainer {
 
     /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
+        let report = self.evaluate_once(examples, (self.cfg.eval_temperature, self.cfg.eval_top_p), false)?;
+        self.folder.note_eval(self.step, &report);
+        self.last.eval = Some(report.clone());
+        Ok(report)
+    }
+
+    /// Evaluates at `temperature` / `top_p` (the paper reports T 1.0 and T 0.7 / top-p
+    /// 0.9). At the configured setting this is [`evaluate`](Self::evaluate); at another,
+    /// the report goes to `eval-t<T>-p<top_p>.jsonl` (not to `eval.jsonl`, the curves,
+    /// TensorBoard or the run's evaluation history).
+    pub fn evaluate_at(
+        &mut self,
+        examples: Option<&[Example]>,
+        temperature: f64,
+        top_p: f64,
+    ) -> Result<EvalReport> {
+        if (temperature, top_p) == (self.cfg.eval_temperature, self.cfg.eval_top_p) {
+            return self.evaluate(examples);
+        }
+        check_eval_sampling(temperature, top_p)?;
+        self.evaluate_once(examples, (temperature, top_p), true)
+    }
+
+    /// Sets the sampling of the periodic evaluations (`eval_temperature`, `eval_top_p`)
+    /// from the next one on.
+    pub fn set_eval_sampling(&mut self, temperature: f64, top_p: f64) -> Result<()> {
+        check_eval_sampling(temperature, top_p)?;
+        (self.cfg.eval_temperature, self.cfg.eval_top_p) = (temperature, top_p);
+        Ok(())
+    }
+
+    /// One evaluation at `setting` (temperature, top_p), written by rank 0 (`extra`: not
+    /// the configured setting) and broadcast, so every rank's hooks see the same numbers.
+    fn evaluate_once(
+        &mut self,
+        examples: Option<&[Example]>,
+        setting: (f64, f64),
+        extra: bool,
+    ) -> Result<EvalReport> {
         let ex = match examples {
             Some(e) => e.to_vec(),
             None => self.prompts.test_examples(self.cfg.eval_limit)?,
         };
         let mut params = self.cfg.sampling.clone();
         params.n = self.cfg.eval_n;
-        params.temperature = self.cfg.eval_temperature;
-        params.top_p = self.cfg.eval_top_p;
+        (params.temperature, params.top_p) = setting;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
-        // Rank 0 evaluates and writes; the others receive its report, so that
-        // every rank's hooks see the same numbers.
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
             let gen = self.prompts.generator(self.policy.sampling_model());
             let report = eval::evaluate(&gen, &ex, &params, self.cfg.extract, 64, &|_| {})?
                 .with_pass_k(&self.cfg.eval_pass_k)?;
-            self.folder.log_eval(self.step, &report)?;
+            self.folder.log_eval(self.step, &report, setting, extra)?;
             Ok(report)
         })?;
         let report = if comm.size() > 1 { dist::broadcast_json(&*comm, 0, &report)? } else { report };
-        let report = report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))?;
-        self.folder.note_eval(self.step, &report);
-        self.last.eval = Some(report.clone());
-        Ok(report)
+        report.ok_or_else(|| Error::invalid("evaluate: rank 0 sent no report"))
     }
 
     /// Writes a checkpoint of model, optimizer and trainer state; returns its folder.
@@ -771,6 +827,19 @@ impl Gathered {
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
     crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
+}
+
+/// Checks an evaluation's sampling: temperature finite and >= 0, top_p in (0, 1].
+fn check_eval_sampling(temperature: f64, top_p: f64) -> Result<()> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(Error::invalid(format!(
+            "evaluate: `temperature`: expected a finite value >= 0, found {temperature}"
+        )));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(Error::invalid(format!("evaluate: `top_p`: expected a value in (0, 1], found {top_p}")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

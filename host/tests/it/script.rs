@@ -529,39 +529,74 @@ fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
     assert!(stdout.contains("runs/good-"), "the good script ran into its own folder: {stdout}");
 }
 
-/// scripts/stress.rhai in smoke mode: every method for two seeds, from the same start,
-/// one band figure and one row per run.
+/// scripts/stress.rhai in smoke mode: both arms (justrl, stapo) for two seeds from the
+/// same start, evaluated at both sampling settings, one row per run, one pairing row per
+/// seed and one band figure; then the collect mode rebuilds the same rows from the folders.
 #[test]
-fn stress_script_smoke_compares_every_method_over_seeds() {
+fn stress_script_smoke_pairs_the_arms_over_seeds() {
     let f = fixture();
     let run_dir = f.root.join("runs").join("stress");
     let (host, buf) = buffered(opts(&f, &run_dir, true));
     let out = script::run_file(&host, &repo().join("scripts/stress.rhai"));
     let printed = buf.lock().unwrap().clone();
     assert!(out.ok(), "{:?}\noutput:\n{printed}", out.error);
-    let methods = ["dapo", "grpo", "entropy20", "stapo", "stapo_cal"];
-    assert_eq!(out.trains.len(), 2 * methods.len(), "{printed}");
-    for m in methods {
+    let arms = ["justrl", "stapo"];
+    for m in arms {
         for seed in 0..2 {
             let d = run_dir.join(format!("{m}-s{seed}"));
             let cfg: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
-            assert_eq!(cfg["seed"], seed, "{m}");
+            assert_eq!((cfg["seed"].as_u64(), cfg["objective"].as_str()), (Some(seed), Some("stapo")), "{m}");
             assert_eq!(cfg["model"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
-            assert!(d.join("eval.jsonl").is_file(), "{m}-s{seed}: no held-out evaluation");
+            let tau_h = cfg["set"]["tau_h"].as_str();
+            assert_eq!(tau_h, if m == "justrl" { Some("-1") } else { None }, "{m}: {cfg}");
+            // Step 0 and both steps, at T 1.0 in eval.jsonl and at T 0.7 / top-p 0.9 apart.
+            for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
+                let text = std::fs::read_to_string(d.join(file))
+                    .unwrap_or_else(|e| panic!("{m}-s{seed} {file}: {e}"));
+                let rows: Vec<serde_json::Value> =
+                    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+                let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+                assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
+                assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
+            }
         }
         assert!(printed.lines().any(|l| l.starts_with(m) && l.contains(" ± ")), "{m} row:\n{printed}");
     }
-    let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("stress.jsonl"))
-        .expect("stress.jsonl")
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(rows.len(), 10);
-    assert!(rows.iter().all(|r| r["avg8_end"].is_number() && r["entropy_end"].is_number()), "{rows:?}");
+    let read = |name: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(run_dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let rows = read("stress.jsonl");
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert!(
+            r["avg8_t1_end"].is_number()
+                && r["avg8_t07_end"].is_number()
+                && r["entropy_p99_mean"].is_number(),
+            "{r}"
+        );
+        assert_eq!(r["steps"], 2, "{r}");
+        if r["arm"] == "justrl" {
+            assert_eq!(r["silenced_total"], 0, "the justrl arm silences nothing: {r}");
+        }
+    }
+    let pairs = read("stress-pairs.jsonl");
+    assert_eq!(pairs.len(), 2);
+    assert!(pairs.iter().all(|p| p["paired"] == true), "first divergence = first silencing: {pairs:?}");
     assert_eq!(&std::fs::read(run_dir.join("stress.png")).unwrap()[..4], b"\x89PNG");
     let svg = std::fs::read_to_string(run_dir.join("stress.svg")).unwrap();
-    assert!(svg.contains("stapo_cal (n=2)") && svg.contains("held-out accuracy"), "figure legend");
+    assert!(svg.contains("stapo (n=2)") && svg.contains("held-out accuracy"), "figure legend");
+
+    // Collect mode: no training, the same rows from the folders.
+    std::fs::remove_file(run_dir.join("stress.jsonl")).unwrap();
+    let mut o = opts(&f, &run_dir, true);
+    o.args.insert("collect".into(), "true".into());
+    let (host, buf) = buffered(o);
+    let out = script::run_file(&host, &repo().join("scripts/stress.rhai"));
+    assert!(out.ok(), "{:?}\n{}", out.error, buf.lock().unwrap());
+    assert!(out.trains.is_empty());
+    assert_eq!(read("stress.jsonl"), rows);
 }
 
 /// The calibrated policy of stdlib/thresholds.rhai against a synthetic run whose

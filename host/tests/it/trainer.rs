@@ -194,3 +194,136 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
     assert!(err.contains("rollout_dtype"), "{err}");
 }
+
+/// Rollouts sampled from a bf16 copy on the CPU: their log-probs are the copy's, not the
+/// f32 master's; the update measures the mismatch against its recomputed f32 old log-probs
+/// (the k1 KL is the hand-computed mean of rollout - master over the response tokens) and,
+/// the copy's dtype differing, applies token-TIS by default. An explicit mode at T != 1 is
+/// an error naming why; auto there is off, with a note.
+#[test]
+fn bf16_rollout_copy_log_probs_and_their_mismatch() {
+    use stapo::train::update::{RolloutCorrMode, RolloutCorrection};
+    use stapo::train::{token_analysis, Sequence};
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    cfg.eval_every = 0;
+    cfg.save_every = 0;
+    cfg.rollout_dtype = Some("bfloat16".into());
+    // The same policy, never updated: the master and the copy that sampled the step's rollouts.
+    let t0 = Trainer::new(cfg.clone(), &dir.path().join("run-0")).unwrap();
+    let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
+    let m = t.step(&t.default_plan(), None, None).unwrap();
+    let seqs: Vec<Sequence> =
+        t.last_rollout().unwrap().samples.iter().map(|s| Sequence::from_sample(s, 0.0)).collect();
+    let on_copy = token_analysis(t0.sampling_model(), &seqs, 0, 1.0, 4).unwrap();
+    let on_master = token_analysis(t0.model(), &seqs, 0, 1.0, 4).unwrap();
+    let (mut to_copy, mut to_master, mut k1, mut n) = (0f64, 0f64, 0f64, 0usize);
+    for ((s, c), mm) in seqs.iter().zip(&on_copy).zip(&on_master) {
+        for ((&r, pc), pm) in s.rollout_logprobs.as_ref().unwrap().iter().zip(&c.p).zip(&mm.p) {
+            to_copy += (r as f64 - (*pc as f64).ln()).abs();
+            to_master += (r as f64 - (*pm as f64).ln()).abs();
+            k1 += r as f64 - (*pm as f64).ln();
+            n += 1;
+        }
+    }
+    let (to_copy, to_master, k1) = (to_copy / n as f64, to_master / n as f64, k1 / n as f64);
+    assert!(to_copy < 0.5 * to_master, "rollout log-probs: |r - copy| {to_copy} vs |r - master| {to_master}");
+    let rc = m.update.rollout_corr.clone().expect("rollout_corr metrics");
+    assert_eq!(rc.mode, RolloutCorrMode::TokenTis);
+    assert!(rc.log_ratio_abs_max > 0.0 && rc.log_ratio_abs_mean > 0.0, "{rc:?}");
+    assert!((rc.kl as f64 - k1).abs() < 1e-4 * k1.abs().max(1e-2), "kl {} vs {k1}", rc.kl);
+    assert!((rc.log_ratio_abs_mean as f64 - to_master).abs() < 1e-4 * to_master.max(1e-2), "{rc:?}");
+
+    // At T = 0.7 the sampled log-probs (T = 1) are not the tempered policy's.
+    let mut plan = t.default_plan();
+    plan.sampling.temperature = 0.7;
+    let m = t.step(&plan, None, None).unwrap();
+    assert!(m.update.rollout_corr.is_none());
+    assert!(
+        m.update.warnings.iter().any(|w| w.contains("rollout correction off")),
+        "{:?}",
+        m.update.warnings
+    );
+    let tis = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..RolloutCorrection::default() };
+    let mut t =
+        Trainer::new(RunConfig { rollout_correction: tis, ..cfg }, &dir.path().join("run-2")).unwrap();
+    let err = t.step(&plan, None, None).err().unwrap().to_string();
+    assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
+}
+
+/// The stress test's pairing: an S2T mask that silences nothing (tau_h = -1, below every
+/// entropy) trains exactly as no mask, weight for weight, while its candidate and low-p
+/// statistics are reported; so paired arms stay identical until the first silencing.
+#[test]
+fn an_s2t_mask_that_silences_nothing_trains_as_no_mask() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut base = config(model, train, test);
+    (base.eval_every, base.save_every, base.mini_batch) = (0, 0, 4);
+    base.objective = "dapo".into();
+    base.set.clear();
+    base.set.insert("dynamic_sampling".into(), "false".into());
+    let mut observer = base.clone();
+    observer.objective = "dapo_s2t".into();
+    observer.set.insert("tau_p".into(), "0.05".into());
+    observer.set.insert("tau_h".into(), "-1".into());
+    let mut a = Trainer::new(base, &dir.path().join("plain")).unwrap();
+    let mut b = Trainer::new(observer, &dir.path().join("observer")).unwrap();
+    let (mut candidates, mut moved) = (0, 0);
+    for _ in 0..2 {
+        let ma = a.step(&a.default_plan(), None, None).unwrap();
+        let mb = b.step(&b.default_plan(), None, None).unwrap();
+        for key in ["loss", "entropy", "entropy_p99", "grad_norm", "kept_tokens", "optimizer_steps"] {
+            let (x, y) = (serde_json::to_value(&ma).unwrap(), serde_json::to_value(&mb).unwrap());
+            assert_eq!(x[key], y[key], "metric {key}");
+        }
+        assert!(
+            ma.update.optimizer_steps >= 3,
+            "several mini-batches per rollout: {}",
+            ma.update.optimizer_steps
+        );
+        assert_eq!((mb.update.silenced_tokens, ma.update.candidate_grad_share), (0, None));
+        assert!(mb.update.candidate_grad_share.is_some());
+        candidates += mb.update.s2t_candidates;
+        moved += a.last_update().unwrap().advantages.iter().filter(|x| **x != 0.0).count();
+    }
+    assert!(candidates > 0 && moved > 0, "candidates {candidates}, non-zero advantages {moved}");
+    assert_eq!(weights(&a), weights(&b), "weights differ");
+}
+
+/// `evaluate_at` another sampling setting writes its own file (with the setting) and
+/// leaves eval.jsonl, whose lines now record theirs, and the evaluation history alone.
+#[test]
+fn evaluations_at_another_setting_are_logged_apart() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    (cfg.eval_every, cfg.save_every) = (1, 0);
+    let run = dir.path().join("run");
+    let mut t = Trainer::new(cfg, &run).unwrap();
+    t.step(&t.default_plan(), None, None).unwrap();
+    let low = t.evaluate_at(None, 0.7, 0.9).unwrap();
+    assert_eq!(t.eval_history().len(), 2, "steps 0 and 1 at the configured setting only");
+    let lines = |f: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(run.join(f)).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let main = lines("eval.jsonl");
+    assert_eq!(main.len(), 2);
+    assert!(main.iter().all(|v| v["temperature"] == 1.0 && v["top_p"] == 1.0), "{main:?}");
+    let extra = lines("eval-t0.7-p0.9.jsonl");
+    assert_eq!(extra.len(), 1);
+    assert_eq!((extra[0]["step"].as_u64(), extra[0]["temperature"].as_f64()), (Some(1), Some(0.7)));
+    assert_eq!(extra[0]["top_p"], 0.9);
+    assert_eq!(extra[0]["overall"]["avg"].as_f64(), Some(low.overall.avg));
+    assert!(run.join("eval/step-000001-t0.7-p0.9.jsonl").is_file());
+    // The configured setting is evaluate() itself; a bad setting names its field.
+    t.evaluate_at(None, 1.0, 1.0).unwrap();
+    assert_eq!(t.eval_history().len(), 3);
+    let err = t.evaluate_at(None, 0.7, 1.5).unwrap_err().to_string();
+    assert!(err.contains("top_p") && err.contains("1.5"), "{err}");
+    t.set_eval_sampling(0.7, 0.9).unwrap();
+    t.evaluate(None).unwrap();
+    assert_eq!(lines("eval.jsonl").last().unwrap()["temperature"], 0.7);
+}

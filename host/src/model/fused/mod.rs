@@ -28,17 +28,18 @@ use candle_core::{
 };
 use gemm::Parallelism;
 
-/// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, unless
-/// the environment sets `STAPO_NO_FUSED=1` (for A/B benchmarks and debugging).
+use super::options::Kernels;
+
+/// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, while
+/// the kernels in force are [`Kernels::Fused`] (see [`Kernels::current`]:
+/// `STAPO_NO_FUSED=1` or `--kernels composed` turn them off for A/B checks).
 pub fn supported(t: &Tensor) -> bool {
     supported_on(t.device(), t.dtype())
 }
 
 /// [`supported`] for tensors of `dtype` on `device`.
 pub fn supported_on(device: &Device, dtype: DType) -> bool {
-    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let disabled = *DISABLED.get_or_init(|| std::env::var("STAPO_NO_FUSED").is_ok_and(|v| v == "1"));
-    !disabled && device.is_cpu() && matches!(dtype, DType::F32 | DType::F64)
+    device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) && Kernels::current() == Kernels::Fused
 }
 
 /// The float types the kernels are written for.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
 
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
-use crate::script::convert::{from_json, get_str, options, overlay, to_dynamic, to_json, usize_arg};
+use crate::script::convert::{from_json, get_num, get_str, options, overlay, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::train_loop;
@@ -120,6 +120,21 @@ fn plot_runs(runs: &Array, out: &str) -> RhaiResult<Map> {
     Ok(res)
 }
 
+/// `run.evaluate([#{temperature, top_p}])`: the report with the setting it sampled at.
+fn evaluate_run(r: &RunHandle, opts: &Map) -> RhaiResult<Dynamic> {
+    if let Some(k) = opts.keys().find(|k| !["temperature", "top_p"].contains(&k.as_str())) {
+        return Err(bad_arg("evaluate", format!("unknown key `{k}`: expected temperature, top_p")));
+    }
+    let mut run = lock(&r.0, "run")?;
+    let cfg = run.config();
+    let t = get_num(opts, "temperature")?.unwrap_or(cfg.eval_temperature);
+    let p = get_num(opts, "top_p")?.unwrap_or(cfg.eval_top_p);
+    let rep = run.evaluate_at(None, t, p).map_err(host)?;
+    Ok(from_json(&serde_json::json!({"overall": rep.overall, "by_source": rep.by_source,
+        "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k,
+        "temperature": t, "top_p": p})))
+}
+
 /// A run folder's metrics.jsonl and eval.jsonl rows as maps.
 fn read_run(dir: &str) -> RhaiResult<Map> {
     let dir = std::path::Path::new(dir);
@@ -137,6 +152,16 @@ fn read_run(dir: &str) -> RhaiResult<Map> {
     let mut m = Map::new();
     m.insert("metrics".into(), read("metrics.jsonl")?.into());
     m.insert("evals".into(), read("eval.jsonl")?.into());
+    // Evaluations at other settings: eval-t<T>-p<top_p>.jsonl, keyed by `t<T>-p<top_p>`.
+    let mut at = Map::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| host(format!("read_run: {}: {e}", dir.display())))? {
+        let name = entry.map_err(|e| host(format!("read_run: {}: {e}", dir.display())))?.file_name();
+        let name = name.to_string_lossy();
+        if let Some(tag) = name.strip_prefix("eval-").and_then(|n| n.strip_suffix(".jsonl")) {
+            at.insert(tag.into(), read(&name)?.into());
+        }
+    }
+    m.insert("evals_at".into(), at.into());
     Ok(m)
 }
 
@@ -207,7 +232,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// read_run(run_dir) -> map
         ///
         /// A run folder's logs as data: #{metrics: [one map per step, as metrics.jsonl], evals: [one
-        /// map per evaluation, as eval.jsonl]}.
+        /// map per evaluation, as eval.jsonl], evals_at: #{"t0.7-p0.9": [the evaluations at another
+        /// setting, as eval-t0.7-p0.9.jsonl], ...}}.
         ///
         /// # Example
         ///
@@ -378,12 +404,22 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// print(t.evaluate().avg);
         /// ```
     "#,
-        |r: &mut RunHandle| -> RhaiResult<Dynamic> {
-            let rep = lock(&r.0, "run")?.evaluate(None).map_err(host)?;
-            Ok(from_json(
-                &serde_json::json!({"overall": rep.overall, "by_source": rep.by_source, "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k}),
-            ))
-        }
+        |r: &mut RunHandle| -> RhaiResult<Dynamic> { evaluate_run(r, &Map::new()) }
+    }
+    func! { engine, "evaluate", r#"
+        /// run.evaluate(#{temperature, top_p}) -> map
+        ///
+        /// Evaluates at another sampling setting (each key optional, default the run's
+        /// eval_temperature / eval_top_p); a setting other than the run's is logged to
+        /// eval-t<T>-p<top_p>.jsonl in the run folder, not to eval.jsonl.
+        ///
+        /// # Example
+        ///
+        /// ```rhai
+        /// print(t.evaluate(#{temperature: 0.7, top_p: 0.9}).avg);
+        /// ```
+    "#,
+        |r: &mut RunHandle, opts: Map| -> RhaiResult<Dynamic> { evaluate_run(r, &opts) }
     }
     func! { engine, "silenced", r#"
         /// run.silenced(n) -> array
@@ -429,7 +465,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         ///
         /// One RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo),
         /// set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch,
-        /// micro_batch, old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
+        /// micro_batch, max_tokens_per_micro (a token budget per forward, padding counted; 0 none),
+        /// old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
         /// are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer
         /// and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state
         /// stays with the model; warnings (a skipped step) are in the result's `warnings`.

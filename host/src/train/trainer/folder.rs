@@ -111,12 +111,29 @@ impl RunFolder {
         self.tb.metrics(m)
     }
 
-    /// Writes an evaluation at `step`: its samples, a line of `eval.jsonl`, TensorBoard.
-    pub fn log_eval(&mut self, step: u64, report: &EvalReport) -> Result<()> {
-        eval::write_samples(&self.dir.join("eval").join(format!("step-{step:06}.jsonl")), &report.samples)?;
-        let summary =
-            serde_json::json!({"step": step, "overall": report.overall, "by_source": report.by_source});
-        append_line(&self.dir.join("eval.jsonl"), &summary.to_string())?;
+    /// Writes an evaluation at `step` sampled at `temperature` / `top_p`: its samples, a
+    /// line (with the two) of `eval.jsonl` and TensorBoard for the run's configured
+    /// setting; with `extra` (another setting, `run.evaluate(#{temperature, top_p})`) a
+    /// line of `eval-t<T>-p<top_p>.jsonl` and samples `eval/step-NNNNNN-t<T>-p<top_p>.jsonl`,
+    /// so that each file holds one setting and the curves stay the configured one's.
+    pub fn log_eval(
+        &mut self,
+        step: u64,
+        report: &EvalReport,
+        (temperature, top_p): (f64, f64),
+        extra: bool,
+    ) -> Result<()> {
+        let tag = if extra { format!("-t{temperature}-p{top_p}") } else { String::new() };
+        eval::write_samples(
+            &self.dir.join("eval").join(format!("step-{step:06}{tag}.jsonl")),
+            &report.samples,
+        )?;
+        let summary = serde_json::json!({"step": step, "temperature": temperature, "top_p": top_p,
+            "overall": report.overall, "by_source": report.by_source});
+        append_line(&self.dir.join(format!("eval{tag}.jsonl")), &summary.to_string())?;
+        if extra {
+            return Ok(());
+        }
         self.tb.eval(step, report)
     }
 

@@ -71,6 +71,11 @@ impl PolicyState {
         self.rollout_copy.as_ref().map_or(&self.model, |c| c.model())
     }
 
+    /// Whether rollouts sample from a copy in another dtype than the master weights.
+    pub fn samples_from_copy(&self) -> bool {
+        self.rollout_copy.is_some()
+    }
+
     /// One update on `seqs` as one rank of `comm`, then the rollout copy refreshed.
     pub fn update(
         &mut self,

@@ -54,22 +54,48 @@ pub fn token_analysis(
     Ok(out)
 }
 
-/// Shares of `Σ g` carried by the `silenced` tokens and by the top `top_frac` of tokens by
-/// `g` (at least one token); `(0, 0)` when `Σ g = 0`.
-pub fn grad_shares(g: &[f32], silenced: &[bool], top_frac: f64) -> (f32, f32) {
+/// Shares of the summed per-token logit-gradient norm `Σ g` of one update: by the tokens
+/// S2T silenced, by its candidates (`A > 0 && p < tau_p`), and by the tokens with the
+/// largest `g`: the top 0.01% (the paper's spurious-token fraction, at least one token,
+/// so on a small batch it collapses to the single largest), the top 1% and the top 10.
+/// All 0 when `Σ g = 0`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GradShares {
+    pub silenced: f32,
+    pub candidates: f32,
+    pub top_frac: f32,
+    pub top_1pct: f32,
+    pub top_10: f32,
+}
+
+/// [`GradShares`] of the norms `g`, with `silenced` and `candidates` flags per token (as
+/// long as `g`; missing flags count as false).
+pub fn grad_shares(g: &[f32], silenced: &[bool], candidates: &[bool]) -> GradShares {
     let total: f64 = g.iter().map(|&x| x as f64).sum();
     if g.is_empty() || total <= 0.0 {
-        return (0.0, 0.0);
+        return GradShares::default();
     }
-    // A fold from +0.0: an empty float `sum()` is -0.0, which logs as "-0".
-    let sil = g.iter().zip(silenced).filter(|(_, &s)| s).fold(0.0f64, |acc, (&x, _)| acc + x as f64);
+    // Folds from +0.0: an empty float `sum()` is -0.0, which logs as "-0".
+    let flagged = |flags: &[bool]| {
+        g.iter().zip(flags).filter(|(_, &f)| f).fold(0.0f64, |acc, (&x, _)| acc + x as f64) / total
+    };
     let mut sorted = g.to_vec();
     sorted.sort_by(|a, b| b.total_cmp(a));
-    let k = ((g.len() as f64 * top_frac).ceil() as usize).clamp(1, g.len());
-    let top: f64 = sorted[..k].iter().map(|&x| x as f64).sum();
-    ((sil / total) as f32, (top / total) as f32)
+    let top = |k: usize| sorted[..k.clamp(1, g.len())].iter().fold(0.0f64, |acc, &x| acc + x as f64) / total;
+    let frac = |f: f64| (g.len() as f64 * f).ceil() as usize;
+    GradShares {
+        silenced: flagged(silenced) as f32,
+        candidates: flagged(candidates) as f32,
+        top_frac: top(frac(TOP_GRAD_FRAC)) as f32,
+        top_1pct: top(frac(TOP_1PCT)) as f32,
+        top_10: top(TOP_K) as f32,
+    }
 }
 
 /// The share of the logit-gradient norm the top 0.01% of tokens carry (the paper's
 /// spurious-token fraction).
 pub const TOP_GRAD_FRAC: f64 = 1e-4;
+/// The fixed top 1% of tokens by logit-gradient norm, and the top 10: shares that do not
+/// collapse to one token on a batch of a few thousand tokens.
+pub const TOP_1PCT: f64 = 0.01;
+pub const TOP_K: usize = 10;

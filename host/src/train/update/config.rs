@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::RolloutCorrection;
 use crate::algo::ObjectiveConfig;
 use crate::rollout::Sample;
 use crate::{Error, Result};
@@ -62,6 +63,14 @@ pub struct UpdateConfig {
     pub mini_batch: usize,
     /// Sequences per forward/backward (0 = the mini-batch); gradients accumulate.
     pub micro_batch: usize,
+    /// Tokens per forward/backward (0 = no budget; verl's `ppo_max_token_len_per_gpu` with
+    /// `use_dynamic_bsz`): each mini-batch's sequences sorted by length and cut into
+    /// micro-batches of at most this many tokens, prompt + response with padding counted
+    /// (and at most `micro_batch` sequences when that is set), each padded to its own longest
+    /// prompt and response. The loss normalisers stay the mini-batch's: the gradients are
+    /// those of the padded path up to float summation order.
+    #[serde(default)]
+    pub max_tokens_per_micro: usize,
     /// Old-policy log-probs.
     pub old_logp: OldLogp,
     /// Shuffle sequences between epochs (seeded).
@@ -76,6 +85,10 @@ pub struct UpdateConfig {
     /// shares of silenced and top-0.01% tokens; costs one softmax over the logits.
     #[serde(default)]
     pub token_grad_norms: bool,
+    /// The rollout correction (token-TIS, seq-MIS; `auto` counts as off here: the trainer
+    /// resolves it from the rollout copy's dtype).
+    #[serde(default)]
+    pub rollout_correction: RolloutCorrection,
 }
 
 fn one() -> f64 {
@@ -89,11 +102,13 @@ impl Default for UpdateConfig {
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
+            max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
             shuffle: false,
             seed: 0,
             temperature: 1.0,
             token_grad_norms: false,
+            rollout_correction: RolloutCorrection::default(),
         }
     }
 }
@@ -115,12 +130,20 @@ impl UpdateConfig {
             epochs,
             mini_batch,
             micro_batch,
+            max_tokens_per_micro: 0,
             old_logp,
             shuffle: epochs > 1,
             seed,
             temperature: 1.0,
             token_grad_norms: false,
+            rollout_correction: RolloutCorrection::default(),
         }
+    }
+
+    /// The same, with micro-batches cut by a token budget (see
+    /// [`UpdateConfig::max_tokens_per_micro`]; 0: none).
+    pub fn with_max_tokens_per_micro(self, max_tokens_per_micro: usize) -> Self {
+        UpdateConfig { max_tokens_per_micro, ..self }
     }
 
     /// The same, with the logits divided by `temperature` (see [`UpdateConfig::temperature`]).
@@ -145,6 +168,9 @@ pub struct UpdateOptions {
     pub epochs: usize,
     pub mini_batch: usize,
     pub micro_batch: usize,
+    /// Tokens per forward/backward, padding counted (0 = no budget; see
+    /// [`UpdateConfig::max_tokens_per_micro`]).
+    pub max_tokens_per_micro: usize,
     pub old_logp: OldLogp,
     pub seed: u64,
     /// The rollout's sampling temperature: the update divides the logits by it (verl).
@@ -152,6 +178,9 @@ pub struct UpdateOptions {
     /// The rollout's response budget (`max_tokens`): sizes DAPO's overlong buffer and
     /// Dr.GRPO's normaliser when the preset's are in force ([`ObjectiveConfig::fit_to_run`]).
     pub max_tokens: Option<usize>,
+    /// The rollout correction (`auto`, the default, is off here: which copy sampled the
+    /// rollouts is not known; give token_tis or seq_mis to apply one).
+    pub rollout_correction: RolloutCorrection,
 }
 
 impl Default for UpdateOptions {
@@ -163,10 +192,12 @@ impl Default for UpdateOptions {
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
+            max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
             seed: 0,
             temperature: 1.0,
             max_tokens: None,
+            rollout_correction: RolloutCorrection::default(),
         }
     }
 }
@@ -195,7 +226,10 @@ impl UpdateOptions {
             self.old_logp,
             self.seed,
         )
-        .with_temperature(self.temperature);
-        Ok((cfg, notes))
+        .with_temperature(self.temperature)
+        .with_max_tokens_per_micro(self.max_tokens_per_micro);
+        let (rollout_correction, _) =
+            self.rollout_correction.resolve(false, self.temperature, self.old_logp)?;
+        Ok((UpdateConfig { rollout_correction, ..cfg }, notes))
     }
 }

@@ -1,4 +1,6 @@
-//! How sequences become tensors: a micro-batch's `[left pad | prompt | response | right
+//! How sequences become tensors: how a mini-batch is cut into micro-batches ([`Cut`],
+//! [`Span`]: a fixed number of sequences, or a token budget as verl's `use_dynamic_bsz`
+//! with `ppo_max_token_len_per_gpu`), a micro-batch's `[left pad | prompt | response | right
 //! pad]` layout ([`Micro`]), the training forward's per-token log-probs, entropies and
 //! collision probabilities over the response positions, and the conversions between
 //! `(B, T)` tensors and per-sequence vectors.
@@ -8,6 +10,107 @@ use candle_core::{DType, Device, Tensor};
 use super::Sequence;
 use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::{Error, Result};
+
+/// One micro-batch of a mini-batch: rows `start..start + len` of the mini-batch (in its
+/// layout order), padded to prompt length `p` and response length `t`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Span {
+    pub start: usize,
+    pub len: usize,
+    pub p: usize,
+    pub t: usize,
+}
+
+impl Span {
+    /// Tokens the forward runs over, padding counted.
+    pub fn tokens(&self) -> usize {
+        self.len * (self.p + self.t)
+    }
+}
+
+/// How a mini-batch is cut into micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Cut {
+    /// `n` sequences at a time in the mini-batch's order, each padded to the mini-batch's
+    /// longest prompt and response.
+    Count(usize),
+    /// Sequences sorted by length (longest first), then cut greedily into micro-batches
+    /// of at most `budget` tokens (prompt + response, padding counted: rows times the
+    /// micro-batch's longest prompt plus its longest response) and at most `max_seqs`
+    /// sequences, each padded to its own longest prompt and response. A sequence longer
+    /// than the budget goes alone.
+    Tokens { budget: usize, max_seqs: usize },
+}
+
+impl Cut {
+    /// The cut of `cfg` for mini-batches of up to `micro_size` sequences per micro-batch.
+    pub fn new(max_tokens_per_micro: usize, micro_size: usize) -> Self {
+        match max_tokens_per_micro {
+            0 => Cut::Count(micro_size.max(1)),
+            budget => Cut::Tokens { budget, max_seqs: micro_size.max(1) },
+        }
+    }
+
+    /// The order in which the rows `lens` (prompt, response lengths) are laid out: as
+    /// given for [`Cut::Count`], longest first (prompt + response, then response; ties
+    /// in the given order) for [`Cut::Tokens`].
+    pub fn order(&self, lens: &[(usize, usize)]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..lens.len()).collect();
+        if let Cut::Tokens { .. } = self {
+            order.sort_by_key(|&i| std::cmp::Reverse((lens[i].0 + lens[i].1, lens[i].1)));
+        }
+        order
+    }
+
+    /// The micro-batches of rows `lens` (already in [`Cut::order`]).
+    pub fn spans(&self, lens: &[(usize, usize)]) -> Vec<Span> {
+        let longest = |rows: &[(usize, usize)]| {
+            (rows.iter().map(|l| l.0).max().unwrap_or(1), rows.iter().map(|l| l.1).max().unwrap_or(1).max(1))
+        };
+        match *self {
+            Cut::Count(n) => {
+                let (p, t) = longest(lens);
+                (0..lens.len())
+                    .step_by(n)
+                    .map(|start| Span { start, len: n.min(lens.len() - start), p, t })
+                    .collect()
+            }
+            Cut::Tokens { budget, max_seqs } => {
+                let mut out: Vec<Span> = Vec::new();
+                for (i, &(pl, rl)) in lens.iter().enumerate() {
+                    let alone = Span { start: i, len: 1, p: pl.max(1), t: rl.max(1) };
+                    match out.last_mut() {
+                        Some(s) => {
+                            let grown = Span { len: s.len + 1, p: s.p.max(pl), t: s.t.max(rl), ..*s };
+                            if grown.len <= max_seqs && grown.tokens() <= budget {
+                                *s = grown;
+                            } else {
+                                out.push(alone);
+                            }
+                        }
+                        None => out.push(alone),
+                    }
+                }
+                out
+            }
+        }
+    }
+}
+
+/// The micro-batches an update runs over one mini-batch of sequences with these
+/// `(prompt, response)` lengths: `(rows, padded length)` of each, for micro-batches of
+/// `micro_batch` sequences (0: the whole mini-batch) or, with `max_tokens_per_micro > 0`,
+/// cut by that token budget. What `stapo bench train --lengths` reports padding from.
+pub fn micro_batch_shapes(
+    lens: &[(usize, usize)],
+    micro_batch: usize,
+    max_tokens_per_micro: usize,
+) -> Vec<(usize, usize)> {
+    let micro = if micro_batch == 0 { lens.len() } else { micro_batch };
+    let cut = Cut::new(max_tokens_per_micro, micro);
+    let sorted: Vec<(usize, usize)> = cut.order(lens).into_iter().map(|i| lens[i]).collect();
+    cut.spans(&sorted).into_iter().map(|s| (s.len, s.p + s.t)).collect()
+}
 
 /// A micro-batch laid out for the forward pass.
 pub(super) struct Micro {

@@ -129,22 +129,59 @@ pub(super) fn mini_batch_mask(
         (Some(f), true) => Some((f.logp.detach(), f.entropy.detach())),
         (None, true) => {
             let (mut lps, mut hs) = (Vec::new(), Vec::new());
-            for &(s, len) in &mb.micros {
-                let micro = layout(&mb.ss[s..s + len], mb.p, mb.t, x.pad_id, &x.device)?;
+            for sp in &mb.micros {
+                let micro = layout(&mb.ss[sp.start..sp.start + sp.len], sp.p, sp.t, x.pad_id, &x.device)?;
                 let (lp, h) = response_logp(x.model, &micro, Grad::Off, x.cfg.temperature)?;
-                lps.push(lp);
-                hs.push(h);
+                // A micro-batch of a token budget is padded to its own longest response.
+                lps.push(lp.pad_with_zeros(1, 0, mb.t - sp.t)?);
+                hs.push(h.pad_with_zeros(1, 0, mb.t - sp.t)?);
             }
             Some((Tensor::cat(&lps, 0)?, Tensor::cat(&hs, 0)?))
         }
     };
     let local = match (&mb.response, &stats) {
-        (Some(resp), Some((lp, h))) => Some((lp, h, &mb.adv, resp)),
+        (Some(resp), Some((lp, h))) => Some([lp.clone(), h.clone(), mb.adv.clone(), resp.clone()]),
         // No token mask: only the response mask is used.
-        (Some(resp), None) => Some((resp, resp, &mb.adv, resp)),
+        (Some(resp), None) => Some([resp.clone(), resp.clone(), mb.adv.clone(), resp.clone()]),
         _ => None,
     };
-    token_mask_on(x.comm, &x.cfg.objective.mask, local)
+    match &mb.given {
+        None => {
+            token_mask_on(x.comm, &x.cfg.objective.mask, local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)))
+        }
+        Some(given) => mask_in_given_order(x, given, local),
+    }
+}
+
+/// [`token_mask_on`] over rows laid out in another order than the mini-batch's given one
+/// (`given[r]`: the given row of layout row `r`): decided in the given order, so that ties
+/// fall as on the padded path, then the mask and the silenced positions back in layout order.
+fn mask_in_given_order(
+    x: &Ctx,
+    given: &[usize],
+    local: Option<[Tensor; 4]>,
+) -> Result<Option<(Tensor, Option<S2tStats>)>> {
+    let mut layout_of = vec![0u32; given.len()];
+    for (r, &g) in given.iter().enumerate() {
+        layout_of[g] = r as u32;
+    }
+    let to_given = Tensor::from_slice(&layout_of, given.len(), &x.device)?;
+    let to_layout = Tensor::from_vec(given.iter().map(|&g| g as u32).collect(), given.len(), &x.device)?;
+    let local = match local {
+        Some(ts) => {
+            let [lp, h, a, r] = ts;
+            let pick = |t: Tensor| t.index_select(&to_given, 0);
+            Some([pick(lp)?, pick(h)?, pick(a)?, pick(r)?])
+        }
+        None => None,
+    };
+    let out =
+        token_mask_on(x.comm, &x.cfg.objective.mask, local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)))?;
+    let Some((m, mut st)) = out else { return Ok(None) };
+    if let Some(st) = st.as_mut() {
+        st.positions.iter_mut().for_each(|(b, _)| *b = layout_of[*b] as usize);
+    }
+    Ok(Some((m.index_select(&to_layout, 0)?, st)))
 }
 
 /// The loss normalisers of a global mini-batch: over its kept tokens (`mask`, this rank's

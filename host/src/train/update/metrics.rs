@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::analysis::{grad_shares, logit_grad_norm, TOP_GRAD_FRAC};
+use super::analysis::{grad_shares, logit_grad_norm};
 use super::layout::rows;
 use super::micro::MiniBatch;
+use super::rollout_corr::{CorrSums, RolloutCorrMetrics};
 use super::score::Scored;
 use super::Sequence;
 use crate::algo::{LossMetrics, S2tStats};
@@ -74,6 +75,22 @@ pub struct UpdateMetrics {
     pub silenced_grad_share: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_grad_share: Option<f32>,
+    /// The mismatch between the rollout's log-probs (the sampling copy's) and the old
+    /// log-probs, when they are comparable (temperature 1, old log-probs recomputed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout_corr: Option<RolloutCorrMetrics>,
+    /// Shares carried by the top 1% and the top 10 tokens by logit-gradient norm, and by
+    /// the S2T candidates (`A > 0 && p < tau_p`, with S2T on), on the same terms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_1pct_grad_share: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_10_grad_share: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate_grad_share: Option<f32>,
+    /// The 0.99-quantile of the response tokens' entropies (current policy, first epoch,
+    /// every rank): the low-entropy collapse shows in the tail before the mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entropy_p99: Option<f32>,
     /// What went wrong without stopping the update (a skipped optimizer step, ...), for
     /// the caller to show: the library prints nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -145,6 +162,7 @@ pub(super) struct Totals {
     pub(super) loss_sum: f64,
     pub(super) grad_norm_sum: f64,
     pub(super) silenced: HashMap<u32, usize>,
+    pub(super) corr: CorrSums,
 }
 
 /// The batch-level metrics: rewards, accuracy, lengths, truncation, zero-variance groups,
@@ -183,9 +201,11 @@ pub fn batch_metrics(
     Ok(n as usize)
 }
 
-/// Per-token logit-gradient norms of the first epoch (active sequences) and their shares.
-pub(super) fn record_grad_norms(record: &mut UpdateRecord, metrics: &mut UpdateMetrics) {
-    let (mut all, mut sil) = (Vec::new(), Vec::new());
+/// Per-token logit-gradient norms of the first epoch (active sequences) and their shares
+/// ([`GradShares`](super::GradShares)); candidates are the tokens with `A > 0 && p <
+/// tau_p` under the update's S2T `tau_p` (no candidate share without S2T).
+pub(super) fn record_grad_norms(record: &mut UpdateRecord, metrics: &mut UpdateMetrics, tau_p: Option<f32>) {
+    let (mut all, mut sil, mut cand) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..record.p.len() {
         let (p, c) = (&record.p[i], &record.collision[i]);
         if p.len() != c.len() {
@@ -195,14 +215,26 @@ pub(super) fn record_grad_norms(record: &mut UpdateRecord, metrics: &mut UpdateM
         let g: Vec<f32> = p.iter().zip(c).map(|(&p, &c)| logit_grad_norm(a, p, c)).collect();
         let s = &record.silenced[i];
         sil.extend((0..g.len()).map(|j| s.get(j).copied().unwrap_or(false)));
+        cand.extend(p.iter().map(|&p| tau_p.is_some_and(|t| a > 0.0 && p < t)));
         all.extend_from_slice(&g);
         record.grad_norm[i] = g;
     }
     if !all.is_empty() {
-        let (s, t) = grad_shares(&all, &sil, TOP_GRAD_FRAC);
-        metrics.silenced_grad_share = Some(s);
-        metrics.top_grad_share = Some(t);
+        let sh = grad_shares(&all, &sil, &cand);
+        metrics.silenced_grad_share = Some(sh.silenced);
+        metrics.top_grad_share = Some(sh.top_frac);
+        metrics.top_1pct_grad_share = Some(sh.top_1pct);
+        metrics.top_10_grad_share = Some(sh.top_10);
+        metrics.candidate_grad_share = tau_p.map(|_| sh.candidates);
     }
+}
+
+/// The 0.99-quantile of the first epoch's response-token entropies over every rank
+/// (`None` without response tokens).
+pub(super) fn entropy_p99(comm: &dyn Comm, record: &UpdateRecord) -> Result<Option<f32>> {
+    let mine: Vec<f32> = record.entropy.iter().flatten().copied().collect();
+    let all = if comm.size() > 1 { comm.all_gather_f32(&mine)? } else { mine };
+    Ok(crate::algo::quantile_linear(&all, 0.99))
 }
 
 /// Stores the first epoch's kept and silenced tokens of a mini-batch in the record.

@@ -34,6 +34,7 @@ mod metrics;
 mod micro;
 mod old_logp;
 mod optimizer;
+mod rollout_corr;
 mod score;
 #[cfg(test)]
 mod tests;
@@ -43,10 +44,13 @@ use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-pub use analysis::{grad_shares, logit_grad_norm, token_analysis, TokenAnalysis, TOP_GRAD_FRAC};
+pub use analysis::{
+    grad_shares, logit_grad_norm, token_analysis, GradShares, TokenAnalysis, TOP_1PCT, TOP_GRAD_FRAC, TOP_K,
+};
 pub use config::{OldLogp, Sequence, UpdateConfig, UpdateOptions};
 pub use mask::{token_mask, token_mask_on};
 pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
+pub use rollout_corr::{RolloutCorrMetrics, RolloutCorrMode, RolloutCorrection};
 pub use score::{active_sequences, score, Scored};
 
 use crate::algo::{MaskConfig, Normaliser, S2tStats};
@@ -54,8 +58,9 @@ use crate::dist::{self, Comm, Local};
 use crate::model::Qwen3;
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
-use layout::rows;
-use metrics::{finish_metrics, record_grad_norms, record_mask, Totals};
+pub use layout::micro_batch_shapes;
+use layout::{rows, Cut};
+use metrics::{entropy_p99, finish_metrics, record_grad_norms, record_mask, Totals};
 use micro::{micro_step, Ctx, Forward, LossTargets, MiniBatch};
 use old_logp::{old_logprobs, reference_logprobs, OldLogps};
 use optimizer::optimizer_step;
@@ -131,13 +136,14 @@ pub fn optimize_on(
     }
     let Policy { model, opt, reference } = policy;
     let params = opt.params().map(|(_, v)| v.clone()).collect();
-    let x = Ctx { comm, model, seqs, cfg, pad_id, device: model.device().clone(), params };
 
     // 1-2. Rewards, advantages, the sequences that reach the loss, in their global order:
     // (rank, index) sorted by group, then rank and index, which is the order of one process
     // holding the whole batch when group ids are global and ascend along it.
     let scored = score(seqs, obj)?;
     let active = active_sequences(seqs, obj, &scored)?;
+    let corr = rollout_corr::in_force(comm, cfg, seqs, &active)?;
+    let x = Ctx { comm, model, seqs, cfg, pad_id, device: model.device().clone(), params, corr };
     let mut out = Progress::new(seqs.len(), &scored, &active);
     out.metrics.warnings.extend(run_setting_warnings(obj, seqs));
     let global = global_order(comm, seqs, &active)?;
@@ -148,11 +154,14 @@ pub fn optimize_on(
     }
     let mb_size = if cfg.mini_batch == 0 { global.len() } else { cfg.mini_batch };
     let micro_size = if cfg.micro_batch == 0 { mb_size } else { cfg.micro_batch.min(mb_size) };
+    let cut = Cut::new(cfg.max_tokens_per_micro, micro_size);
 
-    // 3. Old-policy (and reference) log-probs, before any parameter changes.
-    let whole = cfg.epochs.max(1) == 1 && global.len() <= mb_size;
-    let old = old_logprobs(model, seqs, &active, cfg, whole, micro_size, pad_id)?;
-    let reference_logp = reference_logprobs(reference, cfg, seqs, &active, micro_size, pad_id)?;
+    // 3. Old-policy (and reference) log-probs, before any parameter changes. seq-MIS decides
+    // on whole sequences before the loss, so it needs them before the training forward.
+    let seq_mis = x.corr.is_some_and(|c| c.mode == RolloutCorrMode::SeqMis);
+    let whole = cfg.epochs.max(1) == 1 && global.len() <= mb_size && !seq_mis;
+    let old = old_logprobs(model, seqs, &active, cfg, whole, cut, pad_id)?;
+    let reference_logp = reference_logprobs(reference, cfg, seqs, &active, cut, pad_id)?;
     let given = Given { old: &old, reference: reference_logp.as_ref() };
 
     // 4-6. Per epoch and mini-batch: this rank's part of each global mini-batch.
@@ -164,14 +173,19 @@ pub fn optimize_on(
         }
         for (k, chunk) in order.chunks(mb_size).enumerate() {
             let mine = chunk.iter().filter(|&&g| global[g].0 == comm.rank()).map(|&g| global[g].1).collect();
-            let mb = MiniBatch::new(&x, (epoch, k), mine, &scored.advantages.values, micro_size)?;
+            let mb = MiniBatch::new(&x, (epoch, k), mine, &scored.advantages.values, cut)?;
             mini_batch_step(&x, opt, &mb, &given, lr, &mut out)?;
         }
     }
     // 7. Metrics.
+    if let Some(c) = &x.corr {
+        out.metrics.rollout_corr = out.totals.corr.finish(comm, c)?;
+    }
     finish_metrics(comm, &mut out.metrics, out.totals)?;
+    out.metrics.entropy_p99 = entropy_p99(comm, &out.record)?;
     if cfg.token_grad_norms {
-        record_grad_norms(&mut out.record, &mut out.metrics);
+        let tau_p = cfg.objective.mask.s2t().map(|t| t.tau_p);
+        record_grad_norms(&mut out.record, &mut out.metrics, tau_p);
     }
     Ok(UpdateOutcome { metrics: out.metrics, record: out.record })
 }
@@ -224,7 +238,12 @@ fn mini_batch_step(
         [only] => Some(Forward::run(x, mb, *only, collision)?),
         _ => None,
     };
-    let masked = mask::mini_batch_mask(x, mb, single.as_ref())?;
+    let mut masked = mask::mini_batch_mask(x, mb, single.as_ref())?;
+    if let (Some((m, _)), Some(c), OldLogps::Given(old)) = (&mut masked, &x.corr, given.old) {
+        if c.mode == RolloutCorrMode::SeqMis {
+            *m = rollout_corr::reject_sequences(c, m, (&mb.ss, &mb.idx), old)?;
+        }
+    }
     record_s2t(x, mb, masked.as_ref(), out)?;
     if let (0, Some((mask, s2t))) = (mb.epoch, &masked) {
         record_mask(&mut out.record, mb, mask, s2t.as_ref())?;
@@ -269,14 +288,15 @@ fn accumulate(
     acc: &mut GradStore,
 ) -> Result<Option<f64>> {
     let mut loss = 0f64;
-    for &(s, len) in &mb.micros {
+    for &span in &mb.micros {
         let fwd = match single.take() {
             Some(f) => f,
-            None => Forward::run(x, mb, (s, len), collision)?,
+            None => Forward::run(x, mb, span, collision)?,
         };
-        let m = micro_step(x, mb, (s, len), fwd, targets, &mut out.totals, acc)?;
+        let m = micro_step(x, mb, span, fwd, targets, &mut out.totals, acc)?;
         if mb.epoch == 0 {
-            let (part, idx) = (&mb.ss[s..s + len], &mb.idx[s..s + len]);
+            let rows_of = span.start..span.start + span.len;
+            let (part, idx) = (&mb.ss[rows_of.clone()], &mb.idx[rows_of]);
             for ((&i, lp), h) in idx.iter().zip(rows(&m.logp, part)?).zip(rows(&m.entropy, part)?) {
                 out.record.p[i] = lp.iter().map(|x| x.exp()).collect();
                 out.record.entropy[i] = h;

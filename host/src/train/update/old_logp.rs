@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::layout::{layout_for, response_logp, rows};
+use super::layout::{layout_for, response_logp, rows, Cut};
 use super::{OldLogp, Sequence, UpdateConfig};
 use crate::model::{Grad, Qwen3};
 use crate::{Error, Result};
@@ -17,16 +17,22 @@ pub(super) enum OldLogps {
     Given(HashMap<usize, Vec<f32>>),
 }
 
-/// Log-probs of the response tokens of `idx` under `m`, no gradient, `chunk` at a time.
+/// Log-probs of the response tokens of `idx` under `m`, no gradient, in the micro-batches
+/// of `cut` (each padded to its own longest prompt and response).
 pub(super) fn logps_no_grad(
     m: &Qwen3,
     seqs: &[Sequence],
     idx: &[usize],
-    (chunk, temperature): (usize, f64),
+    (cut, temperature): (Cut, f64),
     pad_id: u32,
 ) -> Result<HashMap<usize, Vec<f32>>> {
     let mut out = HashMap::with_capacity(idx.len());
-    for part in idx.chunks(chunk.max(1)) {
+    let len_of = |i: usize| (seqs[i].prompt_ids.len(), seqs[i].response_ids.len());
+    let given: Vec<(usize, usize)> = idx.iter().map(|&i| len_of(i)).collect();
+    let idx: Vec<usize> = cut.order(&given).into_iter().map(|k| idx[k]).collect();
+    let lens: Vec<(usize, usize)> = idx.iter().map(|&i| len_of(i)).collect();
+    for span in cut.spans(&lens) {
+        let part = &idx[span.start..span.start + span.len];
         let ss: Vec<&Sequence> = part.iter().map(|&i| &seqs[i]).collect();
         let mb = layout_for(&ss, pad_id, m.device())?;
         let (lp, _) = response_logp(m, &mb, Grad::Off, temperature)?;
@@ -42,13 +48,13 @@ pub(super) fn old_logprobs(
     active: &[usize],
     cfg: &UpdateConfig,
     whole: bool,
-    micro_size: usize,
+    cut: Cut,
     pad_id: u32,
 ) -> Result<OldLogps> {
     Ok(match cfg.old_logp {
         OldLogp::Recompute if whole => OldLogps::FromForward,
         OldLogp::Recompute => {
-            OldLogps::Given(logps_no_grad(model, seqs, active, (micro_size, cfg.temperature), pad_id)?)
+            OldLogps::Given(logps_no_grad(model, seqs, active, (cut, cfg.temperature), pad_id)?)
         }
         OldLogp::Rollout if cfg.temperature != 1.0 => {
             return Err(Error::invalid(format!(
@@ -86,12 +92,12 @@ pub(super) fn reference_logprobs(
     cfg: &UpdateConfig,
     seqs: &[Sequence],
     active: &[usize],
-    micro_size: usize,
+    cut: Cut,
     pad_id: u32,
 ) -> Result<Option<HashMap<usize, Vec<f32>>>> {
     match (&cfg.objective.kl, reference) {
         (Some(kl), Some(r)) if kl.beta != 0.0 => {
-            Ok(Some(logps_no_grad(r, seqs, active, (micro_size, cfg.temperature), pad_id)?))
+            Ok(Some(logps_no_grad(r, seqs, active, (cut, cfg.temperature), pad_id)?))
         }
         (Some(kl), None) if kl.beta != 0.0 => {
             Err(Error::invalid("update: a KL penalty is configured but no reference model was given"))

@@ -122,6 +122,103 @@ fn layout_pads_prompts_left_and_responses_right() {
 }
 
 #[test]
+fn token_budget_cuts_by_hand() {
+    use super::layout::{Cut, Span};
+    // (prompt, response) of rows 0..5; totals 7, 4, 9, 4, 4.
+    let lens = [(2, 5), (3, 1), (1, 8), (2, 2), (1, 3)];
+    let span = |start, len, p, t| Span { start, len, p, t };
+    // Longest first; the three of total 4 by response length: 2 (9), 0 (7), 4, 3, 1.
+    let budget = Cut::Tokens { budget: 20, max_seqs: 10 };
+    let order = budget.order(&lens);
+    assert_eq!(order, vec![2, 0, 4, 3, 1]);
+    let sorted: Vec<(usize, usize)> = order.iter().map(|&i| lens[i]).collect();
+    // Rows 2 + 0: 2 x (2 + 8) = 20 fits; + 4 would be 3 x 10 = 30. Rows 4, 3, 1: 3 x (3 + 3) = 18.
+    assert_eq!(budget.spans(&sorted), vec![span(0, 2, 2, 8), span(2, 3, 3, 3)]);
+    // At most two sequences: row 1 goes alone.
+    let two = Cut::Tokens { budget: 20, max_seqs: 2 };
+    assert_eq!(two.spans(&sorted), vec![span(0, 2, 2, 8), span(2, 2, 2, 3), span(4, 1, 3, 1)]);
+    // A budget below the longest sequence: that sequence alone, the others as they fit
+    // (rows 4 + 3 would be 2 x (2 + 3) = 10 > 5).
+    let tight = Cut::Tokens { budget: 5, max_seqs: 10 };
+    let want = vec![span(0, 1, 1, 8), span(1, 1, 2, 5), span(2, 1, 1, 3), span(3, 1, 2, 2), span(4, 1, 3, 1)];
+    assert_eq!(tight.spans(&sorted), want);
+    // A fixed count keeps the order and pads to the mini-batch's longest (3, 8).
+    let count = Cut::Count(2);
+    assert_eq!(count.order(&lens), vec![0, 1, 2, 3, 4]);
+    assert_eq!(count.spans(&lens), vec![span(0, 2, 3, 8), span(2, 2, 3, 8), span(4, 1, 3, 8)]);
+    // The shapes the bench reports: 38 tokens with the budget, 5 x 11 = 55 padded.
+    assert_eq!(micro_batch_shapes(&lens, 0, 20), vec![(2, 10), (3, 6)]);
+    assert_eq!(micro_batch_shapes(&lens, 0, 0), vec![(5, 11)]);
+    assert_eq!(micro_batch_shapes(&lens, 2, 20), vec![(2, 10), (2, 5), (1, 4)]);
+}
+
+/// token-TIS by hand: PG loss, token-mean over 3 tokens, A = 1, logp = old (ratio 1);
+/// old - rollout = [ln 3, ln 0.5, 0] gives weights [min(3, 2), 0.5, 1] = [2, 0.5, 1], so the
+/// loss is -(2 + 0.5 + 1) / 3 = -7/6 and d loss / d logp = -w / 3.
+#[test]
+fn token_tis_loss_by_hand() {
+    use crate::algo::compute_loss;
+    use crate::algo::LossInputs;
+    use crate::algo::Normaliser;
+    let corr = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..RolloutCorrection::default() };
+    let d = t2(&[3f32.ln(), 0.5f32.ln(), 0.0], 1, 3);
+    let w = corr.weights(&d).unwrap().unwrap();
+    close(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &[2.0, 0.5, 1.0], 1e-6, "weights");
+    let logp = candle_core::Var::from_tensor(&t2(&[-0.5, -1.0, -2.0], 1, 3)).unwrap();
+    let old = logp.as_tensor().detach();
+    let adv = Tensor::from_slice(&[1f32], 1, &Device::Cpu).unwrap();
+    let mask = t2(&[1., 1., 1.], 1, 3);
+    let obj = ObjectiveConfig::preset("grpo").unwrap();
+    let obj =
+        ObjectiveConfig { loss: crate::algo::PolicyLoss::Pg, agg: crate::algo::AggMode::TokenMean, ..obj };
+    let norm = Normaliser::from_masks(&[&mask], None).unwrap();
+    let inp = LossInputs { pg_weights: Some(&w), ..LossInputs::new(logp.as_tensor(), &old, &adv, &mask) };
+    let out = compute_loss(&obj, &inp, &norm).unwrap();
+    assert!((out.loss.to_scalar::<f32>().unwrap() + 7.0 / 6.0).abs() < 1e-6, "{}", out.loss);
+    let g = out.loss.backward().unwrap();
+    let g = g.get(logp.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    close(&g, &[-2.0 / 3.0, -0.5 / 3.0, -1.0 / 3.0], 1e-6, "grad");
+    // seq-MIS: the sequence weight exp(ln 3 + ln 0.5) = 1.5 on every token; kept within
+    // [0.5, 2], rejected above 2 and below 0.5.
+    let seq = RolloutCorrection { mode: RolloutCorrMode::SeqMis, ..corr };
+    let w = seq.weights(&d).unwrap().unwrap();
+    close(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &[1.5; 3], 1e-5, "seq weights");
+    assert!(seq.keeps_sequence(&[0.0, 0.0], &[-(1.5f32.ln()), 0.0]));
+    assert!(!seq.keeps_sequence(&[0.0, 0.0], &[-(2.5f32.ln()), 0.0]));
+    assert!(!seq.keeps_sequence(&[0.0], &[-(0.4f32.ln())]));
+}
+
+/// Which correction is in force: auto follows the rollout copy; an explicit mode where the
+/// rollout's log-probs are not the sampling policy's is an error naming why.
+#[test]
+fn rollout_correction_resolves_auto_and_refuses_explicit_modes_at_t_not_1() {
+    let auto = RolloutCorrection::default();
+    let mode =
+        |c: &RolloutCorrection, copy, t, old| c.resolve(copy, t, old).map(|(c, n)| (c.mode, n.is_some()));
+    assert_eq!(mode(&auto, true, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::TokenTis, false));
+    assert_eq!(mode(&auto, false, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, false));
+    assert_eq!(mode(&auto, true, 0.7, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, true));
+    assert_eq!(mode(&auto, true, 1.0, OldLogp::Rollout).unwrap(), (RolloutCorrMode::Off, true));
+    let tis = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..auto };
+    assert_eq!(mode(&tis, false, 1.0, OldLogp::Recompute).unwrap(), (RolloutCorrMode::TokenTis, false));
+    let err = tis.resolve(true, 0.7, OldLogp::Recompute).unwrap_err().to_string();
+    assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
+    let seq = RolloutCorrection { mode: RolloutCorrMode::SeqMis, ..auto };
+    let err = seq.resolve(true, 1.0, OldLogp::Rollout).unwrap_err().to_string();
+    assert!(err.contains("old_logp = rollout"), "{err}");
+    let off = RolloutCorrection { mode: RolloutCorrMode::Off, ..auto };
+    assert_eq!(mode(&off, true, 0.7, OldLogp::Recompute).unwrap(), (RolloutCorrMode::Off, false));
+    for (bad, field) in [
+        (RolloutCorrection { cap: 0.5, ..auto }, "cap"),
+        (RolloutCorrection { seq_lower: 0.0, ..auto }, "seq_lower"),
+        (RolloutCorrection { seq_upper: f32::NAN, ..auto }, "seq_upper"),
+    ] {
+        let err = bad.resolve(false, 1.0, OldLogp::Recompute).unwrap_err().to_string();
+        assert!(err.contains(&format!("rollout_correction.{field}")), "{err}");
+    }
+}
+
+#[test]
 fn token_mask_by_hand() {
     // Row 0 (A = +1): p [0.001, 0.5, 0.001, 0.001], H [0.2, 0.1, 0.9, 0.3], last position padding.
     // Row 1 (A = -1): p [0.001, 0.001, 0.2, 0.2], H 0.1 everywhere, two response tokens.
@@ -341,7 +438,7 @@ fn the_record_is_what_the_update_used() {
     // stapo (the paper's reading): no dynamic sampling, tau_h over every response token.
     obj.mask = ObjectiveConfig::preset("stapo").unwrap().mask;
     obj.set("tau_p", "0.03").unwrap();
-    let cfg = UpdateConfig { objective: obj, micro_batch: 5, ..Default::default() };
+    let cfg = UpdateConfig { objective: obj, micro_batch: 5, token_grad_norms: true, ..Default::default() };
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
     let (rec, met) = (&out.record, &out.metrics);
@@ -377,6 +474,23 @@ fn check_rates(rec: &UpdateRecord, met: &UpdateMetrics, tau_p: f32) {
     assert!((met.candidates_per_10k - per(pos) * 1e4).abs() < 1e-2, "{}", met.candidates_per_10k);
     assert!((met.low_p_positive_share - per(pos)).abs() < 1e-6);
     assert!((met.low_p_negative_share - per(neg)).abs() < 1e-6);
+    let all_h: Vec<f32> = rec.entropy.iter().flatten().copied().collect();
+    assert_eq!(met.entropy_p99, crate::algo::quantile_linear(&all_h, 0.99));
+    assert!(met.entropy_p99 > Some(met.entropy), "{:?} vs mean {}", met.entropy_p99, met.entropy);
+    // With grad norms recorded: the candidates' share of Σ g, summed here from the record.
+    if rec.grad_norm.iter().any(|g| !g.is_empty()) {
+        let (mut cand, mut total) = (0f64, 0f64);
+        for i in (0..rec.p.len()).filter(|&i| rec.active[i]) {
+            for (&p, &g) in rec.p[i].iter().zip(&rec.grad_norm[i]) {
+                total += g as f64;
+                cand += if p < tau_p && rec.advantages[i] > 0.0 { g as f64 } else { 0.0 };
+            }
+        }
+        let got = met.candidate_grad_share.expect("S2T on: a candidate share");
+        assert!(cand > 0.0 && (got as f64 - cand / total).abs() < 1e-5, "{got} vs {}", cand / total);
+        let (t1, t10) = (met.top_1pct_grad_share.unwrap(), met.top_10_grad_share.unwrap());
+        assert!(met.top_grad_share.unwrap() <= t1 && t1 <= t10.max(t1) && t10 <= 1.0, "{met:?}");
+    }
 }
 
 /// The tiny model, one group of two sequences (prompt [5, 6, 7], response [8, 9],
@@ -447,10 +561,34 @@ fn logit_grad_norm_and_shares_by_hand() {
     let g = logit_grad_norm(2.0, 0.5, 14.0 / 36.0);
     assert!((g - 1.2472191).abs() < 1e-6, "{g}");
     assert_eq!(logit_grad_norm(0.0, 0.5, 0.4), 0.0);
-    // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4; top 0.01% of 5 tokens → 1 token, 5 → 0.5.
-    let (s, t) = grad_shares(&[5., 1., 0., 3., 1.], &[false, true, false, true, false], 1e-4);
-    assert!((s - 0.4).abs() < 1e-7 && (t - 0.5).abs() < 1e-7, "{s} {t}");
-    assert_eq!(grad_shares(&[0., 0.], &[true, false], 1e-4), (0.0, 0.0));
+    // g = [5, 1, 0, 3, 1] (sum 10), silenced 1 and 3 → 0.4, candidates 0 and 4 → 0.6; the top
+    // 0.01% and the top 1% of 5 tokens are 1 token (5 → 0.5); the top 10 are all 5 → 1.
+    let sh = grad_shares(
+        &[5., 1., 0., 3., 1.],
+        &[false, true, false, true, false],
+        &[true, false, false, false, true],
+    );
+    let want = GradShares { silenced: 0.4, candidates: 0.6, top_frac: 0.5, top_1pct: 0.5, top_10: 1.0 };
+    for (got, want) in [
+        (sh.silenced, want.silenced),
+        (sh.candidates, want.candidates),
+        (sh.top_frac, want.top_frac),
+        (sh.top_1pct, want.top_1pct),
+        (sh.top_10, want.top_10),
+    ] {
+        assert!((got - want).abs() < 1e-7, "{sh:?}");
+    }
+    assert_eq!(grad_shares(&[0., 0.], &[true, false], &[]), GradShares::default());
+    // g = 1..=250, shuffled (sum 31375): the top 1% is ceil(2.5) = 3 tokens (250 + 249 + 248),
+    // the top 10 are 241..=250 (2455), the top 0.01% is 1 token (250); flags may be short.
+    let mut g: Vec<f32> = (1..=250).map(|x| x as f32).collect();
+    g.reverse();
+    g.swap(0, 100);
+    let sh = grad_shares(&g, &[], &[]);
+    assert!((sh.top_1pct - 747.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert!((sh.top_10 - 2455.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert!((sh.top_frac - 250.0 / 31375.0).abs() < 1e-7, "{sh:?}");
+    assert_eq!((sh.silenced, sh.candidates), (0.0, 0.0));
 }
 
 #[test]
