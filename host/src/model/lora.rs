@@ -482,6 +482,23 @@ mod tests {
         }
     }
 
+    /// The base view (a LoRA run's KL reference) computes the base model's logits
+    /// after the adapters changed, and shares the base weights' storage.
+    #[test]
+    fn base_view_is_the_base_model_on_shared_weights() {
+        let mut m = tiny(DType::F32, 21);
+        let base = flat(&m.forward(&batch()).unwrap());
+        m.add_lora(&LoraConfig::new(2), 22).unwrap();
+        randomize(&m, 120);
+        assert_ne!(flat(&m.forward(&batch()).unwrap()), base);
+        let view = m.base_view();
+        assert!(!view.has_lora() && !view.base_frozen() && m.has_lora());
+        assert_eq!(flat(&view.forward(&batch()).unwrap()), base);
+        for ((n, a), (_, b)) in m.params().iter().zip(view.params().iter()) {
+            assert_eq!(a.as_tensor().id(), b.as_tensor().id(), "{n} copied");
+        }
+    }
+
     /// Gradients of a random functional of the hidden states with respect to
     /// every adapter, against central finite differences in f64, with and
     /// without recomputed layers; the base weights are in the graph but the

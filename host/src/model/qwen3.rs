@@ -385,6 +385,25 @@ impl Qwen3 {
         weight(v, grad)
     }
 
+    /// The base model under the adapters, sharing its weight storage (a `Var` clone is
+    /// the same tensor): the reference policy of a LoRA run's KL penalty without a
+    /// second copy of the weights. Valid while the base stays frozen.
+    pub fn base_view(&self) -> Qwen3 {
+        let layers = self.layers.iter().map(|l| Layer { lora: Default::default(), ..l.clone() }).collect();
+        Qwen3 {
+            cfg: self.cfg.clone(),
+            dtype: self.dtype,
+            device: self.device.clone(),
+            embed_tokens: self.embed_tokens.clone(),
+            layers,
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            inv_freq: self.inv_freq.clone(),
+            recompute: RecomputeCell::new(self.recompute()),
+            lora: None,
+        }
+    }
+
     /// True when the base weights are frozen (LoRA: only the adapters train).
     pub fn base_frozen(&self) -> bool {
         self.layers.first().is_some_and(|l| l.lora.frozen())

@@ -124,6 +124,18 @@ fn lora_run_trains_adapters_and_samples_the_trained_policy() {
     // The optimizer state covers the adapters alone.
     let opt = candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu).unwrap();
     assert!(opt.keys().all(|k| k.contains("lora_")), "{:?}", opt.keys().take(3).collect::<Vec<_>>());
+
+    // A KL penalty's reference is the frozen base under the adapters (shared, not reloaded):
+    // the run trains with it, and the base it shares stays the base.
+    let mut kl = cfg.clone();
+    kl.set.insert("kl".into(), "k3".into());
+    kl.set.insert("kl_beta".into(), "0.5".into());
+    let mut t = Trainer::new(kl, &dir.path().join("run-kl")).unwrap();
+    for _ in 0..2 {
+        let m = t.step(&t.default_plan(), None, None).unwrap();
+        assert!(m.update.loss.is_finite() && m.update.grad_norm > 0.0, "{:?}", m.update);
+    }
+    assert_eq!(flat(t.model(), false), flat(&base, false), "the shared base moved");
 }
 
 /// Two ranks (threads) train the same adapters as one process, and the two-rank

@@ -29,18 +29,21 @@ pub struct PolicyState {
 
 impl PolicyState {
     /// The policy `model` with a fresh optimizer, the rollout copy `cfg` asks for, and
-    /// (when `objective` has a KL penalty) the reference loaded again from `cfg.model`.
+    /// (when `objective` has a KL penalty) the reference: loaded again from `cfg.model`, or
+    /// with LoRA the frozen base under the adapters ([`Qwen3::base_view`]).
     ///
     /// With `cfg.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
     /// carries them already (a resumed LoRA checkpoint, whose rank and targets must be the
     /// configuration's); the optimizer then holds the adapters alone, and rollouts sample
     /// a copy with the adapters merged, refreshed after every update.
     pub fn new(cfg: &RunConfig, objective: &ObjectiveConfig, mut model: Qwen3) -> Result<Self> {
+        attach_lora(cfg, &mut model)?;
+        // With LoRA the reference is the frozen base itself (shared, not reloaded).
         let reference = match &objective.kl {
+            Some(kl) if kl.beta != 0.0 && model.has_lora() => Some(model.base_view()),
             Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, model.dtype(), model.device())?),
             _ => None,
         };
-        attach_lora(cfg, &mut model)?;
         let opt = AdamW::new(model.trainable_params(), cfg.adamw.clone())?;
         let rollout_copy = rollout_copy(cfg, &model)?;
         Ok(Self { model, opt, rollout_copy, reference, lora: cfg.lora.clone() })
