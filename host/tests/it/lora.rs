@@ -165,3 +165,71 @@ fn lora_two_ranks_train_as_one_and_resume() {
     let err = Trainer::resume(&two_dir).err().unwrap().to_string();
     assert!(err.contains("lora"), "{err}");
 }
+
+/// An adapter folder written by peft itself (`PeftModel.save_pretrained`, peft's own
+/// tensor names and config; `base_model_name_or_path` relative to the folder) loads
+/// here through `model::load` and gives PeftModel's logits. Fixture made once by hand
+/// (tests/fixtures/README.md); the adapter's B is random, so it moves the logits.
+#[test]
+fn peft_saved_adapter_gives_peft_logits() {
+    #[derive(serde::Deserialize)]
+    struct Expected {
+        ids: Vec<u32>,
+        logits: Vec<Vec<f64>>,
+        max_shift_from_base: f64,
+    }
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let exp: Expected =
+        serde_json::from_str(&std::fs::read_to_string(fx.join("peft-expected.json")).unwrap()).unwrap();
+    assert!(exp.max_shift_from_base > 1e-2, "the fixture's adapter must move the logits");
+    let logits_of = |m: &Qwen3| -> Vec<Vec<f32>> {
+        let batch = TokenBatch::left_padded(std::slice::from_ref(&exp.ids), 0, &Device::Cpu).unwrap();
+        let h = m.forward_hidden(&batch, model::Grad::Off).unwrap();
+        m.lm_head(&h, model::Grad::Off).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap()
+    };
+    let max_diff = |a: &[Vec<f32>]| -> f64 {
+        a.iter()
+            .flatten()
+            .zip(exp.logits.iter().flatten())
+            .map(|(x, y)| (*x as f64 - y).abs())
+            .fold(0.0, f64::max)
+    };
+    let m = model::load(&fx.join("peft-tiny-lora"), DType::F32, &Device::Cpu).unwrap();
+    assert!(m.base_frozen());
+    let d = max_diff(&logits_of(&m));
+    assert!(d < 1e-4, "peft adapter: max |logit - PeftModel's| = {d}");
+    // The base alone is off by the adapter's shift: the comparison can tell them apart.
+    let base = model::load(&fx.join("hf-tiny-tied"), DType::F32, &Device::Cpu).unwrap();
+    assert!(max_diff(&logits_of(&base)) > 1e-2);
+    // Written back by stapo: the same tensor names, shapes and values as peft wrote, and a
+    // config peft reads the same way (r, alpha, targets).
+    let out = tempdir();
+    let lora = m.lora_config().unwrap().clone();
+    model::peft::save_adapter(&m, &lora, &out.path().join("a"), "../hf-tiny-tied", None).unwrap();
+    let read =
+        |d: &Path| candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    let (ours, theirs) = (read(&out.path().join("a")), read(&fx.join("peft-tiny-lora")));
+    let mut names: Vec<_> = ours.keys().collect();
+    names.sort();
+    let mut want: Vec<_> = theirs.keys().collect();
+    want.sort();
+    assert_eq!(names, want);
+    for (k, t) in &ours {
+        let d = (t - &theirs[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{k}");
+    }
+    let cfg = |d: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("adapter_config.json")).unwrap()).unwrap()
+    };
+    let (c, w) = (cfg(&out.path().join("a")), cfg(&fx.join("peft-tiny-lora")));
+    for key in ["r", "lora_alpha", "peft_type", "use_rslora", "use_dora"] {
+        assert_eq!(c[key], w[key], "{key}");
+    }
+    let set = |v: &serde_json::Value| {
+        let mut t: Vec<String> =
+            v.as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+        t.sort();
+        t
+    };
+    assert_eq!(set(&c["target_modules"]), set(&w["target_modules"]));
+}
