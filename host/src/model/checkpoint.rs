@@ -237,11 +237,17 @@ pub fn write_model_files(
         msg: format!("cannot write: {e}"),
     })?;
     if let Some(src) = tokenizer_dir {
-        for f in TOKENIZER_FILES {
-            let from = src.join(f);
-            if from.is_file() && from != dir.join(f) {
-                std::fs::copy(&from, dir.join(f)).map_err(|e| Error::io(&from, e))?;
-            }
+        copy_tokenizer_files(src, dir)?;
+    }
+    Ok(())
+}
+
+/// Copies the tokenizer files ([`TOKENIZER_FILES`]) that `src` has into `dir`.
+pub(crate) fn copy_tokenizer_files(src: &Path, dir: &Path) -> Result<()> {
+    for f in TOKENIZER_FILES {
+        let from = src.join(f);
+        if from.is_file() && from != dir.join(f) {
+            std::fs::copy(&from, dir.join(f)).map_err(|e| Error::io(&from, e))?;
         }
     }
     Ok(())

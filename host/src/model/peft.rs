@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
 
-use super::checkpoint::{self, TOKENIZER_FILES};
+use super::checkpoint;
 use super::lora::{LoraConfig, Target};
 use super::qwen3::Qwen3;
 use crate::{Error, Result};
@@ -224,12 +224,7 @@ pub fn write_adapter_files(
     let cfg = dir.join(ADAPTER_CONFIG);
     std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))?;
     if let Some(src) = tokenizer_dir {
-        for f in TOKENIZER_FILES {
-            let from = src.join(f);
-            if from.is_file() && from != dir.join(f) {
-                std::fs::copy(&from, dir.join(f)).map_err(|e| Error::io(&from, e))?;
-            }
-        }
+        checkpoint::copy_tokenizer_files(src, dir)?;
     }
     Ok(())
 }
