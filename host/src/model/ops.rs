@@ -107,10 +107,40 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 /// Additive causal bias `(1, 1, L, S)` for `L` queries at global positions
 /// `offset..offset+L` over `S` keys: 0 where key `j <= offset + i`, else [`MASKED`].
+///
+/// On the CPU it is written directly; on other devices it is built there from
+/// two position vectors, so only `L + S` numbers cross to the device instead
+/// of `L x S` (one such mask per query block per layer per pass).
 pub fn causal_bias(l: usize, s: usize, offset: usize, device: &Device) -> Result<Tensor> {
-    let bias: Vec<f32> =
-        (0..l).flat_map(|i| (0..s).map(move |j| if j <= offset + i { 0.0 } else { MASKED })).collect();
-    Ok(Tensor::from_vec(bias, (1, 1, l, s), device)?)
+    if device.is_cpu() {
+        let bias: Vec<f32> =
+            (0..l).flat_map(|i| (0..s).map(move |j| if j <= offset + i { 0.0 } else { MASKED })).collect();
+        return Ok(Tensor::from_vec(bias, (1, 1, l, s), device)?);
+    }
+    causal_bias_ops(l, s, offset, device)
+}
+
+/// [`causal_bias`] from tensor ops on `device` (what non-CPU devices run).
+fn causal_bias_ops(l: usize, s: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let query = Tensor::arange(offset as u32, (offset + l) as u32, device)?.reshape((l, 1))?;
+    let key = Tensor::arange(0u32, s as u32, device)?.reshape((1, s))?;
+    let seen = key.broadcast_le(&query)?;
+    let open = Tensor::zeros((l, s), DType::F32, device)?;
+    let shut = Tensor::full(MASKED, (l, s), device)?;
+    Ok(seen.where_cond(&open, &shut)?.reshape((1, 1, l, s))?)
+}
+
+/// `t` `(B, H, S, D)` as a batched-matmul operand: itself when candle's
+/// matmul reads its layout as it is (rows of `D` contiguous, each head's
+/// rows adjacent, heads evenly spaced), as a narrowed KV cache is; otherwise
+/// a contiguous copy. Saves copying the whole cache at every decode step.
+fn matmul_operand(t: &Tensor) -> Result<Tensor> {
+    let (dims, stride) = (t.dims(), t.stride());
+    let readable = dims.len() == 4
+        && stride[3] == 1
+        && stride[2] == dims[3]
+        && (stride[0] == stride[1] * dims[1] || dims[0] == 1 || dims[1] == 1);
+    Ok(if readable { t.clone() } else { t.contiguous()? })
 }
 
 /// The attention mask of one forward pass: causal over global positions
@@ -198,8 +228,8 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_k
     let g = nq / n_kv;
     let dtype = q.dtype();
     let q = q.contiguous()?.reshape((b, n_kv, g * l, d))?;
-    let k = k.contiguous()?;
-    let v = v.contiguous()?;
+    let k = matmul_operand(k)?;
+    let v = matmul_operand(v)?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.reshape((b, nq, l, s))?;
     let scores =
         scores.to_dtype(compute_dtype(dtype))?.broadcast_add(&mask.to_dtype(compute_dtype(dtype))?)?;
@@ -431,6 +461,49 @@ mod tests {
                 "query blocks",
             );
         }
+    }
+
+    /// The causal bias other devices build from position vectors equals the
+    /// one written on the host, at offsets 0 and 7 and for a single query.
+    #[test]
+    fn causal_bias_from_ops_equals_the_host_one() {
+        for (l, s, off) in [(5, 5, 0), (4, 11, 7), (1, 9, 8)] {
+            let host = causal_bias(l, s, off, &Device::Cpu).unwrap();
+            let ops = causal_bias_ops(l, s, off, &Device::Cpu).unwrap();
+            assert_eq!(host.dims(), ops.dims());
+            let (h, o) = (
+                host.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                ops.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(h, o, "l {l} s {s} offset {off}");
+        }
+    }
+
+    /// Attention reads a narrowed KV cache `(B, Hkv, S, D)` out of a longer
+    /// buffer in place: [`matmul_operand`] keeps the view (no copy) and the
+    /// result equals attention over contiguous copies of the same keys.
+    #[test]
+    fn attention_reads_a_narrowed_cache_in_place() {
+        let (b, nq, nkv, s_max, s, d) = (3, 4, 2, 16, 9, 8);
+        let q = randn(&[b, nq, 1, d], DType::F64, 7);
+        let ck = randn(&[b, nkv, s_max, d], DType::F64, 8);
+        let cv = randn(&[b, nkv, s_max, d], DType::F64, 9);
+        let (k, v) = (ck.narrow(2, 0, s).unwrap(), cv.narrow(2, 0, s).unwrap());
+        assert!(!k.is_contiguous());
+        let kept = matmul_operand(&k).unwrap();
+        assert!(!kept.is_contiguous(), "the narrowed cache was copied");
+        assert_eq!(kept.stride(), k.stride());
+        // A transposed view (how v comes out of the projection) is copied.
+        assert!(matmul_operand(&k.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap())
+            .unwrap()
+            .is_contiguous());
+        let mask = causal_bias(1, s, s - 1, &Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+        let got = attention_composed(q.as_tensor(), &k, &v, &mask, nkv).unwrap();
+        let want =
+            attention_composed(q.as_tensor(), &k.contiguous().unwrap(), &v.contiguous().unwrap(), &mask, nkv)
+                .unwrap();
+        let e = crate::model::fused::test_util::rel_err(&got, &want);
+        assert!(e < 1e-12, "strided cache attention differs by {e:e}");
     }
 
     /// bf16 query blocks against the f64 dense attention on the same values.
