@@ -1,7 +1,50 @@
-//! Fixtures shared by the integration tests: tiny random models built in milliseconds.
+//! Fixtures shared by the integration tests: tiny random models built in milliseconds,
+//! and trainers run on in-process ranks.
+
+use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use stapo::dist::{Comm, Local, ThreadComm};
 use stapo::model::{self, Config, Qwen3};
+use stapo::train::{RunConfig, StepMetrics, Trainer};
+
+/// `steps` steps of `cfg` on `ranks` in-process ranks (threads sharing a
+/// `ThreadComm` group; one rank is `Local`), from scratch into `dir` or
+/// resumed from it; `done` reads each rank's trainer after its last step.
+/// Returns every rank's step metrics and result, rank 0 first.
+pub fn on_ranks<T: Send>(
+    ranks: usize,
+    cfg: &RunConfig,
+    dir: &Path,
+    (steps, resume): (usize, bool),
+    done: impl Fn(&Trainer) -> T + Sync,
+) -> Vec<(Vec<StepMetrics>, T)> {
+    let comms: Vec<Arc<dyn Comm>> = if ranks == 1 {
+        vec![Arc::new(Local)]
+    } else {
+        ThreadComm::group(ranks).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect()
+    };
+    let done = &done;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut t = if resume {
+                        Trainer::resume_on(c, dir).unwrap()
+                    } else {
+                        Trainer::new_on(c, cfg.clone(), dir).unwrap()
+                    };
+                    let metrics =
+                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+                    (metrics, done(&t))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
 
 /// A 2-layer, 64-wide Qwen3 configuration.
 pub fn tiny_config(tied: bool) -> Config {

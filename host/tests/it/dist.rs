@@ -11,10 +11,10 @@ use std::process::Command;
 use std::sync::Arc;
 
 use stapo::data::PromptTemplate;
-use stapo::dist::{Comm, Local, ThreadComm};
+use stapo::dist::Local;
 use stapo::train::{LrSchedule, RunConfig, StepMetrics, Trainer};
 
-use crate::common::tempdir;
+use crate::common::{on_ranks, tempdir};
 
 /// Weights may differ by float summation order only: gradients summed over two
 /// ranks instead of one pass, normalisers and metrics reduced in f64.
@@ -80,29 +80,7 @@ fn train_on(
     steps: usize,
     resume: bool,
 ) -> (Vec<StepMetrics>, Vec<Vec<f32>>) {
-    let comms: Vec<Arc<dyn Comm>> = if ranks == 1 {
-        vec![Arc::new(Local)]
-    } else {
-        ThreadComm::group(ranks).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect()
-    };
-    let out: Vec<(Vec<StepMetrics>, Vec<f32>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut t = if resume {
-                        Trainer::resume_on(c, dir).unwrap()
-                    } else {
-                        Trainer::new_on(c, cfg.clone(), dir).unwrap()
-                    };
-                    let ms: Vec<StepMetrics> =
-                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
-                    (ms, weights(&t))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let out = on_ranks(ranks, cfg, dir, (steps, resume), weights);
     let metrics = out[0].0.clone();
     (metrics, out.into_iter().map(|o| o.1).collect())
 }

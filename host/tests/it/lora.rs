@@ -3,15 +3,13 @@
 //! and a peft-format checkpoint resumes adapters and their optimizer state.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use stapo::data::PromptTemplate;
-use stapo::dist::{Comm, Local, ThreadComm};
 use stapo::model::{self, LoraConfig, Qwen3, TokenBatch};
 use stapo::train::{LrSchedule, RunConfig, Trainer};
 
-use crate::common::tempdir;
+use crate::common::{on_ranks, tempdir};
 
 /// The bundled tiny Qwen3 (about 43% right on held-out arithmetic, so groups have mixed
 /// rewards), STAPO with S2T candidates, several mini- and micro-batches, rank-4 adapters.
@@ -57,30 +55,10 @@ fn train_on(
     steps: usize,
     resume: bool,
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let comms: Vec<Arc<dyn Comm>> = if ranks == 1 {
-        vec![Arc::new(Local)]
-    } else {
-        ThreadComm::group(ranks).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect()
-    };
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let mut t = if resume {
-                        Trainer::resume_on(c, dir).unwrap()
-                    } else {
-                        Trainer::new_on(c, cfg.clone(), dir).unwrap()
-                    };
-                    for _ in 0..steps {
-                        t.step(&t.default_plan(), None, None).unwrap();
-                    }
-                    (flat(t.model(), true), flat(t.model(), false))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    on_ranks(ranks, cfg, dir, (steps, resume), |t| (flat(t.model(), true), flat(t.model(), false)))
+        .into_iter()
+        .map(|(_, w)| w)
+        .collect()
 }
 
 /// Log-softmax of every position of a few rows under `m`.
