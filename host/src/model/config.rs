@@ -6,7 +6,7 @@
 //! value asks for math this model does not implement (rope scaling, sliding-window
 //! attention, another activation, attention biases, dropout, another model type,
 //! quantized weights): loading such a checkpoint anyway would give wrong logits
-//! without a word ([`unsupported`]).
+//! without a word (`unsupported`).
 
 use std::path::Path;
 

@@ -1,5 +1,5 @@
-//! One Qwen3 decoder layer: its weights ([`Layer`]), what it reads besides them
-//! ([`LayerCtx`]), and its two halves (attention, MLP) as functions over any
+//! One Qwen3 decoder layer: its weights (`Layer`), what it reads besides them
+//! (`LayerCtx`), and its two halves (attention, MLP) as functions over any
 //! range of positions. `qwen3.rs` stacks layers; `recompute.rs` reruns them in
 //! the backward pass; both depend on this file, which depends on neither.
 //!

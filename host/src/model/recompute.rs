@@ -8,13 +8,13 @@
 //! layer, its backward reruns the layer on a copy of `x` and takes `dx` and the
 //! weights' gradients from that nested backward. The weight gradients reach
 //! the outer graph through `token`, a scalar zero computed from every weight
-//! of the layer by [`Inject`] nodes: `token` is an input of the layer op, so
-//! candle runs the layer's backward first and the [`Inject`] backwards after
+//! of the layer by `Inject` nodes: `token` is an input of the layer op, so
+//! candle runs the layer's backward first and the `Inject` backwards after
 //! it, and each hands its weight the gradient the layer's backward left in a
 //! shared stash. The recomputation repeats the same kernels on the same
 //! inputs, so the gradients equal those of the plain graph.
 //!
-//! The ops' forwards hand candle a precomputed output ([`super::held`]) on
+//! The ops' forwards hand candle a precomputed output (`held.rs`) on
 //! whichever backend the inputs live, so this serves every device and dtype.
 
 use std::sync::atomic::{AtomicU8, Ordering};

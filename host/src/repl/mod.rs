@@ -2,7 +2,7 @@
 //!
 //! Input is collected until braces, brackets and parentheses balance
 //! (multi-line functions and maps), then evaluated in one
-//! [`Session`](crate::script::session::Session) (variables and functions
+//! [`crate::script::session::Session`] (variables and functions
 //! persist). Commands start with `:` so they never clash with variables:
 //!
 //! | command | does |

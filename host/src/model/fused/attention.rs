@@ -720,7 +720,7 @@ impl Kernel<2> for BlockwiseBwd {
     }
 }
 
-/// Blockwise causal grouped-query attention (see [`Blockwise`]): q `(B, Hq, L, D)`,
+/// Blockwise causal grouped-query attention (see `Blockwise`): q `(B, Hq, L, D)`,
 /// k/v `(B, Hkv, S, D)`, `key_bias` an additive bias per key broadcastable to
 /// `(B, S)`; query `i` sees keys `j <= offset + i`. Returns `(B, L, Hq * D)`.
 /// A query whose visible keys are all masked by the bias gets an average of
