@@ -14,6 +14,7 @@ pub mod data;
 pub mod dist;
 pub mod error;
 pub mod eval;
+pub mod guard;
 pub mod model;
 pub mod repl;
 pub mod reward;

@@ -101,6 +101,9 @@ pub fn generate_with(
     if hooks.max_rows == 0 {
         return Err(Error::invalid("generate: max_rows must be at least 1"));
     }
+    // Lengths and memory bounded before anything is allocated (rollout::bounds).
+    let rows = (prompts.len() * params.n).min((hooks.max_rows / params.n).max(1) * params.n);
+    super::bounds::check_generation(model.config(), model.dtype(), model.device().is_cpu(), prompts, params, rows)?;
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
     let run = Run {
         model,

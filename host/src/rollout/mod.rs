@@ -14,6 +14,7 @@
 //! tokens, stop ids, generation, decoded text) used by every caller.
 
 pub mod batch;
+pub mod bounds;
 pub mod device;
 pub mod generate;
 pub mod generator;
@@ -22,7 +23,7 @@ pub mod sampler;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
 pub use generate::{bench_generate, generate, generate_with, GenerateHooks};
-pub use generator::{Generation, Generator};
+pub use generator::{check_vocab, Generation, Generator};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};
 

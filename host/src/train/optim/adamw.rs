@@ -8,17 +8,22 @@ use candle_core::{DType, Tensor, Var};
 use serde::Serialize;
 
 use super::config::AdamWConfig;
-use super::kernels::{fused_supported, grad_sum_sq, update_fused};
+use super::kernels::{fused_stays_finite, fused_supported, grad_sum_sq, update_fused};
 use super::state::{hyper, Hyper, ParamState};
 use crate::{Error, Result};
 
 /// What one call to [`AdamW::step`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepReport {
     /// Global L2 norm of all gradients, before clipping (may be NaN/inf).
     pub grad_norm: f64,
-    /// True when the gradient norm was not finite and nothing was changed.
+    /// True when the gradient norm, or the updated value of a parameter or moment, was
+    /// not finite, and nothing was changed.
     pub skipped: bool,
+    /// The first parameter whose update would have left a non-finite weight or moment
+    /// (e.g. a learning rate so large that weight decay overflows); `None` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nonfinite_param: Option<String>,
     /// The factor the gradients were scaled by (1 when not clipped, 0 when skipped).
     pub clip_coef: f64,
     /// Parameters that had no gradient in the store, and were left untouched.
@@ -131,10 +136,13 @@ impl AdamW {
 
     /// One AdamW step at learning rate `lr` (the caller applies the schedule).
     ///
-    /// Computes the global gradient norm; if it is not finite, warns on stderr and
-    /// returns `skipped = true` with weights, moments and step counts untouched.
-    /// Otherwise clips (as a scale folded into the update) and updates every
-    /// parameter that has a gradient; parameters without one are counted in the
+    /// Computes the global gradient norm; if it is not finite, returns `skipped = true`
+    /// with weights, moments and step counts untouched. Otherwise clips (as a scale
+    /// folded into the update) and checks, in a read-only pass with the update's own
+    /// arithmetic, that every new weight and moment would be finite: if one would not
+    /// (a learning rate so large that weight decay overflows), it returns `skipped =
+    /// true` naming the parameter, again with nothing changed. Otherwise it updates
+    /// every parameter that has a gradient; parameters without one are counted in the
     /// report and left as they are.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepReport> {
         if !(lr.is_finite() && lr >= 0.0) {
@@ -146,6 +154,7 @@ impl AdamW {
             return Ok(StepReport {
                 grad_norm,
                 skipped: true,
+                nonfinite_param: None,
                 clip_coef: 0.0,
                 n_params_without_grad: missing,
             });
@@ -154,6 +163,15 @@ impl AdamW {
             Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
             None => 1.0,
         };
+        if let Some(name) = self.first_nonfinite_update(grads, lr, clip_coef)? {
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+                nonfinite_param: Some(name),
+                clip_coef: 0.0,
+                n_params_without_grad: missing,
+            });
+        }
         let cfg = self.cfg.clone();
         let force_generic = self.force_generic;
         for p in &mut self.params {
@@ -167,7 +185,28 @@ impl AdamW {
             }
         }
         self.step += 1;
-        Ok(StepReport { grad_norm, skipped: false, clip_coef, n_params_without_grad: missing })
+        Ok(StepReport { grad_norm, skipped: false, nonfinite_param: None, clip_coef, n_params_without_grad: missing })
+    }
+
+    /// The first parameter whose update at `lr` (gradients scaled by `clip_coef`) would
+    /// leave a non-finite weight or moment, computed as [`AdamW::step`] would compute it,
+    /// without writing anything: the guard that keeps a diverging step from ever reaching
+    /// the weights, at the cost of one read-only pass over them.
+    fn first_nonfinite_update(&self, grads: &GradStore, lr: f64, clip_coef: f64) -> Result<Option<String>> {
+        for p in &self.params {
+            let Some(g) = grads.get(&p.var) else { continue };
+            let h = hyper(&self.cfg, lr, p.steps + 1, p.decay, clip_coef);
+            let finite = if !self.force_generic && fused_supported(&p.var) {
+                fused_stays_finite(p, g, &h)?
+            } else {
+                let (m, v, w) = generic_new_values(p, g, &h)?;
+                all_finite(&m)? && all_finite(&v)? && all_finite(&w)?
+            };
+            if !finite {
+                return Ok(Some(p.name.clone()));
+            }
+        }
+        Ok(None)
     }
 
     /// The optimizer state as named tensors, for `optimizer.safetensors`:
@@ -251,6 +290,22 @@ impl AdamW {
 /// The same update composed of candle ops, for CUDA/Metal and unusual dtypes or
 /// layouts. Correct everywhere, but allocates temporaries. Arithmetic in f32.
 fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
+    let (m_new, v_new, p_new) = generic_new_values(p, g, h)?;
+    p.m.set(&m_new)?;
+    p.v.set(&v_new)?;
+    p.var.set(&p_new)?;
+    Ok(())
+}
+
+/// Whether every element of `t` is finite: `t - t` is 0 for a finite element and NaN
+/// otherwise, and NaN survives the sum (a plain sum of finite values could overflow).
+pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
+    let t = t.to_dtype(DType::F32)?;
+    Ok((&t - &t)?.sum_all()?.to_scalar::<f32>()? == 0.0)
+}
+
+/// The new (first moment, second moment, parameter) of the device-generic update.
+fn generic_new_values(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<(Tensor, Tensor, Tensor)> {
     let (clip, b1, b2) = (h.clip as f64, h.b1 as f64, h.b2 as f64);
     let g = g.to_device(p.var.device())?.to_dtype(DType::F32)?;
     let m_new = (p.m.affine(b1, 0.0)? + g.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
@@ -258,10 +313,7 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     let denom = v_new.sqrt()?.affine(h.inv_sqrt_bc2 as f64, h.eps as f64)?;
     let upd = (m_new.clone() / denom)?.affine(h.step_size as f64, 0.0)?;
     let p_new = (p.var.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?.to_dtype(p.var.dtype())?;
-    p.m.set(&m_new)?;
-    p.v.set(&v_new)?;
-    p.var.set(&p_new)?;
-    Ok(())
+    Ok((m_new, v_new, p_new))
 }
 
 #[cfg(test)]

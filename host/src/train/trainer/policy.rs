@@ -119,8 +119,7 @@ impl PolicyState {
 
     fn save_optimizer(&self, dir: &Path) -> Result<()> {
         let opt: HashMap<String, Tensor> = self.opt.state_tensors()?.into_iter().collect();
-        candle_core::safetensors::save(&opt, dir.join("optimizer.safetensors"))?;
-        Ok(())
+        checkpoint::save_safetensors(&opt, &dir.join("optimizer.safetensors"))
     }
 
     /// Restores the optimizer state of checkpoint `dir`, written at `step`.

@@ -47,6 +47,10 @@ pub struct UpdateMetrics {
     /// Optimizer steps taken and skipped (non-finite loss or gradient).
     pub optimizer_steps: usize,
     pub skipped_steps: usize,
+    /// Why each skipped optimizer step was skipped, naming the quantity that was not
+    /// finite (`loss is NaN`, `gradient norm is inf`, `updated weights of <param>`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skip_reasons: Vec<String>,
     /// Token id → times silenced in this update, most frequent first.
     pub silenced_token_ids: Vec<(u32, usize)>,
     /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.
