@@ -119,16 +119,35 @@ fn deserialize<T: DeserializeOwned>(what: &str, base: &Value, over: Value) -> Rh
     if msg.starts_with("unknown field") || msg.starts_with("unknown variant") {
         return Err(bad_arg(what, msg));
     }
-    if let Value::Object(o) = over {
-        for (k, x) in o {
-            let mut one = base.clone();
-            merge_json(&mut one, Value::Object([(k.clone(), x)].into_iter().collect()));
-            if let Err(e) = serde_json::from_value::<T>(one) {
-                return Err(bad_arg(what, format!("`{k}`: {e}")));
-            }
-        }
+    match failing_key::<T>(base, &over, &mut Vec::new()) {
+        Some(found) => Err(bad_arg(what, found)),
+        None => Err(bad_arg(what, msg)),
     }
-    Err(bad_arg(what, msg))
+}
+
+/// The key of `over` (dotted, into nested maps: `sampling.n`) whose value alone makes
+/// `base` fail to convert to `T`, with serde's message; `path` is the map being searched.
+fn failing_key<T: DeserializeOwned>(base: &Value, over: &Value, path: &mut Vec<String>) -> Option<String> {
+    let Value::Object(o) = over else { return None };
+    for (k, x) in o {
+        let mut one = base.clone();
+        let nested = path.iter().rev().fold(
+            Value::Object([(k.clone(), x.clone())].into_iter().collect()),
+            |acc, p| Value::Object([(p.clone(), acc)].into_iter().collect()),
+        );
+        merge_json(&mut one, nested);
+        let Err(e) = serde_json::from_value::<T>(one) else { continue };
+        if x.is_object() {
+            path.push(k.clone());
+            if let Some(found) = failing_key::<T>(base, x, path) {
+                return Some(found);
+            }
+            path.pop();
+        }
+        let full: Vec<&str> = path.iter().map(String::as_str).chain([k.as_str()]).collect();
+        return Some(format!("`{}`: {e}", full.join(".")));
+    }
+    None
 }
 
 /// `SamplingParams` from a script map laid over `base` (`n`, `temperature`,

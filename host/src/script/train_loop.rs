@@ -98,9 +98,8 @@ pub fn run_config(host: &Host, cfg: &Map) -> RhaiResult<RunConfig> {
         }
     }
     apply_args(host, &mut v)?;
-    let mut base = serde_json::to_value(RunConfig::default()).map_err(host_err)?;
-    super::convert::merge_json(&mut base, v);
-    let mut rc: RunConfig = serde_json::from_value(base).map_err(|e| bad_arg("train config", e))?;
+    // A value that does not convert is named by its key (`sampling.n`, `lr`).
+    let mut rc: RunConfig = super::convert::overlay("train config", &RunConfig::default(), v)?;
     if host.opts.smoke {
         smoke_clamp(&mut rc);
     }

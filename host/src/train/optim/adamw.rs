@@ -148,6 +148,17 @@ impl AdamW {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
         }
+        // Decoupled decay multiplies weights by 1 - lr * wd: at >= 1 every weight flips sign
+        // and grows by that factor each step (finite, so no later check would catch it).
+        if self.cfg.weight_decay > 0.0 && lr * self.cfg.weight_decay >= 1.0 {
+            return Err(Error::invalid(format!(
+                "adamw: learning rate {lr:e} times weight_decay {} is {:e}, at least 1: weight decay would \
+                 multiply every weight by {:e}; lower `lr` (or `adamw.weight_decay`)",
+                self.cfg.weight_decay,
+                lr * self.cfg.weight_decay,
+                1.0 - lr * self.cfg.weight_decay
+            )));
+        }
         let (grad_norm, missing) = self.grad_norm(grads)?;
         if !grad_norm.is_finite() {
             // The caller reports it (the library prints nothing): `report.skipped`.
