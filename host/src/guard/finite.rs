@@ -124,6 +124,9 @@ mod tests {
         let with_nan: HashMap<String, _> = [("a".to_string(), good), ("b.exp_avg".to_string(), bad)].into();
         candle_core::safetensors::save(&with_nan, dir.path().join("optimizer.safetensors")).unwrap();
         let e = check_folder_finite(dir.path(), "checkpoint step-000001").unwrap_err().to_string();
-        assert!(e.contains("`b.exp_avg`") && e.contains("optimizer.safetensors") && e.contains("2 non-finite"), "{e}");
+        assert!(
+            e.contains("`b.exp_avg`") && e.contains("optimizer.safetensors") && e.contains("2 non-finite"),
+            "{e}"
+        );
     }
 }

@@ -48,7 +48,8 @@ fn entries(dir: &Path, n: usize) -> Result<(Vec<String>, usize)> {
 /// `a, b, c (and 4 more)`.
 fn listing(dir: &Path) -> Result<String> {
     let (names, total) = entries(dir, 5)?;
-    let more = if total > names.len() { format!(" (and {} more)", total - names.len()) } else { String::new() };
+    let more =
+        if total > names.len() { format!(" (and {} more)", total - names.len()) } else { String::new() };
     Ok(format!("{}{more}", names.join(", ")))
 }
 
@@ -64,7 +65,10 @@ pub fn claim_new_run_folder(dir: &Path) -> Result<()> {
         )));
     }
     if dir.exists() && !dir.is_dir() {
-        return Err(Error::invalid(format!("{}: exists and is not a folder; pick another run folder", dir.display())));
+        return Err(Error::invalid(format!(
+            "{}: exists and is not a folder; pick another run folder",
+            dir.display()
+        )));
     }
     if dir.is_dir() && !is_run_folder(dir) && entries(dir, 0)?.1 > 0 {
         return Err(Error::invalid(format!(
@@ -77,6 +81,16 @@ pub fn claim_new_run_folder(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let text = format!("{{\"made_by\": \"stapo {}\"}}\n", env!("CARGO_PKG_VERSION"));
     crate::util::write_file_atomically(&dir.join(RUN_MARKER), text.as_bytes())
+}
+
+/// Makes `dir` a stapo run folder unless it is one already (a script writing into its run
+/// folder before `train` creates the run there): new or empty folders get the marker, a
+/// non-empty folder that is not a stapo run is refused as [`claim_new_run_folder`] does.
+pub fn claim_run_folder(dir: &Path) -> Result<()> {
+    if is_run_folder(dir) {
+        return Ok(());
+    }
+    claim_new_run_folder(dir)
 }
 
 /// Checks that `stapo <command>` may write the model folder `out`: never one of its
@@ -174,7 +188,11 @@ impl RunLock {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
-                let who = if holder.is_empty() { "another process".to_string() } else { format!("process {holder}") };
+                let who = if holder.is_empty() {
+                    "another process".to_string()
+                } else {
+                    format!("process {holder}")
+                };
                 return Err(Error::invalid(format!(
                     "{} is in use: {who} is training in it (it holds the lock {}); wait for it to end \
                      or stop it before running or resuming this folder again",

@@ -267,8 +267,16 @@ fn check_unused(unused: &[String], files: &str) -> Result<()> {
         return Ok(());
     }
     let shown: Vec<&str> = unused.iter().take(10).map(String::as_str).collect();
-    let more = if unused.len() > shown.len() { format!(" and {} more", unused.len() - shown.len()) } else { String::new() };
-    let msg = format!("{} tensor(s) of {files} are not used by the model: {}{more}", unused.len(), shown.join(", "));
+    let more = if unused.len() > shown.len() {
+        format!(" and {} more", unused.len() - shown.len())
+    } else {
+        String::new()
+    };
+    let msg = format!(
+        "{} tensor(s) of {files} are not used by the model: {}{more}",
+        unused.len(),
+        shown.join(", ")
+    );
     if crate::guard::allow_unused_tensors() {
         crate::guard::note(format!("{msg} (ignored: --allow-unused)"));
         return Ok(());

@@ -297,12 +297,15 @@ mod tests {
         let r = Repl::new(HostOptions::default(), true, None);
         let s = r.session();
         // Complete, though brackets inside literals and comments do not balance.
-        for src in ["let c = '{';\n", "let s = \"}\"; // {\n", "#{ a: [1,\n 2] }\n", "1 +\n 2\n", "let x = 1"] {
+        for src in ["let c = '{';\n", "let s = \"}\"; // {\n", "#{ a: [1,\n 2] }\n", "1 +\n 2\n", "let x = 1"]
+        {
             assert!(s.is_complete(src), "{src:?}");
         }
         // Incomplete: open constructs at the end, a `}` inside a string of an open function,
         // a multi-line backtick string.
-        for src in ["fn f(x) {\n", "fn f() {\n  let s = \"}\";\n", "let t = `line one\n", "foo(1,\n", "let y =\n"] {
+        for src in
+            ["fn f(x) {\n", "fn f() {\n  let s = \"}\";\n", "let t = `line one\n", "foo(1,\n", "let y =\n"]
+        {
             assert!(!s.is_complete(src), "{src:?}");
         }
         // A real error in the middle is complete input (reported, not waited on).

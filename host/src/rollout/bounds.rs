@@ -34,7 +34,10 @@ pub fn check_generation(
     for (i, p) in prompts.iter().enumerate() {
         if p.len() + max_new > limit {
             let what = if p.len() >= limit {
-                format!("prompt {i} has {} tokens, more than the model's max_position_embeddings ({limit})", p.len())
+                format!(
+                    "prompt {i} has {} tokens, more than the model's max_position_embeddings ({limit})",
+                    p.len()
+                )
             } else {
                 format!(
                     "prompt {i} ({} tokens) plus max_tokens ({max_new}) is {} positions, more than the model's \
@@ -65,7 +68,8 @@ pub fn check_generation(
 
 /// Bytes of keys and values for `rows` sequences of `positions` positions.
 pub fn kv_cache_bytes(cfg: &Config, dtype: DType, rows: usize, positions: usize) -> u128 {
-    let per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes();
+    let per_position =
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes();
     per_position as u128 * rows as u128 * positions as u128
 }
 

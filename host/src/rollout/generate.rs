@@ -103,7 +103,14 @@ pub fn generate_with(
     }
     // Lengths and memory bounded before anything is allocated (rollout::bounds).
     let rows = (prompts.len() * params.n).min((hooks.max_rows / params.n).max(1) * params.n);
-    super::bounds::check_generation(model.config(), model.dtype(), model.device().is_cpu(), prompts, params, rows)?;
+    super::bounds::check_generation(
+        model.config(),
+        model.dtype(),
+        model.device().is_cpu(),
+        prompts,
+        params,
+        rows,
+    )?;
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
     let run = Run {
         model,

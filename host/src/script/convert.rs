@@ -131,10 +131,12 @@ fn failing_key<T: DeserializeOwned>(base: &Value, over: &Value, path: &mut Vec<S
     let Value::Object(o) = over else { return None };
     for (k, x) in o {
         let mut one = base.clone();
-        let nested = path.iter().rev().fold(
-            Value::Object([(k.clone(), x.clone())].into_iter().collect()),
-            |acc, p| Value::Object([(p.clone(), acc)].into_iter().collect()),
-        );
+        let nested = path
+            .iter()
+            .rev()
+            .fold(Value::Object([(k.clone(), x.clone())].into_iter().collect()), |acc, p| {
+                Value::Object([(p.clone(), acc)].into_iter().collect())
+            });
         merge_json(&mut one, nested);
         let Err(e) = serde_json::from_value::<T>(one) else { continue };
         if x.is_object() {

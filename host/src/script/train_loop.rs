@@ -361,7 +361,10 @@ fn expect_map(host: &Host, name: &str, v: Dynamic) -> Result<Map> {
 fn with_checkpoint(e: Error, ckpt: &Result<String>, run_dir: &Path) -> Error {
     let note = match ckpt {
         Ok(p) if !p.is_empty() => {
-            format!("; the run is checkpointed at {p} (stapo run --resume {} continues it)", run_dir.display())
+            format!(
+                "; the run is checkpointed at {p} (stapo run --resume {} continues it)",
+                run_dir.display()
+            )
         }
         Ok(_) => format!("; no step completed, so no checkpoint (run folder {})", run_dir.display()),
         Err(c) => format!("; the checkpoint after the failure could not be written either: {c}"),

@@ -488,7 +488,8 @@ impl Trainer {
         let (outcome, objective) = self.train_on(plan, &seqs, &mut warnings)?;
         // A skipped update left the weights as they were; too many in a row stop the run
         // (after this step's metrics are logged).
-        let stop = self.streak.observe(step, &outcome.metrics.skip_reasons, self.cfg.guard.max_nonfinite_steps);
+        let stop =
+            self.streak.observe(step, &outcome.metrics.skip_reasons, self.cfg.guard.max_nonfinite_steps);
         let mut um = outcome.metrics;
         let groups_dropped =
             self.batch_figures(&batch.all_seqs, &seqs, &objective, batch.groups_dropped, &mut um)?;

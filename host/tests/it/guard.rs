@@ -68,7 +68,10 @@ fn nothing_lost_01_nan_step_is_skipped() {
     // Logged with its reason, and the checkpoints (steps 1-3) hold finite weights.
     let lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), 3);
-    assert!(lines.lines().all(|l| l.contains("\"skipped_steps\":1") && l.contains("skip_reasons")), "{lines}");
+    assert!(
+        lines.lines().all(|l| l.contains("\"skipped_steps\":1") && l.contains("skip_reasons")),
+        "{lines}"
+    );
     let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
     assert_eq!(latest.trim(), "step-000003");
     check_folder_finite(&run.join("checkpoints").join(latest.trim()), "latest").unwrap();
@@ -130,7 +133,11 @@ fn nothing_lost_02_init_and_update_refuse_a_folder_they_did_not_create() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--force") && err.contains("model.safetensors"), "{err}");
-    assert_eq!(std::fs::read(model.join("model.safetensors")).unwrap(), weights, "init overwrote the weights");
+    assert_eq!(
+        std::fs::read(model.join("model.safetensors")).unwrap(),
+        weights,
+        "init overwrote the weights"
+    );
     // The same folder spelt another way is still --model.
     let alias = dir.path().join("model/../model");
     let out = stapo_bin()
@@ -263,7 +270,10 @@ fn crashes_11_max_tokens_and_memory_are_bounded_before_allocation() {
 #[test]
 fn nothing_silent_10_prompt_longer_than_the_positions_is_reported() {
     let e = gen(&tiny(), &[vec![2; 5], vec![2; 130]], &SamplingParams::greedy(4));
-    assert!(e.contains("prompt 1 has 130 tokens, more than the model's max_position_embeddings (128)"), "{e}");
+    assert!(
+        e.contains("prompt 1 has 130 tokens, more than the model's max_position_embeddings (128)"),
+        "{e}"
+    );
 }
 
 /// Item 11: a 10 MB data line is a bad line named by file:line, never a prompt.
@@ -273,11 +283,21 @@ fn crashes_11_ten_megabyte_data_line_is_rejected_with_its_line() {
     let dir = tempdir();
     let path = dir.path().join("d.jsonl");
     let huge = "7+".repeat(5_000_000);
-    std::fs::write(&path, format!("{{\"problem\": \"1+1\", \"answer\": \"2\"}}\n{{\"problem\": \"{huge}1\", \"answer\": \"1\"}}\n"))
-        .unwrap();
+    std::fs::write(
+        &path,
+        format!(
+            "{{\"problem\": \"1+1\", \"answer\": \"2\"}}\n{{\"problem\": \"{huge}1\", \"answer\": \"1\"}}\n"
+        ),
+    )
+    .unwrap();
     let (ds, warns) = Dataset::load(&path, &DatasetOptions::default()).unwrap();
     assert_eq!(ds.len(), 1);
-    assert!(warns.len() == 1 && warns[0].contains(&format!("{}:2", path.display())) && warns[0].contains("10.0 MB"), "{warns:?}");
+    assert!(
+        warns.len() == 1
+            && warns[0].contains(&format!("{}:2", path.display()))
+            && warns[0].contains("10.0 MB"),
+        "{warns:?}"
+    );
     let strict = DatasetOptions { bad_lines: BadLinePolicy::Reject, ..Default::default() };
     let e = Dataset::load(&path, &strict).unwrap_err().to_string();
     assert!(e.starts_with(&format!("{}:2:", path.display())), "{e}");
@@ -308,13 +328,19 @@ fn model_folder_08_checks_at_load() {
     fewer["num_hidden_layers"] = 1.into();
     write_folder(&dir.path().join("fewer"), &fewer, &tensors);
     let e = load(&dir.path().join("fewer")).unwrap_err();
-    assert!(e.contains("`num_hidden_layers`: declares 1 decoder layers but the weights") && e.contains("hold 2"), "{e}");
+    assert!(
+        e.contains("`num_hidden_layers`: declares 1 decoder layers but the weights") && e.contains("hold 2"),
+        "{e}"
+    );
     // A tensor the model does not use.
     let mut extra = tensors.clone();
     extra.insert("model.mystery.weight".into(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
     write_folder(&dir.path().join("extra"), &cfg, &extra);
     let e = load(&dir.path().join("extra")).unwrap_err();
-    assert!(e.contains("1 tensor(s)") && e.contains("model.mystery.weight") && e.contains("--allow-unused"), "{e}");
+    assert!(
+        e.contains("1 tensor(s)") && e.contains("model.mystery.weight") && e.contains("--allow-unused"),
+        "{e}"
+    );
     guard::set_allow_unused_tensors(true);
     let allowed = load(&dir.path().join("extra"));
     guard::set_allow_unused_tensors(false);
@@ -332,8 +358,11 @@ fn model_folder_08_checks_at_load() {
     std::fs::rename(sharded.join("model.safetensors"), dir.path().join("outside.safetensors")).unwrap();
     let map: serde_json::Map<String, serde_json::Value> =
         tensors.keys().map(|k| (k.clone(), "../outside.safetensors".into())).collect();
-    std::fs::write(sharded.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string())
-        .unwrap();
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        serde_json::json!({"weight_map": map}).to_string(),
+    )
+    .unwrap();
     let e = load(&sharded).unwrap_err();
     assert!(e.contains("\"../outside.safetensors\" leaves the model folder"), "{e}");
 }
@@ -346,8 +375,12 @@ fn errors_14_model_and_tokenizer_vocabularies_must_match() {
     let tok = stapo::data::Tokenizer::from_file(model_dir.join("tokenizer.json")).unwrap();
     let small = tiny(); // vocab 97, fewer than the fixture tokenizer's ids
     assert!(tok.vocab_size() > 97);
-    let e = rollout::Generator::new(&small, &tok, &stapo::data::PromptTemplate::raw()).err().unwrap().to_string();
-    assert!(e.contains("vocab_size 97") && e.contains("tokenizer.json") && e.contains("another model"), "{e}");
+    let e =
+        rollout::Generator::new(&small, &tok, &stapo::data::PromptTemplate::raw()).err().unwrap().to_string();
+    assert!(
+        e.contains("vocab_size 97") && e.contains("tokenizer.json") && e.contains("another model"),
+        "{e}"
+    );
 }
 
 /// Item 14: a write that fails (a full disk; here a path under a file, since this
@@ -357,7 +390,8 @@ fn errors_14_disk_full_names_the_path() {
     let dir = tempdir();
     std::fs::write(dir.path().join("file"), "x").unwrap();
     let target = dir.path().join("file/optimizer.safetensors");
-    let t: HashMap<String, Tensor> = [("w".to_string(), Tensor::zeros(1024, DType::F32, &Device::Cpu).unwrap())].into();
+    let t: HashMap<String, Tensor> =
+        [("w".to_string(), Tensor::zeros(1024, DType::F32, &Device::Cpu).unwrap())].into();
     let e = model::checkpoint::save_safetensors(&t, &target).unwrap_err().to_string();
     assert!(e.contains(&target.display().to_string()) && e.contains("cannot write"), "{e}");
 }
@@ -386,7 +420,9 @@ fn errors_14_update_names_an_out_of_vocab_token() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("sample 1: `response_ids`[0] is token 99999") && !err.contains("backtrace"),
+        !out.status.success()
+            && err.contains("sample 1: `response_ids`[0] is token 99999")
+            && !err.contains("backtrace"),
         "{err}"
     );
 }
@@ -407,7 +443,10 @@ fn errors_14_bom_and_non_utf8_data_lines() {
     bytes.extend(b"\"answer\": \"3\"}\n");
     std::fs::write(&latin1, bytes).unwrap();
     let e = Dataset::load(&latin1, &DatasetOptions::default()).unwrap_err().to_string();
-    assert!(e.starts_with(&format!("{}:2:", latin1.display())) && e.contains("byte 17") && e.contains("UTF-8"), "{e}");
+    assert!(
+        e.starts_with(&format!("{}:2:", latin1.display())) && e.contains("byte 17") && e.contains("UTF-8"),
+        "{e}"
+    );
 }
 
 /// The non-finite config check and `Config` agree: a config built in memory with an eos

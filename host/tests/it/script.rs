@@ -923,16 +923,21 @@ fn nothing_silent_12_reloaded_hook_that_raises_reverts_to_the_previous_hooks() {
 fn nothing_silent_09_load_data_warns_about_dropped_rows() {
     let f = fixture();
     let data = f.root.join("mixed.jsonl");
-    std::fs::write(&data, "{\"problem\": \"1+1\", \"answer\": \"2\"}\nnot json\n{\"problem\": \"x\"}\n").unwrap();
+    std::fs::write(&data, "{\"problem\": \"1+1\", \"answer\": \"2\"}\nnot json\n{\"problem\": \"x\"}\n")
+        .unwrap();
     let path = f.root.join("load.rhai");
-    std::fs::write(&path, format!("let ds = load_data(\"{}\");\nprint(`n=${{ds.len}}`);\n", data.display())).unwrap();
+    std::fs::write(&path, format!("let ds = load_data(\"{}\");\nprint(`n=${{ds.len}}`);\n", data.display()))
+        .unwrap();
     let (host, buf) = buffered(opts(&f, &f.root.join("run"), false));
     let out = script::run_file(&host, &path);
     let printed = buf.lock().unwrap().clone();
     assert!(out.ok(), "{:?}", out.error);
     assert!(printed.contains("n=1"), "{printed}");
     for line in [2, 3] {
-        assert!(printed.contains(&format!("warning: load_data: skipped {}:{line}:", data.display())), "{printed}");
+        assert!(
+            printed.contains(&format!("warning: load_data: skipped {}:{line}:", data.display())),
+            "{printed}"
+        );
     }
     assert!(printed.contains("2 record(s) skipped, 1 loaded"), "{printed}");
 }
@@ -944,7 +949,10 @@ fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint()
     let f = fixture();
     let path = f.root.join("set.rhai");
     std::fs::write(&path, format!("train({}, 2);\n", tiny_cfg(&f, "grpo"))).unwrap();
-    for (key, val, named) in [("lr", "fast", "`lr`: invalid type: string \"fast\""), ("sampling.n", "-2", "`sampling.n`: invalid value: integer `-2`")] {
+    for (key, val, named) in [
+        ("lr", "fast", "`lr`: invalid type: string \"fast\""),
+        ("sampling.n", "-2", "`sampling.n`: invalid value: integer `-2`"),
+    ] {
         let mut o = opts(&f, &f.root.join(format!("run-{key}")), false);
         o.args.insert(key.into(), val.into());
         let (host, _) = buffered(o);
@@ -952,7 +960,11 @@ fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint()
         assert!(e.contains(named), "{key}={val}: {e}");
     }
     // A run stopped by the non-finite guard after one step: the error names the checkpoint.
-    let cfg = tiny_cfg(&f, "grpo").replacen("#{", "#{ guard: #{ max_nonfinite_steps: 1 }, adamw: #{ weight_decay: 0.0 },", 1);
+    let cfg = tiny_cfg(&f, "grpo").replacen(
+        "#{",
+        "#{ guard: #{ max_nonfinite_steps: 1 }, adamw: #{ weight_decay: 0.0 },",
+        1,
+    );
     std::fs::write(&path, format!("train({cfg}, 3);\n")).unwrap();
     let run_dir = f.root.join("run-nan");
     let mut o = opts(&f, &run_dir, false);
@@ -960,6 +972,10 @@ fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint()
     let (host, _) = buffered(o);
     let e = script::run_file(&host, &path).error.expect("stopped").to_string();
     let ckpt = run_dir.join("checkpoints/step-000001");
-    assert!(e.contains("guard.max_nonfinite_steps = 1") && e.contains(&format!("checkpointed at {}", ckpt.display())), "{e}");
+    assert!(
+        e.contains("guard.max_nonfinite_steps = 1")
+            && e.contains(&format!("checkpointed at {}", ckpt.display())),
+        "{e}"
+    );
     assert!(ckpt.is_dir());
 }

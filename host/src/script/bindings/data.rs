@@ -96,7 +96,8 @@ fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
         c.batch_size = c.batch_size.min(4);
         c.final_eval = false;
         // Never overwrite a real model folder from a smoke run.
-        let base = h.run_dir().unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
+        let base =
+            h.claimed_run_dir().map_err(host)?.unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
         c.model_dir = base.join("tiny-model");
         c.data_dir = Some(base.join("tiny-data"));
     }

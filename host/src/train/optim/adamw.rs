@@ -196,7 +196,13 @@ impl AdamW {
             }
         }
         self.step += 1;
-        Ok(StepReport { grad_norm, skipped: false, nonfinite_param: None, clip_coef, n_params_without_grad: missing })
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+            nonfinite_param: None,
+            clip_coef,
+            n_params_without_grad: missing,
+        })
     }
 
     /// The first parameter whose update at `lr` (gradients scaled by `clip_coef`) would
@@ -308,11 +314,11 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     Ok(())
 }
 
-/// Whether every element of `t` is finite: `t - t` is 0 for a finite element and NaN
+/// Whether every element of `t` is finite: `0 * t` is 0 for a finite element and NaN
 /// otherwise, and NaN survives the sum (a plain sum of finite values could overflow).
 pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
     let t = t.to_dtype(DType::F32)?;
-    Ok((&t - &t)?.sum_all()?.to_scalar::<f32>()? == 0.0)
+    Ok(t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()? == 0.0)
 }
 
 /// The new (first moment, second moment, parameter) of the device-generic update.
@@ -573,6 +579,35 @@ mod tests {
             assert_eq!(snapshot(&opt), before);
             assert_eq!(opt.step_count(), 1);
         }
+    }
+
+    /// Issue 33 item 1: an update that would write a non-finite weight is skipped with the
+    /// parameter named and nothing changed, on the fused and the device-generic path alike;
+    /// a finite update of the same optimizer then steps normally.
+    #[test]
+    fn nothing_lost_01_nonfinite_update_is_skipped_on_both_paths() {
+        for generic in [false, true] {
+            let dev = Device::Cpu;
+            let a = Var::new(&[1.0f32, -2.0], &dev).unwrap();
+            let b = Var::new(&[3.0f32], &dev).unwrap();
+            let cfg = AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() };
+            let mut opt = AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg).unwrap();
+            opt.force_generic = generic;
+            let mut gs = GradStore::default();
+            gs.insert(&a, Tensor::new(&[0.1f32, 0.2], &dev).unwrap());
+            gs.insert(&b, Tensor::new(&[0.3f32], &dev).unwrap());
+            // lr / (1 - beta1) overflows f32: every new weight would be infinite.
+            let r = opt.step(&gs, 1e38).unwrap();
+            assert!(r.skipped && r.grad_norm.is_finite(), "generic {generic}: {r:?}");
+            assert_eq!(r.nonfinite_param.as_deref(), Some("a"), "generic {generic}");
+            assert_eq!((vec_of(&a), vec_of(&b), opt.step_count()), (vec![1.0, -2.0], vec![3.0], 0));
+            assert!(state_of(&opt, "a.exp_avg").iter().all(|&x| x == 0.0));
+            let r = opt.step(&gs, 1e-3).unwrap();
+            assert!(!r.skipped && r.nonfinite_param.is_none() && opt.step_count() == 1, "generic {generic}");
+            assert_ne!(vec_of(&a), vec![1.0, -2.0]);
+        }
+        assert!(!all_finite(&Tensor::new(&[1f32, f32::NEG_INFINITY], &Device::Cpu).unwrap()).unwrap());
+        assert!(all_finite(&Tensor::new(&[f32::MAX, -f32::MAX], &Device::Cpu).unwrap()).unwrap());
     }
 
     #[test]

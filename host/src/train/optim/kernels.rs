@@ -160,7 +160,9 @@ pub(super) fn fused_stays_finite(p: &ParamState, g: &Tensor, h: &Hyper) -> Resul
         return Err(crate::Error::invalid("adamw: the fused finiteness check needs CPU tensors"));
     };
     let (m, v) = match (ms, vs) {
-        (CpuStorage::F32(m), CpuStorage::F32(v)) => (range_of(m, ml, "exp_avg")?, range_of(v, vl, "exp_avg_sq")?),
+        (CpuStorage::F32(m), CpuStorage::F32(v)) => {
+            (range_of(m, ml, "exp_avg")?, range_of(v, vl, "exp_avg_sq")?)
+        }
         _ => return Err(crate::Error::invalid("adamw: moments must be f32")),
     };
     fn all<T: Elem>(p: &[T], g: &[T], m: &[f32], v: &[f32], h: &Hyper) -> candle_core::Result<bool> {
