@@ -11,7 +11,7 @@
 //! verl `core_algos.py` names the aggregation modes.
 
 use super::advantage::{AdvEstimator, OverlongConfig};
-use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss, TauH, TAU_P_DEFAULT};
+use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss};
 use crate::Result;
 
 /// One named preset: what `--objective NAME` (or `objective: "NAME"`) starts from.
@@ -188,7 +188,7 @@ impl ObjectiveConfig {
 mod tests {
     use super::*;
     use crate::algo::advantage::OverlongConfig;
-    use crate::algo::config::{KlConfig, KlKind, QuantileOver};
+    use crate::algo::config::{KlConfig, KlKind, QuantileOver, TauH};
 
     #[test]
     fn presets_have_design_defaults() {
