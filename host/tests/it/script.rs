@@ -144,9 +144,16 @@ fn paper_script_smoke_runs_the_real_model_path() {
     assert_eq!(cfg["schedule"]["warmup_steps"], 10);
     assert!(cfg["set"].get("overlong_max_len").is_none(), "{cfg}");
     // The report in the paper's table layout, with the paper's STAPO 1.7B row beside ours.
-    assert!(printed.contains("AIME24    AIME25     AMC23   MATH500   Minerva  Olympiad       Avg"), "{printed}");
-    assert!(printed.contains("STAPO 1.7B (paper)       17.40     15.42     55.94     73.55     28.22     38.54     38.18"));
-    assert!(printed.contains("STAPO 1.7B (paper)           -         -         -         -         -         -     36.72"));
+    assert!(
+        printed.contains("AIME24    AIME25     AMC23   MATH500   Minerva  Olympiad       Avg"),
+        "{printed}"
+    );
+    assert!(printed.contains(
+        "STAPO 1.7B (paper)       17.40     15.42     55.94     73.55     28.22     38.54     38.18"
+    ));
+    assert!(printed.contains(
+        "STAPO 1.7B (paper)           -         -         -         -         -         -     36.72"
+    ));
     // One row per benchmark and sampling setting, with the paper's n (clamped to 1 in smoke mode).
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("paper_eval.jsonl"))
         .expect("paper_eval.jsonl")
