@@ -86,16 +86,20 @@ mod tests {
                 for mode in [ShardMode::None, ShardMode::Optimizer, ShardMode::Gradients] {
                     let m = per_rank(&cfg, ranks, mode, 16384);
                     let gb = |x: f64| format!("{:.1}", x / 1e9);
-                    let fits = if m.total() <= 141e9 { "yes" } else { "no" };
+                    // A tenth of the GPU kept for the CUDA context, NCCL's buffers, allocator
+                    // slack and the rollouts' KV cache.
+                    let headroom = 141e9 - m.total();
+                    let fits = if headroom >= 14.1e9 { "yes" } else { "no" };
                     rows.push(format!(
-                        "| {name} ({:.2}B) | {ranks} | {} | {} | {} | {} | {} | {} | {fits} |",
+                        "| {name} ({:.2}B) | {ranks} | {} | {} | {} | {} | {} | {} | {} | {fits} |",
                         cfg.num_params() as f64 / 1e9,
                         mode.name(),
                         gb(m.weights),
                         gb(m.gradients),
                         gb(m.optimizer),
                         gb(m.activations),
-                        gb(m.total())
+                        gb(m.total()),
+                        gb(headroom)
                     ));
                 }
             }
@@ -117,9 +121,8 @@ mod tests {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/distributed.md"),
         )
         .unwrap();
-        for row in table() {
-            eprintln!("{row}");
-            assert!(docs.contains(&row), "docs/distributed.md lacks the row\n{row}");
-        }
+        let rows = table();
+        let missing: Vec<&String> = rows.iter().filter(|r| !docs.contains(r.as_str())).collect();
+        assert!(missing.is_empty(), "docs/distributed.md lacks the rows (the table is):\n{}", rows.join("\n"));
     }
 }
