@@ -11,7 +11,9 @@ use stapo::dist;
 use stapo::model;
 use stapo::rollout::RolloutBatch;
 use stapo::train::update::{self, Policy, RolloutCorrection};
-use stapo::train::{AdamW, AdamWConfig, OldLogp, Optimizer, Sequence, ShardMode, ShardedAdamW, UpdateOptions};
+use stapo::train::{
+    AdamW, AdamWConfig, OldLogp, Optimizer, Sequence, ShardMode, ShardedAdamW, UpdateOptions,
+};
 
 use super::{model_dir, DeviceArgs};
 

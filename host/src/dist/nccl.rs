@@ -13,9 +13,9 @@
 use std::sync::Arc;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm as NcclComm, Id, ReduceOp};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use candle_core::cuda_backend::cudarc::nccl::safe::NcclType;
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm as NcclComm, Id, ReduceOp};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 

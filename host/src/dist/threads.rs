@@ -202,7 +202,10 @@ impl Comm for ThreadComm {
                 b.len() / 2
             )));
         }
-        Ok(all.iter().flat_map(|b| b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))).collect())
+        Ok(all
+            .iter()
+            .flat_map(|b| b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))))
+            .collect())
     }
 }
 

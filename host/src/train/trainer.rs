@@ -744,9 +744,9 @@ impl Trainer {
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
         };
-        let path = self
-            .folder
-            .checkpoint(&state, self.cfg.keep_checkpoints, |tmp| self.policy.save(tmp, &self.cfg.model, staging))?;
+        let path = self.folder.checkpoint(&state, self.cfg.keep_checkpoints, |tmp| {
+            self.policy.save(tmp, &self.cfg.model, staging)
+        })?;
         if let Some(r) = &self.last.rollout {
             self.folder.save_rollouts(self.step, r)?;
         }

@@ -421,7 +421,8 @@ fn sharded_ranks_train_as_one() {
         let two = on_ranks(2, &cfg, &two_dir, (3, false), trainable);
         assert_eq!(two[0].1, two[1].1, "{name}: ranks diverged");
         let d = max_diff(&one[0].1, &two[0].1);
-        let start = Trainer::new_on(Arc::new(Local), plain.clone(), &dir.path().join(format!("{name}-0"))).unwrap();
+        let start =
+            Trainer::new_on(Arc::new(Local), plain.clone(), &dir.path().join(format!("{name}-0"))).unwrap();
         let moved = max_diff(&trainable(&start), &one[0].1);
         eprintln!("{name}: weights moved by {moved:.3e}, unsharded vs two sharded ranks differ by {d:.3e}");
         assert!(d <= WEIGHT_TOL, "{name}: weights differ by {d}");

@@ -121,7 +121,9 @@ impl ShardMode {
             other => Err(Error::Config {
                 file: "run config".into(),
                 field: field.into(),
-                msg: format!("unknown shard mode `{other}`; expected none, optimizer (ZeRO-1) or gradients (ZeRO-2)"),
+                msg: format!(
+                    "unknown shard mode `{other}`; expected none, optimizer (ZeRO-1) or gradients (ZeRO-2)"
+                ),
             }),
         }
     }

@@ -211,13 +211,7 @@ fn f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut
 }
 
 /// Locks `m` then `v` (both private to the optimizer) and runs the fused kernel.
-fn with_moments<T: Elem>(
-    p: &mut [T],
-    g: &[T],
-    m: &Tensor,
-    v: &Tensor,
-    h: &Hyper,
-) -> candle_core::Result<()> {
+fn with_moments<T: Elem>(p: &mut [T], g: &[T], m: &Tensor, v: &Tensor, h: &Hyper) -> candle_core::Result<()> {
     m.inplace_op1(&WithCpuMut(RefCell::new(Some(|ms: &mut CpuStorage, ml: &Layout| {
         let m = f32_mut(ms, ml)?;
         v.inplace_op1(&WithCpuMut(RefCell::new(Some(|vs: &mut CpuStorage, vl: &Layout| {

@@ -123,6 +123,10 @@ mod tests {
         .unwrap();
         let rows = table();
         let missing: Vec<&String> = rows.iter().filter(|r| !docs.contains(r.as_str())).collect();
-        assert!(missing.is_empty(), "docs/distributed.md lacks the rows (the table is):\n{}", rows.join("\n"));
+        assert!(
+            missing.is_empty(),
+            "docs/distributed.md lacks the rows (the table is):\n{}",
+            rows.join("\n")
+        );
     }
 }

@@ -264,7 +264,8 @@ impl FlatState {
         if let Self::PerParam { tensors, .. } = self {
             return Ok(tensors.clone());
         }
-        let names: Vec<(String, usize)> = params.iter().map(|(n, s)| (n.clone(), s.iter().product())).collect();
+        let names: Vec<(String, usize)> =
+            params.iter().map(|(n, s)| (n.clone(), s.iter().product())).collect();
         let layout = FlatLayout::new(names.iter().map(|(_, k)| *k), 1);
         let steps = self.steps(&names)?;
         let mut out = HashMap::new();

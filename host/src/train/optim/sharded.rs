@@ -24,7 +24,7 @@
 //! - the updated ranges are all-gathered, round by round, straight into every
 //!   rank's weights (in the weights' dtype), so all ranks hold the same full model.
 //!
-//! With one rank the range is everything and the result is that of [`AdamW`]
+//! With one rank the range is everything and the result is that of [`AdamW`](super::AdamW)
 //! (with f32 master weights for a bf16 model). Parameters without a gradient on
 //! any rank are left alone, as [`AdamW`](super::AdamW) leaves them.
 
@@ -370,7 +370,11 @@ impl ShardedAdamW {
             }
         }
         let n = self.range().len();
-        let all = if mine.is_empty() { Tensor::zeros(0, DType::F32, &self.device)? } else { Tensor::cat(&mine, 0)? };
+        let all = if mine.is_empty() {
+            Tensor::zeros(0, DType::F32, &self.device)?
+        } else {
+            Tensor::cat(&mine, 0)?
+        };
         Ok(all.narrow(0, 0, n)?)
     }
 
@@ -438,7 +442,12 @@ impl ShardedAdamW {
         let [sum_sq] = dist::sum_f64(comm, [grad_sum_sq(&g)?])?;
         let grad_norm = sum_sq.sqrt();
         if !grad_norm.is_finite() {
-            return Ok(StepReport { grad_norm, skipped: true, clip_coef: 0.0, n_params_without_grad: missing });
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+                clip_coef: 0.0,
+                n_params_without_grad: missing,
+            });
         }
         let clip_coef = match self.cfg.max_grad_norm {
             Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
@@ -504,7 +513,8 @@ impl ShardedAdamW {
     /// This rank's state as named flat f32 tensors: `exp_avg`, `exp_avg_sq` and, with
     /// master weights, `master`.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("exp_avg".to_string(), self.m.clone()), ("exp_avg_sq".to_string(), self.v.clone())];
+        let mut out =
+            vec![("exp_avg".to_string(), self.m.clone()), ("exp_avg_sq".to_string(), self.v.clone())];
         if let Some(p) = &self.master {
             out.push(("master".into(), p.clone()));
         }

@@ -46,7 +46,8 @@ fn make_vars(dtype: DType, init: &[Vec<f32>]) -> Vec<Var> {
         .iter()
         .zip(init)
         .map(|(s, v)| {
-            Var::from_tensor(&Tensor::from_slice(v, *s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap()
+            Var::from_tensor(&Tensor::from_slice(v, *s, &Device::Cpu).unwrap().to_dtype(dtype).unwrap())
+                .unwrap()
         })
         .collect()
 }
@@ -69,7 +70,10 @@ fn store(vars: &[Var], dtype: DType, g: impl Fn(usize) -> Option<Vec<f32>>) -> G
     let mut gs = GradStore::default();
     for (i, v) in vars.iter().enumerate() {
         if let Some(x) = g(i) {
-            gs.insert(v.as_tensor(), Tensor::from_slice(&x, SHAPES[i], &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+            gs.insert(
+                v.as_tensor(),
+                Tensor::from_slice(&x, SHAPES[i], &Device::Cpu).unwrap().to_dtype(dtype).unwrap(),
+            );
         }
     }
     gs
@@ -92,7 +96,9 @@ fn cfg() -> AdamWConfig {
 
 fn flat(vars: &[Var]) -> Vec<f32> {
     vars.iter()
-        .flat_map(|v| v.as_tensor().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .flat_map(|v| {
+            v.as_tensor().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
         .collect()
 }
 
@@ -106,7 +112,8 @@ fn reference(ranks: usize, steps: std::ops::Range<usize>) -> (Vec<f32>, Vec<Step
     let vars = make_vars(DType::F32, &initial());
     let named = names().into_iter().zip(vars.iter().cloned()).collect();
     let mut opt = AdamW::new(named, cfg()).unwrap().with_no_decay(is_norm_or_bias);
-    let reports = steps.map(|s| opt.step(&store(&vars, DType::F32, |i| summed(s, ranks, i)), 1e-2).unwrap()).collect();
+    let reports =
+        steps.map(|s| opt.step(&store(&vars, DType::F32, |i| summed(s, ranks, i)), 1e-2).unwrap()).collect();
     (flat(&vars), reports)
 }
 
@@ -218,8 +225,11 @@ fn checkpoints_reshard_to_other_world_sizes() {
                 if c.rank() == 0 {
                     let text = serde_json::to_string(&opt.index()).unwrap();
                     std::fs::write(dir.path().join(INDEX_FILE), text).unwrap();
-                    std::fs::write(dir.path().join("weights.json"), serde_json::to_string(&flat(&vars)).unwrap())
-                        .unwrap();
+                    std::fs::write(
+                        dir.path().join("weights.json"),
+                        serde_json::to_string(&flat(&vars)).unwrap(),
+                    )
+                    .unwrap();
                 }
             }
             opt.step(c, &mut store(&vars, DType::F32, |i| grad(s, c.rank(), i)), 1e-2).unwrap();
@@ -249,7 +259,11 @@ fn checkpoints_reshard_to_other_world_sizes() {
             opt.load_from(&state).unwrap();
             assert_eq!(opt.step_count(), 2);
             // Rank 0 brings the summed gradient, the others zeros: the same sum.
-            let mut gs = if c.rank() == 0 { third(&vars) } else { store(&vars, DType::F32, |i| summed(2, 2, i).map(|g| vec![0.0; g.len()])) };
+            let mut gs = if c.rank() == 0 {
+                third(&vars)
+            } else {
+                store(&vars, DType::F32, |i| summed(2, 2, i).map(|g| vec![0.0; g.len()]))
+            };
             opt.step(c, &mut gs, 1e-2).unwrap();
             flat(&vars)
         });
@@ -259,7 +273,8 @@ fn checkpoints_reshard_to_other_world_sizes() {
         }
     }
     let vars = make_vars(DType::F32, &split(&saved));
-    let shapes: Vec<(String, Vec<usize>)> = names().into_iter().zip(SHAPES.iter().map(|s| s.to_vec())).collect();
+    let shapes: Vec<(String, Vec<usize>)> =
+        names().into_iter().zip(SHAPES.iter().map(|s| s.to_vec())).collect();
     let named = names().into_iter().zip(vars.iter().cloned()).collect();
     let mut one = AdamW::new(named, cfg()).unwrap().with_no_decay(is_norm_or_bias);
     let tensors: HashMap<String, Tensor> = state.per_param(&shapes).unwrap();

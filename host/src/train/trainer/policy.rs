@@ -12,9 +12,7 @@ use super::RunConfig;
 use crate::algo::ObjectiveConfig;
 use crate::dist::{self, Comm};
 use crate::model::{self, checkpoint, peft, LoraConfig, Qwen3, RolloutCopy};
-use crate::train::optim::{
-    AdamW, FlatState, Optimizer, ShardMode, ShardedAdamW, INDEX_FILE, PLAIN_FILE,
-};
+use crate::train::optim::{AdamW, FlatState, Optimizer, ShardMode, ShardedAdamW, INDEX_FILE, PLAIN_FILE};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateOutcome};
 use crate::{Error, Result};
 
@@ -56,7 +54,12 @@ impl PolicyState {
     ///
     /// With `cfg.shard` other than `none` the optimizer holds this rank's range of the
     /// flattened trainable parameters alone ([`ShardedAdamW`], ZeRO-1/2 over `comm`).
-    pub fn new(cfg: &RunConfig, objective: &ObjectiveConfig, mut model: Qwen3, comm: &dyn Comm) -> Result<Self> {
+    pub fn new(
+        cfg: &RunConfig,
+        objective: &ObjectiveConfig,
+        mut model: Qwen3,
+        comm: &dyn Comm,
+    ) -> Result<Self> {
         attach_lora(cfg, &mut model)?;
         // With LoRA the reference is the frozen base itself (shared, not reloaded).
         let reference = match &objective.kl {
@@ -67,7 +70,9 @@ impl PolicyState {
         let params = model.trainable_params();
         let opt = match cfg.shard {
             ShardMode::None => Opt::Full(AdamW::new(params, cfg.adamw.clone())?),
-            mode => Opt::Sharded(ShardedAdamW::new(params, cfg.adamw.clone(), mode, comm.rank(), comm.size())?),
+            mode => {
+                Opt::Sharded(ShardedAdamW::new(params, cfg.adamw.clone(), mode, comm.rank(), comm.size())?)
+            }
         };
         let rollout_copy = rollout_copy(cfg, &model)?;
         Ok(Self { model, opt, rollout_copy, reference, lora: cfg.lora.clone() })
