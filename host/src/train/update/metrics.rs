@@ -51,6 +51,11 @@ pub struct UpdateMetrics {
     /// finite (`loss is NaN`, `gradient norm is inf`, `updated weights of <param>`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skip_reasons: Vec<String>,
+    /// Bytes of optimizer state (AdamW moments, and f32 master weights when sharded with
+    /// weights in another dtype) held by this rank (rank 0's in a run's metrics); with
+    /// `shard` it falls by the number of ranks.
+    #[serde(default)]
+    pub optimizer_bytes: u64,
     /// Token id → times silenced in this update, most frequent first.
     pub silenced_token_ids: Vec<(u32, usize)>,
     /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.
