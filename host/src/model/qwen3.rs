@@ -462,6 +462,31 @@ impl Qwen3 {
         ops::rms_norm(&x, &self.w(&self.norm, self.base_grad(grad)), self.cfg.rms_norm_eps)
     }
 
+    /// The rotary tables `(cos, sin)`, each `(B, 1, L, D/2)` in the model dtype,
+    /// of position ids `(B, L)`: computed in f32 then cast, as HF does.
+    pub(super) fn rotary(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq)?
+            .to_dtype(ops::compute_dtype(self.dtype))?;
+        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        Ok((cos, sin))
+    }
+
+    /// The embeddings of token ids `(B, L)`, `(B, L, hidden)`, for inference.
+    pub(super) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        let table = self.w(&self.embed_tokens, Grad::Off);
+        Ok(table.index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?)
+    }
+
+    /// The final RMSNorm, for inference.
+    pub(super) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        ops::rms_norm(x, &self.w(&self.norm, Grad::Off), self.cfg.rms_norm_eps)
+    }
+
     /// The rotary tables and attention mask of `l` positions after `offset`
     /// cached keys, shared by every layer.
     pub(super) fn layer_ctx(
@@ -471,14 +496,7 @@ impl Qwen3 {
         offset: usize,
         l: usize,
     ) -> Result<LayerCtx> {
-        // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
-        let freqs = positions
-            .to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&self.inv_freq)?
-            .to_dtype(ops::compute_dtype(self.dtype))?;
-        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
-        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let (cos, sin) = self.rotary(positions)?;
         // Causal within the chunk plus key padding; dense (B, 1, L, S) only for
         // short chunks (ops::AttnMask).
         let mask = ops::AttnMask::new(l, offset, pad_bias, self.dtype, &self.device)?;
