@@ -26,7 +26,10 @@ use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
 
-/// Keys and values of the positions seen so far, for incremental decoding.
+/// Keys and values of the positions seen so far, for incremental decoding:
+/// the dense cache, one tensor per layer reserved for `capacity` positions.
+/// Rollouts use the paged cache ([`super::paged`]); this one serves
+/// [`Qwen3::decode`], the dense path the paged one is tested against.
 ///
 /// Preallocated per layer as `(B, H_kv, capacity, D)`; `len` positions are
 /// filled. `key_bias` holds the additive mask over cached keys (0 for a real
@@ -82,23 +85,6 @@ impl KvCache {
     /// Number of sequences.
     pub fn batch(&self) -> usize {
         self.batch
-    }
-
-    /// Keeps only the rows in `keep` (e.g. to drop finished sequences).
-    pub fn select_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let idx = Tensor::from_vec(
-            keep.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-            keep.len(),
-            self.k[0].device(),
-        )?;
-        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            *t = t.index_select(&idx, 0)?.contiguous()?;
-        }
-        let cap = self.capacity;
-        self.key_bias = keep.iter().flat_map(|&i| self.key_bias[i * cap..(i + 1) * cap].to_vec()).collect();
-        self.next_pos = keep.iter().map(|&i| self.next_pos[i]).collect();
-        self.batch = keep.len();
-        Ok(())
     }
 }
 

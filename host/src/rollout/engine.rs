@@ -303,7 +303,8 @@ fn pool_blocks(
         None if model.device().is_cpu() => CPU_CACHE_FRACTION * available_memory() as f64,
         None => f64::INFINITY,
     };
-    let budget = (budget_bytes / block_bytes).floor().min(u32::MAX as f64) as usize;
+    // The relative 1e-9 keeps a budget given as exactly k blocks (in GB, rounded) at k.
+    let budget = (budget_bytes / block_bytes * (1.0 + 1e-9)).floor().min(u32::MAX as f64) as usize;
     // The last sampled token is never fed back, hence the - 1.
     let seq_len = |p: &Vec<u32>| p.len() + params.max_new_tokens - 1;
     let longest = prompts.iter().map(seq_len).max().unwrap_or(0);
