@@ -5,13 +5,13 @@
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
 //! (arXiv:2506.01939), JustRL (He et al. 2025), Dr.GRPO (arXiv:2503.20783) and STAPO
-//! (2026: the paper's listed recipe, JustRL's settings + the S2T mask with tau_p = 0.002,
-//! tau_h = the 0.8-quantile of the response tokens' entropies; `dapo_s2t` is DAPO + S2T
-//! with the 0.75-quantile of the candidates, stapo's earlier reading).
+//! (arXiv 2602.15620: JustRL's settings + the S2T mask with tau_p = 0.002, tau_h = the
+//! 0.75-quantile of the candidates' entropies per mini-batch, §3 and §4.1; `dapo_s2t` is
+//! DAPO + the same S2T mask).
 //! verl `core_algos.py` names the aggregation modes.
 
 use super::advantage::{AdvEstimator, OverlongConfig};
-use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss, TauH, TAU_P_DEFAULT};
+use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss};
 use crate::Result;
 
 /// One named preset: what `--objective NAME` (or `objective: "NAME"`) starts from.
@@ -100,17 +100,14 @@ pub const PRESETS: &[Preset] = &[
     Preset {
         name: "stapo",
         aliases: &[],
-        summary: "justrl + S2T mask (tau_p 0.002, tau_h = 0.8-quantile over the response tokens)",
+        summary: "justrl + S2T mask (tau_p 0.002, tau_h = 0.75-quantile over the candidates, paper §3)",
         build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..justrl() },
     },
     Preset {
         name: "dapo_s2t",
         aliases: &[],
         summary: "dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile over the candidates)",
-        build: || ObjectiveConfig {
-            mask: MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::CANDIDATES },
-            ..dapo()
-        },
+        build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo() },
     },
     Preset {
         name: "drgrpo",
@@ -191,15 +188,15 @@ impl ObjectiveConfig {
 mod tests {
     use super::*;
     use crate::algo::advantage::OverlongConfig;
-    use crate::algo::config::{KlConfig, KlKind, QuantileOver};
+    use crate::algo::config::{KlConfig, KlKind, QuantileOver, TauH};
 
     #[test]
     fn presets_have_design_defaults() {
-        // stapo: JustRL's settings + S2T, tau_h the 0.8-quantile over the response.
+        // stapo: JustRL's settings + S2T, tau_h the 0.75-quantile over the candidates (§3, §4.1).
         let s = ObjectiveConfig::preset("stapo").unwrap();
         assert_eq!(s.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
         assert_eq!(s.agg, AggMode::TokenMean);
-        let paper = TauH::Quantile { q: 0.8, over: QuantileOver::Response };
+        let paper = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
         assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: paper });
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
@@ -208,10 +205,9 @@ mod tests {
             ObjectiveConfig { mask: MaskConfig::None, ..s },
             ObjectiveConfig::preset("justrl").unwrap()
         );
-        // dapo_s2t: DAPO + S2T, the 0.75-quantile over the candidates.
+        // dapo_s2t: DAPO + the same S2T mask.
         let ds = ObjectiveConfig::preset("dapo_s2t").unwrap();
-        let cand = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
-        assert_eq!(ds.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: cand });
+        assert_eq!(ds.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: paper });
         assert_eq!(
             ObjectiveConfig { mask: MaskConfig::None, ..ds },
             ObjectiveConfig::preset("dapo").unwrap()
@@ -250,7 +246,7 @@ mod tests {
         // The JSON form of tau_h names q and the population.
         let s2t = serde_json::to_value(MaskConfig::S2T_DEFAULT).unwrap();
         let want = serde_json::json!({"kind": "s2t", "tau_p": 0.002f32,
-            "tau_h": {"quantile": {"q": 0.8f32, "over": "response"}}});
+            "tau_h": {"quantile": {"q": 0.75f32, "over": "candidates"}}});
         assert_eq!(s2t, want);
         for j in [
             r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
@@ -264,7 +260,7 @@ mod tests {
             r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
         )
         .unwrap();
-        assert_eq!(m, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::CANDIDATES });
+        assert_eq!(m, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::PAPER });
         // A population that is not one of the two is an error naming the choices.
         let e = serde_json::from_str::<MaskConfig>(
             r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.8, "over": "all"}}}"#,
@@ -299,7 +295,7 @@ mod tests {
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K3, beta: 0.04 }));
         assert_eq!(c.adv, AdvEstimator::DrGrpo);
         let q = |q, over| TauH::Quantile { q, over };
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Response) });
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Candidates) });
         assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
         c.set("dual_clip", "none").unwrap();
         assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
@@ -308,18 +304,21 @@ mod tests {
         c.set("kl", "k1").unwrap();
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K1, beta: 0.001 }));
         // tau_h_over keeps q; tau_h_quantile keeps the population.
-        c.set("tau_h_over", "candidates").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Candidates) });
+        c.set("tau_h_over", "response").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Response) });
         c.set("tau_h_quantile", "0.9").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.9, QuantileOver::Candidates) });
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.9, QuantileOver::Response) });
         c.set("tau_h", "0.3").unwrap();
         assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.3) });
-        // From an absolute tau_h, a population alone starts from the paper's q = 0.8.
+        // From an absolute tau_h, a population alone starts from the paper's q = 0.75.
         c.set("tau_h_over", "response").unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.75, QuantileOver::Response) });
+        c.set("tau_h", "0.3").unwrap();
+        c.set("tau_h_over", "candidates").unwrap();
         assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::PAPER });
         c.set("tau_h", "0.3").unwrap();
         c.set("tau_h_quantile", "0.6").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.6, QuantileOver::Response) });
+        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.6, QuantileOver::Candidates) });
         c.set("dynamic_sampling", "on").unwrap();
         assert!(c.dynamic_sampling);
         c.set("overlong", "off").unwrap();

@@ -27,7 +27,7 @@ struct AdvOpts {
 }
 
 /// `s2t(r, thresholds)`: `tau_p`, and `tau_h` (absolute) or `tau_h_quantile` /
-/// `tau_h_over`; paper defaults 0.002 and the 0.8-quantile over the response.
+/// `tau_h_over`; the paper's defaults (§3, §4.1): 0.002 and the 0.75-quantile over the candidates.
 #[derive(Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 struct ThresholdOpts {
@@ -108,8 +108,9 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "s2t", r#"
         /// s2t(rollout) -> map
         ///
-        /// STAPO's S2T mask with the paper's thresholds (tau_p 0.002, tau_h = 0.8-quantile of the
-        /// response tokens' entropies): silences tokens with A > 0, p < tau_p, H < tau_h (strict).
+        /// STAPO's S2T mask with the paper's thresholds (§3, §4.1: tau_p 0.002, tau_h = the
+        /// 0.75-quantile of the candidates' entropies): silences tokens with A > 0, p < tau_p,
+        /// H < tau_h (strict).
         /// Returns #{response_tokens, candidates, tau_h_population, silenced, silenced_ratio, tau_p,
         /// tau_h}; the token table then marks them.
         ///

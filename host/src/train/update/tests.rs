@@ -246,8 +246,8 @@ fn token_mask_by_hand() {
     assert!(token_mask(&s2t, None, &adv, &resp).is_err());
 }
 
-/// The S2T quantile under two ranks, one row each: over the response (the paper's
-/// reading) and over the candidates, each rank gathers the population, and mask,
+/// The S2T quantile under two ranks, one row each: over the candidates (the paper's
+/// rule) and over the response (a variant), each rank gathers the population, and mask,
 /// tau_h and population size are the one-process ones.
 #[test]
 fn token_mask_on_ranks_takes_the_quantile_over_the_global_population() {
@@ -391,7 +391,7 @@ fn the_record_is_what_the_update_used() {
     }
     let m = tiny();
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
-    // dapo_s2t: dynamic sampling, tau_h over the candidates.
+    // dapo_s2t: dynamic sampling, tau_h over the candidates (the paper's rule).
     let mut obj = ObjectiveConfig::preset("dapo_s2t").unwrap();
     obj.set("tau_p", "0.03").unwrap();
     let cfg = UpdateConfig { objective: obj.clone(), micro_batch: 5, ..Default::default() };
@@ -434,10 +434,15 @@ fn the_record_is_what_the_update_used() {
     // The population of the quantile is the candidates; the rates count from the record.
     assert_eq!((th.population, met.tau_h_population), (Some(met.s2t_candidates), Some(met.s2t_candidates)));
     check_rates(rec, met, 0.03);
+    // One S2T mini-batch, which silenced, so it had at least two candidates (a lone one never is).
+    assert_eq!((met.s2t_mini_batches, met.s2t_mini_batches_2plus), (1, 1));
+    assert_eq!(met.candidates_per_mini_batch, met.s2t_candidates as f32);
+    let per_10k = met.silenced_tokens as f32 / met.response_tokens as f32 * 1e4;
+    assert!((met.silenced_per_10k - per_10k).abs() < 1e-3, "{}", met.silenced_per_10k);
 
-    // stapo (the paper's reading): no dynamic sampling, tau_h over every response token.
-    obj.mask = ObjectiveConfig::preset("stapo").unwrap().mask;
-    obj.set("tau_p", "0.03").unwrap();
+    // The response variant (not the paper's rule): tau_h the 0.8-quantile over every response token.
+    obj.set("tau_h_over", "response").unwrap();
+    obj.set("tau_h_quantile", "0.8").unwrap();
     let cfg = UpdateConfig { objective: obj, micro_batch: 5, token_grad_norms: true, ..Default::default() };
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
