@@ -50,7 +50,8 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         let (p_out, p) = once(m, &plan, Policy::Continuous)?;
         report(&format!("paged   (round {round})"), &p);
         flips = s_out.iter().zip(&p_out).filter(|(x, y)| x.response_ids != y.response_ids).count();
-        (stat.push(s), paged.push(p));
+        stat.push(s);
+        paged.push(p);
     }
     let tps = |v: &[EngineStats]| {
         v.iter().map(|s| s.tokens).sum::<usize>() as f64 / v.iter().map(|s| s.secs).sum::<f64>().max(1e-9)

@@ -127,7 +127,9 @@ impl Layout {
                         "decode_paged: sequence {r} position {p} maps to slot {slot}, past the pool's {slots_in_pool}"
                     )));
                 }
-                (l.row.push(r as u32), l.pos.push(p as u32), l.slot.push(slot as u32));
+                l.row.push(r as u32);
+                l.pos.push(p as u32);
+                l.slot.push(slot as u32);
             }
             l.last.push(l.row.len() as u32 - 1);
         }

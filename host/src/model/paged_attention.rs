@@ -56,7 +56,7 @@ fn host<T: WithDType>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<Vec
 
 fn run<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables, nq: usize) -> Result<Vec<T>> {
     let (nkv, d) = (k.dim(1)?, k.dim(2)?);
-    if nkv == 0 || nq % nkv != 0 || v.dims() != k.dims() || q.dim(3)? != d {
+    if nkv == 0 || !nq.is_multiple_of(nkv) || v.dims() != k.dims() || q.dim(3)? != d {
         return Err(Error::invalid(format!(
             "paged attention: q {:?} against pools k {:?}, v {:?}",
             q.dims(),
@@ -100,9 +100,9 @@ fn kernel<T: Real>(q: &[T], k: &[T], v: &[T], tb: &Tables, nq: usize, nkv: usize
             let m_new = m.fmax(bm);
             // exp(-inf) = 0 on the first block: nothing accumulated yet.
             let corr = (m - m_new).exp();
-            l = l * corr;
+            l *= corr;
             for a in acc.iter_mut() {
-                *a = *a * corr;
+                *a *= corr;
             }
             for (o, &s) in scores[..n].iter().enumerate() {
                 let p = (s - m_new).exp();
@@ -116,7 +116,7 @@ fn kernel<T: Real>(q: &[T], k: &[T], v: &[T], tb: &Tables, nq: usize, nkv: usize
         }
         let inv = T::from_f64(1.0) / l;
         for a in acc.iter_mut() {
-            *a = *a * inv;
+            *a *= inv;
         }
     });
     out

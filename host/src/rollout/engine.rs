@@ -660,7 +660,8 @@ mod tests {
                     let d = StepLogits::new(&logits, &sampler)
                         .and_then(|l| l.draw(&sampler, vec![(0, &mut rng)]))
                         .expect("draw")[0];
-                    (toks.push(d.id), lps.push(d.logprob_raw));
+                    toks.push(d.id);
+                    lps.push(d.logprob_raw);
                     if Some(d.id) == eos || toks.len() == params.max_new_tokens {
                         break;
                     }
