@@ -124,6 +124,9 @@ pub struct BenchArgs {
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    /// `rollout`: run the paged engine alone (no static baseline), e.g. at a GPU's cache size.
+    #[arg(long)]
+    pub paged_only: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// LoRA: `train` updates adapters on a frozen base (AdamW over the adapters alone);

@@ -42,6 +42,17 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         plan.static_rows,
         plan.paged_rows
     );
+    if a.paged_only {
+        let (_, p) = once(m, &plan, Policy::Continuous)?;
+        report("paged", &p);
+        print_rss();
+        println!(
+            "rollout (paged only): {:.0} tok/s, cache peak {:.2} x live tokens",
+            p.tokens_per_sec(),
+            p.peak_cache_bytes() as f64 / (p.peak_live_tokens * p.bytes_per_token).max(1) as f64
+        );
+        return Ok(());
+    }
     let (mut stat, mut paged) = (Vec::new(), Vec::new());
     let mut flips = 0;
     for round in 0..a.rounds.max(1) {
@@ -59,9 +70,7 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     let last = paged.last().cloned().unwrap_or_default();
     let live_bytes = (last.peak_live_tokens * last.bytes_per_token) as f64;
     println!("responses that differ between the two engines (near-tie flips): {flips}");
-    if let Some(p) = peak_rss() {
-        println!("peak memory (RSS): {:.2} GB", p as f64 / 1e9);
-    }
+    print_rss();
     println!(
         "rollout: {:.2}x the static engine's tokens/s, cache peak {:.2} x live tokens",
         tps(&paged) / tps(&stat),
@@ -116,6 +125,12 @@ fn once(m: &Qwen3, plan: &Plan, policy: Policy) -> anyhow::Result<(Vec<Sample>, 
     let forced = |p: usize, s: usize| plan.lengths[p * n + s];
     let hooks = GenerateHooks { engine, policy, lengths: Some(&forced), ..GenerateHooks::default() };
     Ok(generate_stats(m, &plan.prompts, &plan.params, 0, &|_| String::new(), &hooks)?)
+}
+
+fn print_rss() {
+    if let Some(p) = peak_rss() {
+        println!("peak memory (RSS): {:.2} GB", p as f64 / 1e9);
+    }
 }
 
 fn report(name: &str, s: &EngineStats) {
