@@ -9,7 +9,9 @@ pub mod tensorboard;
 pub mod trainer;
 pub mod update;
 
-pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
+pub use optim::{
+    is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, Optimizer, ShardMode, ShardedAdamW, StepReport,
+};
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
 pub use trainer::{RunConfig, StepMetrics, StepPlan, Trainer};
 pub use update::{

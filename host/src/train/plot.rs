@@ -243,25 +243,54 @@ fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
 
 impl GridPanel for Panel {
     fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
-        // A log panel draws log10(y) on a linear axis whose ticks read as y.
-        let shown: Vec<Vec<(f64, f64)>> = self
-            .series
-            .iter()
-            .map(|s| match self.log_y {
-                true => s.points.iter().filter(|p| p.1 > 0.0).map(|&(x, y)| (x, y.log10())).collect(),
-                false => s.points.clone(),
-            })
-            .collect();
-        let points = shown.iter().flat_map(|s| s.iter().map(|&(x, y)| (x, y, y)));
-        let mut chart = step_chart(area, &self.title, points, (48, 1e-3), self.log_y)?;
-        for (i, (s, pts)) in self.series.iter().zip(&shown).enumerate() {
-            line(&mut chart, pts, Palette99::pick(i).to_rgba(), s.label.clone())?;
+        // A log panel draws log10(y) on a linear axis whose ticks read as y, at least half a
+        // decade either side; a step with y <= 0 breaks its line (no segment across it).
+        let shown: Vec<Vec<Vec<(f64, f64)>>> = self.series.iter().map(|s| self.segments(&s.points)).collect();
+        let points = shown.iter().flatten().flat_map(|seg| seg.iter().map(|&(x, y)| (x, y, y)));
+        let min_pad = if self.log_y { 0.5 } else { 1e-3 };
+        let mut chart = step_chart(area, &self.title, points, (48, min_pad), self.log_y)?;
+        for (i, (s, segs)) in self.series.iter().zip(&shown).enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            for (k, seg) in segs.iter().enumerate() {
+                if k == 0 {
+                    line(&mut chart, seg, color, s.label.clone())?;
+                } else {
+                    chart
+                        .draw_series(LineSeries::new(seg.iter().copied(), color.stroke_width(2)))
+                        .map_err(|e| e.to_string())?;
+                }
+                if self.log_y {
+                    chart
+                        .draw_series(seg.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                        .map_err(|e| e.to_string())?;
+                }
+            }
         }
         // One run needs no legend; several get one in the corner.
         if self.series.len() > 1 {
             legend(&mut chart, SeriesLabelPosition::LowerRight, 0.8, 11)?;
         }
         Ok(())
+    }
+}
+
+impl Panel {
+    /// The points as drawn: one segment on a linear axis; on a log axis `(x, log10 y)`,
+    /// split wherever a point has `y <= 0`.
+    fn segments(&self, points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
+        if !self.log_y {
+            return vec![points.to_vec()];
+        }
+        let mut out = vec![Vec::new()];
+        for &(x, y) in points {
+            match out.last_mut() {
+                Some(seg) if y > 0.0 => seg.push((x, y.log10())),
+                Some(seg) if !seg.is_empty() => out.push(Vec::new()),
+                _ => {}
+            }
+        }
+        out.retain(|seg| !seg.is_empty());
+        out
     }
 }
 
@@ -544,6 +573,15 @@ fn draw_spurious<DB: DrawingBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_panels_split_at_zeros_and_draw_log10() {
+        let p = Panel { title: "t".into(), series: Vec::new(), log_y: true };
+        let pts = [(0.0, 0.0), (1.0, 10.0), (2.0, 100.0), (3.0, 0.0), (4.0, 0.0), (5.0, 1.0), (6.0, -1.0)];
+        assert_eq!(p.segments(&pts), vec![vec![(1.0, 1.0), (2.0, 2.0)], vec![(5.0, 0.0)]]);
+        let lin = Panel { log_y: false, ..p };
+        assert_eq!(lin.segments(&pts), vec![pts.to_vec()]);
+    }
 
     #[test]
     fn writes_png_and_svg_with_every_series() {

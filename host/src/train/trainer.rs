@@ -40,7 +40,7 @@ use crate::rollout::{
     EngineConfig, EngineStats, GenerateHooks, PromptInfo, RolloutBatch, RolloutFigures, Sample,
     SamplingParams,
 };
-use crate::train::optim::{AdamWConfig, LrSchedule};
+use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{
     self, OldLogp, RolloutCorrection, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
@@ -85,6 +85,13 @@ pub struct RunConfig {
     pub epochs: usize,
     pub mini_batch: usize,
     pub micro_batch: usize,
+    /// Optimizer state over the ranks of a data-parallel run: `none` (every rank holds
+    /// all of it), `optimizer` (ZeRO-1: each rank holds the AdamW moments, and f32
+    /// master weights of a model in another dtype, of its range of the flattened
+    /// parameters) or `gradients` (ZeRO-2: also the summed gradients of its range
+    /// alone). The weights after each step are the same in every mode
+    /// ([`crate::train::ShardedAdamW`], docs/distributed.md).
+    pub shard: ShardMode,
     /// Tokens per forward/backward, prompt + response with padding counted (0 = no
     /// budget): sequences sorted by length and cut by this budget, as verl's
     /// `ppo_max_token_len_per_gpu` ([`UpdateConfig::max_tokens_per_micro`]).
@@ -156,6 +163,7 @@ impl Default for RunConfig {
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
+            shard: ShardMode::None,
             max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
             max_num_gen_batches: 10,
@@ -344,7 +352,7 @@ impl Trainer {
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
         let (prompts, pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
-        let policy = PolicyState::new(&cfg, &objective, m)?;
+        let policy = PolicyState::new(&cfg, &objective, m, &*comm)?;
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
         });
@@ -739,20 +747,23 @@ impl Trainer {
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
         let path = self.run_dir().join("checkpoints").join(format!("step-{:06}", self.step));
         let comm = self.comm.clone();
-        dist::on_root(&*comm, || self.write_checkpoint())?;
+        // A sharded optimizer: every rank writes its file, rank 0 moves them into place.
+        let staging = self.run_dir().join("checkpoints").join(format!(".optimizer-step-{:06}", self.step));
+        self.policy.stage_optimizer(&*comm, &staging)?;
+        dist::on_root(&*comm, || self.write_checkpoint(&staging))?;
         Ok(path)
     }
 
-    fn write_checkpoint(&self) -> Result<PathBuf> {
+    fn write_checkpoint(&self, staging: &Path) -> Result<PathBuf> {
         let state = TrainerState {
             step: self.step,
             sampler: self.prompts.sampler_state(),
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
         };
-        let path = self
-            .folder
-            .checkpoint(&state, self.cfg.keep_checkpoints, |tmp| self.policy.save(tmp, &self.cfg.model))?;
+        let path = self.folder.checkpoint(&state, self.cfg.keep_checkpoints, |tmp| {
+            self.policy.save(tmp, &self.cfg.model, staging)
+        })?;
         if let Some(r) = &self.last.rollout {
             self.folder.save_rollouts(self.step, r)?;
         }
