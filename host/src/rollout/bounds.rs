@@ -1,7 +1,8 @@
 //! Bounds checked at the entry of generation, before anything is allocated: the response
 //! length and every prompt against the model's `max_position_embeddings` (vLLM refuses a
 //! request whose prompt plus `max_tokens` exceeds `max_model_len` the same way), and the
-//! memory the KV cache of one chunk of rows would take against the machine's memory.
+//! KV cache of one sequence against the machine's memory (the engine's paged pool
+//! budgets the batch: `rollout_engine.kv_cache_gb`).
 //!
 //! Without them `max_tokens: 10^9` (a CLI flag or a sampling hook's return) aborted the
 //! process on a 768 GB allocation, and a prompt past the position table trained silently.

@@ -260,9 +260,11 @@ fn crashes_11_max_tokens_and_memory_are_bounded_before_allocation() {
     let p = SamplingParams::greedy(100);
     let e = gen(&m, &[vec![2; 10], vec![2; 40]], &p);
     assert!(e.contains("prompt 1 (40 tokens) plus max_tokens (100)") && e.contains("at most 88"), "{e}");
-    // 10^9 rows x 128 positions x 512 bytes: far more than any machine.
-    let p = SamplingParams { n: 1_000_000_000, ..SamplingParams::greedy(100) };
-    let e = gen(&m, &[vec![2; 20]], &p);
+    // One sequence of 10^12 positions x 512 bytes of KV cache: more than any machine.
+    let mut cfg = tiny_config(true);
+    cfg.max_position_embeddings = 4_000_000_000_000;
+    let long = model::init(&cfg, 1, 0.2, DType::F32, &Device::Cpu).unwrap();
+    let e = gen(&long, &[vec![2; 20]], &SamplingParams::greedy(1_000_000_000_000));
     assert!(e.contains("more than this machine's") && e.contains("GB"), "{e}");
 }
 
