@@ -28,39 +28,28 @@ const METRIC_TOL: f64 = 1e-4;
 /// tau_p, since this model is confident).
 fn config(preset: &str) -> RunConfig {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut cfg = RunConfig {
-        model: root.join("models/tiny-qwen3"),
-        data: root.join("data/arith/train.jsonl"),
-        test_data: Some(root.join("data/arith/test.jsonl")),
-        ..RunConfig::default()
-    };
-    cfg.objective = preset.into();
-    cfg.prompts_per_step = 4;
-    cfg.sampling.n = 4;
-    cfg.sampling.max_new_tokens = 16;
-    cfg.lr = 2e-4;
-    cfg.schedule = LrSchedule::Constant { warmup_steps: 0 };
-    cfg.seed = 11;
-    // The tiny model's prompt format (models/tiny-qwen3/README.md).
-    cfg.template = PromptTemplate::Raw { suffix: String::new() };
-    match preset {
+    // Per preset: stapo with several mini- and micro-batches, dapo with two epochs
+    // (mini-batches cut from the shuffled global order).
+    let actor = match preset {
         "stapo" => {
-            cfg.set.insert("tau_p".into(), "0.95".into());
-            cfg.mini_batch = 8;
-            cfg.micro_batch = 3;
+            serde_json::json!({"objective": {"mask": {"tau_p": 0.95}}, "mini_batch": 8, "micro_batch": 3})
         }
-        // Two epochs: mini-batches cut from the shuffled global order.
-        "dapo" => {
-            cfg.epochs = 2;
-            cfg.mini_batch = 6;
-        }
-        _ => {}
-    }
-    cfg.save_every = 2;
-    cfg.eval_every = 2;
-    cfg.eval_n = 1;
-    cfg.eval_limit = Some(2);
-    cfg
+        "dapo" => serde_json::json!({"epochs": 2, "mini_batch": 6}),
+        _ => serde_json::json!({}),
+    };
+    let mut user = serde_json::json!({
+        "model": {"path": root.join("models/tiny-qwen3")},
+        // The tiny model's prompt format (models/tiny-qwen3/README.md).
+        "data": {"train": root.join("data/arith/train.jsonl"), "test": root.join("data/arith/test.jsonl"),
+                 "prompts_per_step": 4, "template": PromptTemplate::Raw { suffix: String::new() }},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
+        "actor": {"preset": preset, "optim": {"lr": 2e-4, "schedule": LrSchedule::Constant { warmup_steps: 0 }}},
+        "checkpoint": {"save_every": 2},
+        "eval": {"every": 2, "sampling": {"n": 1}, "limit": 2},
+        "seed": 11,
+    });
+    stapo::overlay::merge(&mut user["actor"], actor);
+    RunConfig::from_json(&user).unwrap()
 }
 
 fn weights(t: &Trainer) -> Vec<f32> {

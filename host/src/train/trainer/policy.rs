@@ -20,7 +20,7 @@ use crate::{Error, Result};
 pub struct PolicyState {
     model: Qwen3,
     opt: AdamW,
-    /// The low-precision copy rollouts sample from (`rollout_dtype`).
+    /// The low-precision copy rollouts sample from (`rollout.dtype`).
     rollout_copy: Option<RolloutCopy>,
     reference: Option<Qwen3>,
     /// The run's LoRA settings (`None`: full fine-tuning).
@@ -29,10 +29,10 @@ pub struct PolicyState {
 
 impl PolicyState {
     /// The policy `model` with a fresh optimizer, the rollout copy `cfg` asks for, and
-    /// (when `objective` has a KL penalty) the reference: loaded again from `cfg.model`, or
+    /// (when `objective` has a KL penalty) the reference: loaded again from `cfg.model.path`, or
     /// with LoRA the frozen base under the adapters ([`Qwen3::base_view`]).
     ///
-    /// With `cfg.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
+    /// With `cfg.actor.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
     /// carries them already (a resumed LoRA checkpoint, whose rank and targets must be the
     /// configuration's); the optimizer then holds the adapters alone, and rollouts sample
     /// a copy with the adapters merged, refreshed after every update.
@@ -41,12 +41,12 @@ impl PolicyState {
         // With LoRA the reference is the frozen base itself (shared, not reloaded).
         let reference = match &objective.kl {
             Some(kl) if kl.beta != 0.0 && model.has_lora() => Some(model.base_view()),
-            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, model.dtype(), model.device())?),
+            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model.path, model.dtype(), model.device())?),
             _ => None,
         };
-        let opt = AdamW::new(model.trainable_params(), cfg.adamw.clone())?;
+        let opt = AdamW::new(model.trainable_params(), cfg.actor.optim.clone())?;
         let rollout_copy = rollout_copy(cfg, &model)?;
-        Ok(Self { model, opt, rollout_copy, reference, lora: cfg.lora.clone() })
+        Ok(Self { model, opt, rollout_copy, reference, lora: cfg.actor.lora.clone() })
     }
 
     /// The learning rate the optimizer takes for the run's `lr`: times `lora.lr_scale`
@@ -140,10 +140,10 @@ impl PolicyState {
 /// master weights'; with LoRA always (in the master's dtype unless told), since sampling
 /// merged weights is faster than the unmerged adapter path (docs/lora.md).
 fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<RolloutCopy>> {
-    let dt = match &cfg.rollout_dtype {
+    let dt = match &cfg.rollout.dtype {
         Some(name) => model::parse_dtype(name).map_err(|e| Error::Config {
             file: "run config".into(),
-            field: "rollout_dtype".into(),
+            field: "rollout.dtype".into(),
             msg: e.to_string(),
         })?,
         None => m.dtype(),
@@ -151,15 +151,15 @@ fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<RolloutCopy>> {
     (dt != m.dtype() || m.has_lora()).then(|| RolloutCopy::new(m, dt)).transpose()
 }
 
-/// Puts the adapters of `cfg.lora` on `m`: fresh ones, or (a resumed checkpoint) checks
+/// Puts the adapters of `cfg.actor.lora` on `m`: fresh ones, or (a resumed checkpoint) checks
 /// that those it carries are the configuration's.
 fn attach_lora(cfg: &RunConfig, m: &mut Qwen3) -> Result<()> {
-    let Some(lora) = &cfg.lora else {
+    let Some(lora) = &cfg.actor.lora else {
         if m.has_lora() {
             return Err(Error::Config {
                 file: "run config".into(),
-                field: "lora".into(),
-                msg: "the model carries LoRA adapters but the run has no `lora` settings".into(),
+                field: "actor.lora".into(),
+                msg: "the model carries LoRA adapters but the run has no `actor.lora` settings".into(),
             });
         }
         return Ok(());
