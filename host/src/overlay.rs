@@ -73,7 +73,14 @@ fn locate<T: DeserializeOwned>(
         if let Some(found) = locate::<T>(base, x, prefix) {
             return Some(found);
         }
-        return Some((prefix.clone(), e.to_string()));
+        // Only the keys together fail (a key of another `kind` than the one they switch
+        // to): an unknown key still names its own path.
+        let msg = e.to_string();
+        let unknown = msg.strip_prefix("unknown field `").and_then(|r| r.split_once('`')).map(|(n, _)| n);
+        if let Some(name) = unknown.filter(|n| x.get(*n).is_some()) {
+            prefix.push(name.to_string());
+        }
+        return Some((prefix.clone(), msg));
     }
     None
 }

@@ -156,8 +156,7 @@ pub fn check_set_keys(args: &std::collections::BTreeMap<String, String>, script:
             ),
             None => {
                 let known = read.clone().unwrap_or_default();
-                let all = known.iter().chain(&leaves).map(String::as_str);
-                match overlay::nearest(k, all) {
+                match nearest_key(k, &known, &leaves) {
                     Some(n) => format!("unknown key `{k}`; did you mean `{n}`? (neither a config path nor an ARGS key the script reads)"),
                     None => format!("unknown key `{k}`: neither a config path (e.g. actor.optim.lr) nor an ARGS key the script reads ({})", known.join(", ")),
                 }
@@ -166,6 +165,21 @@ pub fn check_set_keys(args: &std::collections::BTreeMap<String, String>, script:
         return Err(Error::Config { file: "--set".into(), field: k.clone(), msg });
     }
     Ok(())
+}
+
+/// The nearest valid `--set` key to `key`: an ARGS key the script reads, a config path, or
+/// the path of the config leaf (or old flat key) whose name is nearest (`tau_pp` →
+/// `actor.objective.mask.tau_p`).
+fn nearest_key(key: &str, args: &[String], leaves: &[String]) -> Option<String> {
+    let mut cands: Vec<(String, String)> = args.iter().map(|a| (a.clone(), a.clone())).collect();
+    for l in leaves {
+        cands.push((l.clone(), l.clone()));
+        let last = l.rsplit('.').next().unwrap_or(l);
+        cands.push((last.to_string(), l.clone()));
+    }
+    let near = overlay::nearest(key, cands.iter().map(|(c, _)| c.as_str()))?;
+    let (_, path) = cands.iter().find(|(c, _)| c == near)?;
+    Some(path.clone())
 }
 
 /// The `ARGS.key` names `script` reads, or `None` when it reads `ARGS` in a way that hides
@@ -198,7 +212,7 @@ fn args_read(script: &str) -> Option<Vec<String>> {
 fn config_leaves() -> Vec<String> {
     fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
         match v {
-            Value::Object(o) if !o.contains_key("kind") || path.is_empty() => {
+            Value::Object(o) => {
                 for (k, x) in o {
                     let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
                     walk(x, &p, out);
