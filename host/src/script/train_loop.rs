@@ -232,10 +232,11 @@ fn config_leaves() -> Vec<String> {
 pub fn smoke_clamp(rc: &mut RunConfig) {
     rc.data.prompts_per_step = rc.data.prompts_per_step.clamp(1, 2);
     clamp_sampling(&mut rc.rollout.sampling);
-    rc.eval.sampling.n = rc.eval.sampling.n.min(1);
-    rc.eval.sampling.max_new_tokens = rc.eval.sampling.max_new_tokens.min(rc.rollout.sampling.max_new_tokens);
-    rc.eval.pass_k = smoke_pass_k(&rc.eval.pass_k, rc.eval.sampling.n);
-    rc.eval.limit = Some(rc.eval.limit.unwrap_or(2).min(2));
+    rc.evaluation.sampling.n = rc.evaluation.sampling.n.min(1);
+    rc.evaluation.sampling.max_new_tokens =
+        rc.evaluation.sampling.max_new_tokens.min(rc.rollout.sampling.max_new_tokens);
+    rc.evaluation.pass_k = smoke_pass_k(&rc.evaluation.pass_k, rc.evaluation.sampling.n);
+    rc.evaluation.limit = Some(rc.evaluation.limit.unwrap_or(2).min(2));
     rc.checkpoint.save_every = 0;
     rc.actor.epochs = rc.actor.epochs.min(1);
     rc.rollout.max_num_gen_batches = rc.rollout.max_num_gen_batches.clamp(1, 2);

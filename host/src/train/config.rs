@@ -2,8 +2,8 @@
 //! (verl's `ppo_trainer.yaml` groups `actor_rollout_ref.{model,rollout,actor}`, `data` and
 //! `trainer`): [`RunConfig`] with `model`, `data`, `rollout` (sampling and engine), `actor`
 //! (objective, epochs, batches, token budget, optimizer, rollout correction, LoRA; defined
-//! beside the update, which reads it as it is), `eval` (its own [`SamplingParams`]),
-//! `checkpoint` and `logging`.
+//! beside the update, which reads it as it is), `evaluation` (its own [`SamplingParams`];
+//! not `eval`, a keyword Rhai reserves), `checkpoint` and `logging`.
 //!
 //! Every section is a serde struct with `deny_unknown_fields`, defaults and one
 //! `validate()`. A script map, `--set a.b=c` and `run_config.json` all become this tree
@@ -41,7 +41,7 @@ pub struct RunConfig {
     /// The policy's objective and optimisation (what the update reads).
     pub actor: ActorConfig,
     /// Periodic held-out evaluation.
-    pub eval: EvalConfig,
+    pub evaluation: EvalConfig,
     /// Checkpoint cadence and retention.
     pub checkpoint: CheckpointConfig,
     /// Optional figures the run records.
@@ -155,8 +155,8 @@ impl RolloutConfig {
     }
 }
 
-/// `eval`: the held-out evaluation every `every` steps, with its own sampling. Fields of
-/// `eval.sampling` that neither the defaults (n 8, temperature 1.0, top-p 1.0) nor the user
+/// `evaluation`: the held-out evaluation every `every` steps, with its own sampling. Fields of
+/// `evaluation.sampling` that neither the defaults (n 8, temperature 1.0, top-p 1.0) nor the user
 /// set follow `rollout.sampling` (the response budget, top-k, stop strings).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -180,8 +180,8 @@ impl Default for EvalConfig {
 impl EvalConfig {
     /// Checks the sampling and that every pass@k is between 1 and `sampling.n`.
     pub fn validate(&self) -> Result<()> {
-        self.sampling.validate(usize::MAX).map_err(|e| under("eval", "sampling", e))?;
-        crate::eval::check_pass_k(&self.pass_k, self.sampling.n).map_err(|e| under("eval", "pass_k", e))
+        self.sampling.validate(usize::MAX).map_err(|e| under("evaluation", "sampling", e))?;
+        crate::eval::check_pass_k(&self.pass_k, self.sampling.n).map_err(|e| under("evaluation", "pass_k", e))
     }
 }
 
@@ -236,14 +236,14 @@ impl LoggingConfig {
 impl RunConfig {
     /// The tree from a user's partial serde form (a script map as JSON, with `--set`
     /// pairs laid on it, or a `run_config.json`): laid over the defaults, with the
-    /// objective of the preset `actor.preset` names and `eval.sampling` following
+    /// objective of the preset `actor.preset` names and `evaluation.sampling` following
     /// `rollout.sampling`, then validated. Errors name the dotted path; a key of the old
     /// flat layout names its new place.
     pub fn from_json(user: &Value) -> Result<Self> {
         check_moved(user)?;
         let mut base = serde_json::to_value(RunConfig::default()).map_err(|e| overlay_err("", e))?;
         base["actor"] = ActorConfig::base_json(WHAT, user.get("actor"))?;
-        base["eval"]["sampling"] = eval_sampling_base(&base, user)?;
+        base["evaluation"]["sampling"] = eval_sampling_base(&base, user)?;
         let cfg: RunConfig = overlay::build(WHAT, &base, user)?;
         cfg.validate()?;
         Ok(cfg)
@@ -255,7 +255,7 @@ impl RunConfig {
         self.data.validate()?;
         self.rollout.validate()?;
         self.actor.validate()?;
-        self.eval.validate()?;
+        self.evaluation.validate()?;
         self.checkpoint.validate()?;
         self.logging.validate()
     }
@@ -273,14 +273,15 @@ fn overlay_err(path: &str, e: serde_json::Error) -> Error {
     overlay::config_error(WHAT, path, &e.to_string())
 }
 
-/// The base of `eval.sampling`: `rollout.sampling` as the user sets it, with the
+/// The base of `evaluation.sampling`: `rollout.sampling` as the user sets it, with the
 /// evaluation's own defaults for `n`, `temperature` and `top_p`.
 fn eval_sampling_base(base: &Value, user: &Value) -> Result<Value> {
     let mut s = base["rollout"]["sampling"].clone();
     if let Some(u) = overlay::get_dotted(user, "rollout.sampling") {
         overlay::merge(&mut s, u.clone());
     }
-    let own = serde_json::to_value(EvalConfig::default().sampling).map_err(|e| overlay_err("eval", e))?;
+    let own =
+        serde_json::to_value(EvalConfig::default().sampling).map_err(|e| overlay_err("evaluation", e))?;
     for k in ["n", "temperature", "top_p"] {
         s[k] = own[k].clone();
     }
@@ -309,12 +310,12 @@ const MOVED: &[(&str, &str)] = &[
     ("max_num_gen_batches", "rollout.max_num_gen_batches"),
     ("scale_logits_by_temperature", "actor.scale_logits_by_temperature"),
     ("token_grad_norms", "logging.token_grad_norms"),
-    ("eval_every", "eval.every"),
-    ("eval_n", "eval.sampling.n"),
-    ("eval_limit", "eval.limit"),
-    ("eval_temperature", "eval.sampling.temperature"),
-    ("eval_top_p", "eval.sampling.top_p"),
-    ("eval_pass_k", "eval.pass_k"),
+    ("eval_every", "evaluation.every"),
+    ("eval_n", "evaluation.sampling.n"),
+    ("eval_limit", "evaluation.limit"),
+    ("eval_temperature", "evaluation.sampling.temperature"),
+    ("eval_top_p", "evaluation.sampling.top_p"),
+    ("eval_pass_k", "evaluation.pass_k"),
     ("save_every", "checkpoint.save_every"),
     ("keep_checkpoints", "checkpoint.keep"),
     ("dtype", "model.dtype"),
@@ -405,7 +406,7 @@ mod tests {
             "model": {"path": "m"},
             "actor": {"preset": "grpo", "objective": {"loss": {"eps_high": 0.28}}, "optim": {"lr": 2e-5}},
             "rollout": {"sampling": {"n": 4, "max_tokens": 64, "top_k": 5}},
-            "eval": {"every": 5, "sampling": {"n": 2}},
+            "evaluation": {"every": 5, "sampling": {"n": 2}},
         }))
         .unwrap();
         assert_eq!(c.model.path, PathBuf::from("m"));
@@ -415,9 +416,9 @@ mod tests {
         assert_eq!((c.actor.optim.lr, c.actor.preset.as_str()), (2e-5, "grpo"));
         // The warm-up of the default schedule stays.
         assert_eq!(c.actor.optim.schedule, crate::train::LrSchedule::Constant { warmup_steps: 10 });
-        // eval.sampling: its own n (2, given) and temperature/top-p (defaults), the rollout's
+        // evaluation.sampling: its own n (2, given) and temperature/top-p (defaults), the rollout's
         // budget and top-k.
-        let e = &c.eval.sampling;
+        let e = &c.evaluation.sampling;
         assert_eq!((e.n, e.temperature, e.top_p, e.max_new_tokens, e.top_k), (2, 1.0, 1.0, 64, Some(5)));
         assert_eq!(c.rollout.sampling.n, 4);
         // The S2T mask from a preset without one.
@@ -447,8 +448,8 @@ mod tests {
         assert!(e.contains("model.path"), "{e}");
         let e = err(json!({"actor": {"preset": "ppo2"}}));
         assert!(e.contains("actor.preset") && e.contains("grpo"), "{e}");
-        let e = err(json!({"eval": {"pass_k": [1, 16]}}));
-        assert!(e.contains("eval.pass_k") && e.contains("16"), "{e}");
+        let e = err(json!({"evaluation": {"pass_k": [1, 16]}}));
+        assert!(e.contains("evaluation.pass_k") && e.contains("16"), "{e}");
         let e = err(json!({"actor": {"optim": {"beta1": 1.5}}}));
         assert!(e.contains("actor.optim.beta1"), "{e}");
         let e = err(json!({"actor": {"rollout_correction": {"cap": 0.5}}}));

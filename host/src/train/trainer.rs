@@ -323,7 +323,11 @@ impl Trainer {
     ) -> Result<StepMetrics> {
         let step = self.step;
         // Like verl's val_before_train: the curve of held-out accuracy starts at step 0.
-        if step == 0 && self.cfg.eval.every > 0 && self.prompts.has_test() && self.folder.evals().is_empty() {
+        if step == 0
+            && self.cfg.evaluation.every > 0
+            && self.prompts.has_test()
+            && self.folder.evals().is_empty()
+        {
             self.evaluate(None)?;
         }
         let mut warnings = std::mem::take(&mut self.notes.pending);
@@ -382,7 +386,7 @@ impl Trainer {
     /// After a step: the held-out evaluation when one is due, the metrics line, the
     /// checkpoint when one is due.
     fn finish_step(&mut self, m: &mut StepMetrics) -> Result<()> {
-        let every = self.cfg.eval.every as u64;
+        let every = self.cfg.evaluation.every as u64;
         if every > 0 && self.step.is_multiple_of(every) && self.prompts.has_test() {
             let r = self.evaluate(None)?;
             m.eval_avg = Some(r.overall.avg);
@@ -535,7 +539,7 @@ impl Trainer {
 
     /// Evaluates on `data.test` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
-        let s = &self.cfg.eval.sampling;
+        let s = &self.cfg.evaluation.sampling;
         let report = self.evaluate_once(examples, (s.temperature, s.top_p), false)?;
         self.folder.note_eval(self.step, &report);
         self.last.eval = Some(report.clone());
@@ -552,18 +556,20 @@ impl Trainer {
         temperature: f64,
         top_p: f64,
     ) -> Result<EvalReport> {
-        if (temperature, top_p) == (self.cfg.eval.sampling.temperature, self.cfg.eval.sampling.top_p) {
+        if (temperature, top_p)
+            == (self.cfg.evaluation.sampling.temperature, self.cfg.evaluation.sampling.top_p)
+        {
             return self.evaluate(examples);
         }
         check_eval_sampling(temperature, top_p)?;
         self.evaluate_once(examples, (temperature, top_p), true)
     }
 
-    /// Sets the sampling of the periodic evaluations (`eval.sampling.temperature`,
-    /// `eval.sampling.top_p`) from the next one on.
+    /// Sets the sampling of the periodic evaluations (`evaluation.sampling.temperature`,
+    /// `evaluation.sampling.top_p`) from the next one on.
     pub fn set_eval_sampling(&mut self, temperature: f64, top_p: f64) -> Result<()> {
         check_eval_sampling(temperature, top_p)?;
-        (self.cfg.eval.sampling.temperature, self.cfg.eval.sampling.top_p) = (temperature, top_p);
+        (self.cfg.evaluation.sampling.temperature, self.cfg.evaluation.sampling.top_p) = (temperature, top_p);
         Ok(())
     }
 
@@ -577,16 +583,16 @@ impl Trainer {
     ) -> Result<EvalReport> {
         let ex = match examples {
             Some(e) => e.to_vec(),
-            None => self.prompts.test_examples(self.cfg.eval.limit)?,
+            None => self.prompts.test_examples(self.cfg.evaluation.limit)?,
         };
-        let mut params = self.cfg.eval.sampling.clone();
+        let mut params = self.cfg.evaluation.sampling.clone();
         (params.temperature, params.top_p) = setting;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
             let gen = self.prompts.generator(self.policy.sampling_model());
             let report = eval::evaluate(&gen, &ex, &params, self.cfg.data.extract, 64, &|_| {})?
-                .with_pass_k(&self.cfg.eval.pass_k)?;
+                .with_pass_k(&self.cfg.evaluation.pass_k)?;
             self.folder.log_eval(self.step, &report, setting, extra)?;
             Ok(report)
         })?;

@@ -45,7 +45,7 @@ fn config(preset: &str) -> RunConfig {
         "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
         "actor": {"preset": preset, "optim": {"lr": 2e-4, "schedule": LrSchedule::Constant { warmup_steps: 0 }}},
         "checkpoint": {"save_every": 2},
-        "eval": {"every": 2, "sampling": {"n": 1}, "limit": 2},
+        "evaluation": {"every": 2, "sampling": {"n": 1}, "limit": 2},
         "seed": 11,
     });
     stapo::overlay::merge(&mut user["actor"], actor);

@@ -138,7 +138,6 @@ fn token_budget_micro_batches_equal_the_padded_path() {
             let shape = |c: &mut UpdateConfig| {
                 c.actor.mini_batch = mini_batch;
                 c.actor.epochs = epochs;
-                c.shuffle = epochs > 1;
             };
             let (before, padded, m_padded) = run_with(preset, tau_p, lr, |c| {
                 shape(c);

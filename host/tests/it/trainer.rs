@@ -17,7 +17,7 @@ fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path:
         "actor": {"preset": "dapo_s2t", "optim": {"lr": 1e-2},
                   "objective": {"mask": {"tau_p": 0.05}, "dynamic_sampling": false}},
         "checkpoint": {"save_every": 2},
-        "eval": {"every": 3, "sampling": {"n": 2}, "pass_k": [1, 2], "limit": 4},
+        "evaluation": {"every": 3, "sampling": {"n": 2}, "pass_k": [1, 2], "limit": 4},
     }))
     .unwrap()
 }
@@ -119,9 +119,9 @@ fn a_new_run_refuses_an_existing_run_folder() {
     let err = Trainer::new(cfg.clone(), &dir.path().join("run")).err().unwrap().to_string();
     assert!(err.contains("already holds a run"), "{err}");
     let mut bad = cfg;
-    bad.eval.pass_k = vec![1, 4];
+    bad.evaluation.pass_k = vec![1, 4];
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
-    assert!(err.contains("eval.pass_k") && err.contains("k = 4"), "{err}");
+    assert!(err.contains("evaluation.pass_k") && err.contains("k = 4"), "{err}");
 }
 
 #[test]
@@ -134,7 +134,7 @@ fn dynamic_sampling_refills_or_warns_at_the_limit() {
     cfg.actor.preset = "dapo".into();
     cfg.actor.objective = stapo::algo::ObjectiveConfig::preset("dapo").unwrap();
     cfg.data.extract = ExtractMode::Strict;
-    cfg.eval.every = 0;
+    cfg.evaluation.every = 0;
     cfg.checkpoint.save_every = 0;
     cfg.rollout.max_num_gen_batches = 3;
     let mut t = Trainer::new(cfg, &dir.path().join("run")).unwrap();
@@ -159,7 +159,7 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    cfg.eval.every = 0;
+    cfg.evaluation.every = 0;
     cfg.checkpoint.save_every = 0;
     cfg.rollout.dtype = Some("bfloat16".into());
     let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
@@ -204,7 +204,7 @@ fn bf16_rollout_copy_log_probs_and_their_mismatch() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    cfg.eval.every = 0;
+    cfg.evaluation.every = 0;
     cfg.checkpoint.save_every = 0;
     cfg.rollout.dtype = Some("bfloat16".into());
     // The same policy, never updated: the master and the copy that sampled the step's rollouts.
@@ -258,14 +258,16 @@ fn an_s2t_mask_that_silences_nothing_trains_as_no_mask() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut base = config(model, train, test);
-    (base.eval_every, base.save_every, base.mini_batch) = (0, 0, 4);
-    base.objective = "dapo".into();
-    base.set.clear();
-    base.set.insert("dynamic_sampling".into(), "false".into());
+    (base.evaluation.every, base.checkpoint.save_every, base.actor.mini_batch) = (0, 0, 4);
+    let preset = |name: &str, over: serde_json::Value| {
+        stapo::algo::ObjectiveConfig::preset(name).unwrap().overlay("test", &over).unwrap()
+    };
+    base.actor.objective = preset("dapo", serde_json::json!({"dynamic_sampling": false}));
     let mut observer = base.clone();
-    observer.objective = "dapo_s2t".into();
-    observer.set.insert("tau_p".into(), "0.05".into());
-    observer.set.insert("tau_h".into(), "-1".into());
+    observer.actor.objective = preset(
+        "dapo_s2t",
+        serde_json::json!({"dynamic_sampling": false, "mask": {"tau_p": 0.05, "tau_h": -1.0}}),
+    );
     let mut a = Trainer::new(base, &dir.path().join("plain")).unwrap();
     let mut b = Trainer::new(observer, &dir.path().join("observer")).unwrap();
     let (mut candidates, mut moved) = (0, 0);
@@ -297,7 +299,7 @@ fn evaluations_at_another_setting_are_logged_apart() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    (cfg.eval.every, cfg.checkpoint.save_every) = (1, 0);
+    (cfg.evaluation.every, cfg.checkpoint.save_every) = (1, 0);
     let run = dir.path().join("run");
     let mut t = Trainer::new(cfg, &run).unwrap();
     t.step(&t.default_plan(), None, None).unwrap();

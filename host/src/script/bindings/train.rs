@@ -114,8 +114,8 @@ fn evaluate_run(r: &RunHandle, opts: &Map) -> RhaiResult<Dynamic> {
     }
     let mut run = lock(&r.0, "run")?;
     let cfg = run.config();
-    let t = get_num(opts, "temperature")?.unwrap_or(cfg.eval.sampling.temperature);
-    let p = get_num(opts, "top_p")?.unwrap_or(cfg.eval.sampling.top_p);
+    let t = get_num(opts, "temperature")?.unwrap_or(cfg.evaluation.sampling.temperature);
+    let p = get_num(opts, "top_p")?.unwrap_or(cfg.evaluation.sampling.top_p);
     let rep = run.evaluate_at(None, t, p).map_err(host)?;
     Ok(from_json(&serde_json::json!({"overall": rep.overall, "by_source": rep.by_source,
         "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k,
@@ -254,7 +254,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p,
         /// tau_h (a number or #{q, over}), state}, lr(step) -> number, then on_step(step, metrics) and
         /// should_stop(step, metrics) -> bool. cfg: the configuration tree (model, data, rollout, actor,
-        /// eval, checkpoint, logging, seed; default_config() shows it) plus optional `name`
+        /// evaluation, checkpoint, logging, seed; default_config() shows it) plus optional `name`
         /// (sub-folder), `steps` and `hook_timeout`. Returns #{run_dir, steps, final, checkpoint,
         /// seconds, stopped_early}.
         ///
@@ -471,7 +471,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "default_config", r#"
         /// default_config() -> map
         ///
-        /// The whole configuration tree with its defaults (model, data, rollout, actor, eval, checkpoint,
+        /// The whole configuration tree with its defaults (model, data, rollout, actor, evaluation, checkpoint,
         /// logging, seed).
         ///
         /// # Example
