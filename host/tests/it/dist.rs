@@ -281,12 +281,16 @@ fn mpirun_two_ranks_train_as_one() {
             r#"
 for preset in ["stapo", "dapo", "grpo"] {{
     train(#{{
-        name: preset, objective: preset, model: "{m}", data: "{d}",
-        template: #{{ kind: "raw", suffix: "" }},
-        set: if preset == "stapo" {{ #{{ tau_p: "0.95" }} }} else {{ #{{}} }},
-        prompts_per_step: 4, sampling: #{{ n: 4, max_tokens: 16 }},
-        mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
-        lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }}, seed: 11, save_every: 2,
+        name: preset, model: #{{ path: "{m}" }},
+        data: #{{ train: "{d}", template: #{{ kind: "raw", suffix: "" }}, prompts_per_step: 4 }},
+        rollout: #{{ sampling: #{{ n: 4, max_tokens: 16 }} }},
+        actor: #{{
+            preset: preset,
+            objective: if preset == "stapo" {{ #{{ mask: #{{ tau_p: 0.95 }} }} }} else {{ #{{}} }},
+            mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
+            optim: #{{ lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }} }},
+        }},
+        seed: 11, checkpoint: #{{ save_every: 2 }},
     }}, 2);
 }}
 "#,
