@@ -5,8 +5,9 @@
 //!
 //! `objective.rs` (the losses), `mask.rs` (the masks) and `preset.rs` (named presets and
 //! `--set` overrides) all read these types; none of them depends on another for a type.
-//! STAPO's paper defaults (tau_p = 0.002, tau_h = the 0.8-quantile of the entropies of
-//! all response tokens of the mini-batch) are written once, here: [`TAU_P_DEFAULT`],
+//! STAPO's paper defaults (arXiv 2602.15620 v4, §3 and §4.1: tau_p = 0.002, tau_h = the
+//! 0.75-quantile of the entropies of the candidates, the low-probability tokens of correct
+//! responses, in each mini-batch) are written once, here: [`TAU_P_DEFAULT`],
 //! [`TAU_H_QUANTILE_DEFAULT`], [`TauH::PAPER`].
 //!
 //! Every type here has one serde form, the one the run configuration (`actor.objective`),
@@ -18,27 +19,27 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::advantage::{AdvEstimator, OverlongConfig, RewardScale, StdKind};
 use crate::{Error, Result};
 
-/// STAPO's probability threshold of the sampled token (paper v1 appendix).
+/// STAPO's probability threshold of the sampled token, an absolute probability (paper §3;
+/// 0.002 in every experiment, §4.1).
 pub const TAU_P_DEFAULT: f32 = 0.002;
-/// STAPO's entropy threshold: this quantile of the response tokens' entropies. Two
-/// independent summaries of the paper give an 80% entropy quantile ("low entropy" =
-/// below the 80th percentile, the complement of 20-Entropy's top 20%); see DESIGN.md.
-pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.8;
-/// The quantile of the candidates' entropies that stapo used before it named the
-/// population (`dapo_s2t`): 0.75 over [`QuantileOver::Candidates`].
-pub const TAU_H_CANDIDATES_QUANTILE: f32 = 0.75;
+/// STAPO's entropy threshold: this quantile `q` of the candidates' entropies in each
+/// mini-batch (paper §3, "computed dynamically over the low-probability tokens within
+/// correct responses"; q = 75% in every experiment, §4.1; v1 of the paper used 80%).
+pub const TAU_H_QUANTILE_DEFAULT: f32 = 0.75;
 
 /// The population whose entropies a quantile `tau_h` is taken over, per (global)
 /// mini-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QuantileOver {
-    /// Every response token of the mini-batch (the paper's reading: tau_h marks the
-    /// `1 - q` share of highest-entropy positions that are never silenced).
-    Response,
-    /// Only the candidates (`A > 0 && p < tau_p`): with one candidate nothing is
-    /// silenced, with two at most one.
+    /// Only the candidates (`A > 0 && p < tau_p`), the paper's rule (§3): the bottom `q`
+    /// share of them by entropy is silenced, so with one candidate nothing is, with two
+    /// at most one.
     Candidates,
+    /// Every response token of the mini-batch. Not the paper's rule: a variant (stapo's
+    /// reading before the paper's text was public) that silences a candidate unless it is
+    /// among the `1 - q` share of highest-entropy positions of the whole mini-batch.
+    Response,
 }
 
 impl QuantileOver {
@@ -69,11 +70,8 @@ pub enum TauH {
 }
 
 impl TauH {
-    /// The paper's reading: the 0.8-quantile over all response tokens.
-    pub const PAPER: TauH = TauH::Quantile { q: TAU_H_QUANTILE_DEFAULT, over: QuantileOver::Response };
-    /// stapo's earlier rule (`dapo_s2t`): the 0.75-quantile over the candidates.
-    pub const CANDIDATES: TauH =
-        TauH::Quantile { q: TAU_H_CANDIDATES_QUANTILE, over: QuantileOver::Candidates };
+    /// The paper's rule (§3, §4.1): the 0.75-quantile over the candidates.
+    pub const PAPER: TauH = TauH::Quantile { q: TAU_H_QUANTILE_DEFAULT, over: QuantileOver::Candidates };
 }
 
 /// The quantile form of [`TauH`], each field defaulting to the paper's.
@@ -143,7 +141,7 @@ pub struct S2tThresholds {
 }
 
 impl Default for S2tThresholds {
-    /// The paper's: tau_p = 0.002, tau_h = the 0.8-quantile over the response.
+    /// The paper's: tau_p = 0.002, tau_h = the 0.75-quantile over the candidates.
     fn default() -> Self {
         S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::PAPER }
     }

@@ -5,10 +5,13 @@
 //!   `p = exp(logp of the sampled token)` and `H` the full-vocabulary entropy, both from the
 //!   training forward and detached (of the tempered policy when the update divides the
 //!   logits by the rollout temperature, as verl does). `tau_h` is either absolute or the
-//!   `q`-quantile of `H` over a named population of the mini-batch: every response token
-//!   ([`QuantileOver::Response`], the paper's reading, `q = 0.8`: the 20% of
-//!   highest-entropy positions are never silenced) or only the *candidates* (response
-//!   tokens with `A > 0 && p < tau_p`, [`QuantileOver::Candidates`]) — `tau_p = 0.002`.
+//!   `q`-quantile of `H` over a named population of the mini-batch: the *candidates*
+//!   (response tokens with `A > 0 && p < tau_p`, [`QuantileOver::Candidates`]), the paper's
+//!   rule (arXiv 2602.15620 §3: "the q-th quantile of entropy, computed dynamically over the
+//!   low-probability tokens within correct responses in each mini-batch"; `q = 0.75`,
+//!   `tau_p = 0.002`, §4.1), so the bottom `q` share of the candidates by entropy is
+//!   silenced; or, as a variant that is not the paper's, every response token
+//!   ([`QuantileOver::Response`]).
 //! - Top-entropy ("20-Entropy"), Wang et al. 2025, "Beyond the 80/20 Rule" (arXiv:2506.01939):
 //!   keep the top `rho` fraction of response tokens by entropy, ranked over the whole
 //!   mini-batch, as in `get_global_entropy_top_mask` of the paper's verl fork.
@@ -258,6 +261,7 @@ pub fn compose_masks(masks: &[&Tensor]) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algo::config::TAU_P_DEFAULT;
     use candle_core::Device;
 
     fn t2(v: &[f32], b: usize, l: usize) -> Tensor {
@@ -392,6 +396,66 @@ mod tests {
         let (m, s) = s2t_mask(&lp, &h, &adv, &t2(&[0.; 6], 1, 6), 0.002, resp(0.8)).unwrap();
         assert_eq!((s.tau_h, s.tau_h_population, s.n_silenced), (None, Some(0), 0));
         assert_eq!(v(&m), vec![1.; 6]);
+    }
+
+    /// The paper's rule (§3, §4.1: `TauH::PAPER`, the 0.75-quantile of the candidates'
+    /// entropies, strict `<`) by hand for 0, 1, 2, 3, 4 and 9 candidates and with ties:
+    /// about floor(0.75 n) candidates are silenced and a lone candidate is kept. Every
+    /// row interleaves non-candidates (high p, or A <= 0) at near-zero entropy: they are
+    /// neither in the population nor silenced.
+    #[test]
+    fn s2t_paper_rule_by_candidate_count() {
+        // (candidate entropies in row order, tau_h by hand, entropies silenced)
+        let cases: [(&[f32], Option<f32>, &[f32]); 9] = [
+            (&[], None, &[]),
+            // n = 1: pos = 0 → tau_h = 0.4; 0.4 < 0.4 is false.
+            (&[0.4], Some(0.4), &[]),
+            // n = 2: [0.2, 0.6], pos = 0.75 → 0.2 + 0.75 * 0.4 = 0.5.
+            (&[0.6, 0.2], Some(0.5), &[0.2]),
+            // n = 3: [0.1, 0.3, 0.8], pos = 1.5 → 0.3 + 0.5 * 0.5 = 0.55.
+            (&[0.3, 0.8, 0.1], Some(0.55), &[0.3, 0.1]),
+            // n = 4: [0.1, 0.2, 0.4, 0.8], pos = 2.25 → 0.4 + 0.25 * 0.4 = 0.5.
+            (&[0.8, 0.1, 0.4, 0.2], Some(0.5), &[0.1, 0.4, 0.2]),
+            // n = 9: [0.1 .. 0.9], pos = 6 → x[6] = 0.7: six silenced = floor(6.75).
+            (&[0.9, 0.5, 0.1, 0.7, 0.3, 0.8, 0.2, 0.6, 0.4], Some(0.7), &[0.5, 0.1, 0.3, 0.2, 0.6, 0.4]),
+            // Ties: all equal → tau_h = 0.3, nothing is strictly below it.
+            (&[0.3, 0.3, 0.3, 0.3], Some(0.3), &[]),
+            // Ties at the quantile: [0.1, 0.5, 0.5, 0.5], pos = 2.25 → 0.5: only 0.1.
+            (&[0.5, 0.1, 0.5, 0.5], Some(0.5), &[0.1]),
+            // Ties below it: [0.2, 0.2, 0.6, 0.6], pos = 2.25 → 0.6: both 0.2s.
+            (&[0.6, 0.2, 0.6, 0.2], Some(0.6), &[0.2, 0.2]),
+        ];
+        for (cands, want_tau, want_silenced) in cases {
+            // Row: [non-candidate (high p), candidate, non-candidate (A < 0 token)...] per
+            // candidate, with per-token advantages so the A <= 0 tokens can sit in the row.
+            let (mut lp, mut h, mut adv) = (vec![HIGH, LOW], vec![0.01f32, 0.02], vec![1f32, -1.]);
+            for &c in cands {
+                lp.extend([LOW, HIGH]);
+                h.extend([c, 0.0]);
+                adv.extend([1., 1.]);
+            }
+            let l = lp.len();
+            let (lp, h, adv, rm) = (t2(&lp, 1, l), t2(&h, 1, l), t2(&adv, 1, l), t2(&vec![1.; l], 1, l));
+            let (m, s) = s2t_mask(&lp, &h, &adv, &rm, TAU_P_DEFAULT, TauH::PAPER).unwrap();
+            let what = format!("{} candidates {cands:?}", cands.len());
+            assert_eq!((s.n_candidates, s.tau_h_population), (cands.len(), Some(cands.len())), "{what}");
+            match (s.tau_h, want_tau) {
+                (Some(got), Some(want)) => assert!((got - want).abs() < 1e-6, "{what}: tau_h {got}"),
+                (got, want) => assert_eq!(got, want, "{what}"),
+            }
+            let silenced: Vec<f32> = s.positions.iter().map(|&(_, t)| v(&h)[t]).collect();
+            assert_eq!(silenced, want_silenced, "{what}");
+            // Distinct entropies: exactly floor(0.75 n) silenced; ties at the threshold are kept.
+            let floor = (cands.len() as f32 * 0.75).floor() as usize;
+            let distinct = cands.iter().all(|a| cands.iter().filter(|&b| b == a).count() == 1);
+            if distinct {
+                assert_eq!(s.n_silenced, floor, "{what}");
+            } else {
+                assert!(s.n_silenced < floor, "{what}");
+            }
+            let kept = v(&m).iter().filter(|&&x| x == 1.0).count();
+            assert_eq!(kept, l - want_silenced.len(), "{what}");
+        }
     }
 
     /// The data-parallel route: each row of the hand example on its own "rank", the

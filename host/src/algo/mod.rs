@@ -28,7 +28,7 @@ pub use advantage::{
 };
 pub use config::{
     AggMode, KlConfig, KlKind, MaskConfig, ObjectiveConfig, PolicyLoss, QuantileOver, S2tThresholds, TauH,
-    TAU_H_CANDIDATES_QUANTILE, TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
+    TAU_H_QUANTILE_DEFAULT, TAU_P_DEFAULT,
 };
 pub use mask::{
     compose_masks, quantile_linear, s2t_mask, s2t_population_entropies, top_entropy_mask, S2tStats,

@@ -5,15 +5,13 @@
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
 //! (arXiv:2506.01939), JustRL (He et al. 2025), Dr.GRPO (arXiv:2503.20783) and STAPO
-//! (2026: the paper's listed recipe, JustRL's settings + the S2T mask with tau_p = 0.002,
-//! tau_h = the 0.8-quantile of the response tokens' entropies; `dapo_s2t` is DAPO + S2T
-//! with the 0.75-quantile of the candidates, stapo's earlier reading).
+//! (arXiv 2602.15620: JustRL's settings + the S2T mask with tau_p = 0.002, tau_h = the
+//! 0.75-quantile of the candidates' entropies per mini-batch, §3 and §4.1; `dapo_s2t` is
+//! DAPO + the same S2T mask).
 //! verl `core_algos.py` names the aggregation modes.
 
 use super::advantage::{AdvEstimator, OverlongConfig};
-use super::config::{
-    cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss, S2tThresholds, TauH, TAU_P_DEFAULT,
-};
+use super::config::{cfg_err, AggMode, MaskConfig, ObjectiveConfig, PolicyLoss};
 use crate::Result;
 
 /// One named preset: what `--objective NAME` (or `objective: "NAME"`) starts from.
@@ -102,17 +100,14 @@ pub const PRESETS: &[Preset] = &[
     Preset {
         name: "stapo",
         aliases: &[],
-        summary: "justrl + S2T mask (tau_p 0.002, tau_h = 0.8-quantile over the response tokens)",
+        summary: "justrl + S2T mask (tau_p 0.002, tau_h = 0.75-quantile over the candidates, paper §3)",
         build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..justrl() },
     },
     Preset {
         name: "dapo_s2t",
         aliases: &[],
         summary: "dapo + S2T mask (tau_p 0.002, tau_h = 0.75-quantile over the candidates)",
-        build: || ObjectiveConfig {
-            mask: MaskConfig::S2t(S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::CANDIDATES }),
-            ..dapo()
-        },
+        build: || ObjectiveConfig { mask: MaskConfig::S2T_DEFAULT, ..dapo() },
     },
     Preset {
         name: "drgrpo",
@@ -193,16 +188,16 @@ impl ObjectiveConfig {
 mod tests {
     use super::*;
     use crate::algo::advantage::OverlongConfig;
-    use crate::algo::config::{KlConfig, KlKind, QuantileOver, S2tThresholds};
+    use crate::algo::config::{KlConfig, KlKind, QuantileOver, S2tThresholds, TauH};
     use serde_json::json;
 
     #[test]
     fn presets_have_design_defaults() {
-        // stapo: JustRL's settings + S2T, tau_h the 0.8-quantile over the response.
+        // stapo: JustRL's settings + S2T, tau_h the 0.75-quantile over the candidates (§3, §4.1).
         let s = ObjectiveConfig::preset("stapo").unwrap();
         assert_eq!(s.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
         assert_eq!(s.agg, AggMode::TokenMean);
-        let paper = TauH::Quantile { q: 0.8, over: QuantileOver::Response };
+        let paper = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
         assert_eq!(s.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: paper }));
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
@@ -211,10 +206,9 @@ mod tests {
             ObjectiveConfig { mask: MaskConfig::None, ..s },
             ObjectiveConfig::preset("justrl").unwrap()
         );
-        // dapo_s2t: DAPO + S2T, the 0.75-quantile over the candidates.
+        // dapo_s2t: DAPO + the same S2T mask.
         let ds = ObjectiveConfig::preset("dapo_s2t").unwrap();
-        let cand = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
-        assert_eq!(ds.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: cand }));
+        assert_eq!(ds.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: paper }));
         assert_eq!(
             ObjectiveConfig { mask: MaskConfig::None, ..ds },
             ObjectiveConfig::preset("dapo").unwrap()

@@ -1,5 +1,7 @@
 //! Training curves as PNG and SVG (plotters): one figure of small panels
-//! (reward, entropy, held-out accuracy, silenced-token ratio, response length)
+//! (reward, entropy, held-out accuracy, silenced-token ratio, response length, and the
+//! STAPO paper's own figure: silenced tokens per 10^4 on a log scale beside the S2T
+//! candidates per mini-batch)
 //! with one line per run, so runs of several objectives compare at a glance;
 //! the same panels over groups of seeds as mean ± spread bands; and STAPO's
 //! token scatter (`spurious.png`: p against H, coloured by logit-gradient norm,
@@ -30,6 +32,8 @@ pub struct Series {
 pub struct Panel {
     pub title: String,
     pub series: Vec<Series>,
+    /// A log-10 y axis: points `y <= 0` are left out (a step that silenced nothing).
+    pub log_y: bool,
 }
 
 /// The metrics files of one run.
@@ -58,14 +62,16 @@ fn series(label: &str, rows: &[serde_json::Value], x: &str, y: &[&str]) -> Serie
 /// The standard panels for a set of runs.
 pub fn standard_panels(runs: &[RunCurves]) -> Result<Vec<Panel>> {
     let mut panels: Vec<Panel> = [
-        "reward (mean)",
-        "entropy (nats/token)",
-        "held-out accuracy (avg@n)",
-        "silenced-token ratio",
-        "response length (tokens)",
+        ("reward (mean)", false),
+        ("entropy (nats/token)", false),
+        ("held-out accuracy (avg@n)", false),
+        ("silenced-token ratio", false),
+        ("response length (tokens)", false),
+        ("silenced tokens per 10^4 (log; 0 not drawn)", true),
+        ("S2T candidates per mini-batch", false),
     ]
     .iter()
-    .map(|t| Panel { title: t.to_string(), series: Vec::new() })
+    .map(|&(t, log_y)| Panel { title: t.to_string(), series: Vec::new(), log_y })
     .collect();
     for r in runs {
         let m: Vec<serde_json::Value> = read_jsonl(&r.metrics)?;
@@ -79,6 +85,8 @@ pub fn standard_panels(runs: &[RunCurves]) -> Result<Vec<Panel>> {
         }
         panels[3].series.push(series(&r.label, &m, "step", &["silenced_ratio"]));
         panels[4].series.push(series(&r.label, &m, "step", &["response_len_mean"]));
+        panels[5].series.push(series(&r.label, &m, "step", &["silenced_per_10k"]));
+        panels[6].series.push(series(&r.label, &m, "step", &["candidates_per_mini_batch"]));
     }
     Ok(panels)
 }
@@ -173,6 +181,7 @@ fn step_chart<'a, DB: DrawingBackend>(
     title: &str,
     points: impl Iterator<Item = (f64, f64, f64)>,
     (y_label, min_pad): (u32, f64),
+    log_y: bool,
 ) -> std::result::Result<StepChart<'a, DB>, String> {
     let (x0, x1, y0, y1) = bounds(points);
     let pad = ((y1 - y0) * 0.08).max(y1.abs().max(y0.abs()) * 0.05).max(min_pad);
@@ -187,7 +196,7 @@ fn step_chart<'a, DB: DrawingBackend>(
         .configure_mesh()
         .x_desc("step")
         .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| tick(*y))
+        .y_label_formatter(&|y| if log_y { tick(10f64.powf(*y)) } else { tick(*y) })
         .label_style(("sans-serif", 11))
         .draw()
         .map_err(|e| e.to_string())?;
@@ -234,16 +243,54 @@ fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
 
 impl GridPanel for Panel {
     fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
-        let points = self.series.iter().flat_map(|s| s.points.iter().map(|&(x, y)| (x, y, y)));
-        let mut chart = step_chart(area, &self.title, points, (48, 1e-3))?;
-        for (i, s) in self.series.iter().enumerate() {
-            line(&mut chart, &s.points, Palette99::pick(i).to_rgba(), s.label.clone())?;
+        // A log panel draws log10(y) on a linear axis whose ticks read as y, at least half a
+        // decade either side; a step with y <= 0 breaks its line (no segment across it).
+        let shown: Vec<Vec<Vec<(f64, f64)>>> = self.series.iter().map(|s| self.segments(&s.points)).collect();
+        let points = shown.iter().flatten().flat_map(|seg| seg.iter().map(|&(x, y)| (x, y, y)));
+        let min_pad = if self.log_y { 0.5 } else { 1e-3 };
+        let mut chart = step_chart(area, &self.title, points, (48, min_pad), self.log_y)?;
+        for (i, (s, segs)) in self.series.iter().zip(&shown).enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            for (k, seg) in segs.iter().enumerate() {
+                if k == 0 {
+                    line(&mut chart, seg, color, s.label.clone())?;
+                } else {
+                    chart
+                        .draw_series(LineSeries::new(seg.iter().copied(), color.stroke_width(2)))
+                        .map_err(|e| e.to_string())?;
+                }
+                if self.log_y {
+                    chart
+                        .draw_series(seg.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                        .map_err(|e| e.to_string())?;
+                }
+            }
         }
         // One run needs no legend; several get one in the corner.
         if self.series.len() > 1 {
             legend(&mut chart, SeriesLabelPosition::LowerRight, 0.8, 11)?;
         }
         Ok(())
+    }
+}
+
+impl Panel {
+    /// The points as drawn: one segment on a linear axis; on a log axis `(x, log10 y)`,
+    /// split wherever a point has `y <= 0`.
+    fn segments(&self, points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
+        if !self.log_y {
+            return vec![points.to_vec()];
+        }
+        let mut out = vec![Vec::new()];
+        for &(x, y) in points {
+            match out.last_mut() {
+                Some(seg) if y > 0.0 => seg.push((x, y.log10())),
+                Some(seg) if !seg.is_empty() => out.push(Vec::new()),
+                _ => {}
+            }
+        }
+        out.retain(|seg| !seg.is_empty());
+        out
     }
 }
 
@@ -351,7 +398,7 @@ pub fn plot_bands(panels: &[BandPanel], stem: &Path) -> Result<(PathBuf, PathBuf
 impl GridPanel for BandPanel {
     fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
         let points = self.bands.iter().flat_map(|b| b.points.iter().map(|&(x, _, lo, hi)| (x, lo, hi)));
-        let mut chart = step_chart(area, &self.title, points, (52, 1e-4))?;
+        let mut chart = step_chart(area, &self.title, points, (52, 1e-4), false)?;
         for (i, b) in self.bands.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             if b.points.len() > 1 {
@@ -526,6 +573,15 @@ fn draw_spurious<DB: DrawingBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_panels_split_at_zeros_and_draw_log10() {
+        let p = Panel { title: "t".into(), series: Vec::new(), log_y: true };
+        let pts = [(0.0, 0.0), (1.0, 10.0), (2.0, 100.0), (3.0, 0.0), (4.0, 0.0), (5.0, 1.0), (6.0, -1.0)];
+        assert_eq!(p.segments(&pts), vec![vec![(1.0, 1.0), (2.0, 2.0)], vec![(5.0, 0.0)]]);
+        let lin = Panel { log_y: false, ..p };
+        assert_eq!(lin.segments(&pts), vec![pts.to_vec()]);
+    }
 
     #[test]
     fn writes_png_and_svg_with_every_series() {

@@ -117,6 +117,7 @@ fn paper_script_smoke_runs_the_real_model_path() {
     let mut args = BTreeMap::new();
     args.insert("benchmarks".to_string(), repo().join("data/benchmarks").display().to_string());
     args.insert("tokenizer".to_string(), repo().join("models/qwen3-tokenizer").display().to_string());
+    args.insert("paper_size".to_string(), "1.7B".to_string());
     let o = HostOptions {
         smoke: true,
         args,
@@ -145,6 +146,21 @@ fn paper_script_smoke_runs_the_real_model_path() {
     assert_eq!(cfg["data"]["extract"], "strict");
     assert_eq!(cfg["data"]["options"]["strip_instruction"], true);
     assert_eq!(cfg["actor"]["optim"]["lr"], 1e-6);
+    // The paper's protocol: grad clip 1.0, constant lr after 10 warm-up steps, no overlong shaping.
+    assert_eq!(cfg["actor"]["optim"]["max_grad_norm"], 1.0);
+    assert_eq!(cfg["actor"]["optim"]["schedule"]["warmup_steps"], 10);
+    assert!(cfg["actor"]["objective"]["overlong"].is_null(), "{cfg}");
+    // The report in the paper's table layout, with the paper's STAPO 1.7B row beside ours.
+    assert!(
+        printed.contains("AIME24    AIME25     AMC23   MATH500   Minerva  Olympiad       Avg"),
+        "{printed}"
+    );
+    assert!(printed.contains(
+        "STAPO 1.7B (paper)       17.40     15.42     55.94     73.55     28.22     38.54     38.18"
+    ));
+    assert!(printed.contains(
+        "STAPO 1.7B (paper)           -         -         -         -         -         -     36.72"
+    ));
     // One row per benchmark and sampling setting, with the paper's n (clamped to 1 in smoke mode).
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("paper_eval.jsonl"))
         .expect("paper_eval.jsonl")

@@ -235,8 +235,11 @@ fn stapo_silences_tokens_and_renormalises_over_the_rest() {
     if m.silenced_token_ids.len() < 20 {
         assert_eq!(listed, m.silenced_tokens);
     }
-    // The response population: tau_h over every response token of the one mini-batch.
-    assert_eq!(m.tau_h_population, Some(m.response_tokens));
+    // The paper's population: tau_h over the candidates of the one mini-batch, so at most
+    // floor(0.75 n) of the n candidates are silenced.
+    assert_eq!(m.tau_h_population, Some(m.s2t_candidates));
+    assert!(m.silenced_tokens <= m.s2t_candidates * 3 / 4, "{} of {}", m.silenced_tokens, m.s2t_candidates);
+    assert_eq!((m.s2t_mini_batches, m.s2t_mini_batches_2plus), (1, 1));
     let (_, _, grpo) = run("dapo", 0, None);
     assert_eq!(grpo.silenced_tokens, 0);
     assert_eq!(grpo.kept_tokens, grpo.response_tokens);

@@ -91,8 +91,9 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "s2t", r#"
         /// s2t(rollout) -> map
         ///
-        /// STAPO's S2T mask with the paper's thresholds (tau_p 0.002, tau_h = the paper's quantile,
-        /// default_thresholds()): silences tokens with A > 0, p < tau_p, H < tau_h (strict).
+        /// STAPO's S2T mask with the paper's thresholds (§3, §4.1: tau_p 0.002, tau_h = the
+        /// 0.75-quantile of the candidates' entropies): silences tokens with A > 0, p < tau_p,
+        /// H < tau_h (strict).
         /// Returns #{response_tokens, candidates, tau_h_population, silenced, silenced_ratio, tau_p,
         /// tau_h}; the token table then marks them.
         ///

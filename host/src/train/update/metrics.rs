@@ -60,6 +60,21 @@ pub struct UpdateMetrics {
     /// silenced tokens (S2T on; 0 without response tokens).
     #[serde(default)]
     pub candidates_per_10k: f32,
+    /// Silenced tokens per 10k response tokens (the paper's figure of the silenced share,
+    /// drawn on a log scale; 0 without response tokens).
+    #[serde(default)]
+    pub silenced_per_10k: f32,
+    /// Mini-batches (over all epochs) the S2T mask was decided on, and how many of them had
+    /// at least two candidates over the whole global mini-batch: with `tau_h` the
+    /// 0.75-quantile of the candidates (the paper's rule) only those can silence anything.
+    #[serde(default)]
+    pub s2t_mini_batches: usize,
+    /// See [`s2t_mini_batches`](Self::s2t_mini_batches).
+    #[serde(default)]
+    pub s2t_mini_batches_2plus: usize,
+    /// Candidates per S2T mini-batch, over the global mini-batch (S2T on; 0 otherwise).
+    #[serde(default)]
+    pub candidates_per_mini_batch: f32,
     #[serde(default)]
     pub low_p_positive_share: f32,
     #[serde(default)]
@@ -316,8 +331,12 @@ pub(super) fn finish_metrics(comm: &dyn Comm, metrics: &mut UpdateMetrics, mut t
     if metrics.response_tokens > 0 {
         let per = |n: usize| n as f64 / metrics.response_tokens as f64;
         metrics.candidates_per_10k = (per(metrics.s2t_candidates) * 1e4) as f32;
+        metrics.silenced_per_10k = (per(metrics.silenced_tokens) * 1e4) as f32;
         metrics.low_p_positive_share = per(metrics.s2t_candidates) as f32;
         metrics.low_p_negative_share = per(metrics.low_p_negative) as f32;
+    }
+    if metrics.s2t_mini_batches > 0 {
+        metrics.candidates_per_mini_batch = metrics.s2t_candidates as f32 / metrics.s2t_mini_batches as f32;
     }
     let mut top: Vec<(u32, usize)> = totals.silenced.into_iter().collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));

@@ -334,6 +334,13 @@ fn record_s2t(
         }
     }
     let MaskConfig::S2t(S2tThresholds { tau_p, .. }) = x.cfg.actor.objective.mask else { return Ok(()) };
+    // The mini-batch's candidates over every rank (each rank holds part of it, or none).
+    let mut candidates = stats.map_or(0, |st| st.n_candidates);
+    if x.comm.size() > 1 {
+        candidates = dist::sum_f64(x.comm, [candidates as f64])?[0] as usize;
+    }
+    out.metrics.s2t_mini_batches += 1;
+    out.metrics.s2t_mini_batches_2plus += usize::from(candidates >= 2);
     let mut tau_h = stats.and_then(|st| st.tau_h);
     let mut population = stats.and_then(|st| st.tau_h_population);
     if x.comm.size() > 1 {

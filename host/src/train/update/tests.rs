@@ -246,8 +246,8 @@ fn token_mask_by_hand() {
     assert!(token_mask(&s2t, None, &adv, &resp).is_err());
 }
 
-/// The S2T quantile under two ranks, one row each: over the response (the paper's
-/// reading) and over the candidates, each rank gathers the population, and mask,
+/// The S2T quantile under two ranks, one row each: over the candidates (the paper's
+/// rule) and over the response (a variant), each rank gathers the population, and mask,
 /// tau_h and population size are the one-process ones.
 #[test]
 fn token_mask_on_ranks_takes_the_quantile_over_the_global_population() {
@@ -435,10 +435,14 @@ fn the_record_is_what_the_update_used() {
     // The population of the quantile is the candidates; the rates count from the record.
     assert_eq!((th.population, met.tau_h_population), (Some(met.s2t_candidates), Some(met.s2t_candidates)));
     check_rates(rec, met, 0.03);
+    // One S2T mini-batch, which silenced, so it had at least two candidates (a lone one never is).
+    assert_eq!((met.s2t_mini_batches, met.s2t_mini_batches_2plus), (1, 1));
+    assert_eq!(met.candidates_per_mini_batch, met.s2t_candidates as f32);
+    let per_10k = met.silenced_tokens as f32 / met.response_tokens as f32 * 1e4;
+    assert!((met.silenced_per_10k - per_10k).abs() < 1e-3, "{}", met.silenced_per_10k);
 
-    // stapo (the paper's reading): no dynamic sampling, tau_h over every response token.
-    obj.mask = ObjectiveConfig::preset("stapo").unwrap().mask;
-    let obj = obj.overlay("o", &tau_p).unwrap();
+    // The response variant (not the paper's rule): tau_h the 0.8-quantile over every response token.
+    let obj = obj.overlay("o", &serde_json::json!({"mask": {"tau_h": {"over": "response", "q": 0.8}}})).unwrap();
     let mut cfg = UpdateConfig { token_grad_norms: true, ..UpdateConfig::for_objective(obj) };
     cfg.actor.micro_batch = 5;
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
