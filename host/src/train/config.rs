@@ -158,7 +158,7 @@ impl RolloutConfig {
 /// `evaluation`: the held-out evaluation every `every` steps, with its own sampling. Fields of
 /// `evaluation.sampling` that neither the defaults (n 8, temperature 1.0, top-p 1.0) nor the user
 /// set follow `rollout.sampling` (the response budget, top-k, stop strings).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct EvalConfig {
     /// Evaluate on `data.test` every this many steps (0 = never).
@@ -169,12 +169,6 @@ pub struct EvalConfig {
     pub pass_k: Vec<usize>,
     /// The evaluation's sampling; `n` is the samples per problem (avg@n, pass@n).
     pub sampling: SamplingParams,
-}
-
-impl Default for EvalConfig {
-    fn default() -> Self {
-        EvalConfig { every: 0, limit: None, pass_k: Vec::new(), sampling: SamplingParams::default() }
-    }
 }
 
 impl EvalConfig {

@@ -393,7 +393,7 @@ fn the_record_is_what_the_update_used() {
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     // dapo_s2t: dynamic sampling, tau_h over the candidates.
     let tau_p = serde_json::json!({"mask": {"tau_p": 0.03}});
-    let mut obj = ObjectiveConfig::preset("dapo_s2t").unwrap().overlay("o", &tau_p).unwrap();
+    let obj = ObjectiveConfig::preset("dapo_s2t").unwrap().overlay("o", &tau_p).unwrap();
     let mut cfg = UpdateConfig::for_objective(obj.clone());
     cfg.actor.micro_batch = 5;
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
@@ -442,7 +442,8 @@ fn the_record_is_what_the_update_used() {
     assert!((met.silenced_per_10k - per_10k).abs() < 1e-3, "{}", met.silenced_per_10k);
 
     // The response variant (not the paper's rule): tau_h the 0.8-quantile over every response token.
-    let obj = obj.overlay("o", &serde_json::json!({"mask": {"tau_h": {"over": "response", "q": 0.8}}})).unwrap();
+    let obj =
+        obj.overlay("o", &serde_json::json!({"mask": {"tau_h": {"over": "response", "q": 0.8}}})).unwrap();
     let mut cfg = UpdateConfig { token_grad_norms: true, ..UpdateConfig::for_objective(obj) };
     cfg.actor.micro_batch = 5;
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
