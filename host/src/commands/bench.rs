@@ -25,6 +25,9 @@ pub enum What {
     Matmul,
     /// AdamW steps over this shape's parameter count (f32, CPU), ours against candle-nn's.
     Optimizer,
+    /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one
+    /// process or every rank under `mpirun -np N`: optimizer bytes, peak RSS, seconds.
+    Shard,
     /// Everything.
     All,
 }
@@ -98,6 +101,9 @@ pub struct BenchArgs {
     /// of the longest sequence as fit the budget).
     #[arg(long)]
     pub micro_batch: Option<usize>,
+    /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
+    #[arg(long, default_value = "none")]
+    pub shard: String,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// LoRA: `train` updates adapters on a frozen base (AdamW over the adapters alone);
@@ -237,6 +243,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
     }
+    if a.what == What::Shard {
+        return super::bench_shard::run(&m, &cfg, &a, seq);
+    }
     if let (What::Train, Some(lengths)) = (a.what, &a.lengths) {
         let plan = super::bench_lengths::Plan {
             lengths: super::bench_lengths::LogNormal::parse(lengths)?,
@@ -278,7 +287,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
 
 /// Synthetic RL batch: `batch` sequences of `seq - resp` prompt and `resp`
 /// response tokens, in groups of 4 with mixed rewards (so advantages are nonzero).
-fn synthetic_sequences(cfg: &Config, batch: usize, seq: usize, resp: usize) -> Vec<Sequence> {
+pub(super) fn synthetic_sequences(cfg: &Config, batch: usize, seq: usize, resp: usize) -> Vec<Sequence> {
     let v = cfg.vocab_size;
     let tok = |b: usize, t: usize| ((b * 7919 + t * 104_729 + 1) % v) as u32;
     (0..batch)
@@ -412,7 +421,7 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Re
 }
 
 /// Asks Linux to restart the peak-RSS count (`VmHWM`) from the current RSS.
-fn reset_peak_rss() {
+pub(super) fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 

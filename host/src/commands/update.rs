@@ -6,10 +6,12 @@ use anyhow::Context;
 use candle_core::DType;
 use clap::Args;
 
+use stapo::dist;
 use stapo::model;
 use stapo::rollout::RolloutBatch;
 use stapo::train::config::moved_to;
-use stapo::train::{self, AdamW, Sequence, UpdateOptions};
+use stapo::train::update::{self, Policy};
+use stapo::train::{AdamW, AdamWConfig, Optimizer, Sequence, ShardMode, ShardedAdamW, UpdateOptions};
 
 use super::{model_dir, DeviceArgs};
 
@@ -35,6 +37,11 @@ pub struct UpdateArgs {
     /// Sequences per forward/backward (0 = the mini-batch).
     #[arg(long, default_value_t = 0)]
     pub microbatch: usize,
+    /// Optimizer state over MPI ranks (`mpirun -np N stapo update ...`, each rank updating
+    /// its share of the rollouts' groups): none, optimizer (ZeRO-1: AdamW moments split
+    /// over the ranks) or gradients (ZeRO-2: also the summed gradients).
+    #[arg(long, default_value = "none")]
+    pub shard: String,
     /// Tokens per forward/backward, prompt + response with padding counted (0 = no budget):
     /// sequences sorted by length and cut by this budget (verl's ppo_max_token_len_per_gpu).
     #[arg(long, default_value_t = 0)]
@@ -107,9 +114,19 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     // With LoRA the optimizer holds the adapters alone, at lr x lr_scale.
     let base_lr = opts.actor.optim.lr;
     let lr = lora.as_ref().map_or(base_lr, |l| base_lr * l.lr_scale);
-    let mut opt = AdamW::new(m.trainable_params(), train::AdamWConfig { lr, ..opts.actor.optim.clone() })?;
-    let outcome = train::update(&m, &mut opt, None, &seqs, &cfg, lr, pad_id)?;
-    let metrics = outcome.metrics;
+    let comm = dist::for_device(dist::world(), m.device())?;
+    let adam = AdamWConfig { lr, ..opts.actor.optim.clone() };
+    let mut opt: Box<dyn Optimizer> = match opts.actor.shard {
+        ShardMode::None => Box::new(AdamW::new(m.trainable_params(), adam)?),
+        mode => Box::new(ShardedAdamW::new(m.trainable_params(), adam, mode, comm.rank(), comm.size())?),
+    };
+    let mine = rank_share(seqs, comm.rank(), comm.size());
+    let policy = Policy { model: &m, opt: opt.as_mut(), reference: None };
+    let metrics = update::update_on(&*comm, policy, &mine, &cfg, lr, pad_id)?.metrics;
+    if comm.rank() != 0 {
+        // Every rank holds the same weights; rank 0 writes them.
+        return Ok(());
+    }
     for w in &metrics.warnings {
         eprintln!("warning: {w}");
     }
@@ -151,6 +168,7 @@ fn options(a: &UpdateArgs) -> anyhow::Result<UpdateOptions> {
             "max_tokens_per_micro": a.max_tokens_per_micro,
             "old_logp": old_logp,
             "rollout_correction": {"mode": a.rollout_correction},
+            "shard": ShardMode::parse(&a.shard, "--shard")?.name(),
         },
         "seed": a.seed,
         "temperature": a.temperature,
@@ -168,4 +186,19 @@ fn options(a: &UpdateArgs) -> anyhow::Result<UpdateOptions> {
         stapo::overlay::set_dotted(&mut user, k, stapo::overlay::parse_value(v));
     }
     Ok(UpdateOptions::from_json(&user)?)
+}
+
+/// This rank's contiguous share of the groups of `seqs` (whole groups, in the order of
+/// their ids, as the data-parallel update wants them); everything with one rank.
+fn rank_share(mut seqs: Vec<Sequence>, rank: usize, size: usize) -> Vec<Sequence> {
+    if size == 1 {
+        return seqs;
+    }
+    seqs.sort_by_key(|s| s.group);
+    let mut groups: Vec<usize> = seqs.iter().map(|s| s.group).collect();
+    groups.dedup();
+    let share = dist::shard(groups.len(), rank, size);
+    let keep = &groups[share];
+    seqs.retain(|s| keep.binary_search(&s.group).is_ok());
+    seqs
 }

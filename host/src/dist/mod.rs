@@ -10,12 +10,17 @@
 //! all-reduce of scalar sums (metrics, normalisers), all-gather of f32 vectors
 //! of any length per rank (STAPO's tau_h quantile over all ranks' candidates)
 //! and of bytes (records for rank 0), and broadcast (rank 0's decisions, the
-//! NCCL unique id).
+//! NCCL unique id). For sharded training (ZeRO-1/2, `train::optim::ShardedAdamW`)
+//! there are reduce-scatter and all-gather of equal blocks of f32 and bf16
+//! values (`MPI_Reduce_scatter_block`/`MPI_Allgather`, `ncclReduceScatter`/
+//! `ncclAllGather`), on host slices and on 1-D tensors (`blocks.rs`).
 //!
 //! Every collective must be called by all ranks in the same order; results are
 //! identical on every rank (sums are taken in rank order, so bitwise equal).
 
+mod blocks;
 mod threads;
+pub use blocks::{all_gather_tensor_host, block_len, reduce_scatter_tensor_host};
 pub use threads::ThreadComm;
 
 #[cfg(feature = "mpi")]
@@ -28,6 +33,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use half::bf16;
 
 use crate::{Error, Result};
 
@@ -54,6 +60,24 @@ pub trait Comm: Send + Sync {
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()>;
     /// Waits until every rank has called it.
     fn barrier(&self) -> Result<()>;
+    /// This rank's block of the element-wise sum over ranks (`MPI_Reduce_scatter_block`):
+    /// `buf` is `size()` equal blocks, the same length on every rank, and rank `r`
+    /// receives block `r` of the sum (see [`block_len`]).
+    fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>>;
+    /// [`Comm::reduce_scatter_f32`] of bf16 values: summed in f32, rounded to bf16 once.
+    fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>>;
+    /// Every rank's `local` bf16 values (the same length on every rank), in rank order.
+    fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>>;
+    /// [`Comm::reduce_scatter_f32`] of a 1-D f32 or bf16 tensor, as a tensor of the
+    /// same dtype and device. The default goes through host memory; NCCL stays on the GPU.
+    fn reduce_scatter_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        reduce_scatter_tensor_host(self, t)
+    }
+    /// Every rank's 1-D f32 or bf16 tensor (the same length on every rank),
+    /// concatenated in rank order. The default goes through host memory.
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        all_gather_tensor_host(self, t)
+    }
     /// Sums `tensors` over ranks in place, flattened into buckets of at most
     /// `bucket_elems` elements (one collective per bucket). The default copies
     /// each bucket through host memory as f32; NCCL reduces on the device.
@@ -93,6 +117,15 @@ impl Comm for Local {
     }
     fn barrier(&self) -> Result<()> {
         Ok(())
+    }
+    fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>> {
+        Ok(buf.to_vec())
+    }
+    fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>> {
+        Ok(buf.to_vec())
+    }
+    fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>> {
+        Ok(local.to_vec())
     }
     fn all_reduce_tensors(&self, _tensors: &mut [Tensor], _bucket_elems: usize) -> Result<()> {
         Ok(())

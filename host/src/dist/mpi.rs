@@ -13,6 +13,9 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::{Count, Threading};
 
+use half::bf16;
+
+use super::blocks::{block_len, narrow, widen};
 use super::Comm;
 use crate::{Error, Result};
 
@@ -158,6 +161,45 @@ impl Comm for Mpi {
         self.with(|w| {
             w.barrier();
             Ok(())
+        })
+    }
+    fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>> {
+        let n = block_len(buf.len(), self.size, "reduce-scatter")?;
+        count(buf.len(), "reduce-scatter")?;
+        self.with(|w| {
+            // Every rank must pass the same length; MPI cannot check it, so agree first.
+            let (counts, _, _) = Self::counts(w, buf.len(), self.size)?;
+            if let Some(&c) = counts.iter().find(|&&c| c as usize != buf.len()) {
+                return Err(Error::invalid(format!(
+                    "reduce-scatter: {} values on rank {}, {c} on another",
+                    buf.len(),
+                    self.rank
+                )));
+            }
+            let mut out = vec![0f32; n];
+            w.reduce_scatter_block_into(buf, &mut out[..], SystemOperation::sum());
+            Ok(out)
+        })
+    }
+    fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>> {
+        Ok(narrow(&self.reduce_scatter_f32(&widen(buf))?))
+    }
+    fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>> {
+        // bf16 travels as its bit pattern (MPI has no bf16 type; nothing is summed).
+        let bits: Vec<u16> = local.iter().map(|x| x.to_bits()).collect();
+        self.with(|w| {
+            let (counts, displs, total) = Self::counts(w, bits.len(), self.size)?;
+            if counts.iter().any(|&c| c as usize != bits.len()) {
+                return Err(Error::invalid(format!(
+                    "all-gather: {} values on rank {}, another number on another rank",
+                    bits.len(),
+                    self.rank
+                )));
+            }
+            let mut out = vec![0u16; total];
+            let mut part = PartitionMut::new(&mut out[..], counts, &displs[..]);
+            w.all_gather_varcount_into(&bits[..], &mut part);
+            Ok(out.into_iter().map(bf16::from_bits).collect())
         })
     }
 }

@@ -6,16 +6,24 @@
 //! A bucket is flattened and concatenated on the device and reduced by one
 //! `ncclAllReduce` on candle's own CUDA stream, so it is ordered after the
 //! backward pass that produced it and before the optimizer step that reads it.
-//! Nothing is copied to the host.
+//! Nothing is copied to the host. The sharded optimizer's reduce-scatter and
+//! all-gather of 1-D f32/bf16 tensors (`ncclReduceScatter`, `ncclAllGather`) run
+//! the same way, on device buffers.
 
 use std::sync::Arc;
 
 use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::nccl::safe::NcclType;
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm as NcclComm, Id, ReduceOp};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 
-use super::{all_reduce_tensors_host, buckets, Comm};
+use half::bf16;
+
+use super::{
+    all_gather_tensor_host, all_reduce_tensors_host, block_len, buckets, reduce_scatter_tensor_host, Comm,
+};
 use crate::{Error, Result};
 
 /// NCCL's communicator is a raw pointer; every use goes through `&self` of
@@ -81,6 +89,86 @@ impl CustomOp1 for AllReduceSum {
     }
 }
 
+/// Reduce-scatter (sum, rank `r` keeps block `r`) or all-gather of a contiguous
+/// 1-D f32 or bf16 CUDA tensor, as a no-backward custom op on candle's stream.
+struct Blocks {
+    nccl: Arc<Nccl>,
+    size: usize,
+    gather: bool,
+}
+
+impl Blocks {
+    fn what(&self) -> &'static str {
+        if self.gather {
+            "nccl all-gather"
+        } else {
+            "nccl reduce-scatter"
+        }
+    }
+
+    fn run<T>(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: CudaDType + NcclType + DeviceRepr + ValidAsZeroBits,
+    {
+        let Some((lo, hi)) = l.contiguous_offsets() else {
+            candle_core::bail!("{}: the buffer is not contiguous", self.what())
+        };
+        let n = hi - lo;
+        if !self.gather && !n.is_multiple_of(self.size) {
+            candle_core::bail!("{}: {n} values cannot be cut into {} equal blocks", self.what(), self.size)
+        }
+        let src = s.as_cuda_slice::<T>()?.slice(lo..hi);
+        let dev = s.device().clone();
+        let out = if self.gather { n * self.size } else { n / self.size };
+        let mut dst = dev.alloc_zeros::<T>(out)?;
+        let done = if self.gather {
+            self.nccl.0.all_gather(&src, &mut dst)
+        } else {
+            self.nccl.0.reduce_scatter(&src, &mut dst, &ReduceOp::Sum)
+        };
+        done.map_err(|e| candle_core::Error::Msg(format!("{} of {n} elements: {e:?}", self.what())))?;
+        Ok((CudaStorage::wrap_cuda_slice(dst, dev), Shape::from(out)))
+    }
+}
+
+impl CustomOp1 for Blocks {
+    fn name(&self) -> &'static str {
+        if self.gather {
+            "nccl-all-gather"
+        } else {
+            "nccl-reduce-scatter"
+        }
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: the tensor is on the CPU", self.what())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        match s.dtype() {
+            DType::F32 => self.run::<f32>(s, l),
+            DType::BF16 => self.run::<bf16>(s, l),
+            other => candle_core::bail!("{}: expected f32 or bf16, found {other:?}", self.what()),
+        }
+    }
+}
+
+impl MpiNccl {
+    /// Whether `t` is a 1-D f32/bf16 tensor on this communicator's GPU (else the
+    /// host path serves it).
+    fn on_device(&self, t: &Tensor) -> bool {
+        matches!(t.device(), Device::Cuda(d) if d.same_device(&self.device))
+            && matches!(t.dtype(), DType::F32 | DType::BF16)
+            && t.rank() == 1
+    }
+
+    fn blocks(&self, t: &Tensor, gather: bool) -> Result<Tensor> {
+        if !gather {
+            block_len(t.elem_count(), self.size(), "reduce-scatter")?;
+        }
+        let op = Blocks { nccl: self.nccl.clone(), size: self.size(), gather };
+        Ok(t.contiguous()?.apply_op1_no_bwd(&op)?)
+    }
+}
+
 impl Comm for MpiNccl {
     fn rank(&self) -> usize {
         self.mpi.rank()
@@ -108,6 +196,29 @@ impl Comm for MpiNccl {
     }
     fn barrier(&self) -> Result<()> {
         self.mpi.barrier()
+    }
+    fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>> {
+        self.mpi.reduce_scatter_f32(buf)
+    }
+    fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>> {
+        self.mpi.reduce_scatter_bf16(buf)
+    }
+    fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>> {
+        self.mpi.all_gather_bf16(local)
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        if self.on_device(t) {
+            self.blocks(t, false)
+        } else {
+            reduce_scatter_tensor_host(self, t)
+        }
+    }
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        if self.on_device(t) {
+            self.blocks(t, true)
+        } else {
+            all_gather_tensor_host(self, t)
+        }
     }
     fn all_reduce_tensors(&self, tensors: &mut [Tensor], bucket_elems: usize) -> Result<()> {
         let on_gpu =

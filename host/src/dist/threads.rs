@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use half::bf16;
+
+use super::blocks::{narrow, sum_block, widen};
 use super::{bytes_f32, bytes_f64, f32_bytes, f64_bytes, Comm};
 use crate::{Error, Result};
 
@@ -182,6 +185,28 @@ impl Comm for ThreadComm {
     fn barrier(&self) -> Result<()> {
         self.exchange(Vec::new()).map(|_| ())
     }
+    fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>> {
+        let all: Vec<Vec<f32>> = self.exchange(f32_bytes(buf))?.iter().map(|b| bytes_f32(b)).collect();
+        sum_block(&all, self.rank, "reduce-scatter")
+    }
+    fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>> {
+        Ok(narrow(&self.reduce_scatter_f32(&widen(buf))?))
+    }
+    fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>> {
+        let bits: Vec<u8> = local.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+        let all = self.exchange(bits)?;
+        if let Some(b) = all.iter().find(|b| b.len() != 2 * local.len()) {
+            return Err(Error::invalid(format!(
+                "all-gather: {} values on one rank, {} on another",
+                local.len(),
+                b.len() / 2
+            )));
+        }
+        Ok(all
+            .iter()
+            .flat_map(|b| b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))))
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -235,6 +260,32 @@ mod tests {
         drop(one);
         let err = waiter.join().expect("no panic").expect_err("rank 0 cannot complete the collective");
         assert!(err.to_string().contains("left the group"), "{err}");
+    }
+
+    /// Three ranks: reduce-scatter and all-gather of f32 and bf16 blocks against
+    /// sums written out by hand.
+    #[test]
+    fn block_collectives_by_hand() {
+        let out = on_ranks(3, |c| {
+            let r = c.rank() as f32;
+            // Rank r gives [r, 1, 10r, 2, 100, r]: blocks of two.
+            let buf = [r, 1.0, 10.0 * r, 2.0, 100.0, r];
+            let f = c.reduce_scatter_f32(&buf).unwrap();
+            let half: Vec<bf16> = buf.iter().map(|&x| bf16::from_f32(x)).collect();
+            let h: Vec<f32> = c.reduce_scatter_bf16(&half).unwrap().iter().map(|x| x.to_f32()).collect();
+            let g: Vec<f32> =
+                c.all_gather_bf16(&[bf16::from_f32(r + 0.5)]).unwrap().iter().map(|x| x.to_f32()).collect();
+            let odd = c.reduce_scatter_f32(&[1.0; 4]).is_err();
+            (f, h, g, odd)
+        });
+        // Sums over r = 0, 1, 2: [3, 3, 30, 6, 300, 3].
+        let want = [vec![3.0, 3.0], vec![30.0, 6.0], vec![300.0, 3.0]];
+        for (r, (f, h, g, odd)) in out.into_iter().enumerate() {
+            assert_eq!(f, want[r]);
+            assert_eq!(h, want[r]);
+            assert_eq!(g, vec![0.5, 1.5, 2.5]);
+            assert!(odd, "4 values cannot be cut into 3 blocks");
+        }
     }
 
     #[test]

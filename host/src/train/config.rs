@@ -317,6 +317,7 @@ const MOVED: &[(&str, &str)] = &[
     ("rollout_dtype", "rollout.dtype"),
     ("rollout_correction", "actor.rollout_correction"),
     ("lora", "actor.lora"),
+    ("shard", "actor.shard"),
     ("kind", "actor.objective.loss.kind"),
     ("eps", "actor.objective.loss.eps_low and actor.objective.loss.eps_high"),
     ("eps_low", "actor.objective.loss.eps_low"),

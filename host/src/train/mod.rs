@@ -13,7 +13,9 @@ pub mod update;
 pub use config::{
     CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig,
 };
-pub use optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, StepReport};
+pub use optim::{
+    is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, Optimizer, ShardMode, ShardedAdamW, StepReport,
+};
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
 pub use trainer::{StepMetrics, StepPlan, Trainer};
 pub use update::{

@@ -215,7 +215,7 @@ impl Trainer {
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
         let (prompts, pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
-        let policy = PolicyState::new(&cfg, &objective, m)?;
+        let policy = PolicyState::new(&cfg, &objective, m, &*comm)?;
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
         });
@@ -606,11 +606,14 @@ impl Trainer {
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
         let path = self.run_dir().join("checkpoints").join(format!("step-{:06}", self.step));
         let comm = self.comm.clone();
-        dist::on_root(&*comm, || self.write_checkpoint())?;
+        // A sharded optimizer: every rank writes its file, rank 0 moves them into place.
+        let staging = self.run_dir().join("checkpoints").join(format!(".optimizer-step-{:06}", self.step));
+        self.policy.stage_optimizer(&*comm, &staging)?;
+        dist::on_root(&*comm, || self.write_checkpoint(&staging))?;
         Ok(path)
     }
 
-    fn write_checkpoint(&self) -> Result<PathBuf> {
+    fn write_checkpoint(&self, staging: &Path) -> Result<PathBuf> {
         let state = TrainerState {
             step: self.step,
             sampler: self.prompts.sampler_state(),
@@ -618,7 +621,7 @@ impl Trainer {
             silenced_contexts: self.spurious.all_contexts().clone(),
         };
         let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {
-            self.policy.save(tmp, &self.cfg.model.path)
+            self.policy.save(tmp, &self.cfg.model.path, staging)
         })?;
         if let Some(r) = &self.last.rollout {
             self.folder.save_rollouts(self.step, r)?;

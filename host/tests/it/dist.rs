@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use stapo::data::PromptTemplate;
 use stapo::dist::Local;
-use stapo::train::{LrSchedule, RunConfig, StepMetrics, Trainer};
+use stapo::train::{LrSchedule, RunConfig, ShardMode, StepMetrics, Trainer};
 
 use crate::common::{on_ranks, tempdir};
 
@@ -259,12 +259,30 @@ fn mpi_rank_collectives() {
     c.all_reduce_tensors(&mut ts, 4).unwrap();
     assert_eq!(ts[0].to_vec2::<f32>().unwrap(), vec![vec![1.0, 2.0], vec![4.0, 6.0]]);
     assert_eq!(ts[1].to_vec1::<f32>().unwrap(), vec![2.0; 3]);
+
+    // Reduce-scatter and all-gather of blocks (the sharded optimizer's), f32 and bf16,
+    // on slices and on tensors: rank r gives [r, 1, 10r, 2]; the sums are [1, 2, 10, 4].
+    let r32 = r as f32;
+    let buf = [r32, 1.0, 10.0 * r32, 2.0];
+    let want = [vec![1.0, 2.0], vec![10.0, 4.0]][r].clone();
+    assert_eq!(c.reduce_scatter_f32(&buf).unwrap(), want);
+    let b16: Vec<half::bf16> = buf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+    let got: Vec<f32> = c.reduce_scatter_bf16(&b16).unwrap().iter().map(|x| x.to_f32()).collect();
+    assert_eq!(got, want);
+    let g16: Vec<f32> =
+        c.all_gather_bf16(&[half::bf16::from_f32(r32 + 0.5)]).unwrap().iter().map(|x| x.to_f32()).collect();
+    assert_eq!(g16, vec![0.5, 1.5]);
+    let t = Tensor::new(&buf, &Device::Cpu).unwrap();
+    assert_eq!(c.reduce_scatter_tensor(&t).unwrap().to_vec1::<f32>().unwrap(), want);
+    let g = c.all_gather_tensor(&Tensor::new(&[r32; 2], &Device::Cpu).unwrap()).unwrap();
+    assert_eq!(g.to_vec1::<f32>().unwrap(), vec![0.0, 0.0, 1.0, 1.0]);
     println!("rank collectives ok");
     dist::finalize();
 }
 
 /// The same script under `stapo run` (one process) and `mpirun -np 2 stapo run`
-/// (two MPI processes): for STAPO, DAPO and GRPO the two-rank checkpoints hold
+/// (two MPI processes): for STAPO, DAPO, GRPO and GRPO with ZeRO-2 (`shard:
+/// "gradients"`, against the unsharded one-process GRPO) the two-rank checkpoints hold
 /// the same weights, and metrics.jsonl the same losses and rewards.
 #[cfg(feature = "mpi")]
 #[test]
@@ -279,9 +297,10 @@ fn mpirun_two_ranks_train_as_one() {
         &script,
         format!(
             r#"
-for preset in ["stapo", "dapo", "grpo"] {{
+for run in ["stapo", "dapo", "grpo", "grpo-zero2"] {{
+    let preset = if run == "grpo-zero2" {{ "grpo" }} else {{ run }};
     train(#{{
-        name: preset, model: #{{ path: "{m}" }},
+        name: run, model: #{{ path: "{m}" }},
         data: #{{ train: "{d}", template: #{{ kind: "raw", suffix: "" }}, prompts_per_step: 4 }},
         rollout: #{{ sampling: #{{ n: 4, max_tokens: 16 }} }},
         actor: #{{
@@ -289,6 +308,7 @@ for preset in ["stapo", "dapo", "grpo"] {{
             objective: if preset == "stapo" {{ #{{ mask: #{{ tau_p: 0.95 }} }} }} else {{ #{{}} }},
             mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
             optim: #{{ lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }} }},
+            shard: if run == "grpo-zero2" {{ "gradients" }} else {{ "none" }},
         }},
         seed: 11, checkpoint: #{{ save_every: 2 }},
     }}, 2);
@@ -318,15 +338,20 @@ for preset in ["stapo", "dapo", "grpo"] {{
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    for preset in ["stapo", "dapo", "grpo"] {
-        let ck = |d: &Path| {
+    // The two ZeRO-2 ranks wrote one optimizer file each and the index.
+    let z2 = two.join("grpo-zero2/checkpoints/step-000002");
+    assert!(z2.join("optimizer.index.json").is_file());
+    assert!(z2.join("optimizer-00001-of-00002.safetensors").is_file());
+    // (run of two ranks, run of one rank it must equal): ZeRO-2 against the unsharded GRPO.
+    for (preset, single) in [("stapo", "stapo"), ("dapo", "dapo"), ("grpo", "grpo"), ("grpo-zero2", "grpo")] {
+        let ck = |d: &Path, run: &str| {
             candle_core::safetensors::load(
-                d.join(preset).join("checkpoints/step-000002/model.safetensors"),
+                d.join(run).join("checkpoints/step-000002/model.safetensors"),
                 &Device::Cpu,
             )
             .unwrap()
         };
-        let (a, b) = (ck(&one), ck(&two));
+        let (a, b) = (ck(&one, single), ck(&two, preset));
         assert_eq!(a.len(), b.len());
         let mut worst = 0f64;
         for (name, t) in &a {
@@ -337,13 +362,13 @@ for preset in ["stapo", "dapo", "grpo"] {{
         }
         assert!(worst <= WEIGHT_TOL, "{preset}: mpirun weights differ by {worst}");
         let metrics = |d: &Path| -> Vec<serde_json::Value> {
-            std::fs::read_to_string(d.join(preset).join("metrics.jsonl"))
+            std::fs::read_to_string(d.join("metrics.jsonl"))
                 .unwrap()
                 .lines()
                 .map(|l| serde_json::from_str(l).unwrap())
                 .collect()
         };
-        let (ma, mb) = (metrics(&one), metrics(&two));
+        let (ma, mb) = (metrics(&one.join(single)), metrics(&two.join(preset)));
         assert_eq!(ma.len(), 2, "{preset}: rank 0 alone writes one line per step");
         assert_eq!(mb.len(), 2, "{preset}: rank 0 alone writes one line per step");
         for (x, y) in ma.iter().zip(&mb) {
@@ -353,4 +378,92 @@ for preset in ["stapo", "dapo", "grpo"] {{
             }
         }
     }
+}
+
+/// Every rank's trainable weights: the adapters with LoRA, else all weights.
+fn trainable(t: &Trainer) -> Vec<f32> {
+    let ps = if t.model().has_lora() { t.model().lora_params() } else { t.model().params() };
+    ps.iter().flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+}
+
+/// `config(preset)` with the optimizer sharded as `mode`; `lora` puts adapters on it.
+fn sharded_config(preset: &str, mode: ShardMode, lora: bool) -> RunConfig {
+    let mut cfg = config(preset);
+    cfg.actor.shard = mode;
+    if lora {
+        cfg.actor.lora =
+            Some(stapo::model::LoraConfig { alpha: Some(8.0), ..stapo::model::LoraConfig::new(4) });
+    }
+    cfg
+}
+
+/// ZeRO-1 and ZeRO-2 on two ranks (threads) train the weights of one unsharded
+/// process, for STAPO, GRPO and a LoRA run, after 3 steps; each rank holds half
+/// the optimizer state, and the checkpoint is one optimizer file per rank and an index.
+#[test]
+fn sharded_ranks_train_as_one() {
+    let dir = tempdir();
+    for (name, preset, mode, lora) in [
+        ("stapo-zero2", "stapo", ShardMode::Gradients, false),
+        ("grpo-zero1", "grpo", ShardMode::Optimizer, false),
+        ("lora-zero2", "grpo", ShardMode::Gradients, true),
+    ] {
+        let plain = sharded_config(preset, ShardMode::None, lora);
+        let cfg = sharded_config(preset, mode, lora);
+        let one = on_ranks(1, &plain, &dir.path().join(format!("{name}-1")), (3, false), trainable);
+        let two_dir = dir.path().join(format!("{name}-2"));
+        let two = on_ranks(2, &cfg, &two_dir, (3, false), trainable);
+        assert_eq!(two[0].1, two[1].1, "{name}: ranks diverged");
+        let d = max_diff(&one[0].1, &two[0].1);
+        let start =
+            Trainer::new_on(Arc::new(Local), plain.clone(), &dir.path().join(format!("{name}-0"))).unwrap();
+        let moved = max_diff(&trainable(&start), &one[0].1);
+        eprintln!("{name}: weights moved by {moved:.3e}, unsharded vs two sharded ranks differ by {d:.3e}");
+        assert!(d <= WEIGHT_TOL, "{name}: weights differ by {d}");
+        assert!(moved > 1e-4, "{name}: no learning ({moved})");
+        assert_metrics_close(&one[0].0, &two[0].0, name);
+        // The moments (8 bytes per trainable parameter) are split in two.
+        let (b1, b2) = (one[0].0[2].update.optimizer_bytes, two[0].0[2].update.optimizer_bytes);
+        assert_eq!(b1, 8 * one[0].1.len() as u64, "{name}");
+        assert!(b2 * 2 >= b1 && b2 * 2 <= b1 + 16, "{name}: {b2} bytes per rank of {b1}");
+        let ck = two_dir.join("checkpoints/step-000002");
+        assert!(ck.join("optimizer.index.json").is_file(), "{name}");
+        for r in 0..2 {
+            assert!(ck.join(format!("optimizer-{r:05}-of-00002.safetensors")).is_file(), "{name}");
+        }
+        assert!(!ck.join("optimizer.safetensors").exists(), "{name}");
+        let staging = std::fs::read_dir(two_dir.join("checkpoints")).unwrap().flatten();
+        assert!(staging.into_iter().all(|e| !e.file_name().to_string_lossy().starts_with('.')), "{name}");
+    }
+}
+
+/// Sharded checkpoints resume exactly on the same number of ranks and re-shard to
+/// another: 2 -> 2 gives the uninterrupted run's third step bit for bit; 2 -> 1 and
+/// 1 -> 2 give it within the data-parallel tolerance (summation order).
+#[test]
+fn sharded_checkpoints_resume_on_other_world_sizes() {
+    let dir = tempdir();
+    let cfg = sharded_config("grpo", ShardMode::Gradients, false);
+    let (two, one) = (dir.path().join("two"), dir.path().join("one"));
+    let w2 = on_ranks(2, &cfg, &two, (3, false), trainable);
+    let w1 = on_ranks(1, &cfg, &one, (3, false), trainable);
+    let again = on_ranks(2, &cfg, &two, (1, true), trainable);
+    assert_eq!(again[0].1, w2[0].1, "2 -> 2 is exact");
+    assert_metrics_close(&w2[0].0[2..], &again[0].0, "2 -> 2");
+    let down = on_ranks(1, &cfg, &two, (1, true), trainable);
+    let d = max_diff(&down[0].1, &w2[0].1);
+    assert!(d <= WEIGHT_TOL, "2 -> 1: weights differ by {d}");
+    assert_metrics_close(&w2[0].0[2..], &down[0].0, "2 -> 1");
+    let up = on_ranks(2, &cfg, &one, (1, true), trainable);
+    assert_eq!(up[0].1, up[1].1, "1 -> 2: ranks diverged");
+    let d = max_diff(&up[0].1, &w1[0].1);
+    assert!(d <= WEIGHT_TOL, "1 -> 2: weights differ by {d}");
+    assert_metrics_close(&w1[0].0[2..], &up[0].0, "1 -> 2");
+    // And into the unsharded optimizer: the run may drop `shard` when it resumes.
+    let mut plain = cfg.clone();
+    plain.actor.shard = ShardMode::None;
+    std::fs::write(one.join("run_config.json"), serde_json::to_string(&plain).unwrap()).unwrap();
+    let unsharded = on_ranks(1, &plain, &one, (1, true), trainable);
+    let d = max_diff(&unsharded[0].1, &w1[0].1);
+    assert!(d <= WEIGHT_TOL, "sharded -> unsharded: weights differ by {d}");
 }

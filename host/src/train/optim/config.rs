@@ -101,6 +101,50 @@ impl AdamWConfig {
     }
 }
 
+/// How the optimizer's state is split over the ranks of a data-parallel run
+/// (DeepSpeed's ZeRO stages 0-2; see `ShardedAdamW`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardMode {
+    /// Every rank holds all moments; gradients are all-reduced (plain data parallelism).
+    #[default]
+    None,
+    /// ZeRO-1: each rank holds the moments (and f32 master weights of a bf16 model) of
+    /// its contiguous range of the flattened parameters; gradients are all-reduced.
+    Optimizer,
+    /// ZeRO-2: as `optimizer`, and gradients are reduce-scattered, each rank keeping
+    /// only its range's summed gradient.
+    Gradients,
+}
+
+impl ShardMode {
+    /// The mode named `s` (`none`, `optimizer`, `gradients`; also `zero1`/`zero2`),
+    /// or an error naming `field` and the choices.
+    pub fn parse(s: &str, field: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" | "off" | "zero0" => Ok(Self::None),
+            "optimizer" | "zero1" => Ok(Self::Optimizer),
+            "gradients" | "zero2" => Ok(Self::Gradients),
+            other => Err(Error::Config {
+                file: "run config".into(),
+                field: field.into(),
+                msg: format!(
+                    "unknown shard mode `{other}`; expected none, optimizer (ZeRO-1) or gradients (ZeRO-2)"
+                ),
+            }),
+        }
+    }
+
+    /// The mode's name, as the configuration spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Optimizer => "optimizer",
+            Self::Gradients => "gradients",
+        }
+    }
+}
+
 /// The usual weight-decay exclusion for transformer weights: RMSNorm/LayerNorm
 /// scales (Qwen3's `*_layernorm.weight`, `q_norm.weight`, `k_norm.weight`,
 /// `model.norm.weight`) and biases. Pass it to [`AdamW::with_no_decay`](super::AdamW::with_no_decay).

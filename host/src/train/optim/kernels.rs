@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::state::{Hyper, ParamState};
@@ -56,7 +56,7 @@ impl Elem for half::f16 {
 }
 
 /// Whether `var` can take the fused path: a contiguous f32/bf16/f16 CPU tensor.
-pub(super) fn fused_supported(var: &Var) -> bool {
+pub(super) fn fused_supported(var: &Tensor) -> bool {
     var.device().is_cpu()
         && var.is_contiguous()
         && matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16)
@@ -211,7 +211,7 @@ fn f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut
 }
 
 /// Locks `m` then `v` (both private to the optimizer) and runs the fused kernel.
-fn with_moments<T: Elem>(p: &mut [T], g: &[T], m: &Var, v: &Var, h: &Hyper) -> candle_core::Result<()> {
+fn with_moments<T: Elem>(p: &mut [T], g: &[T], m: &Tensor, v: &Tensor, h: &Hyper) -> candle_core::Result<()> {
     m.inplace_op1(&WithCpuMut(RefCell::new(Some(|ms: &mut CpuStorage, ml: &Layout| {
         let m = f32_mut(ms, ml)?;
         v.inplace_op1(&WithCpuMut(RefCell::new(Some(|vs: &mut CpuStorage, vl: &Layout| {
@@ -239,17 +239,24 @@ fn range_of_mut<'a, T>(x: &'a mut [T], l: &Layout, what: &str) -> candle_core::R
 
 /// The fused in-place update of one CPU parameter. See the module docs for why it is sound.
 pub(super) fn update_fused(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
+    update_fused_tensors(&p.var, g, &p.m, &p.v, h)
+}
+
+/// The fused in-place update of `p` (any float dtype) with its f32 moments `m`, `v`:
+/// whole parameters, or (the sharded optimizer) views of one segment of flat 1-D
+/// shards, which the kernel reaches through the views' contiguous offsets. `m` and
+/// `v` must not share storage with `p`, `g` or each other.
+pub(super) fn update_fused_tensors(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &Hyper) -> Result<()> {
     // The kernel wants a contiguous gradient of the parameter's dtype. Backprop's
     // accumulated gradients are; anything else is converted (the one case that
     // allocates a temporary).
     let g_owned;
-    let g = if g.dtype() != p.var.dtype() || !g.is_contiguous() || !g.device().is_cpu() {
-        g_owned = g.to_device(p.var.device())?.to_dtype(p.var.dtype())?.contiguous()?;
+    let g = if g.dtype() != p.dtype() || !g.is_contiguous() || !g.device().is_cpu() {
+        g_owned = g.to_device(p.device())?.to_dtype(p.dtype())?.contiguous()?;
         &g_owned
     } else {
         g
     };
-    let (m, v) = (&p.m, &p.v);
     let op = |ps: &mut CpuStorage, pl: &Layout, gs: &CpuStorage, gl: &Layout| -> candle_core::Result<()> {
         match (ps, gs) {
             (CpuStorage::F32(pd), CpuStorage::F32(gd)) => {
@@ -268,6 +275,6 @@ pub(super) fn update_fused(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> 
             ),
         }
     };
-    p.var.inplace_op2(g, &WithCpuMut2(RefCell::new(Some(op))))?;
+    p.inplace_op2(g, &WithCpuMut2(RefCell::new(Some(op))))?;
     Ok(())
 }

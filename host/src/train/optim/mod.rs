@@ -50,12 +50,63 @@
 //! note that with bf16 weights an update smaller than half a bf16 ulp is lost,
 //! which is why f32 weights are the default for training.
 
+//!
+//! # Sharding
+//! [`ShardedAdamW`] is the same update with its state split over the ranks of a
+//! data-parallel run (ZeRO-1/2, [`ShardMode`]): see `sharded.rs`, and
+//! `shard_files.rs` for its checkpoints (one file per rank and an index of ranges).
+
 mod adamw;
 mod config;
 mod kernels;
+pub mod memory;
 mod schedule;
+mod shard_files;
+mod sharded;
+#[cfg(test)]
+mod sharded_tests;
 mod state;
 
 pub use adamw::{AdamW, StepReport};
-pub use config::{is_norm_or_bias, AdamWConfig};
+pub use config::{is_norm_or_bias, AdamWConfig, ShardMode};
 pub use schedule::LrSchedule;
+pub use shard_files::{shard_file_name, FlatState, ShardIndex, INDEX_FILE, PLAIN_FILE};
+pub use sharded::{FlatLayout, ShardedAdamW};
+
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+
+use crate::dist::{self, Comm};
+use crate::Result;
+
+/// What the update driver needs of an optimizer: its parameters, and one step
+/// from this rank's accumulated gradients (summed over the ranks the way the
+/// optimizer needs them: all-reduced for [`AdamW`], reduce-scattered for
+/// [`ShardedAdamW`] in ZeRO-2).
+pub trait Optimizer {
+    /// The trainable parameters, in the optimizer's order.
+    fn trainable(&self) -> Vec<Var>;
+    /// Sums `grads` over `comm`'s ranks and takes one step at learning rate `lr`.
+    /// Every rank calls it with the same `lr`; `grads` may be consumed.
+    fn step_on(&mut self, comm: &dyn Comm, grads: &mut GradStore, lr: f64) -> Result<StepReport>;
+    /// Bytes of optimizer state (moments, master weights) this rank holds.
+    fn state_bytes(&self) -> usize;
+}
+
+impl Optimizer for AdamW {
+    fn trainable(&self) -> Vec<Var> {
+        self.params().map(|(_, v)| v.clone()).collect()
+    }
+    fn step_on(&mut self, comm: &dyn Comm, grads: &mut GradStore, lr: f64) -> Result<StepReport> {
+        if comm.size() > 1 {
+            let vars = self.trainable();
+            let refs: Vec<&Var> = vars.iter().collect();
+            dist::all_reduce_grads(comm, &refs, grads)?;
+        }
+        self.step(grads, lr)
+    }
+    fn state_bytes(&self) -> usize {
+        // exp_avg and exp_avg_sq, f32, for every element.
+        8 * self.n_elements()
+    }
+}

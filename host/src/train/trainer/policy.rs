@@ -10,16 +10,31 @@ use candle_core::{DType, Tensor};
 
 use super::RunConfig;
 use crate::algo::ObjectiveConfig;
-use crate::dist::Comm;
+use crate::dist::{self, Comm};
 use crate::model::{self, checkpoint, peft, LoraConfig, Qwen3, RolloutCopy};
-use crate::train::optim::AdamW;
+use crate::train::optim::{AdamW, FlatState, Optimizer, ShardMode, ShardedAdamW, INDEX_FILE, PLAIN_FILE};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateOutcome};
 use crate::{Error, Result};
+
+/// The optimizer of one rank: whole, or sharded over the ranks (`shard`).
+enum Opt {
+    Full(AdamW),
+    Sharded(ShardedAdamW),
+}
+
+impl Opt {
+    fn as_dyn(&mut self) -> &mut dyn Optimizer {
+        match self {
+            Opt::Full(o) => o,
+            Opt::Sharded(o) => o,
+        }
+    }
+}
 
 /// Model, optimizer, rollout copy and reference of one rank.
 pub struct PolicyState {
     model: Qwen3,
-    opt: AdamW,
+    opt: Opt,
     /// The low-precision copy rollouts sample from (`rollout.dtype`).
     rollout_copy: Option<RolloutCopy>,
     reference: Option<Qwen3>,
@@ -36,7 +51,15 @@ impl PolicyState {
     /// carries them already (a resumed LoRA checkpoint, whose rank and targets must be the
     /// configuration's); the optimizer then holds the adapters alone, and rollouts sample
     /// a copy with the adapters merged, refreshed after every update.
-    pub fn new(cfg: &RunConfig, objective: &ObjectiveConfig, mut model: Qwen3) -> Result<Self> {
+    ///
+    /// With `cfg.actor.shard` other than `none` the optimizer holds this rank's range of the
+    /// flattened trainable parameters alone ([`ShardedAdamW`], ZeRO-1/2 over `comm`).
+    pub fn new(
+        cfg: &RunConfig,
+        objective: &ObjectiveConfig,
+        mut model: Qwen3,
+        comm: &dyn Comm,
+    ) -> Result<Self> {
         attach_lora(cfg, &mut model)?;
         // With LoRA the reference is the frozen base itself (shared, not reloaded).
         let reference = match &objective.kl {
@@ -44,7 +67,12 @@ impl PolicyState {
             Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model.path, model.dtype(), model.device())?),
             _ => None,
         };
-        let opt = AdamW::new(model.trainable_params(), cfg.actor.optim.clone())?;
+        let params = model.trainable_params();
+        let optim = cfg.actor.optim.clone();
+        let opt = match cfg.actor.shard {
+            ShardMode::None => Opt::Full(AdamW::new(params, optim)?),
+            mode => Opt::Sharded(ShardedAdamW::new(params, optim, mode, comm.rank(), comm.size())?),
+        };
         let rollout_copy = rollout_copy(cfg, &model)?;
         Ok(Self { model, opt, rollout_copy, reference, lora: cfg.actor.lora.clone() })
     }
@@ -57,7 +85,15 @@ impl PolicyState {
 
     /// Parameters the optimizer trains (the adapters alone with LoRA).
     pub fn trainable_count(&self) -> usize {
-        self.opt.n_elements()
+        match &self.opt {
+            Opt::Full(o) => o.n_elements(),
+            Opt::Sharded(o) => o.n_elements(),
+        }
+    }
+
+    /// Bytes of optimizer state this rank holds.
+    pub fn optimizer_bytes(&mut self) -> usize {
+        self.opt.as_dyn().state_bytes()
     }
 
     /// The master weights (what the update trains).
@@ -87,7 +123,7 @@ impl PolicyState {
     ) -> Result<UpdateOutcome> {
         let lr = self.effective_lr(lr);
         let policy =
-            update::Policy { model: &self.model, opt: &mut self.opt, reference: self.reference.as_ref() };
+            update::Policy { model: &self.model, opt: self.opt.as_dyn(), reference: self.reference.as_ref() };
         let outcome = update::optimize_on(comm, policy, seqs, ucfg, lr, pad_id)?;
         if let Some(copy) = &self.rollout_copy {
             copy.refresh(&self.model)?;
@@ -95,17 +131,36 @@ impl PolicyState {
         Ok(outcome)
     }
 
+    /// Writes this rank's optimizer shard into `staging` when the optimizer is sharded
+    /// (every rank calls it, before rank 0 writes the checkpoint with [`PolicyState::save`]);
+    /// nothing otherwise. A failure on any rank fails every rank, naming it.
+    pub fn stage_optimizer(&self, comm: &dyn Comm, staging: &Path) -> Result<()> {
+        let Opt::Sharded(o) = &self.opt else { return Ok(()) };
+        let mine = std::fs::create_dir_all(staging)
+            .map_err(|e| Error::io(staging, e))
+            .and_then(|_| o.save_shard(staging))
+            .err()
+            .map(|e| e.to_string());
+        let all: Vec<Option<String>> = dist::all_gather_json(comm, &mine)?;
+        match all.iter().enumerate().find_map(|(r, e)| e.as_ref().map(|e| (r, e))) {
+            Some((r, e)) => Err(Error::invalid(format!("rank {r}: writing its optimizer shard: {e}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Writes the model (HF files, in the checkpoint's dtype unless the weights in memory
-    /// are wider) and `optimizer.safetensors` into `dir`; `source` is the model folder
-    /// whose tokenizer files are copied along.
+    /// are wider) and the optimizer state into `dir`; `source` is the model folder whose
+    /// tokenizer files are copied along. The unsharded optimizer goes to
+    /// `optimizer.safetensors`; a sharded one's files, staged by every rank in `staging`
+    /// ([`PolicyState::stage_optimizer`]), move into `dir` with their index.
     ///
     /// With LoRA the model files are a peft adapter folder (`adapter_model.safetensors`,
     /// `adapter_config.json` naming `source` as the base), and the optimizer state covers
     /// the adapters.
-    pub fn save(&self, dir: &Path, source: &Path) -> Result<()> {
+    pub fn save(&self, dir: &Path, source: &Path, staging: &Path) -> Result<()> {
         if let Some(lora) = &self.lora {
             peft::write_adapter_files(&self.model, lora, dir, &peft::base_name(source), Some(source))?;
-            return self.save_optimizer(dir);
+            return self.save_optimizer(dir, staging);
         }
         let on_disk = model::parse_dtype(&self.model.config().torch_dtype).unwrap_or(DType::F32);
         let dtype = if on_disk.size_in_bytes() >= self.model.dtype().size_in_bytes() {
@@ -114,25 +169,47 @@ impl PolicyState {
             self.model.dtype()
         };
         checkpoint::write_model_files(&self.model, dir, dtype, Some(source))?;
-        self.save_optimizer(dir)
+        self.save_optimizer(dir, staging)
     }
 
-    fn save_optimizer(&self, dir: &Path) -> Result<()> {
-        let opt: HashMap<String, Tensor> = self.opt.state_tensors()?.into_iter().collect();
-        candle_core::safetensors::save(&opt, dir.join("optimizer.safetensors"))?;
+    fn save_optimizer(&self, dir: &Path, staging: &Path) -> Result<()> {
+        let o = match &self.opt {
+            Opt::Full(o) => {
+                let opt: HashMap<String, Tensor> = o.state_tensors()?.into_iter().collect();
+                candle_core::safetensors::save(&opt, dir.join(PLAIN_FILE))?;
+                return Ok(());
+            }
+            Opt::Sharded(o) => o,
+        };
+        let index = o.index();
+        for s in &index.shards {
+            let from = staging.join(&s.file);
+            std::fs::rename(&from, dir.join(&s.file)).map_err(|e| Error::io(&from, e))?;
+        }
+        let text = serde_json::to_string_pretty(&index).map_err(|e| Error::invalid(e.to_string()))?;
+        std::fs::write(dir.join(INDEX_FILE), text).map_err(|e| Error::io(dir.join(INDEX_FILE), e))?;
+        // Empty now; a failure to remove it loses nothing.
+        let _ = std::fs::remove_dir(staging);
         Ok(())
     }
 
-    /// Restores the optimizer state of checkpoint `dir`, written at `step`.
+    /// Restores the optimizer state of checkpoint `dir`, written at `step`: plain or
+    /// sharded, by any number of ranks (a sharded state is re-cut to this run's ranks).
     pub fn restore_optimizer(&mut self, dir: &Path, step: u64) -> Result<()> {
-        let path = dir.join("optimizer.safetensors");
-        let tensors =
-            candle_core::safetensors::load(&path, self.model.device()).map_err(|e| Error::Config {
-                file: path.display().to_string(),
-                field: "<safetensors>".into(),
-                msg: format!("unreadable optimizer state: {e}"),
-            })?;
-        self.opt.load_state(&tensors, step, &path.display().to_string())
+        let state = FlatState::open(dir, step)?;
+        match &mut self.opt {
+            Opt::Sharded(o) => o.load_from(&state),
+            Opt::Full(o) => {
+                let shapes: Vec<(String, Vec<usize>)> =
+                    o.params().map(|(n, v)| (n.to_string(), v.dims().to_vec())).collect();
+                let tensors = state.per_param(&shapes)?;
+                let file = match &state {
+                    FlatState::Shards { .. } => dir.join(INDEX_FILE),
+                    FlatState::PerParam { .. } => dir.join(PLAIN_FILE),
+                };
+                o.load_state(&tensors, state.step(), &file.display().to_string())
+            }
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use crate::algo::ObjectiveConfig;
 use crate::model::LoraConfig;
 use crate::overlay;
 use crate::rollout::Sample;
-use crate::train::optim::{AdamWConfig, LrSchedule};
+use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::{Error, Result};
 
 /// One sampled response with its prompt and reward, as the update consumes it.
@@ -89,6 +89,13 @@ pub struct ActorConfig {
     /// AdamW and the learning-rate schedule (`lr` is the base rate; paper: 1e-6 constant after
     /// 10 warm-up steps, grad clip 1.0).
     pub optim: AdamWConfig,
+    /// Optimizer state over the ranks of a data-parallel run: `none` (every rank holds all
+    /// of it), `optimizer` (ZeRO-1: each rank holds the AdamW moments, and f32 master
+    /// weights of a model in another dtype, of its range of the flattened parameters) or
+    /// `gradients` (ZeRO-2: also the summed gradients of its range alone). The weights after
+    /// each step are the same in every mode ([`crate::train::ShardedAdamW`],
+    /// docs/distributed.md).
+    pub shard: ShardMode,
     /// The correction of the mismatch between a rollout copy and the master weights (`mode`:
     /// auto | off | token_tis | seq_mis, `cap` 2, `seq_lower` 0.5, `seq_upper` 2; auto is
     /// token_tis when `rollout.dtype` differs from `model.dtype`, at temperature 1): see
@@ -115,6 +122,7 @@ impl Default for ActorConfig {
                 schedule: LrSchedule::Constant { warmup_steps: 10 },
                 ..AdamWConfig::default()
             },
+            shard: ShardMode::None,
             rollout_correction: RolloutCorrection::default(),
             lora: None,
         }

@@ -47,6 +47,11 @@ pub struct UpdateMetrics {
     /// Optimizer steps taken and skipped (non-finite loss or gradient).
     pub optimizer_steps: usize,
     pub skipped_steps: usize,
+    /// Bytes of optimizer state (AdamW moments, and f32 master weights when sharded with
+    /// weights in another dtype) held by this rank (rank 0's in a run's metrics); with
+    /// `shard` it falls by the number of ranks.
+    #[serde(default)]
+    pub optimizer_bytes: u64,
     /// Token id → times silenced in this update, most frequent first.
     pub silenced_token_ids: Vec<(u32, usize)>,
     /// Response tokens with `A > 0 && p < tau_p` (S2T candidates), over all mini-batches.

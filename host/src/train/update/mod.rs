@@ -56,7 +56,7 @@ pub use score::{active_sequences, score, Scored};
 use crate::algo::{MaskConfig, Normaliser, S2tStats, S2tThresholds};
 use crate::dist::{self, Comm, Local};
 use crate::model::Qwen3;
-use crate::train::optim::AdamW;
+use crate::train::optim::{AdamW, Optimizer};
 use crate::{Error, Result};
 pub use layout::micro_batch_shapes;
 use layout::{rows, Cut};
@@ -70,7 +70,8 @@ use score::{global_order, run_setting_warnings};
 /// policy of a KL penalty.
 pub struct Policy<'a> {
     pub model: &'a Qwen3,
-    pub opt: &'a mut AdamW,
+    /// [`AdamW`], or its sharded form (ZeRO-1/2) under several ranks.
+    pub opt: &'a mut dyn Optimizer,
     pub reference: Option<&'a Qwen3>,
 }
 
@@ -135,7 +136,7 @@ pub fn optimize_on(
         return Err(Error::invalid("update: no sequences"));
     }
     let Policy { model, opt, reference } = policy;
-    let params = opt.params().map(|(_, v)| v.clone()).collect();
+    let params = opt.trainable();
 
     // 1-2. Rewards, advantages, the sequences that reach the loss, in their global order:
     // (rank, index) sorted by group, then rank and index, which is the order of one process
@@ -224,7 +225,7 @@ struct Given<'a> {
 /// Steps 4-6 for one mini-batch: mask and normalisers, micro-batches, sync and step.
 fn mini_batch_step(
     x: &Ctx,
-    opt: &mut AdamW,
+    opt: &mut dyn Optimizer,
     mb: &MiniBatch,
     given: &Given,
     lr: f64,
@@ -269,10 +270,11 @@ fn mini_batch_step(
     }
     out.metrics.kept_tokens += norm.tokens as usize;
 
-    // 6. Every rank skips when any rank's loss was not finite; otherwise the gradients and
-    // the loss are summed over ranks, and the optimizer steps.
-    let loss = sync_over_ranks(x, loss, &mut acc)?;
-    optimizer_step(opt, &acc, lr, loss, &mut out.metrics, &mut out.totals)
+    // 6. Every rank skips when any rank's loss was not finite; otherwise the loss is summed
+    // over ranks and the optimizer steps, summing the gradients over ranks as it needs them
+    // (all-reduced, or reduce-scattered when sharded).
+    let loss = sync_over_ranks(x, loss)?;
+    optimizer_step(x.comm, opt, &mut acc, lr, loss, &mut out.metrics, &mut out.totals)
 }
 
 /// Step 5: the micro-batches of `mb` (the first may come with its forward already run),
@@ -372,8 +374,8 @@ fn record_s2t(
 }
 
 /// Step 6's collective: `None` on every rank when any rank's loss was not finite;
-/// otherwise the loss summed over ranks and the gradients all-reduced.
-fn sync_over_ranks(x: &Ctx, loss: Option<f64>, acc: &mut GradStore) -> Result<Option<f64>> {
+/// otherwise the loss summed over ranks (the optimizer sums the gradients).
+fn sync_over_ranks(x: &Ctx, loss: Option<f64>) -> Result<Option<f64>> {
     if x.comm.size() == 1 {
         return Ok(loss);
     }
@@ -381,8 +383,6 @@ fn sync_over_ranks(x: &Ctx, loss: Option<f64>, acc: &mut GradStore) -> Result<Op
     if bad > 0.0 {
         return Ok(None);
     }
-    let params: Vec<&candle_core::Var> = x.params.iter().collect();
-    dist::all_reduce_grads(x.comm, &params, acc)?;
     Ok(Some(sum))
 }
 

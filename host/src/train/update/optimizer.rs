@@ -4,14 +4,17 @@
 use candle_core::backprop::GradStore;
 
 use super::metrics::{Totals, UpdateMetrics};
-use crate::train::optim::AdamW;
+use crate::dist::Comm;
+use crate::train::optim::Optimizer;
 use crate::Result;
 
 /// The optimizer step of one mini-batch (skipped, with a warning, when its loss was not
-/// finite or AdamW finds a non-finite gradient norm).
+/// finite or AdamW finds a non-finite gradient norm); the optimizer sums the gradients
+/// over `comm`'s ranks. Records the optimizer's state bytes on this rank.
 pub(super) fn optimizer_step(
-    opt: &mut AdamW,
-    acc: &GradStore,
+    comm: &dyn Comm,
+    opt: &mut dyn Optimizer,
+    acc: &mut GradStore,
     lr: f64,
     loss: Option<f64>,
     metrics: &mut UpdateMetrics,
@@ -22,7 +25,8 @@ pub(super) fn optimizer_step(
         metrics.skipped_steps += 1;
         return Ok(());
     };
-    let report = opt.step(acc, lr)?;
+    let report = opt.step_on(comm, acc, lr)?;
+    metrics.optimizer_bytes = opt.state_bytes() as u64;
     if report.skipped {
         metrics.warnings.push(format!(
             "gradient norm is {}; optimizer step skipped (weights and moments unchanged)",

@@ -304,20 +304,22 @@ fn skipped_steps_become_warnings_not_prints() {
     let w = candle_core::Var::from_slice(&[1f32, 2.], 2, &Device::Cpu).unwrap();
     let mut opt = AdamW::new(vec![("w".into(), w.clone())], Default::default()).unwrap();
     let (mut m, mut totals) = (UpdateMetrics::default(), Totals::default());
-    optimizer_step(&mut opt, &GradStore::default(), 0.1, None, &mut m, &mut totals).unwrap();
+    optimizer_step(&Local, &mut opt, &mut GradStore::default(), 0.1, None, &mut m, &mut totals).unwrap();
     assert_eq!((m.skipped_steps, m.optimizer_steps, opt.step_count()), (1, 0, 0));
     assert!(m.warnings[0].contains("non-finite loss"), "{:?}", m.warnings);
     let mut g = GradStore::default();
     g.insert(w.as_tensor(), Tensor::from_slice(&[f32::NAN, 1.], 2, &Device::Cpu).unwrap());
-    optimizer_step(&mut opt, &g, 0.1, Some(1.0), &mut m, &mut totals).unwrap();
+    optimizer_step(&Local, &mut opt, &mut g, 0.1, Some(1.0), &mut m, &mut totals).unwrap();
     assert_eq!((m.skipped_steps, opt.step_count()), (2, 0));
     assert!(m.warnings[1].contains("gradient norm is NaN"), "{:?}", m.warnings);
     assert_eq!(w.to_vec1::<f32>().unwrap(), vec![1., 2.]);
     // A finite gradient steps and counts its loss.
     g.insert(w.as_tensor(), Tensor::from_slice(&[0.5f32, 1.], 2, &Device::Cpu).unwrap());
-    optimizer_step(&mut opt, &g, 0.1, Some(2.5), &mut m, &mut totals).unwrap();
+    optimizer_step(&Local, &mut opt, &mut g, 0.1, Some(2.5), &mut m, &mut totals).unwrap();
     assert_eq!((m.optimizer_steps, opt.step_count(), m.warnings.len()), (1, 1, 2));
     assert_eq!(totals.loss_sum, 2.5);
+    // Two f32 moments of two elements.
+    assert_eq!(m.optimizer_bytes, 16);
 }
 
 #[test]
