@@ -25,7 +25,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    // Under an MPI launcher every rank runs this same command; only `run` is
+    // Under an MPI launcher every rank runs this same command; only `run`, `update`
+    // (each rank its share of the rollouts, rank 0 writes) and `bench shard` are
     // data-parallel, so the others would repeat each other's work and files.
     let world = match stapo::dist::init() {
         Ok(w) => w,
@@ -34,8 +35,16 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if world.size() > 1 && !matches!(cli.command, Command::Run(_)) {
-        eprintln!("error: only `stapo run` runs on several MPI ranks; start other commands without mpirun");
+    let parallel = match &cli.command {
+        Command::Run(_) | Command::Update(_) => true,
+        Command::Bench(a) => a.what == commands::bench::What::Shard,
+        _ => false,
+    };
+    if world.size() > 1 && !parallel {
+        eprintln!(
+            "error: only `stapo run`, `stapo update` and `stapo bench shard` run on several MPI ranks; \
+             start other commands without mpirun"
+        );
         stapo::dist::finalize();
         return ExitCode::FAILURE;
     }

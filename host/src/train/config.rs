@@ -20,7 +20,7 @@ use crate::data::{DatasetOptions, PromptTemplate};
 use crate::model;
 use crate::overlay;
 use crate::reward::ExtractMode;
-use crate::rollout::SamplingParams;
+use crate::rollout::{EngineConfig, SamplingParams};
 use crate::train::update::{under, ActorConfig};
 use crate::{Error, Result};
 
@@ -136,11 +136,19 @@ pub struct RolloutConfig {
     /// `data.prompts_per_step` groups with mixed rewards (verl `max_num_gen_batches`; 0 = no
     /// limit); when hit, the step updates on fewer groups and warns.
     pub max_num_gen_batches: usize,
+    /// The rollout engine (`#{kv_cache_gb, max_rows, block_size}`): the paged KV cache's
+    /// budget in GB, sequences decoded at once and tokens per cache block.
+    pub engine: EngineConfig,
 }
 
 impl Default for RolloutConfig {
     fn default() -> Self {
-        RolloutConfig { sampling: SamplingParams::default(), dtype: None, max_num_gen_batches: 10 }
+        RolloutConfig {
+            sampling: SamplingParams::default(),
+            dtype: None,
+            max_num_gen_batches: 10,
+            engine: EngineConfig::default(),
+        }
     }
 }
 
@@ -151,7 +159,8 @@ impl RolloutConfig {
         if let Some(d) = &self.dtype {
             model::parse_dtype(d).map_err(|e| under("rollout", "dtype", e))?;
         }
-        Ok(())
+        // Its errors already name `rollout.engine.<field>`.
+        self.engine.validate()
     }
 }
 
@@ -315,6 +324,7 @@ const MOVED: &[(&str, &str)] = &[
     ("dtype", "model.dtype"),
     ("device", "model.device"),
     ("rollout_dtype", "rollout.dtype"),
+    ("rollout_engine", "rollout.engine"),
     ("rollout_correction", "actor.rollout_correction"),
     ("lora", "actor.lora"),
     ("shard", "actor.shard"),
