@@ -21,6 +21,9 @@ pub enum What {
     Train,
     /// Batched sampling with a KV cache.
     Generate,
+    /// One rollout with forced lengths (`--lengths lognormal:LO:HI`): continuous
+    /// batching over the paged cache against the static policy at equal cache memory.
+    Rollout,
     /// candle CPU matmul for this shape's products in the layouts the step uses.
     Matmul,
     /// AdamW steps over this shape's parameter count (f32, CPU), ours against candle-nn's.
@@ -101,6 +104,32 @@ pub struct BenchArgs {
     /// of the longest sequence as fit the budget).
     #[arg(long)]
     pub micro_batch: Option<usize>,
+    /// `rollout`: prompts, each sampled `--samples` times.
+    #[arg(long, default_value_t = 64)]
+    pub prompts: usize,
+    /// `rollout`: responses per prompt (the GRPO group size).
+    #[arg(long, default_value_t = 8)]
+    pub samples: usize,
+    /// `rollout`: prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    pub rollout_prompt: usize,
+    /// `rollout`: most new tokens per response (what the static policy reserves).
+    #[arg(long, default_value_t = 4096)]
+    pub max_new: usize,
+    /// `rollout`: rows the paged engine decodes at once; by default the cache budget is
+    /// what the static policy reserves for this many full-length sequences.
+    #[arg(long, default_value_t = 16)]
+    pub max_rows: usize,
+    /// `rollout`: the KV cache budget of both engines, in GB (the static policy's rows
+    /// are the whole groups that fit it at full length).
+    #[arg(long)]
+    pub kv_cache_gb: Option<f64>,
+    /// `rollout`: rounds of (static, paged), interleaved.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// `rollout`: run the paged engine alone (no static baseline), e.g. at a GPU's cache size.
+    #[arg(long)]
+    pub paged_only: bool,
     /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
     #[arg(long, default_value = "none")]
     pub shard: String,
@@ -242,6 +271,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
+    }
+    if a.what == What::Rollout {
+        return super::bench_rollout::run(&m, &a);
     }
     if a.what == What::Shard {
         return super::bench_shard::run(&m, &cfg, &a, seq);

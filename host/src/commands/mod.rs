@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_lengths;
+pub mod bench_rollout;
 pub mod bench_shard;
 pub mod data_args;
 pub mod eval;

@@ -176,8 +176,13 @@ pub(super) fn attention_out(
     grad: Grad,
 ) -> Result<Tensor> {
     let o = ops::attention(q, k, v, &ctx.mask, ctx.cfg.num_key_value_heads)?; // (B, L, H*D)
+    o_proj(layer, &o, grad)
+}
+
+/// The output projection of attention's result `o` `(B, L, Hq * D)`.
+pub(super) fn o_proj(layer: &Layer, o: &Tensor, grad: Grad) -> Result<Tensor> {
     let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], layer.base_grad(grad)));
-    lora::linear(&o, layer, Target::OProj, bias.as_ref(), grad)
+    lora::linear(o, layer, Target::OProj, bias.as_ref(), grad)
 }
 
 /// The MLP half of a decoder layer with its residual:

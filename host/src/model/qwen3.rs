@@ -26,7 +26,10 @@ use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};
 
-/// Keys and values of the positions seen so far, for incremental decoding.
+/// Keys and values of the positions seen so far, for incremental decoding:
+/// the dense cache, one tensor per layer reserved for `capacity` positions.
+/// Rollouts use the paged cache ([`super::paged`]); this one serves
+/// [`Qwen3::decode`], the dense path the paged one is tested against.
 ///
 /// Preallocated per layer as `(B, H_kv, capacity, D)`; `len` positions are
 /// filled. `key_bias` holds the additive mask over cached keys (0 for a real
@@ -82,23 +85,6 @@ impl KvCache {
     /// Number of sequences.
     pub fn batch(&self) -> usize {
         self.batch
-    }
-
-    /// Keeps only the rows in `keep` (e.g. to drop finished sequences).
-    pub fn select_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let idx = Tensor::from_vec(
-            keep.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-            keep.len(),
-            self.k[0].device(),
-        )?;
-        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            *t = t.index_select(&idx, 0)?.contiguous()?;
-        }
-        let cap = self.capacity;
-        self.key_bias = keep.iter().flat_map(|&i| self.key_bias[i * cap..(i + 1) * cap].to_vec()).collect();
-        self.next_pos = keep.iter().map(|&i| self.next_pos[i]).collect();
-        self.batch = keep.len();
-        Ok(())
     }
 }
 
@@ -462,6 +448,31 @@ impl Qwen3 {
         ops::rms_norm(&x, &self.w(&self.norm, self.base_grad(grad)), self.cfg.rms_norm_eps)
     }
 
+    /// The rotary tables `(cos, sin)`, each `(B, 1, L, D/2)` in the model dtype,
+    /// of position ids `(B, L)`: computed in f32 then cast, as HF does.
+    pub(super) fn rotary(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(2)?
+            .broadcast_mul(&self.inv_freq)?
+            .to_dtype(ops::compute_dtype(self.dtype))?;
+        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        Ok((cos, sin))
+    }
+
+    /// The embeddings of token ids `(B, L)`, `(B, L, hidden)`, for inference.
+    pub(super) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        let table = self.w(&self.embed_tokens, Grad::Off);
+        Ok(table.index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?)
+    }
+
+    /// The final RMSNorm, for inference.
+    pub(super) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        ops::rms_norm(x, &self.w(&self.norm, Grad::Off), self.cfg.rms_norm_eps)
+    }
+
     /// The rotary tables and attention mask of `l` positions after `offset`
     /// cached keys, shared by every layer.
     pub(super) fn layer_ctx(
@@ -471,14 +482,7 @@ impl Qwen3 {
         offset: usize,
         l: usize,
     ) -> Result<LayerCtx> {
-        // Rotary tables per position: (B, 1, L, D/2), in f32 then the model dtype.
-        let freqs = positions
-            .to_dtype(DType::F32)?
-            .unsqueeze(2)?
-            .broadcast_mul(&self.inv_freq)?
-            .to_dtype(ops::compute_dtype(self.dtype))?;
-        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
-        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let (cos, sin) = self.rotary(positions)?;
         // Causal within the chunk plus key padding; dense (B, 1, L, S) only for
         // short chunks (ops::AttnMask).
         let mask = ops::AttnMask::new(l, offset, pad_bias, self.dtype, &self.device)?;

@@ -1,59 +1,51 @@
-//! The generation loop: one prefill per chunk of prompts, the prefilled cache
-//! replicated into GRPO groups, then batched one-token decode steps.
+//! The entry point of generation: checks the inputs and hands them to the
+//! engine (`rollout::engine`: continuous batching over a paged KV cache).
 //!
 //! Each response owns a generator seeded by (seed, prompt index, sample index)
 //! and draws exactly one number per token, so its tokens depend neither on the
-//! other prompts in the batch nor on when other rows finish (up to float
-//! rounding of batched matmuls, which can only flip a draw that lands within
-//! ~1e-6 of a boundary).
+//! other prompts in the batch nor on when other rows finish or are preempted
+//! (up to float rounding of batched matmuls, which can only flip a draw that
+//! lands within ~1e-6 of a boundary).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::sync::atomic::AtomicBool;
 
-use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::batch::{Finish, Sample};
-use super::device::StepLogits;
-use super::sampler::{row_seed, Sampler, TokenDraw};
+use super::engine::{self, EngineConfig, EngineStats, Policy};
+use super::sampler::TokenDraw;
 use super::SamplingParams;
-use crate::model::{KvCache, Qwen3, TokenBatch};
+use crate::model::Qwen3;
 use crate::{Error, Result};
 
 /// Optional controls of [`generate_with`].
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct GenerateHooks<'a> {
-    /// Called after every decode step with the number of tokens sampled so far.
+    /// Called after every step with the number of tokens sampled so far.
     pub progress: Option<&'a dyn Fn(usize)>,
     /// When set to true, generation stops at the next step with an error.
     pub cancel: Option<&'a AtomicBool>,
-    /// Most sequences decoded at once (bounds KV-cache memory): prompts are
-    /// processed in chunks of `max(1, max_rows / n)`.
-    pub max_rows: usize,
-    /// Rows that have finished stay in the cache (fed a pad token, output
-    /// ignored) until they are at least this fraction of it; then the cache is
-    /// compacted. Compaction copies the whole cache, so doing it for every
-    /// finished row would cost more than it saves on long caches.
-    pub compact_fraction: f64,
+    /// The KV cache budget, rows decoded at once and block size.
+    pub engine: EngineConfig,
+    /// How the scheduler admits prompts (continuous batching by default).
+    pub policy: Policy,
     /// Index of `prompts[0]` in the whole batch, for the per-response seeds: a
     /// data-parallel rank that samples prompts `[lo, hi)` of a step's batch
     /// passes `lo`, so every response is drawn as in a one-process run.
     pub first_prompt_index: usize,
-}
-
-impl Default for GenerateHooks<'_> {
-    fn default() -> Self {
-        Self { progress: None, cancel: None, max_rows: 256, compact_fraction: 0.125, first_prompt_index: 0 }
-    }
+    /// Forced lengths (benchmarks): response `(global prompt index, sample
+    /// index)` ends, as truncated, at this many tokens (at most `max_new_tokens`).
+    pub lengths: Option<&'a dyn Fn(usize, usize) -> usize>,
 }
 
 /// Samples `params.n` responses for each prompt (token ids, any lengths).
 ///
-/// `pad_id` fills the left padding; `decode` turns token ids into text (for the
-/// response text and for stop strings); `progress` receives the number of
-/// tokens sampled so far after each step. Returns the samples ordered by
-/// prompt, then sample index; `group` is the prompt's index.
+/// `pad_id` is checked against the vocabulary (the engine needs no padding);
+/// `decode` turns token ids into text (for the response text and for stop
+/// strings); `progress` receives the number of tokens sampled so far after
+/// each step. Returns the samples ordered by prompt, then sample index;
+/// `group` is the prompt's index.
 pub fn generate(
     model: &Qwen3,
     prompts: &[Vec<u32>],
@@ -72,7 +64,7 @@ pub fn generate(
     )
 }
 
-/// [`generate`] with cancellation, chunking and compaction controls.
+/// [`generate`] with cancellation and engine controls.
 pub fn generate_with(
     model: &Qwen3,
     prompts: &[Vec<u32>],
@@ -81,6 +73,19 @@ pub fn generate_with(
     decode: &dyn Fn(&[u32]) -> String,
     hooks: &GenerateHooks,
 ) -> Result<Vec<Sample>> {
+    Ok(generate_stats(model, prompts, params, pad_id, decode, hooks)?.0)
+}
+
+/// [`generate_with`], also returning the engine's figures (tokens/s, rows per
+/// step, cache blocks, preemptions).
+pub fn generate_stats(
+    model: &Qwen3,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    pad_id: u32,
+    decode: &dyn Fn(&[u32]) -> String,
+    hooks: &GenerateHooks,
+) -> Result<(Vec<Sample>, EngineStats)> {
     let vocab = model.config().vocab_size;
     params.validate(vocab)?;
     if pad_id as usize >= vocab {
@@ -98,31 +103,14 @@ pub fn generate_with(
             )));
         }
     }
-    if hooks.max_rows == 0 {
-        return Err(Error::invalid("generate: max_rows must be at least 1"));
-    }
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
-    let run = Run {
-        model,
-        params,
-        sampler: Sampler::new(params),
-        stops: StopRules::new(params, eos),
-        pad_id,
-        decode,
-        hooks,
-    };
-    let per_chunk = (hooks.max_rows / params.n).max(1);
-    let mut out = Vec::with_capacity(prompts.len() * params.n);
-    let mut tokens = 0;
-    for (c, chunk) in prompts.chunks(per_chunk).enumerate() {
-        run.chunk(chunk, c * per_chunk, &mut tokens, &mut out)?;
-    }
+    let (mut out, stats) = engine::run(model, prompts, params, decode, hooks, eos)?;
     out.sort_by_key(|s| (s.prompt_index, s.sample_index));
-    Ok(out)
+    Ok((out, stats))
 }
 
 /// When a response ends.
-struct StopRules {
+pub(super) struct StopRules {
     eos: Option<u32>,
     tokens: Vec<u32>,
     strings: Vec<String>,
@@ -131,7 +119,7 @@ struct StopRules {
 }
 
 impl StopRules {
-    fn new(params: &SamplingParams, eos: Option<u32>) -> Self {
+    pub(super) fn new(params: &SamplingParams, eos: Option<u32>) -> Self {
         let longest = params.stop_strings.iter().map(String::len).max().unwrap_or(0);
         // A stop string completed by the newest token lies within its last
         // `len` tokens if every token decodes to at least one byte; the margin
@@ -147,7 +135,7 @@ impl StopRules {
     /// Whether `ids` (a response so far) has just been ended by its last token.
     /// Only the tail is decoded, so the check costs O(window) per token rather
     /// than O(length).
-    fn check(&self, ids: &[u32], decode: &dyn Fn(&[u32]) -> String) -> Option<Finish> {
+    pub(super) fn check(&self, ids: &[u32], decode: &dyn Fn(&[u32]) -> String) -> Option<Finish> {
         let &last = ids.last()?;
         if Some(last) == self.eos {
             return Some(Finish::Eos);
@@ -166,19 +154,36 @@ impl StopRules {
 }
 
 /// One response being generated.
-struct Row {
+pub(super) struct Row {
     prompt_index: usize,
     sample_index: usize,
-    rng: StdRng,
-    ids: Vec<u32>,
+    pub(super) rng: StdRng,
+    pub(super) ids: Vec<u32>,
     logprobs: Vec<f32>,
     old_logprobs: Vec<f32>,
     entropies: Vec<f32>,
-    done: bool,
+    pub(super) done: bool,
 }
 
 impl Row {
-    fn push(&mut self, d: TokenDraw) {
+    /// An empty response of prompt `prompt_index` (local), sample
+    /// `sample_index`, drawing from `rng`, with room for `cap` tokens.
+    pub(super) fn new(prompt_index: usize, sample_index: usize, rng: StdRng, cap: usize) -> Self {
+        // Reserve a little: most responses end long before `max_new_tokens`.
+        let cap = cap.min(256);
+        Self {
+            prompt_index,
+            sample_index,
+            rng,
+            ids: Vec::with_capacity(cap),
+            logprobs: Vec::with_capacity(cap),
+            old_logprobs: Vec::with_capacity(cap),
+            entropies: Vec::with_capacity(cap),
+            done: false,
+        }
+    }
+
+    pub(super) fn push(&mut self, d: TokenDraw) {
         self.ids.push(d.id);
         self.logprobs.push(d.logprob);
         self.old_logprobs.push(d.logprob_raw);
@@ -186,7 +191,12 @@ impl Row {
     }
 
     /// Moves the response out into a [`Sample`].
-    fn finish(&mut self, finish: Finish, prompt: &[u32], decode: &dyn Fn(&[u32]) -> String) -> Sample {
+    pub(super) fn finish(
+        &mut self,
+        finish: Finish,
+        prompt: &[u32],
+        decode: &dyn Fn(&[u32]) -> String,
+    ) -> Sample {
         self.done = true;
         let response_ids = std::mem::take(&mut self.ids);
         Sample {
@@ -206,104 +216,6 @@ impl Row {
     }
 }
 
-/// Everything one call of [`generate_with`] shares across chunks.
-struct Run<'a> {
-    model: &'a Qwen3,
-    params: &'a SamplingParams,
-    sampler: Sampler,
-    stops: StopRules,
-    pad_id: u32,
-    decode: &'a dyn Fn(&[u32]) -> String,
-    hooks: &'a GenerateHooks<'a>,
-}
-
-impl Run<'_> {
-    /// Generates the groups of `prompts`, whose first has global index `first`.
-    fn chunk(
-        &self,
-        prompts: &[Vec<u32>],
-        first: usize,
-        tokens: &mut usize,
-        out: &mut Vec<Sample>,
-    ) -> Result<()> {
-        let (model, n) = (self.model, self.params.n);
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        // The last sampled token is never fed back, hence the - 1.
-        let mut cache = KvCache::new(model, prompts.len(), longest + self.params.max_new_tokens - 1)?;
-        let batch = TokenBatch::left_padded(prompts, self.pad_id, model.device())?;
-        let mut logits =
-            StepLogits::new(&model.decode(&batch.ids, Some(&batch.mask), &mut cache)?, &self.sampler)?;
-        // Row r of the group cache is sample r % n of prompt r / n; before the
-        // first step its logits are its prompt's row of the prefill.
-        let mut logits_row: Vec<usize> = (0..prompts.len() * n).map(|r| r / n).collect();
-        if n > 1 {
-            cache.select_rows(&logits_row)?;
-        }
-        let mut rows: Vec<Row> = logits_row
-            .iter()
-            .enumerate()
-            .map(|(r, &p)| {
-                let (prompt_index, sample_index) = (first + p, r % n);
-                Row {
-                    prompt_index,
-                    sample_index,
-                    rng: StdRng::seed_from_u64(row_seed(
-                        self.params.seed,
-                        self.hooks.first_prompt_index + prompt_index,
-                        sample_index,
-                    )),
-                    ids: Vec::with_capacity(self.params.max_new_tokens),
-                    logprobs: Vec::with_capacity(self.params.max_new_tokens),
-                    old_logprobs: Vec::with_capacity(self.params.max_new_tokens),
-                    entropies: Vec::with_capacity(self.params.max_new_tokens),
-                    done: false,
-                }
-            })
-            .collect();
-        loop {
-            let sampler = self.sampler;
-            let wanted: Vec<(usize, &mut StdRng)> = rows
-                .iter_mut()
-                .zip(&logits_row)
-                .filter(|(row, _)| !row.done)
-                .map(|(row, &l)| (l, &mut row.rng))
-                .collect();
-            let mut draws = logits.draw(&sampler, wanted)?.into_iter();
-            for row in rows.iter_mut().filter(|r| !r.done) {
-                let Some(draw) = draws.next() else { break };
-                row.push(draw);
-                *tokens += 1;
-                let finish = self
-                    .stops
-                    .check(&row.ids, self.decode)
-                    .or_else(|| (row.ids.len() >= self.params.max_new_tokens).then_some(Finish::Length));
-                if let Some(finish) = finish {
-                    out.push(row.finish(finish, &prompts[row.prompt_index - first], self.decode));
-                }
-            }
-            if let Some(progress) = self.hooks.progress {
-                progress(*tokens);
-            }
-            if rows.iter().all(|r| r.done) {
-                return Ok(());
-            }
-            if self.hooks.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-                return Err(Error::invalid(format!("generate: cancelled after {tokens} tokens")));
-            }
-            let dead = rows.iter().filter(|r| r.done).count();
-            if dead > 0 && dead as f64 >= self.hooks.compact_fraction * rows.len() as f64 {
-                let keep: Vec<usize> = (0..rows.len()).filter(|&r| !rows[r].done).collect();
-                cache.select_rows(&keep)?;
-                rows.retain(|r| !r.done);
-            }
-            let next: Vec<u32> = rows.iter().map(|r| r.ids.last().copied().unwrap_or(self.pad_id)).collect();
-            let next = Tensor::from_vec(next, (rows.len(), 1), model.device())?;
-            logits = StepLogits::new(&model.decode(&next, None, &mut cache)?, &self.sampler)?;
-            logits_row = (0..rows.len()).collect();
-        }
-    }
-}
-
 /// Generation throughput in sampled tokens per second, prefill included:
 /// `batch` random prompts of `prompt_len` tokens, one sample each at
 /// temperature 1, exactly `new_tokens` new tokens each (EOS ignored).
@@ -314,19 +226,20 @@ pub fn bench_generate(model: &Qwen3, batch: usize, prompt_len: usize, new_tokens
         (0..batch).map(|_| (0..prompt_len.max(1)).map(|_| rng.random_range(0..vocab)).collect()).collect();
     let params =
         SamplingParams { n: 1, max_new_tokens: new_tokens, ignore_eos: true, ..SamplingParams::default() };
-    let hooks = GenerateHooks { max_rows: batch.max(1), ..GenerateHooks::default() };
-    let start = Instant::now();
-    let samples = generate_with(model, &prompts, &params, 0, &|_| String::new(), &hooks)?;
-    let secs = start.elapsed().as_secs_f64();
-    Ok(samples.iter().map(|s| s.response_ids.len()).sum::<usize>() as f64 / secs)
+    let engine = EngineConfig { max_rows: Some(batch.max(1)), ..EngineConfig::default() };
+    let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
+    let (_, stats) = generate_stats(model, &prompts, &params, 0, &|_| String::new(), &hooks)?;
+    Ok(stats.tokens_per_sec())
 }
 
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
 
+    use candle_core::Tensor;
+
     use super::*;
-    use crate::model::{logprob_entropy, Grad};
+    use crate::model::{logprob_entropy, Grad, TokenBatch};
     use crate::rollout::test_support::{angle_decode, tiny_model};
 
     fn prompts() -> Vec<Vec<u32>> {
@@ -372,8 +285,19 @@ mod tests {
             .collect();
         let lens: Vec<usize> = alone.iter().map(Sample::response_len).collect();
         assert!(lens.iter().any(|&l| l != lens[0]), "rows should finish at different steps: {lens:?}");
-        for compact_fraction in [0.0, 0.125, 1.0] {
-            let hooks = GenerateHooks { compact_fraction, ..GenerateHooks::default() };
+        // Continuous batching with all rows, with 2 rows (refills), with a cache
+        // of 3 blocks (preemptions), and the static policy.
+        let engines = [
+            (EngineConfig::default(), Policy::Continuous),
+            (EngineConfig { max_rows: Some(2), ..EngineConfig::default() }, Policy::Continuous),
+            (
+                EngineConfig { kv_cache_gb: Some(3.5 * 16.0 * 512.0 / 1e9), ..EngineConfig::default() },
+                Policy::Continuous,
+            ),
+            (EngineConfig { max_rows: Some(2), block_size: 4, ..EngineConfig::default() }, Policy::Static),
+        ];
+        for (engine, policy) in engines {
+            let hooks = GenerateHooks { engine, policy, ..GenerateHooks::default() };
             let batched =
                 generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
             assert_eq!(batched.len(), alone.len());
@@ -453,7 +377,8 @@ mod tests {
             assert_same_response(x, y);
         }
         // Chunked (one prompt per chunk) equals unchunked.
-        let hooks = GenerateHooks { max_rows: 3, ..GenerateHooks::default() };
+        let engine = EngineConfig { max_rows: Some(3), ..EngineConfig::default() };
+        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
         let chunked = generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
         for (x, y) in chunked.iter().zip(&run(&model, &prompts(), &params)) {
             assert_same_response(x, y);

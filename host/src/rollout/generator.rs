@@ -3,7 +3,7 @@
 //! `stapo generate` all take.
 //!
 //! prompt → template ([`Prompter`]) → token ids → stop at the tokenizer's
-//! end-of-sequence ids → [`generate_with`] → response text (special tokens
+//! end-of-sequence ids → [`generate_stats`] → response text (special tokens
 //! skipped).
 
 use crate::data::{Prompt, PromptTemplate, Prompter, Tokenizer};
@@ -11,7 +11,8 @@ use crate::model::Qwen3;
 use crate::Result;
 
 use super::batch::Sample;
-use super::generate::{generate_with, GenerateHooks};
+use super::engine::EngineStats;
+use super::generate::{generate_stats, GenerateHooks};
 use super::SamplingParams;
 
 /// What [`Generator::generate`] returns: the samples (ordered by prompt, then
@@ -20,6 +21,8 @@ use super::SamplingParams;
 pub struct Generation {
     pub samples: Vec<Sample>,
     pub prompt_texts: Vec<String>,
+    /// What the engine did (tokens/s, rows per step, cache blocks, preemptions).
+    pub stats: EngineStats,
 }
 
 /// A policy, its tokenizer and the prompt template resolved against the
@@ -92,8 +95,8 @@ impl<'a> Generator<'a> {
         }
         let tok = self.tokenizer;
         let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
-        let samples = generate_with(self.model, &ids, &params, tok.pad_id(), &decode, hooks)?;
-        Ok(Generation { samples, prompt_texts })
+        let (samples, stats) = generate_stats(self.model, &ids, &params, tok.pad_id(), &decode, hooks)?;
+        Ok(Generation { samples, prompt_texts, stats })
     }
 }
 

@@ -1,10 +1,11 @@
 //! Batched sampling of responses from a Qwen3 policy: the rollout phase of GRPO.
 //!
-//! [`generate`](mod@generate) prefills every prompt once (left-padded, one batch), replicates
-//! each prompt's KV cache `n` times to form a GRPO group (Shao et al. 2024,
-//! "DeepSeekMath", §4.1), then decodes one token per step with temperature,
-//! top-k and top-p (nucleus, Holtzman et al. 2020) sampling, dropping finished
-//! rows from the cache as it goes. Every sampled token records the log-prob
+//! [`engine`] runs continuous batching over a paged KV cache ([`blocks`],
+//! `model::paged`): each prompt is prefilled once, its `n` samples (a GRPO
+//! group, Shao et al. 2024, "DeepSeekMath", §4.1) share the prompt's cache
+//! blocks, finished rows free their blocks at once and waiting prompts take
+//! their place. Tokens are drawn with temperature, top-k and top-p (nucleus,
+//! Holtzman et al. 2020) sampling. Every sampled token records the log-prob
 //! under the sampling distribution, the log-prob under the untempered policy
 //! (pi_old, what the PPO ratio divides by) and the full-vocabulary entropy
 //! (what STAPO's S2T mask thresholds). A [`RolloutBatch`] saves to and loads
@@ -14,14 +15,17 @@
 //! tokens, stop ids, generation, decoded text) used by every caller.
 
 pub mod batch;
+pub mod blocks;
 pub mod device;
+pub mod engine;
 pub mod generate;
 pub mod generator;
 pub mod params;
 pub mod sampler;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
-pub use generate::{bench_generate, generate, generate_with, GenerateHooks};
+pub use engine::{EngineConfig, EngineStats, Policy, RolloutFigures};
+pub use generate::{bench_generate, generate, generate_stats, generate_with, GenerateHooks};
 pub use generator::{Generation, Generator};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};

@@ -36,7 +36,10 @@ use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
 use crate::model::{self, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::rollout::{
+    EngineConfig, EngineStats, GenerateHooks, PromptInfo, RolloutBatch, RolloutFigures, Sample,
+    SamplingParams,
+};
 use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{
@@ -136,6 +139,9 @@ pub struct RunConfig {
     /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
     /// ([`model::peft`]). `None`: full fine-tuning.
     pub lora: Option<model::LoraConfig>,
+    /// The rollout engine (`rollout_engine: #{kv_cache_gb, max_rows, block_size}`): the
+    /// KV cache budget in GB, sequences decoded at once and tokens per cache block.
+    pub rollout_engine: EngineConfig,
 }
 
 impl Default for RunConfig {
@@ -177,6 +183,7 @@ impl Default for RunConfig {
             rollout_dtype: None,
             rollout_correction: RolloutCorrection::default(),
             lora: None,
+            rollout_engine: EngineConfig::default(),
         }
     }
 }
@@ -211,6 +218,9 @@ pub struct StepMetrics {
     pub rollout_secs: f64,
     pub update_secs: f64,
     pub rollout_tokens_per_sec: f64,
+    /// The rollout engine's rows per step, cache blocks and preemptions (this rank's).
+    #[serde(default)]
+    pub rollout_engine: RolloutFigures,
     /// Prompt batches generated this step (more than 1 when dynamic sampling refilled).
     #[serde(default)]
     pub gen_batches: usize,
@@ -454,7 +464,7 @@ impl Trainer {
         }
         let mut warnings = std::mem::take(&mut self.notes.pending);
         let batch = self.gather(plan, progress, cancel, &mut warnings)?;
-        let Gathered { examples, texts: prompt_texts, samples } = batch.kept;
+        let Gathered { examples, texts: prompt_texts, samples, .. } = batch.kept;
         let seqs: Vec<Sequence> =
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
@@ -496,6 +506,7 @@ impl Trainer {
             rollout_secs: batch.rollout_secs,
             update_secs,
             rollout_tokens_per_sec: n_tokens / batch.rollout_secs.max(1e-9),
+            rollout_engine: batch.engine.clone(),
             gen_batches: batch.gen_batches,
             groups_dropped,
             eval_avg: None,
@@ -542,6 +553,7 @@ impl Trainer {
             let round = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
             b.rollout_secs += t0.elapsed().as_secs_f64();
             b.local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
+            b.engine.add(&round.stats);
             let offset = b.all_seqs.len();
             b.all_seqs.extend(round.samples.iter().map(|s| {
                 let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
@@ -649,18 +661,23 @@ impl Trainer {
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
-        let hooks =
-            GenerateHooks { progress, cancel, first_prompt_index: share.start, ..GenerateHooks::default() };
+        let hooks = GenerateHooks {
+            progress,
+            cancel,
+            engine: self.cfg.rollout_engine,
+            first_prompt_index: share.start,
+            ..GenerateHooks::default()
+        };
         let gen = self.prompts.generator(self.policy.sampling_model());
         let generated = gen.generate(&prompts, &sampling, &hooks)?;
-        let (mut samples, texts) = (generated.samples, generated.prompt_texts);
+        let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
             // Group ids are global prompt indices (the update orders ranks' groups by them).
             s.group += share.start;
         }
-        Ok(Gathered { examples, texts, samples })
+        Ok(Gathered { examples, texts, samples, stats })
     }
 
     /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
@@ -781,6 +798,7 @@ struct StepBatch {
     local_tokens: usize,
     gen_batches: usize,
     groups_dropped: usize,
+    engine: RolloutFigures,
 }
 
 /// The prompts and scored samples of a step, gathered over one or more generation
@@ -790,6 +808,8 @@ struct Gathered {
     examples: Vec<Example>,
     texts: Vec<String>,
     samples: Vec<Sample>,
+    /// The engine's figures of the generation call.
+    stats: EngineStats,
 }
 
 impl Gathered {

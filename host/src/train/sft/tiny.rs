@@ -197,7 +197,8 @@ pub fn evaluate(
         seed,
         ..SamplingParams::default()
     };
-    let hooks = GenerateHooks { max_rows: 512, ..GenerateHooks::default() };
+    let engine = rollout::EngineConfig { max_rows: Some(512), ..Default::default() };
+    let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
     let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &hooks)?.samples;
     let mut correct = vec![0usize; problems.len()];
     for s in &out {

@@ -1,0 +1,151 @@
+//! `stapo bench rollout --lengths lognormal:LO:HI`: one rollout of `--prompts` random
+//! prompts x `--samples` responses whose lengths are forced (each response ends at a
+//! length drawn from the log-normal, EOS ignored), with the static policy (the engine
+//! the paged one replaced: whole chunks, every sequence's maximum length reserved, no
+//! refill) against continuous batching over the paged cache, at the same cache memory,
+//! interleaved in one process. Reports tokens/s, model calls, rows per call, the cache's
+//! peak against the live tokens, and the responses that differ between the two (draws
+//! flipped by batched rounding).
+
+use stapo::model::{PagedKvCache, Qwen3};
+use stapo::rollout::{
+    generate_stats, EngineConfig, EngineStats, GenerateHooks, Policy, Sample, SamplingParams,
+};
+
+use super::bench::{peak_rss, BenchArgs};
+use super::bench_lengths::LogNormal;
+
+/// The comparison's sizes, from the command line.
+struct Plan {
+    prompts: Vec<Vec<u32>>,
+    params: SamplingParams,
+    lengths: Vec<usize>,
+    /// The budget in GB and the rows of each engine.
+    budget_gb: f64,
+    static_rows: usize,
+    paged_rows: usize,
+}
+
+/// Runs the comparison; its last line is `rollout: R.RRx the static engine's tokens/s,
+/// cache peak C.CC x live tokens`.
+pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
+    let plan = plan(m, a)?;
+    println!(
+        "rollout: {} prompts x {} of {} tokens, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows",
+        plan.prompts.len(),
+        plan.params.n,
+        a.rollout_prompt,
+        a.lengths.as_deref().unwrap_or(""),
+        plan.lengths.iter().sum::<usize>() as f64 / plan.lengths.len().max(1) as f64,
+        plan.params.max_new_tokens,
+        plan.budget_gb,
+        plan.static_rows,
+        plan.paged_rows
+    );
+    if a.paged_only {
+        let (_, p) = once(m, &plan, Policy::Continuous)?;
+        report("paged", &p);
+        print_rss();
+        println!(
+            "rollout (paged only): {:.0} tok/s, cache peak {:.2} x live tokens",
+            p.tokens_per_sec(),
+            p.peak_cache_bytes() as f64 / (p.peak_live_tokens * p.bytes_per_token).max(1) as f64
+        );
+        return Ok(());
+    }
+    let (mut stat, mut paged) = (Vec::new(), Vec::new());
+    let mut flips = 0;
+    for round in 0..a.rounds.max(1) {
+        let (s_out, s) = once(m, &plan, Policy::Static)?;
+        report(&format!("static  (round {round})"), &s);
+        let (p_out, p) = once(m, &plan, Policy::Continuous)?;
+        report(&format!("paged   (round {round})"), &p);
+        flips = s_out.iter().zip(&p_out).filter(|(x, y)| x.response_ids != y.response_ids).count();
+        stat.push(s);
+        paged.push(p);
+    }
+    let tps = |v: &[EngineStats]| {
+        v.iter().map(|s| s.tokens).sum::<usize>() as f64 / v.iter().map(|s| s.secs).sum::<f64>().max(1e-9)
+    };
+    let last = paged.last().cloned().unwrap_or_default();
+    let live_bytes = (last.peak_live_tokens * last.bytes_per_token) as f64;
+    println!("responses that differ between the two engines (near-tie flips): {flips}");
+    print_rss();
+    println!(
+        "rollout: {:.2}x the static engine's tokens/s, cache peak {:.2} x live tokens",
+        tps(&paged) / tps(&stat),
+        last.peak_cache_bytes() as f64 / live_bytes.max(1.0)
+    );
+    Ok(())
+}
+
+fn plan(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<Plan> {
+    let spec = a.lengths.as_deref().ok_or_else(|| {
+        anyhow::anyhow!("bench rollout: give the response lengths, e.g. --lengths lognormal:100:4000")
+    })?;
+    let dist = LogNormal::parse(spec)?;
+    let (np, n) = (a.prompts.max(1), a.samples.max(1));
+    anyhow::ensure!(a.rollout_prompt >= 1, "--rollout-prompt: at least 1 token");
+    let max_new = a.max_new.max(dist.hi);
+    let vocab = m.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..np as u32)
+        .map(|p| (0..a.rollout_prompt as u32).map(|t| (p * 7919 + t * 104_729 + 1) % vocab).collect())
+        .collect();
+    let params =
+        SamplingParams { n, max_new_tokens: max_new, ignore_eos: true, seed: 1, ..Default::default() };
+    // What one sequence at its maximum length takes: the static engine's reservation.
+    // What one sequence at its maximum length takes, in whole blocks: the static
+    // engine's reservation.
+    let bs = EngineConfig::default().block_size;
+    let per_seq = ((a.rollout_prompt + max_new - 1).div_ceil(bs) * bs) as f64
+        * PagedKvCache::bytes_per_token(m.config(), m.dtype()) as f64;
+    let budget_gb = a.kv_cache_gb.unwrap_or(a.max_rows as f64 * per_seq / 1e9);
+    // The static engine's rows: whole groups of n that fit the budget at full length.
+    let fit = (budget_gb * 1e9 / per_seq * (1.0 + 1e-9)).floor() as usize;
+    anyhow::ensure!(
+        fit >= n,
+        "--kv-cache-gb {budget_gb}: holds {fit} full-length sequences, fewer than one group of {n}"
+    );
+    Ok(Plan {
+        prompts,
+        lengths: dist.sample(np * n, 7),
+        params,
+        budget_gb,
+        static_rows: fit / n * n,
+        paged_rows: a.max_rows,
+    })
+}
+
+/// One rollout under `policy`.
+fn once(m: &Qwen3, plan: &Plan, policy: Policy) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
+    let rows = if policy == Policy::Static { plan.static_rows } else { plan.paged_rows };
+    let engine =
+        EngineConfig { kv_cache_gb: Some(plan.budget_gb), max_rows: Some(rows), ..EngineConfig::default() };
+    let n = plan.params.n;
+    let forced = |p: usize, s: usize| plan.lengths[p * n + s];
+    let hooks = GenerateHooks { engine, policy, lengths: Some(&forced), ..GenerateHooks::default() };
+    Ok(generate_stats(m, &plan.prompts, &plan.params, 0, &|_| String::new(), &hooks)?)
+}
+
+fn print_rss() {
+    if let Some(p) = peak_rss() {
+        println!("peak memory (RSS): {:.2} GB", p as f64 / 1e9);
+    }
+}
+
+fn report(name: &str, s: &EngineStats) {
+    let live = s.peak_live_tokens * s.bytes_per_token;
+    println!(
+        "{name}: {:.0} tok/s ({} tokens in {:.1} s), {} model calls, {:.1} rows per call, cache peak {:.1} MB \
+         (live tokens {:.1} MB, {:.2}x), {} preemptions",
+        s.tokens_per_sec(),
+        s.tokens,
+        s.secs,
+        s.model_calls,
+        s.mean_rows(),
+        s.peak_cache_bytes() as f64 / 1e6,
+        live as f64 / 1e6,
+        s.peak_cache_bytes() as f64 / live.max(1) as f64,
+        s.preemptions
+    );
+}

@@ -1,0 +1,439 @@
+//! Decoding over a paged KV cache: keys and values live in one pool of
+//! fixed-size blocks per layer, and each sequence reads its own through a
+//! block table (vLLM's PagedAttention, Kwon et al. 2023; mistral.rs's
+//! `paged_attention` module is the candle-based example this follows).
+//!
+//! One call ([`Qwen3::decode_paged`]) runs any mix of sequences, each with
+//! any number of new tokens (a decode step adds one, a prefill chunk many):
+//! the new tokens of all sequences are laid end to end as one row of `T`
+//! positions, so the projections and the MLP run on exactly `T` positions
+//! with no padding, and only attention looks at which sequence a token
+//! belongs to. Each layer writes the new keys and values into their slots,
+//! then attends over the sequence's slots up to the token's position:
+//!
+//! - on the CPU in f32/f64, [`super::paged_attention`] reads the pool in place
+//!   through the block tables (online softmax, no copy of the cache);
+//! - elsewhere (CUDA, bf16, or `--kernels composed`), the composed path
+//!   gathers each sequence's slots into a dense `(R, Hkv, S, D)` tensor and
+//!   runs the existing attention ([`ops::attention_composed`]).
+//!
+//! The allocation of blocks (reference counts, copy on write) is the
+//! caller's: see `rollout::blocks`.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::Config;
+use super::layer::{mlp_block, o_proj, qkv, Grad, Layer};
+use super::qwen3::Qwen3;
+use super::{fused, ops};
+use crate::{Error, Result};
+
+/// The key and value pools of every layer: `(blocks * block_size, Hkv, D)`
+/// each, one slot per token, in the model's dtype and device.
+pub struct PagedKvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl PagedKvCache {
+    /// A pool of `num_blocks` blocks of `block_size` tokens for `model`.
+    pub fn new(model: &Qwen3, num_blocks: usize, block_size: usize) -> Result<Self> {
+        let c = model.config();
+        let shape = (num_blocks * block_size, c.num_key_value_heads, c.head_dim);
+        let mut k = Vec::with_capacity(c.num_hidden_layers);
+        let mut v = Vec::with_capacity(c.num_hidden_layers);
+        for _ in 0..c.num_hidden_layers {
+            k.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+            v.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+        }
+        Ok(Self { k, v, block_size, num_blocks })
+    }
+
+    /// Bytes one token takes in the cache of a model of `cfg` in `dtype`:
+    /// keys and values of every layer.
+    pub fn bytes_per_token(cfg: &Config, dtype: DType) -> usize {
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Copies block `from` into block `to` in every layer (copy on write of a
+    /// shared last block).
+    pub fn copy_block(&self, from: u32, to: u32) -> Result<()> {
+        let bs = self.block_size;
+        for t in self.k.iter().chain(&self.v) {
+            // A copy: a narrowed view shares the pool's storage, which slice_set refuses.
+            let src = t.narrow(0, from as usize * bs, bs)?.copy()?;
+            t.slice_set(&src, 0, to as usize * bs)?;
+        }
+        Ok(())
+    }
+}
+
+/// One sequence of a [`Qwen3::decode_paged`] call: its block table, its
+/// length after the call (cached tokens plus `new`), and how many tokens the
+/// call adds (their slots must already be in `blocks`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedSeq {
+    pub blocks: Vec<u32>,
+    pub len: usize,
+    pub new: usize,
+}
+
+/// Where every new token of a call sits: its sequence, position and slot.
+pub(super) struct Layout {
+    /// Per token: the index of its sequence in the call.
+    pub row: Vec<u32>,
+    /// Per token: its position in its sequence.
+    pub pos: Vec<u32>,
+    /// Per token: its slot in the pools.
+    slot: Vec<u32>,
+    /// Per sequence: the index of its last new token.
+    last: Vec<u32>,
+}
+
+impl Layout {
+    fn new(seqs: &[PagedSeq], block_size: usize, slots_in_pool: usize) -> Result<Self> {
+        let t: usize = seqs.iter().map(|s| s.new).sum();
+        let mut l = Layout {
+            row: Vec::with_capacity(t),
+            pos: Vec::with_capacity(t),
+            slot: Vec::with_capacity(t),
+            last: Vec::with_capacity(seqs.len()),
+        };
+        for (r, s) in seqs.iter().enumerate() {
+            if s.new == 0 || s.new > s.len || s.blocks.len() * block_size < s.len {
+                return Err(Error::invalid(format!(
+                    "decode_paged: sequence {r} adds {} tokens to reach {} with {} blocks of {block_size}",
+                    s.new,
+                    s.len,
+                    s.blocks.len()
+                )));
+            }
+            for p in s.len - s.new..s.len {
+                let slot = s.blocks[p / block_size] as usize * block_size + p % block_size;
+                if slot >= slots_in_pool {
+                    return Err(Error::invalid(format!(
+                        "decode_paged: sequence {r} position {p} maps to slot {slot}, past the pool's {slots_in_pool}"
+                    )));
+                }
+                l.row.push(r as u32);
+                l.pos.push(p as u32);
+                l.slot.push(slot as u32);
+            }
+            l.last.push(l.row.len() as u32 - 1);
+        }
+        Ok(l)
+    }
+}
+
+impl Qwen3 {
+    /// Runs the new tokens of `seqs` (`tokens`: each sequence's new tokens, in
+    /// order, end to end) through the model, writing their keys and values
+    /// into `cache`, and returns the logits at each sequence's last new
+    /// token, `(seqs, vocab)`. The slots of the new tokens must be free for
+    /// them (the caller's block tables say which).
+    pub fn decode_paged(&self, tokens: &[u32], seqs: &[PagedSeq], cache: &PagedKvCache) -> Result<Tensor> {
+        let layout = Layout::new(seqs, cache.block_size, cache.num_blocks * cache.block_size)?;
+        if tokens.len() != layout.row.len() {
+            return Err(Error::invalid(format!(
+                "decode_paged: {} tokens given for {} new positions",
+                tokens.len(),
+                layout.row.len()
+            )));
+        }
+        let (t, dev) = (tokens.len(), self.device());
+        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), dev)?;
+        let positions = Tensor::from_vec(layout.pos.clone(), (1, t), dev)?;
+        let (cos, sin) = self.rotary(&positions)?;
+        let attn = PagedAttn::new(seqs, &layout, cache, self.dtype(), dev)?;
+        let mut x = self.embed(&ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = paged_layer(layer, self.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;
+        }
+        let h = self.final_norm(&x)?.squeeze(0)?;
+        let last = Tensor::from_vec(layout.last.clone(), seqs.len(), dev)?;
+        self.lm_head(&h.index_select(&last, 0)?, Grad::Off)
+    }
+}
+
+/// One decoder layer over the `(1, T, hidden)` new tokens of a paged call.
+fn paged_layer(
+    layer: &Layer,
+    cfg: &Config,
+    x: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    (pool_k, pool_v): (&Tensor, &Tensor),
+    attn: &PagedAttn,
+) -> Result<Tensor> {
+    let (q, k, v) = qkv(layer, cfg, x, cos, sin, Grad::Off)?;
+    attn.write(pool_k, &k)?;
+    attn.write(pool_v, &v)?;
+    let o = attn.attend(&q, pool_k, pool_v, cfg.num_key_value_heads)?;
+    let x = (x + o_proj(layer, &o, Grad::Off)?)?;
+    mlp_block(layer, cfg, &x, Grad::Off)
+}
+
+/// What attention over the pools needs, built once per call and shared by
+/// every layer.
+struct PagedAttn<'a> {
+    seqs: &'a [PagedSeq],
+    layout: &'a Layout,
+    block_size: usize,
+    /// Runs of consecutive slots: `(first token, first slot, tokens)`.
+    runs: Vec<(usize, usize, usize)>,
+    /// The composed path's gathers and mask; `None` when the fused kernel serves.
+    composed: Option<Gathers>,
+}
+
+/// Index tensors and mask of the composed path: sequences padded to `l`
+/// queries and `s` keys.
+struct Gathers {
+    /// `(R * s)` slots of each sequence's keys (padding reads slot 0).
+    key_slots: Tensor,
+    /// `(R * l)` token of each padded query (padding reads token 0).
+    query_tokens: Tensor,
+    /// `(T)` the padded query of each token.
+    token_queries: Tensor,
+    /// `(R, 1, l, s)` additive mask in the compute dtype.
+    mask: Tensor,
+    l: usize,
+    s: usize,
+}
+
+impl<'a> PagedAttn<'a> {
+    fn new(
+        seqs: &'a [PagedSeq],
+        layout: &'a Layout,
+        cache: &PagedKvCache,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, &slot) in layout.slot.iter().enumerate() {
+            match runs.last_mut() {
+                Some((t0, s0, n)) if *t0 + *n == i && *s0 + *n == slot as usize => *n += 1,
+                _ => runs.push((i, slot as usize, 1)),
+            }
+        }
+        let composed = if fused::supported_on(dev, dtype) {
+            None
+        } else {
+            Some(Gathers::new(seqs, layout, cache.block_size, dtype, dev)?)
+        };
+        Ok(Self { seqs, layout, block_size: cache.block_size, runs, composed })
+    }
+
+    /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` into `pool`.
+    fn write(&self, pool: &Tensor, new: &Tensor) -> Result<()> {
+        let rows = new.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (T, Hkv, D)
+        for &(t0, s0, n) in &self.runs {
+            pool.slice_set(&rows.narrow(0, t0, n)?, 0, s0)?;
+        }
+        Ok(())
+    }
+
+    /// Attention of the new tokens' queries `(1, Hq, T, D)` over their
+    /// sequences' slots; returns `(1, T, Hq * D)`.
+    fn attend(&self, q: &Tensor, pool_k: &Tensor, pool_v: &Tensor, n_kv: usize) -> Result<Tensor> {
+        let Some(g) = &self.composed else {
+            let tables = super::paged_attention::Tables {
+                seqs: self.seqs,
+                row: &self.layout.row,
+                pos: &self.layout.pos,
+                block_size: self.block_size,
+            };
+            return super::paged_attention::attention(q, pool_k, pool_v, &tables);
+        };
+        let (_, nq, t, d) = q.dims4()?;
+        let r = self.seqs.len();
+        let (hkv, dk) = (pool_k.dim(1)?, pool_k.dim(2)?);
+        let gather = |pool: &Tensor| -> Result<Tensor> {
+            Ok(pool.index_select(&g.key_slots, 0)?.reshape((r, g.s, hkv, dk))?.transpose(1, 2)?)
+        };
+        let qt = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (T, Hq, D)
+        let qp = qt.index_select(&g.query_tokens, 0)?.reshape((r, g.l, nq, d))?.transpose(1, 2)?;
+        let o =
+            ops::attention_composed(&qp.contiguous()?, &gather(pool_k)?, &gather(pool_v)?, &g.mask, n_kv)?;
+        let o = o.reshape((r * g.l, nq * d))?.index_select(&g.token_queries, 0)?;
+        Ok(o.reshape((1, t, nq * d))?)
+    }
+}
+
+impl Gathers {
+    fn new(seqs: &[PagedSeq], layout: &Layout, bs: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let r = seqs.len();
+        let l = seqs.iter().map(|s| s.new).max().unwrap_or(1);
+        let s = seqs.iter().map(|s| s.len).max().unwrap_or(1);
+        let mut key_slots = vec![0u32; r * s];
+        let mut query_tokens = vec![0u32; r * l];
+        let mut mask = vec![ops::MASKED; r * l * s];
+        let mut token_queries = Vec::with_capacity(layout.row.len());
+        let mut first_token = 0usize;
+        for (i, q) in seqs.iter().enumerate() {
+            for p in 0..q.len {
+                key_slots[i * s + p] = q.blocks[p / bs] * bs as u32 + (p % bs) as u32;
+            }
+            let ctx = q.len - q.new;
+            for j in 0..l {
+                // A padding query (j >= new) sees every real key: finite, unused.
+                let sees = if j < q.new { ctx + j + 1 } else { q.len };
+                mask[(i * l + j) * s..(i * l + j) * s + sees].fill(0.0);
+                if j < q.new {
+                    query_tokens[i * l + j] = (first_token + j) as u32;
+                    token_queries.push((i * l + j) as u32);
+                }
+            }
+            first_token += q.new;
+        }
+        let cd = ops::compute_dtype(dtype);
+        Ok(Self {
+            key_slots: Tensor::from_vec(key_slots, r * s, dev)?,
+            query_tokens: Tensor::from_vec(query_tokens, r * l, dev)?,
+            token_queries: Tensor::from_vec(token_queries, layout.row.len(), dev)?,
+            mask: Tensor::from_vec(mask, (r, 1, l, s), dev)?.to_dtype(cd)?,
+            l,
+            s,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::model::fused::test_util::rel_err;
+    use crate::model::{Kernels, TokenBatch};
+    use crate::rollout::blocks::{BlockPool, BlockTable};
+
+    /// A tiny f32 model: 2 layers, hidden 64, 4 query heads over 2 kv heads.
+    fn tiny(seed: u64) -> Qwen3 {
+        let cfg = Config::from_json_str(
+            r#"{"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": true}"#,
+            "tiny",
+        )
+        .expect("config");
+        crate::model::init(&cfg, seed, 0.2, DType::F32, &Device::Cpu).expect("init")
+    }
+
+    /// The dense reference: the plain forward over the whole sequence, logits
+    /// at its last position.
+    fn reference(m: &Qwen3, ids: &[u32]) -> Tensor {
+        let batch = TokenBatch::left_padded(&[ids.to_vec()], 0, &Device::Cpu).expect("batch");
+        let h = m.forward_hidden(&batch, Grad::Off).expect("forward");
+        let last = h.narrow(1, ids.len() - 1, 1).and_then(|t| t.squeeze(1)).expect("last");
+        m.lm_head(&last, Grad::Off).expect("lm_head")
+    }
+
+    /// A sequence under test: its tokens so far and its block table.
+    #[derive(Default)]
+    struct Seq {
+        ids: Vec<u32>,
+        table: BlockTable,
+    }
+
+    /// One call adding `new[i]` to `seqs[i]`; checks every row's logits
+    /// against the dense reference of the sequence so far.
+    fn call(m: &Qwen3, cache: &PagedKvCache, pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]) {
+        let mut paged = Vec::new();
+        let mut tokens = Vec::new();
+        for (s, add) in seqs.iter_mut().zip(new) {
+            let a = s.table.append(pool, add.len()).expect("room");
+            if let Some((from, to)) = a.copy {
+                cache.copy_block(from, to).expect("copy");
+            }
+            s.ids.extend(add);
+            tokens.extend(add);
+            paged.push(PagedSeq { blocks: s.table.blocks().to_vec(), len: s.ids.len(), new: add.len() });
+        }
+        let logits = m.decode_paged(&tokens, &paged, cache).expect("decode_paged");
+        for (r, s) in seqs.iter().enumerate() {
+            let got = logits.narrow(0, r, 1).expect("row");
+            let want = reference(m, &s.ids);
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-5, "{:?}: row {r} after {} tokens: error {e:e}", Kernels::current(), s.ids.len());
+        }
+    }
+
+    fn toks(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| (seed * 31 + i * 17) % 97).collect()
+    }
+
+    /// Chunked prefill, decode, shared prompt blocks with copy on write, a
+    /// freed sequence's blocks refilled by another, and a preempted sequence
+    /// recomputed: every logits row equals the dense forward within 1e-5, on
+    /// the fused kernel and on the composed (gather) path.
+    #[test]
+    fn paged_decode_matches_the_dense_forward() {
+        let m = tiny(3);
+        for kernels in [Kernels::Fused, Kernels::Composed] {
+            kernels.scope(|| {
+                let cache = PagedKvCache::new(&m, 24, 4).expect("cache");
+                let mut pool = BlockPool::new(24, 4).expect("pool");
+                let (mut a, mut b) = (Seq::default(), Seq::default());
+                let prompt_a = toks(1, 9);
+                // A's prompt in two chunks; B's whole prompt with A's first chunk.
+                call(&m, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[..5].to_vec(), toks(2, 3)]);
+                call(&m, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[5..].to_vec(), vec![7]]);
+                // Two samples of A share its blocks (the last one has 1 of 4 slots filled).
+                let mut a1 = Seq { ids: a.ids.clone(), table: a.table.fork(&mut pool) };
+                let mut a2 = Seq { ids: a.ids.clone(), table: a.table.fork(&mut pool) };
+                a.table.release(&mut pool);
+                for step in 0..6u32 {
+                    let new = [vec![step + 40], vec![step + 60], vec![step + 80]];
+                    call(&m, &cache, &mut pool, &mut [&mut a1, &mut a2, &mut b], &new);
+                }
+                assert_ne!(a1.table.blocks()[2], a2.table.blocks()[2], "the shared partial block was copied");
+                assert_eq!(a1.table.blocks()[..2], a2.table.blocks()[..2], "full prompt blocks stay shared");
+                // B ends; C reuses its blocks (stale keys and values in them).
+                let freed = b.table.blocks().to_vec();
+                b.table.release(&mut pool);
+                let mut c = Seq::default();
+                call(
+                    &m,
+                    &cache,
+                    &mut pool,
+                    &mut [&mut a1, &mut c, &mut a2],
+                    &[vec![5], toks(3, 11), vec![6]],
+                );
+                assert!(c.table.blocks().iter().any(|blk| freed.contains(blk)), "C refilled B's blocks");
+                // A2 preempted and recomputed: all its tokens again, in one chunk.
+                a2.table.release(&mut pool);
+                let ids = std::mem::take(&mut a2.ids);
+                call(&m, &cache, &mut pool, &mut [&mut c, &mut a2, &mut a1], &[vec![9], ids, vec![3]]);
+            });
+        }
+    }
+
+    #[test]
+    fn bad_calls_are_errors() {
+        let m = tiny(4);
+        let cache = PagedKvCache::new(&m, 2, 4).expect("cache");
+        let seq = |blocks: Vec<u32>, len, new| PagedSeq { blocks, len, new };
+        let ok = m.decode_paged(&[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
+        assert_eq!(ok.dims(), &[1, 97]);
+        for (s, what) in [
+            (seq(vec![0], 5, 2), "1 blocks of 4"),
+            (seq(vec![0], 2, 0), "adds 0 tokens"),
+            (seq(vec![7], 2, 2), "past the pool"),
+        ] {
+            let err = m.decode_paged(&[1, 2], &[s], &cache).expect_err(what).to_string();
+            assert!(err.contains(what), "{err}");
+        }
+        let err = m.decode_paged(&[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
+        assert!(err.contains("1 tokens given for 2"), "{err}");
+    }
+}

@@ -1,0 +1,783 @@
+//! The rollout engine: continuous batching over a paged KV cache.
+//!
+//! Follows vLLM's scheduler (Kwon et al. 2023; Yu et al. 2022, "Orca",
+//! iteration-level scheduling): a waiting queue and a running list. Every
+//! step, each running sequence gets its next token (decode) or its next
+//! chunk of prompt (chunked prefill, at most [`PREFILL_TOKENS`] prompt tokens
+//! per step so that a long prompt never stalls the decoding rows), then
+//! waiting prompts are admitted while there are rows (`max_rows`) and free
+//! blocks for them. When the pool runs out, the most recently admitted
+//! sequence is preempted: its blocks are returned and it waits, at the front
+//! of the queue, to be recomputed (prefilled again with the tokens it has
+//! drawn, which it keeps). All of a step's tokens, prefill and decode, go
+//! through the model in one call ([`Qwen3::decode_paged`]).
+//!
+//! A GRPO group is prefilled once, as one unit; when its prompt is in the
+//! cache it forks into its `n` samples, which share the prompt's blocks
+//! (`rollout::blocks`: reference counts, copy on write of the partial last
+//! block) and each draw their first token from the prompt's last logits.
+//!
+//! Every response draws from its own generator (`row_seed`), one number per
+//! token, so what it samples does not depend on the schedule: not on its
+//! neighbours, on preemption, or on the policy. [`Policy::Static`] is the
+//! engine this one replaced, kept as a policy for the benchmark's baseline:
+//! a whole chunk of `max_rows / n` prompts is admitted at once with every
+//! sequence's full length reserved (what a dense cache allocates), and the
+//! next chunk waits until the last response of this one ends.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use super::blocks::{blocks_for, BlockPool, BlockTable};
+use super::device::StepLogits;
+use super::generate::{GenerateHooks, Row, StopRules};
+use super::sampler::{row_seed, Sampler};
+use super::{Finish, Sample, SamplingParams};
+use crate::model::{PagedKvCache, PagedSeq, Qwen3};
+use crate::{Error, Result};
+
+/// Prompt tokens prefilled per step at most (vLLM's chunked prefill budget):
+/// bounds how long a step of the decoding rows can take.
+pub const PREFILL_TOKENS: usize = 512;
+
+/// Rows decoded at once on the CPU by default: at the 16.8M shape a step of
+/// 16 rows yields more tokens per second than one of 64 (issue 34).
+pub const CPU_MAX_ROWS: usize = 16;
+
+/// Rows decoded at once by default on other devices (a GPU step costs about
+/// the same for 8 rows as for 200).
+pub const DEVICE_MAX_ROWS: usize = 256;
+
+/// Share of the available memory the KV cache takes on the CPU when
+/// `kv_cache_gb` is not set.
+pub const CPU_CACHE_FRACTION: f64 = 0.25;
+
+/// The engine's settings, as a run's config gives them (`rollout_engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// The KV cache's budget in GB (1e9 bytes); `None`: a quarter of the
+    /// available memory on the CPU ([`CPU_CACHE_FRACTION`]), and on other
+    /// devices what `max_rows` full-length sequences need.
+    pub kv_cache_gb: Option<f64>,
+    /// Sequences decoded at once; `None`: [`CPU_MAX_ROWS`] on the CPU,
+    /// [`DEVICE_MAX_ROWS`] elsewhere.
+    pub max_rows: Option<usize>,
+    /// Tokens per cache block.
+    pub block_size: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { kv_cache_gb: None, max_rows: None, block_size: 16 }
+    }
+}
+
+impl EngineConfig {
+    /// `max_rows`, or the default of `model`'s device.
+    pub fn rows(&self, model: &Qwen3) -> usize {
+        self.max_rows.unwrap_or(if model.device().is_cpu() { CPU_MAX_ROWS } else { DEVICE_MAX_ROWS })
+    }
+
+    /// Checks every field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(Error::invalid(format!("rollout_engine.{field}: {msg}")));
+        if let Some(g) = self.kv_cache_gb {
+            if !(g.is_finite() && g > 0.0) {
+                return bad("kv_cache_gb", format!("expected a positive number of GB, found {g}"));
+            }
+        }
+        if self.max_rows == Some(0) {
+            return bad("max_rows", "expected at least 1, found 0".into());
+        }
+        if self.block_size == 0 {
+            return bad("block_size", "expected at least 1 token per block, found 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// How the scheduler admits work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Continuous batching (the default).
+    #[default]
+    Continuous,
+    /// The replaced static batcher, for benchmarks: whole chunks of
+    /// `max_rows / n` prompts, every sequence's maximum length reserved, no
+    /// refill until the chunk ends.
+    Static,
+}
+
+/// What one rollout did, for the metrics and the benchmark.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    /// Tokens sampled.
+    pub tokens: usize,
+    pub secs: f64,
+    /// Model calls (steps).
+    pub model_calls: usize,
+    /// Sequences fed over all calls (a decode row or a prefill chunk each).
+    pub rows_fed: usize,
+    /// Prompt (and recomputed) tokens prefilled.
+    pub prefill_tokens: usize,
+    pub preemptions: usize,
+    pub block_size: usize,
+    /// Blocks in the pool and the most held at once.
+    pub pool_blocks: usize,
+    pub peak_blocks: usize,
+    /// The static policy's most blocks reserved at once (0 under continuous batching).
+    pub peak_reserved_blocks: usize,
+    /// Bytes of cache per token.
+    pub bytes_per_token: usize,
+    /// The most tokens the running sequences held at once, a shared prompt
+    /// counted once per sample (what per-sequence caches of exact size hold).
+    pub peak_live_tokens: usize,
+}
+
+impl EngineStats {
+    /// Tokens sampled per second.
+    pub fn tokens_per_sec(&self) -> f64 {
+        self.tokens as f64 / self.secs.max(1e-9)
+    }
+
+    /// Sequences per model call.
+    pub fn mean_rows(&self) -> f64 {
+        self.rows_fed as f64 / self.model_calls.max(1) as f64
+    }
+
+    /// Bytes of the most blocks held at once; under the static policy, of the
+    /// most reserved (what its dense cache allocated).
+    pub fn peak_cache_bytes(&self) -> usize {
+        self.peak_blocks.max(self.peak_reserved_blocks) * self.block_size * self.bytes_per_token
+    }
+}
+
+/// The engine's figures over a training step's generation batches, for
+/// metrics.jsonl and TensorBoard (`stapo/rollout_engine/...`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RolloutFigures {
+    /// Sequences per model call (decode rows and prefill chunks).
+    pub rows_per_step: f64,
+    pub model_calls: usize,
+    /// The most cache blocks held at once, and their size in GB.
+    pub peak_blocks: usize,
+    pub peak_cache_gb: f64,
+    pub preemptions: usize,
+}
+
+impl RolloutFigures {
+    /// Adds one rollout's figures.
+    pub fn add(&mut self, s: &EngineStats) {
+        let calls = self.model_calls + s.model_calls;
+        self.rows_per_step =
+            (self.rows_per_step * self.model_calls as f64 + s.rows_fed as f64) / calls.max(1) as f64;
+        self.model_calls = calls;
+        if s.peak_cache_bytes() as f64 / 1e9 > self.peak_cache_gb {
+            self.peak_cache_gb = s.peak_cache_bytes() as f64 / 1e9;
+        }
+        self.peak_blocks = self.peak_blocks.max(s.peak_blocks.max(s.peak_reserved_blocks));
+        self.preemptions += s.preemptions;
+    }
+}
+
+/// What runs through the model: a group's prompt before it forks, or one
+/// sample (its prompt and the tokens it has drawn).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Local prompt index.
+    Group(usize),
+    /// Row id (`prompt * n + sample`).
+    Sample(usize),
+}
+
+/// A unit admitted to the cache.
+struct Unit {
+    kind: Kind,
+    table: BlockTable,
+}
+
+/// One call of [`run`]: the inputs, the cache and the queues.
+struct Engine<'a> {
+    model: &'a Qwen3,
+    prompts: &'a [Vec<u32>],
+    params: &'a SamplingParams,
+    sampler: Sampler,
+    stops: StopRules,
+    decode: &'a dyn Fn(&[u32]) -> String,
+    hooks: &'a GenerateHooks<'a>,
+    policy: Policy,
+    max_rows: usize,
+    cache: PagedKvCache,
+    pool: BlockPool,
+    rows: Vec<Row>,
+    running: Vec<Unit>,
+    waiting: VecDeque<Kind>,
+    out: Vec<Sample>,
+    stats: EngineStats,
+}
+
+/// Samples `params.n` responses for each of `prompts` (validated by the
+/// caller) with the engine; returns them in order of completion and the
+/// rollout's figures.
+pub(super) fn run(
+    model: &Qwen3,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    decode: &dyn Fn(&[u32]) -> String,
+    hooks: &GenerateHooks,
+    eos: Option<u32>,
+) -> Result<(Vec<Sample>, EngineStats)> {
+    let start = Instant::now();
+    let cfg = hooks.engine;
+    cfg.validate()?;
+    let max_rows = cfg.rows(model);
+    let bytes_per_token = PagedKvCache::bytes_per_token(model.config(), model.dtype());
+    let num_blocks = pool_blocks(model, prompts, params, &cfg, max_rows, bytes_per_token)?;
+    let n = params.n;
+    let rows = (0..prompts.len() * n)
+        .map(|id| {
+            let seed = row_seed(params.seed, hooks.first_prompt_index + id / n, id % n);
+            Row::new(id / n, id % n, StdRng::seed_from_u64(seed), params.max_new_tokens)
+        })
+        .collect();
+    let mut e = Engine {
+        model,
+        prompts,
+        params,
+        sampler: Sampler::new(params),
+        stops: StopRules::new(params, eos),
+        decode,
+        hooks,
+        policy: hooks.policy,
+        max_rows,
+        cache: PagedKvCache::new(model, num_blocks, cfg.block_size)?,
+        pool: BlockPool::new(num_blocks, cfg.block_size)?,
+        rows,
+        running: Vec::new(),
+        waiting: (0..prompts.len()).map(Kind::Group).collect(),
+        out: Vec::with_capacity(prompts.len() * n),
+        stats: EngineStats {
+            block_size: cfg.block_size,
+            pool_blocks: num_blocks,
+            bytes_per_token,
+            ..EngineStats::default()
+        },
+    };
+    while !(e.running.is_empty() && e.waiting.is_empty()) {
+        e.step()?;
+        if let Some(progress) = hooks.progress {
+            progress(e.stats.tokens);
+        }
+        let busy = !(e.running.is_empty() && e.waiting.is_empty());
+        if busy && hooks.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err(Error::invalid(format!("generate: cancelled after {} tokens", e.stats.tokens)));
+        }
+    }
+    e.stats.peak_blocks = e.pool.peak_used();
+    e.stats.secs = start.elapsed().as_secs_f64();
+    Ok((e.out, e.stats))
+}
+
+/// Blocks in the pool: the budget, but no more than this call can use (all
+/// its sequences at full length, or `max_rows` of them and one group more).
+/// A sequence that cannot fit the whole budget is an error.
+fn pool_blocks(
+    model: &Qwen3,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    cfg: &EngineConfig,
+    max_rows: usize,
+    bytes_per_token: usize,
+) -> Result<usize> {
+    let bs = cfg.block_size;
+    let block_bytes = (bs * bytes_per_token) as f64;
+    let budget_bytes = match cfg.kv_cache_gb {
+        Some(gb) => gb * 1e9,
+        None if model.device().is_cpu() => CPU_CACHE_FRACTION * available_memory() as f64,
+        None => f64::INFINITY,
+    };
+    // The relative 1e-9 keeps a budget given as exactly k blocks (in GB, rounded) at k.
+    let budget = (budget_bytes / block_bytes * (1.0 + 1e-9)).floor().min(u32::MAX as f64) as usize;
+    // The last sampled token is never fed back, hence the - 1.
+    let seq_len = |p: &Vec<u32>| p.len() + params.max_new_tokens - 1;
+    let longest = prompts.iter().map(seq_len).max().unwrap_or(0);
+    let per_seq = blocks_for(longest, bs);
+    if per_seq > budget {
+        return Err(Error::invalid(format!(
+            "rollout: a sequence of {longest} tokens needs {per_seq} cache blocks of {bs} tokens ({:.3} GB) \
+             but the KV cache budget (rollout_engine.kv_cache_gb = {}) holds {budget} ({:.3} GB)",
+            per_seq as f64 * block_bytes / 1e9,
+            cfg.kv_cache_gb.map_or("unset: a share of the free memory".to_string(), |g| g.to_string()),
+            budget as f64 * block_bytes / 1e9
+        )));
+    }
+    let all: usize = prompts.iter().map(|p| params.n * blocks_for(seq_len(p), bs)).sum();
+    let rows = (max_rows + params.n).saturating_mul(per_seq);
+    Ok(budget.min(all).min(rows).max(per_seq))
+}
+
+/// Bytes of memory available to this process (`MemAvailable` of
+/// /proc/meminfo; 8 GB where that cannot be read).
+fn available_memory() -> u64 {
+    let fallback = 8_000_000_000;
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else { return fallback };
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(fallback, |kb| kb * 1024)
+}
+
+impl Engine<'_> {
+    /// Tokens of a unit: its prompt, then (a sample) what it has drawn.
+    fn total(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Group(p) => self.prompts[p].len(),
+            Kind::Sample(id) => self.prompts[id / self.params.n].len() + self.rows[id].ids.len(),
+        }
+    }
+
+    fn token(&self, kind: Kind, pos: usize) -> u32 {
+        let (p, drawn) = match kind {
+            Kind::Group(p) => (p, &[][..]),
+            Kind::Sample(id) => (id / self.params.n, &self.rows[id].ids[..]),
+        };
+        let prompt = &self.prompts[p];
+        if pos < prompt.len() {
+            prompt[pos]
+        } else {
+            drawn[pos - prompt.len()]
+        }
+    }
+
+    fn rows_of(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Group(_) => self.params.n,
+            Kind::Sample(_) => 1,
+        }
+    }
+
+    /// One step: schedule, run the model once, draw, retire finished rows.
+    fn step(&mut self) -> Result<()> {
+        let (mut sched, budget) = self.schedule_running()?;
+        match self.policy {
+            Policy::Continuous => self.admit_continuous(&mut sched, budget)?,
+            Policy::Static => self.admit_static(&mut sched)?,
+        }
+        if sched.is_empty() {
+            return Err(Error::invalid(format!(
+                "rollout engine: no work fits the KV cache ({} of {} blocks free, {} waiting)",
+                self.pool.free_blocks(),
+                self.pool.num_blocks(),
+                self.waiting.len()
+            )));
+        }
+        let live: usize = self.running.iter().map(|u| u.table.len()).sum();
+        self.stats.peak_live_tokens = self.stats.peak_live_tokens.max(live);
+        let logits = self.forward(&sched)?;
+        self.draw(&sched, &logits)
+    }
+
+    /// Gives each running unit its next tokens, oldest first: one for a
+    /// decoding sample, the next chunk of a prompt being prefilled. Preempts
+    /// the newest units when blocks run out. Returns `(unit, tokens)` pairs
+    /// and the prefill budget left.
+    fn schedule_running(&mut self) -> Result<(Vec<(usize, usize)>, usize)> {
+        let mut budget = self.prefill_budget();
+        let mut sched = Vec::with_capacity(self.running.len());
+        let mut i = 0;
+        while i < self.running.len() {
+            let u = &self.running[i];
+            let need = self.total(u.kind) - u.table.len();
+            let n = if need == 1 { 1 } else { need.min(budget) };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            if need > 1 {
+                budget -= n;
+            }
+            if !self.make_room(i, n)? {
+                break; // unit i itself was preempted, and every newer one
+            }
+            sched.push((i, n));
+            i += 1;
+        }
+        Ok((sched, budget))
+    }
+
+    /// Prompt tokens a step may prefill.
+    fn prefill_budget(&self) -> usize {
+        match self.policy {
+            Policy::Continuous => PREFILL_TOKENS,
+            Policy::Static => usize::MAX,
+        }
+    }
+
+    /// Frees blocks for `n` more tokens of running unit `i` by preempting the
+    /// newest units; false when `i` had to go itself.
+    fn make_room(&mut self, i: usize, n: usize) -> Result<bool> {
+        loop {
+            let need = self.running[i].table.blocks_needed(&self.pool, n);
+            if need <= self.pool.free_blocks() {
+                self.append(i, n)?;
+                return Ok(true);
+            }
+            if self.policy == Policy::Static {
+                return Err(Error::invalid(format!(
+                    "rollout engine (static policy): the KV cache of {} blocks is full",
+                    self.pool.num_blocks()
+                )));
+            }
+            let Some(mut victim) = self.running.pop() else { return Ok(false) };
+            victim.table.release(&mut self.pool);
+            self.waiting.push_front(victim.kind);
+            self.stats.preemptions += 1;
+            if self.running.len() == i {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Slots for `n` more tokens of running unit `i` (copying a shared last block first).
+    fn append(&mut self, i: usize, n: usize) -> Result<()> {
+        let a = self.running[i]
+            .table
+            .append(&mut self.pool, n)
+            .ok_or_else(|| Error::invalid("rollout engine: KV cache blocks miscounted"))?;
+        if let Some((from, to)) = a.copy {
+            self.cache.copy_block(from, to)?;
+        }
+        Ok(())
+    }
+
+    /// Admits waiting units while rows, the prefill budget and free blocks
+    /// allow (keeping one free block per running unit for its next token).
+    fn admit_continuous(&mut self, sched: &mut Vec<(usize, usize)>, mut budget: usize) -> Result<()> {
+        let mut rows: usize = self.running.iter().map(|u| self.rows_of(u.kind)).sum();
+        while let Some(&kind) = self.waiting.front() {
+            let r = self.rows_of(kind);
+            if budget == 0 || (rows > 0 && rows + r > self.max_rows) {
+                break;
+            }
+            let n = self.total(kind).min(budget);
+            let need = blocks_for(n, self.pool.block_size());
+            if need + self.running.len() > self.pool.free_blocks() && !self.running.is_empty() {
+                break;
+            }
+            if need > self.pool.free_blocks() {
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(Unit { kind, table: BlockTable::default() });
+            self.append(self.running.len() - 1, n)?;
+            sched.push((self.running.len() - 1, n));
+            (budget, rows) = (budget - n, rows + r);
+        }
+        Ok(())
+    }
+
+    /// The static policy: when nothing runs, admits the next chunk of
+    /// `max_rows / n` prompts whole, reserving every sequence's maximum length.
+    fn admit_static(&mut self, sched: &mut Vec<(usize, usize)>) -> Result<()> {
+        if !self.running.is_empty() {
+            return Ok(());
+        }
+        let per_chunk = (self.max_rows / self.params.n).max(1).min(self.waiting.len());
+        let (bs, n) = (self.pool.block_size(), self.params.n);
+        let chunk: Vec<Kind> = self.waiting.drain(..per_chunk).collect();
+        let full = |k: &Kind| match *k {
+            Kind::Group(p) => n * blocks_for(self.prompts[p].len() + self.params.max_new_tokens - 1, bs),
+            Kind::Sample(id) => blocks_for(self.prompts[id / n].len() + self.params.max_new_tokens - 1, bs),
+        };
+        let reserved: usize = chunk.iter().map(full).sum();
+        if reserved > self.pool.num_blocks() {
+            return Err(Error::invalid(format!(
+                "rollout engine (static policy): a chunk reserves {reserved} blocks, the KV cache holds {}",
+                self.pool.num_blocks()
+            )));
+        }
+        self.stats.peak_reserved_blocks = self.stats.peak_reserved_blocks.max(reserved);
+        for kind in chunk {
+            self.running.push(Unit { kind, table: BlockTable::default() });
+            let len = self.total(kind);
+            self.append(self.running.len() - 1, len)?;
+            sched.push((self.running.len() - 1, len));
+        }
+        Ok(())
+    }
+
+    /// One model call over the scheduled units; logits `(units, vocab)`.
+    fn forward(&mut self, sched: &[(usize, usize)]) -> Result<StepLogits> {
+        let mut tokens = Vec::new();
+        let mut seqs = Vec::with_capacity(sched.len());
+        for &(i, n) in sched {
+            let u = &self.running[i];
+            let len = u.table.len();
+            tokens.extend((len - n..len).map(|p| self.token(u.kind, p)));
+            seqs.push(PagedSeq { blocks: u.table.blocks().to_vec(), len, new: n });
+            if n > 1 || len == n {
+                self.stats.prefill_tokens += n;
+            }
+        }
+        self.stats.model_calls += 1;
+        self.stats.rows_fed += sched.len();
+        let logits = self.model.decode_paged(&tokens, &seqs, &self.cache)?;
+        StepLogits::new(&logits, &self.sampler)
+    }
+
+    /// Draws the next token of every unit whose tokens are all in the cache
+    /// (a group's first tokens: one per sample), then retires finished samples.
+    fn draw(&mut self, sched: &[(usize, usize)], logits: &StepLogits) -> Result<()> {
+        let n = self.params.n;
+        // (logits row, row id) of every draw, and the units that forked.
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        let mut forks: Vec<(usize, Vec<Unit>)> = Vec::new();
+        for (k, &(i, _)) in sched.iter().enumerate() {
+            let kind = self.running[i].kind;
+            if self.running[i].table.len() < self.total(kind) {
+                continue; // a prompt part-way through its prefill
+            }
+            match kind {
+                Kind::Sample(id) => wanted.push((k, id)),
+                Kind::Group(p) => {
+                    let samples: Vec<Unit> = (p * n..(p + 1) * n)
+                        .map(|id| Unit {
+                            kind: Kind::Sample(id),
+                            table: self.running[i].table.fork(&mut self.pool),
+                        })
+                        .collect();
+                    self.running[i].table.release(&mut self.pool);
+                    wanted.extend((p * n..(p + 1) * n).map(|id| (k, id)));
+                    forks.push((i, samples));
+                }
+            }
+        }
+        wanted.sort_by_key(|&(_, id)| id);
+        let mut it = wanted.iter().peekable();
+        let mut pairs = Vec::with_capacity(wanted.len());
+        for (id, row) in self.rows.iter_mut().enumerate() {
+            if let Some(&(k, _)) = it.next_if(|&&(_, w)| w == id) {
+                pairs.push((k, &mut row.rng));
+            }
+        }
+        let draws = logits.draw(&self.sampler, pairs)?;
+        for (&(_, id), d) in wanted.iter().zip(draws) {
+            self.rows[id].push(d);
+            self.stats.tokens += 1;
+            self.check_finish(id);
+        }
+        self.retire(forks);
+        Ok(())
+    }
+
+    /// Ends row `id` if its last token stops it or it reached its length.
+    fn check_finish(&mut self, id: usize) {
+        let n = self.params.n;
+        let row = &self.rows[id];
+        let cap = match self.hooks.lengths {
+            Some(f) => f(self.hooks.first_prompt_index + id / n, id % n).clamp(1, self.params.max_new_tokens),
+            None => self.params.max_new_tokens,
+        };
+        let finish = self
+            .stops
+            .check(&row.ids, self.decode)
+            .or_else(|| (row.ids.len() >= cap).then_some(Finish::Length));
+        if let Some(finish) = finish {
+            let prompts = self.prompts;
+            let s = self.rows[id].finish(finish, &prompts[id / n], self.decode);
+            self.out.push(s);
+        }
+    }
+
+    /// Puts forked samples in their group's place and drops finished samples,
+    /// returning their blocks.
+    fn retire(&mut self, forks: Vec<(usize, Vec<Unit>)>) {
+        let mut forks = forks.into_iter().peekable();
+        let old = std::mem::take(&mut self.running);
+        let mut running = Vec::with_capacity(old.len());
+        for (i, u) in old.into_iter().enumerate() {
+            if let Some((_, samples)) = forks.next_if(|(g, _)| *g == i) {
+                running.extend(samples);
+            } else {
+                running.push(u);
+            }
+        }
+        for mut u in running {
+            match u.kind {
+                Kind::Sample(id) if self.rows[id].done => u.table.release(&mut self.pool),
+                _ => self.running.push(u),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Tensor;
+
+    use super::*;
+    use crate::model::KvCache;
+    use crate::rollout::generate::generate_stats;
+    use crate::rollout::test_support::{angle_decode, tiny_model};
+
+    /// Bytes per token of the tiny model's cache (2 layers x 2 kv heads x 16 x f32, k and v).
+    const TINY_TOKEN_BYTES: f64 = 512.0;
+
+    fn prompts() -> Vec<Vec<u32>> {
+        (0..6u32).map(|p| (0..(3 + 2 * p)).map(|i| (p * 13 + i * 7) % 90 + 5).collect()).collect()
+    }
+
+    fn budget(blocks: f64, block_size: usize) -> Option<f64> {
+        Some(blocks * block_size as f64 * TINY_TOKEN_BYTES / 1e9)
+    }
+
+    /// The engine this one replaced, one response at a time: a dense cache
+    /// per response, the same per-response generator. Returns each response's
+    /// tokens and log-probs, by prompt then sample.
+    fn dense_reference(
+        m: &Qwen3,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+    ) -> Vec<(Vec<u32>, Vec<f32>)> {
+        let sampler = Sampler::new(params);
+        let eos = m.config().eos_token_id;
+        let mut out = Vec::new();
+        for (p, prompt) in prompts.iter().enumerate() {
+            for s in 0..params.n {
+                let mut rng = StdRng::seed_from_u64(row_seed(params.seed, p, s));
+                let mut cache = KvCache::new(m, 1, prompt.len() + params.max_new_tokens).expect("cache");
+                let ids = Tensor::from_vec(prompt.clone(), (1, prompt.len()), m.device()).expect("ids");
+                let mut logits = m.decode(&ids, None, &mut cache).expect("prefill");
+                let (mut toks, mut lps) = (Vec::new(), Vec::new());
+                loop {
+                    let d = StepLogits::new(&logits, &sampler)
+                        .and_then(|l| l.draw(&sampler, vec![(0, &mut rng)]))
+                        .expect("draw")[0];
+                    toks.push(d.id);
+                    lps.push(d.logprob_raw);
+                    if Some(d.id) == eos || toks.len() == params.max_new_tokens {
+                        break;
+                    }
+                    let next = Tensor::from_vec(vec![d.id], (1, 1), m.device()).expect("next");
+                    logits = m.decode(&next, None, &mut cache).expect("decode");
+                }
+                out.push((toks, lps));
+            }
+        }
+        out
+    }
+
+    /// Every schedule (all rows at once, refills through 2 rows, a cache so
+    /// small that sequences are preempted and recomputed, the static policy)
+    /// samples exactly the responses of the dense one-at-a-time engine with
+    /// the same seeds. A draw could differ only where batched rounding flips a
+    /// near-tie; the test counts such flips and none occur here.
+    #[test]
+    fn every_schedule_samples_what_the_dense_engine_samples() {
+        let m = tiny_model(Some(3), 11);
+        let params = SamplingParams { n: 3, max_new_tokens: 20, seed: 7, ..SamplingParams::default() };
+        let want = dense_reference(&m, &prompts(), &params);
+        let lens: Vec<usize> = want.iter().map(|w| w.0.len()).collect();
+        assert!(lens.iter().any(|&l| l < 20), "some responses should end at EOS: {lens:?}");
+        let cases = [
+            (EngineConfig::default(), Policy::Continuous),
+            (EngineConfig { max_rows: Some(2), ..EngineConfig::default() }, Policy::Continuous),
+            (
+                EngineConfig { max_rows: Some(6), block_size: 4, kv_cache_gb: budget(10.5, 4) },
+                Policy::Continuous,
+            ),
+            (EngineConfig { max_rows: Some(6), block_size: 4, ..EngineConfig::default() }, Policy::Static),
+        ];
+        for (i, (engine, policy)) in cases.into_iter().enumerate() {
+            let hooks = GenerateHooks { engine, policy, ..GenerateHooks::default() };
+            let (got, stats) =
+                generate_stats(&m, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
+            assert_eq!(got.len(), want.len());
+            let flips = got.iter().zip(&want).filter(|(g, w)| g.response_ids != w.0).count();
+            assert_eq!(flips, 0, "case {i}: {flips} responses differ from the dense engine's");
+            for (g, w) in got.iter().zip(&want) {
+                for (a, b) in g.old_logprobs.iter().zip(&w.1) {
+                    assert!((a - b).abs() < 1e-4, "case {i}: log-prob {a} vs {b}");
+                }
+            }
+            assert_eq!(stats.tokens, lens.iter().sum::<usize>());
+            if i == 2 {
+                assert!(stats.preemptions > 0, "the 10-block cache should preempt");
+                assert!(stats.peak_blocks <= 10 && stats.pool_blocks == 10, "{stats:?}");
+            }
+            if i == 1 {
+                // A group of 3 is admitted alone when nothing runs, so up to 3 rows.
+                assert!(stats.mean_rows() <= 3.0 + 1e-9, "{stats:?}");
+            }
+        }
+    }
+
+    /// A group's prompt is prefilled once and its samples share its blocks:
+    /// the cache holds about the live tokens (a shared prompt once), while the
+    /// static policy reserves every sequence's maximum length.
+    #[test]
+    fn shared_prompts_are_prefilled_once_and_the_cache_follows_live_tokens() {
+        let m = tiny_model(None, 12);
+        let long: Vec<Vec<u32>> =
+            (0..3u32).map(|p| (0..40).map(|i| (p + i * 3) % 90 + 5).collect()).collect();
+        let params =
+            SamplingParams { n: 4, max_new_tokens: 30, seed: 1, ignore_eos: true, ..Default::default() };
+        let forced = |p: usize, s: usize| 5 + (p * 7 + s * 5) % 20;
+        let hooks = GenerateHooks { lengths: Some(&forced), ..GenerateHooks::default() };
+        let (got, stats) = generate_stats(&m, &long, &params, 0, &angle_decode, &hooks).expect("generate");
+        for s in &got {
+            assert_eq!(s.response_len(), forced(s.prompt_index, s.sample_index));
+            assert_eq!(s.finish, Finish::Length);
+        }
+        assert_eq!(stats.preemptions, 0);
+        assert_eq!(stats.prefill_tokens, 3 * 40, "each prompt prefilled once");
+        // 12 rows at once: at most the live tokens (shared prompts counted per
+        // sample) plus one partly filled block per sequence.
+        let bs = stats.block_size;
+        assert!(
+            stats.peak_blocks * bs <= stats.peak_live_tokens + 12 * bs,
+            "{} blocks held for {} live tokens",
+            stats.peak_blocks,
+            stats.peak_live_tokens
+        );
+        let statik = GenerateHooks { policy: Policy::Static, ..hooks };
+        let (same, st) = generate_stats(&m, &long, &params, 0, &angle_decode, &statik).expect("generate");
+        let ids = |v: &[Sample]| v.iter().map(|s| s.response_ids.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&same), ids(&got));
+        assert_eq!(st.peak_reserved_blocks, 12 * blocks_for(40 + 29, bs));
+        assert!(st.peak_cache_bytes() > stats.peak_cache_bytes());
+    }
+
+    #[test]
+    fn a_sequence_larger_than_the_budget_is_an_error() {
+        let m = tiny_model(None, 13);
+        let params = SamplingParams { n: 2, max_new_tokens: 100, ..Default::default() };
+        let engine = EngineConfig { kv_cache_gb: budget(3.5, 16), ..EngineConfig::default() };
+        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
+        let err = generate_stats(&m, &prompts(), &params, 0, &angle_decode, &hooks).expect_err("too long");
+        let err = err.to_string();
+        assert!(
+            err.contains("112 tokens needs 7 cache blocks") && err.contains("kv_cache_gb = 0.0000286"),
+            "{err}"
+        );
+        for (bad, field) in [
+            (EngineConfig { kv_cache_gb: Some(-1.0), ..Default::default() }, "kv_cache_gb"),
+            (EngineConfig { max_rows: Some(0), ..Default::default() }, "max_rows"),
+            (EngineConfig { block_size: 0, ..Default::default() }, "block_size"),
+        ] {
+            let err = bad.validate().expect_err(field).to_string();
+            assert!(err.contains(&format!("rollout_engine.{field}")), "{err}");
+        }
+        let parsed: EngineConfig =
+            serde_json::from_str(r#"{"kv_cache_gb": 2.5, "max_rows": 8}"#).expect("parse");
+        assert_eq!((parsed.kv_cache_gb, parsed.max_rows, parsed.block_size), (Some(2.5), Some(8), 16));
+        assert!(serde_json::from_str::<EngineConfig>(r#"{"max_row": 8}"#).is_err());
+    }
+}
