@@ -4,7 +4,8 @@
 //! Dependencies point one way, from the top of this list to the bottom:
 //! `repl` → `script` → `train` → `eval` → `rollout` → `model`, with `algo`,
 //! `reward`, `data` and `dist` standing alone (using nothing of the crate but
-//! [`util`] and [`error`]). Only `script` imports rhai.
+//! [`util`], [`overlay`] and [`error`]). Only `script` imports rhai. The run's one
+//! configuration tree is [`train::RunConfig`] (`train/config.rs`).
 //! docs/architecture.md follows one training step through these folders;
 //! the design notes (the algorithm, the scripts, the scale the paper works at)
 //! are in DESIGN.md at the repository root.
@@ -16,6 +17,7 @@ pub mod error;
 pub mod eval;
 pub mod guard;
 pub mod model;
+pub mod overlay;
 pub mod repl;
 pub mod reward;
 pub mod rollout;

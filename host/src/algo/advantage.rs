@@ -209,8 +209,10 @@ pub fn dynamic_sampling(rewards: &[f32], group_ids: &[usize]) -> Result<DynamicS
     Ok(DynamicSampling { keep, dropped_groups, kept_groups })
 }
 
-/// DAPO's soft overlong punishment (DAPO eq. 13).
+/// DAPO's soft overlong punishment (DAPO eq. 13). Fields left out take DAPO's (20480,
+/// 4096, 1.0), which the entry points fit to the run's response budget.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct OverlongConfig {
     /// `L_max`: the maximum response length (tokens); beyond it the full penalty applies.
     pub max_len: usize,
@@ -218,6 +220,12 @@ pub struct OverlongConfig {
     pub cache_len: usize,
     /// Penalty at (and beyond) `L_max` is `-factor` (DAPO: 1.0).
     pub factor: f32,
+}
+
+impl Default for OverlongConfig {
+    fn default() -> Self {
+        OverlongConfig { max_len: 20480, cache_len: 4096, factor: 1.0 }
+    }
 }
 
 impl OverlongConfig {

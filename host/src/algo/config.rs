@@ -9,8 +9,12 @@
 //! 0.75-quantile of the entropies of the candidates, the low-probability tokens of correct
 //! responses, in each mini-batch) are written once, here: [`TAU_P_DEFAULT`],
 //! [`TAU_H_QUANTILE_DEFAULT`], [`TauH::PAPER`].
+//!
+//! Every type here has one serde form, the one the run configuration (`actor.objective`),
+//! `--set`, script maps and hook return maps all use, with defaults per variant: a tagged
+//! object that names only its `kind` (`loss: #{kind: "gspo"}`) has that kind's defaults.
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::advantage::{AdvEstimator, OverlongConfig, RewardScale, StdKind};
 use crate::{Error, Result};
@@ -46,21 +50,12 @@ impl QuantileOver {
             QuantileOver::Candidates => "candidates",
         }
     }
-
-    /// Parses `response` / `candidates`; the error names the field `tau_h_over`.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "response" => Ok(QuantileOver::Response),
-            "candidates" => Ok(QuantileOver::Candidates),
-            other => Err(cfg_err("tau_h_over", format!("expected response|candidates, found {other:?}"))),
-        }
-    }
 }
 
-/// The entropy threshold of the S2T mask. Serialised externally tagged:
-/// `{"abs": 0.3}` or `{"quantile": {"q": 0.8, "over": "response"}}`.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// The entropy threshold of the S2T mask. Its serde form is a number (absolute, nats) or a
+/// quantile `{"q": 0.75, "over": "candidates"}` (each field defaults to the paper's), so a
+/// script writes `tau_h: 0.3` or `tau_h: #{q: 0.5}` and `--set ...tau_h.q=0.5` keeps `over`.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum TauH {
     /// A fixed entropy threshold (nats).
     Abs(f32),
@@ -79,8 +74,65 @@ impl TauH {
     pub const PAPER: TauH = TauH::Quantile { q: TAU_H_QUANTILE_DEFAULT, over: QuantileOver::Candidates };
 }
 
-/// The two thresholds of STAPO's S2T mask.
+/// The quantile form of [`TauH`], each field defaulting to the paper's.
+#[derive(Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct QuantileForm {
+    q: f32,
+    over: QuantileOver,
+}
+
+impl Default for QuantileForm {
+    fn default() -> Self {
+        match TauH::PAPER {
+            TauH::Quantile { q, over } => QuantileForm { q, over },
+            TauH::Abs(_) => QuantileForm { q: TAU_H_QUANTILE_DEFAULT, over: QuantileOver::Candidates },
+        }
+    }
+}
+
+impl Serialize for TauH {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match *self {
+            TauH::Abs(h) => s.serialize_f32(h),
+            TauH::Quantile { q, over } => QuantileForm { q, over }.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TauH {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Form;
+        impl<'de> serde::de::Visitor<'de> for Form {
+            type Value = TauH;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an absolute entropy threshold (a number) or a quantile {q, over}")
+            }
+            fn visit_f64<E: serde::de::Error>(self, x: f64) -> std::result::Result<TauH, E> {
+                Ok(TauH::Abs(x as f32))
+            }
+            fn visit_i64<E: serde::de::Error>(self, x: i64) -> std::result::Result<TauH, E> {
+                Ok(TauH::Abs(x as f32))
+            }
+            fn visit_u64<E: serde::de::Error>(self, x: u64) -> std::result::Result<TauH, E> {
+                Ok(TauH::Abs(x as f32))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> std::result::Result<TauH, A::Error> {
+                let f = QuantileForm::deserialize(serde::de::value::MapAccessDeserializer::new(m))?;
+                Ok(TauH::Quantile { q: f.q, over: f.over })
+            }
+        }
+        d.deserialize_any(Form)
+    }
+}
+
+/// The two thresholds of STAPO's S2T mask, in the one serde form the run configuration's
+/// S2T mask, `--set`, the `thresholds` hook's map and the `s2t` binding share:
+/// `{"tau_p": 0.002, "tau_h": {"q": 0.75, "over": "candidates"}}` or `{"tau_p": 0.002,
+/// "tau_h": 0.3}`; a partial map laid over thresholds in force keeps what it does not name
+/// ([`S2tThresholds::overlay`]).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct S2tThresholds {
     /// Probability threshold of the sampled token.
     pub tau_p: f32,
@@ -96,35 +148,30 @@ impl Default for S2tThresholds {
 }
 
 impl S2tThresholds {
-    /// The one parser of thresholds given as numbers (a script map, a hook's result, a
-    /// `--set` value): `tau_p` replaces the probability threshold; `tau_h` (absolute)
-    /// or else `tau_h_quantile` / `tau_h_over` replace the entropy threshold (a quantile
-    /// keeps the population it had, or the candidates when it was absolute; a population
-    /// alone keeps the quantile's `q`, or the paper's 0.75); what is not given stays.
-    /// Validated; the error names the field.
-    pub fn with(
-        self,
-        tau_p: Option<f64>,
-        tau_h: Option<f64>,
-        tau_h_quantile: Option<f64>,
-        tau_h_over: Option<QuantileOver>,
-    ) -> Result<Self> {
-        let (q0, over0) = match self.tau_h {
-            TauH::Quantile { q, over } => (q, over),
-            TauH::Abs(_) => (TAU_H_QUANTILE_DEFAULT, QuantileOver::Candidates),
-        };
-        let out = S2tThresholds {
-            tau_p: tau_p.map_or(self.tau_p, |x| x as f32),
-            tau_h: match (tau_h, tau_h_quantile, tau_h_over) {
-                (Some(h), _, _) => TauH::Abs(h as f32),
-                (None, None, None) => self.tau_h,
-                (None, q, over) => {
-                    TauH::Quantile { q: q.map_or(q0, |q| q as f32), over: over.unwrap_or(over0) }
+    /// These thresholds with the partial serde form `over` laid on top (the one parser of
+    /// thresholds: a hook's map, the `s2t` binding's, `--set`), validated. An unknown key
+    /// or an old flat spelling (`tau_h_quantile`, `tau_h_over`, `tau_h_abs`) is an error
+    /// naming it and its replacement; `what` names the source in errors.
+    pub fn overlay(&self, what: &str, over: &serde_json::Value) -> Result<Self> {
+        if let Some(o) = over.as_object() {
+            for (old, new) in [
+                ("tau_h_quantile", "tau_h: {q: ..}"),
+                ("tau_h_over", "tau_h: {over: ..}"),
+                ("tau_h_abs", "tau_h: <number>"),
+            ] {
+                if o.contains_key(old) {
+                    return Err(Error::Config {
+                        file: what.into(),
+                        field: old.into(),
+                        msg: format!("`{old}` is now written `{new}` (one threshold form everywhere)"),
+                    });
                 }
-            },
-        };
-        out.validate()?;
-        Ok(out)
+            }
+        }
+        let base = serde_json::to_value(self).map_err(|e| cfg_err("thresholds", e.to_string()))?;
+        let t: S2tThresholds = crate::overlay::build(what, &base, over)?;
+        t.validate()?;
+        Ok(t)
     }
 
     /// Checks `tau_p > 0` (finite), an absolute `tau_h` that is not NaN and a quantile in
@@ -135,46 +182,78 @@ impl S2tThresholds {
         }
         match self.tau_h {
             TauH::Abs(h) if h.is_nan() => Err(cfg_err("tau_h", "expected a number, found NaN")),
+            TauH::Abs(_) => Ok(()),
             TauH::Quantile { q, .. } if !(0.0..=1.0).contains(&q) => {
-                Err(cfg_err("tau_h_quantile", format!("expected a number in [0, 1], found {q}")))
+                Err(cfg_err("tau_h.q", format!("expected a number in [0, 1], found {q}")))
             }
-            _ => Ok(()),
+            TauH::Quantile { .. } => Ok(()),
         }
     }
 }
 
 /// The per-token policy loss and its own parameters (verl `policy_loss.loss_mode` with the
 /// settings that belong to it). Serialised with its `kind` as the tag:
-/// `{"kind": "ppo", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": null}`.
+/// `{"kind": "ppo", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": null}`; a field left out
+/// takes that kind's default, so `{"kind": "gspo"}` is GSPO with eps 3e-4/4e-4.
 ///
-/// Adding a loss: one variant here, one arm in [`PolicyLoss::terms`] (in `objective.rs`)
-/// and in [`PolicyLoss::name`], one default in [`PolicyLoss::default_of`] and one preset
-/// line in `preset.rs`; the exhaustive matches make the compiler find the rest.
+/// The registry of losses (verl's `@register_policy_loss`) is this enum: adding a loss is
+/// one variant here (its fields with their serde defaults), its function in `objective.rs`
+/// (an arm of [`PolicyLoss::terms`]), its range checks (an arm of [`PolicyLoss::validate`])
+/// and one preset line in `preset.rs`. Every match over the kinds is exhaustive and the
+/// kind names are serde's, so the compiler finds each place and no list of names exists.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PolicyLoss {
     /// PPO-clip (GRPO, DAPO, JustRL, STAPO): ratio clipped to `[1 - eps_low, 1 + eps_high]`,
     /// optionally dual-clipped at `c > 1` for `A < 0` (verl's default is 3.0, the papers use
-    /// none).
+    /// none). Defaults 0.2/0.2, no dual clip.
     Ppo {
+        #[serde(default = "defaults::ppo_eps")]
         eps_low: f32,
+        #[serde(default = "defaults::ppo_eps")]
         eps_high: f32,
         #[serde(default)]
         dual_clip: Option<f32>,
     },
-    /// GSPO: the sequence-level ratio, clipped at tiny eps.
-    Gspo { eps_low: f32, eps_high: f32 },
+    /// GSPO: the sequence-level ratio, clipped at tiny eps (defaults 3e-4/4e-4).
+    Gspo {
+        #[serde(default = "defaults::gspo_eps_low")]
+        eps_low: f32,
+        #[serde(default = "defaults::gspo_eps_high")]
+        eps_high: f32,
+    },
     /// SAPO: the soft-gated ratio, no hard clip; gate temperature `tau_pos` for `A > 0`,
-    /// `tau_neg` otherwise.
-    Sapo { tau_pos: f32, tau_neg: f32 },
+    /// `tau_neg` otherwise (defaults 1.0/1.05).
+    Sapo {
+        #[serde(default = "defaults::sapo_tau_pos")]
+        tau_pos: f32,
+        #[serde(default = "defaults::sapo_tau_neg")]
+        tau_neg: f32,
+    },
     /// Plain policy gradient `-A·r` (no clip).
     Pg,
 }
 
-impl PolicyLoss {
-    /// Every kind's name, in documentation order; [`PolicyLoss::default_of`] knows each.
-    pub const KINDS: [&'static str; 4] = ["ppo", "gspo", "sapo", "pg"];
+/// The losses' defaults (papers: PPO/GRPO eps 0.2, GSPO 3e-4/4e-4, SAPO 1.0/1.05).
+mod defaults {
+    pub fn ppo_eps() -> f32 {
+        0.2
+    }
+    pub fn gspo_eps_low() -> f32 {
+        3e-4
+    }
+    pub fn gspo_eps_high() -> f32 {
+        4e-4
+    }
+    pub fn sapo_tau_pos() -> f32 {
+        1.0
+    }
+    pub fn sapo_tau_neg() -> f32 {
+        1.05
+    }
+}
 
+impl PolicyLoss {
     /// The `kind` tag of this loss.
     pub fn name(&self) -> &'static str {
         match self {
@@ -185,16 +264,10 @@ impl PolicyLoss {
         }
     }
 
-    /// The loss `kind` with its papers' defaults: PPO eps 0.2/0.2 without dual clip, GSPO
-    /// eps 3e-4/4e-4, SAPO tau 1.0/1.05.
+    /// The loss `kind` with its defaults (what `{"kind": kind}` deserialises to), or `None`
+    /// for a name that is no kind.
     pub fn default_of(kind: &str) -> Option<Self> {
-        Some(match kind {
-            "ppo" => PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.2, dual_clip: None },
-            "gspo" => PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 },
-            "sapo" => PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 1.05 },
-            "pg" => PolicyLoss::Pg,
-            _ => return None,
-        })
+        serde_json::from_value(serde_json::json!({ "kind": kind })).ok()
     }
 
     /// The clip range `(eps_low, eps_high)` of the clipped losses.
@@ -207,31 +280,41 @@ impl PolicyLoss {
         }
     }
 
-    /// Checks every parameter's range; the error names the field.
+    /// Checks every parameter's range; the error names the field (`loss.eps_low`).
     pub fn validate(&self) -> Result<()> {
-        if let Some((eps_low, eps_high)) = self.clip_range() {
-            if !(eps_low.is_finite() && (0.0..1.0).contains(&eps_low)) {
-                return Err(cfg_err("eps_low", format!("expected a number in [0, 1), found {eps_low}")));
-            }
-            if !(eps_high.is_finite() && eps_high >= 0.0) {
-                return Err(cfg_err("eps_high", format!("expected a number >= 0, found {eps_high}")));
-            }
-        }
         match *self {
-            PolicyLoss::Ppo { dual_clip: Some(c), .. } if !(c.is_finite() && c > 1.0) => {
-                Err(cfg_err("dual_clip", format!("expected a number > 1, found {c}")))
+            PolicyLoss::Ppo { eps_low, eps_high, dual_clip } => {
+                check_clip(eps_low, eps_high)?;
+                match dual_clip {
+                    Some(c) if !(c.is_finite() && c > 1.0) => {
+                        Err(cfg_err("loss.dual_clip", format!("expected a number > 1, found {c}")))
+                    }
+                    Some(_) | None => Ok(()),
+                }
             }
+            PolicyLoss::Gspo { eps_low, eps_high } => check_clip(eps_low, eps_high),
             PolicyLoss::Sapo { tau_pos, tau_neg } => {
-                for (f, v) in [("sapo_tau_pos", tau_pos), ("sapo_tau_neg", tau_neg)] {
+                for (f, v) in [("loss.tau_pos", tau_pos), ("loss.tau_neg", tau_neg)] {
                     if !(v.is_finite() && v > 0.0) {
                         return Err(cfg_err(f, format!("expected a number > 0, found {v}")));
                     }
                 }
                 Ok(())
             }
-            _ => Ok(()),
+            PolicyLoss::Pg => Ok(()),
         }
     }
+}
+
+/// A clip range: `eps_low` in `[0, 1)`, `eps_high >= 0`.
+fn check_clip(eps_low: f32, eps_high: f32) -> Result<()> {
+    if !(eps_low.is_finite() && (0.0..1.0).contains(&eps_low)) {
+        return Err(cfg_err("loss.eps_low", format!("expected a number in [0, 1), found {eps_low}")));
+    }
+    if !(eps_high.is_finite() && eps_high >= 0.0) {
+        return Err(cfg_err("loss.eps_high", format!("expected a number >= 0, found {eps_high}")));
+    }
+    Ok(())
 }
 
 /// How per-token losses become one scalar (verl `loss_agg_mode`).
@@ -290,8 +373,10 @@ pub enum KlKind {
     K3,
 }
 
-/// A KL penalty to a frozen reference policy: `+beta · agg(KL)`.
+/// A KL penalty to a frozen reference policy: `+beta · agg(KL)`. Fields left out take
+/// verl's defaults (k3, `kl_loss_coef` 0.001), so `kl: #{beta: 0.04}` switches it on.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KlConfig {
     /// The estimator.
     pub kind: KlKind,
@@ -299,9 +384,15 @@ pub struct KlConfig {
     pub beta: f32,
 }
 
+impl Default for KlConfig {
+    fn default() -> Self {
+        KlConfig { kind: KlKind::K3, beta: 0.001 }
+    }
+}
+
 /// Which token mask (beyond the response mask) decides the kept tokens. Serialised with its
-/// `kind` as the tag: `{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.8, "over":
-/// "response"}}}`.
+/// `kind` as the tag: `{"kind": "s2t", "tau_p": 0.002, "tau_h": {"q": 0.75, "over":
+/// "candidates"}}` (the S2T fields are [`S2tThresholds`]' own form; left out, the paper's).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum MaskConfig {
@@ -310,22 +401,17 @@ pub enum MaskConfig {
     /// STAPO's S2T: silence tokens with `A > 0 && p < tau_p && H < tau_h`, both
     /// comparisons strict (a token exactly at `tau_h`, such as the quantile's own
     /// order statistic, is kept).
-    S2t {
-        /// Probability threshold of the sampled token (paper: 0.002).
-        tau_p: f32,
-        /// Entropy threshold, absolute or a quantile of a named population (paper's
-        /// reading: the 0.8-quantile over the response tokens).
-        tau_h: TauH,
-    },
+    S2t(S2tThresholds),
     /// 20-Entropy: keep the top `rho` fraction of response tokens by entropy (paper: 0.2).
     TopEntropy {
         /// Fraction kept, in (0, 1].
+        #[serde(default = "top_entropy_rho")]
         rho: f32,
     },
 }
 
 /// Every knob of the loss, advantages and masks. Build one with [`ObjectiveConfig::preset`]
-/// and adjust with [`ObjectiveConfig::set`].
+/// and adjust with [`ObjectiveConfig::overlay`] (a partial serde form laid on top).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ObjectiveConfig {
@@ -353,22 +439,37 @@ pub struct ObjectiveConfig {
     pub reward_scale: RewardScale,
 }
 
+/// 20-Entropy's kept fraction (Wang et al. 2025).
+fn top_entropy_rho() -> f32 {
+    0.2
+}
+
 impl MaskConfig {
     /// STAPO's S2T mask with the paper's thresholds.
-    pub const S2T_DEFAULT: MaskConfig = MaskConfig::S2t { tau_p: TAU_P_DEFAULT, tau_h: TauH::PAPER };
+    pub const S2T_DEFAULT: MaskConfig =
+        MaskConfig::S2t(S2tThresholds { tau_p: TAU_P_DEFAULT, tau_h: TauH::PAPER });
 
     /// The S2T thresholds, when this is the S2T mask.
     pub fn s2t(&self) -> Option<S2tThresholds> {
         match *self {
-            MaskConfig::S2t { tau_p, tau_h } => Some(S2tThresholds { tau_p, tau_h }),
-            _ => None,
+            MaskConfig::S2t(t) => Some(t),
+            MaskConfig::None | MaskConfig::TopEntropy { .. } => None,
+        }
+    }
+
+    /// The `kind` tag of this mask.
+    pub fn name(&self) -> &'static str {
+        match self {
+            MaskConfig::None => "none",
+            MaskConfig::S2t(_) => "s2t",
+            MaskConfig::TopEntropy { .. } => "top_entropy",
         }
     }
 }
 
 impl From<S2tThresholds> for MaskConfig {
     fn from(t: S2tThresholds) -> Self {
-        MaskConfig::S2t { tau_p: t.tau_p, tau_h: t.tau_h }
+        MaskConfig::S2t(t)
     }
 }
 
@@ -409,7 +510,7 @@ impl ObjectiveConfig {
         self.loss.validate()?;
         if let Some(k) = &self.kl {
             if !(k.beta.is_finite() && k.beta >= 0.0) {
-                return Err(cfg_err("kl_beta", format!("expected a number >= 0, found {}", k.beta)));
+                return Err(cfg_err("kl.beta", format!("expected a number >= 0, found {}", k.beta)));
             }
         }
         finite("entropy_coef", self.entropy_coef)?;
@@ -418,10 +519,10 @@ impl ObjectiveConfig {
         }
         match self.mask {
             MaskConfig::None => {}
-            MaskConfig::S2t { tau_p, tau_h } => S2tThresholds { tau_p, tau_h }.validate()?,
+            MaskConfig::S2t(t) => t.validate().map_err(|e| prefixed("mask", e))?,
             MaskConfig::TopEntropy { rho } => {
                 if !(rho > 0.0 && rho <= 1.0) {
-                    return Err(cfg_err("rho", format!("expected a number in (0, 1], found {rho}")));
+                    return Err(cfg_err("mask.rho", format!("expected a number in (0, 1], found {rho}")));
                 }
             }
         }
@@ -429,5 +530,25 @@ impl ObjectiveConfig {
             o.validate().map_err(|e| cfg_err("overlong", e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// This configuration with the partial serde form `over` laid on top (a tagged object
+    /// that names another `kind` takes that kind's defaults), validated; errors name the
+    /// dotted path below `what` (`actor.objective`).
+    pub fn overlay(&self, what: &str, over: &serde_json::Value) -> Result<Self> {
+        let base = serde_json::to_value(self).map_err(|e| cfg_err("<root>", e.to_string()))?;
+        let o: ObjectiveConfig = crate::overlay::build(what, &base, over)?;
+        o.validate()?;
+        Ok(o)
+    }
+}
+
+/// `e` with its field put under `section` (`tau_p` -> `mask.tau_p`).
+fn prefixed(section: &str, e: Error) -> Error {
+    match e {
+        Error::Config { file, field, msg } => {
+            Error::Config { file, field: format!("{section}.{field}"), msg }
+        }
+        other => other,
     }
 }

@@ -11,8 +11,8 @@
 //!   aggregation modes, following verl `trainer/ppo/core_algos.py`.
 //! - [`config`]: the configuration types ([`ObjectiveConfig`], [`MaskConfig`], ...) and the
 //!   paper's S2T defaults, written once.
-//! - [`preset`]: named presets of [`ObjectiveConfig`], one line each.
-//! - [`overrides`]: `--set key=value` overrides through the config's serde form.
+//! - [`preset`]: named presets of [`ObjectiveConfig`], one line each; a preset is adjusted
+//!   by laying a partial serde form on it ([`ObjectiveConfig::overlay`], `crate::overlay`).
 //!
 //! Tensors are `(B, T)` f32: B sequences of T response positions; masks are 0/1 f32.
 
@@ -20,7 +20,6 @@ pub mod advantage;
 pub mod config;
 pub mod mask;
 pub mod objective;
-pub mod overrides;
 pub mod preset;
 
 pub use advantage::{
@@ -36,7 +35,6 @@ pub use mask::{
     TopEntropyStats,
 };
 pub use objective::{aggregate, compute_loss, LossInputs, LossMetrics, LossOutput, Normaliser};
-pub use overrides::{is_set_key, set_keys_help, ALIASES};
 pub use preset::{preset_names, presets_help, Preset, PRESETS};
 
 use candle_core::Tensor;

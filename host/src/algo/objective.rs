@@ -803,7 +803,7 @@ mod tests {
 
     fn all_configs() -> Vec<ObjectiveConfig> {
         let mut out = Vec::new();
-        for kind in PolicyLoss::KINDS {
+        for kind in KINDS {
             for agg in AggMode::ALL {
                 let mut c = cfg(kind, agg);
                 c.loss = match c.loss {
@@ -965,9 +965,21 @@ mod tests {
         assert!(e.contains("advantages"), "{e}");
     }
 
+    /// Every loss kind's serde name (the test below checks it covers every variant).
+    const KINDS: [&str; 4] = ["ppo", "gspo", "sapo", "pg"];
+
     #[test]
     fn every_kind_has_a_default_that_round_trips() {
-        for kind in PolicyLoss::KINDS {
+        // An exhaustive match: a new variant fails to compile here until KINDS has it.
+        let index = |l: PolicyLoss| match l {
+            PolicyLoss::Ppo { .. } => 0,
+            PolicyLoss::Gspo { .. } => 1,
+            PolicyLoss::Sapo { .. } => 2,
+            PolicyLoss::Pg => 3,
+        };
+        let seen: Vec<usize> = KINDS.iter().map(|k| index(PolicyLoss::default_of(k).unwrap())).collect();
+        assert_eq!(seen, [0, 1, 2, 3]);
+        for kind in KINDS {
             let l = PolicyLoss::default_of(kind).unwrap();
             assert_eq!(l.name(), kind);
             l.validate().unwrap();

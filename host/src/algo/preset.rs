@@ -1,6 +1,6 @@
 //! Named presets of [`ObjectiveConfig`]: the objectives the STAPO paper compares, one
-//! line each in [`PRESETS`] (name, summary, builder). The types live in `config.rs`,
-//! `--set key=value` overrides in `overrides.rs`.
+//! line each in [`PRESETS`] (name, summary, builder). The types live in `config.rs`; a
+//! preset is adjusted by laying a partial serde form on it ([`ObjectiveConfig::overlay`]).
 //!
 //! Presets follow DESIGN.md §1 and the papers: GRPO (DeepSeekMath, arXiv:2402.03300),
 //! DAPO (arXiv:2503.14476), GSPO (arXiv:2507.18071), SAPO (arXiv:2511.20347), 20-Entropy
@@ -151,7 +151,7 @@ impl ObjectiveConfig {
     /// entry point calls it: the trainer each step, `stapo update --max-tokens`, the
     /// `update` binding's `max_tokens`):
     /// - DAPO's overlong buffer, while it is still the preset's ([`DAPO_OVERLONG`]): L_max =
-    ///   `max_tokens`, L_cache the same fraction of it (0.2), as `set overlong_max_len` does;
+    ///   `max_tokens`, L_cache the same fraction of it (0.2);
     /// - seq-mean-token-sum-norm's constant length, when unset: `max_tokens` (Dr.GRPO).
     ///
     /// Returns a note for a setting that cannot take effect: an overlong buffer that starts
@@ -171,8 +171,8 @@ impl ObjectiveConfig {
             if start >= max_tokens {
                 notes.push(format!(
                     "the overlong penalty can never fire: responses stop at max_tokens = {max_tokens} but \
-                     it starts after {start} tokens (L_max {} - L_cache {}); set overlong_max_len to \
-                     the run's max_tokens",
+                     it starts after {start} tokens (L_max {} - L_cache {}); set actor.objective.overlong.max_len \
+                     to the run's max_tokens",
                     o.max_len, o.cache_len
                 ));
             }
@@ -188,7 +188,8 @@ impl ObjectiveConfig {
 mod tests {
     use super::*;
     use crate::algo::advantage::OverlongConfig;
-    use crate::algo::config::{KlConfig, KlKind, QuantileOver, TauH};
+    use crate::algo::config::{KlConfig, KlKind, QuantileOver, S2tThresholds, TauH};
+    use serde_json::json;
 
     #[test]
     fn presets_have_design_defaults() {
@@ -197,7 +198,7 @@ mod tests {
         assert_eq!(s.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
         assert_eq!(s.agg, AggMode::TokenMean);
         let paper = TauH::Quantile { q: 0.75, over: QuantileOver::Candidates };
-        assert_eq!(s.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: paper });
+        assert_eq!(s.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: paper }));
         assert_eq!(s.kl, None);
         assert_eq!(s.entropy_coef, 0.0);
         assert!(!s.dynamic_sampling && s.overlong.is_none());
@@ -207,7 +208,7 @@ mod tests {
         );
         // dapo_s2t: DAPO + the same S2T mask.
         let ds = ObjectiveConfig::preset("dapo_s2t").unwrap();
-        assert_eq!(ds.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: paper });
+        assert_eq!(ds.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: paper }));
         assert_eq!(
             ObjectiveConfig { mask: MaskConfig::None, ..ds },
             ObjectiveConfig::preset("dapo").unwrap()
@@ -238,35 +239,31 @@ mod tests {
             let back: ObjectiveConfig = serde_json::from_str(&j).unwrap();
             assert_eq!(back, c, "{name}: {j}");
         }
-        let mut c = ObjectiveConfig::preset("stapo").unwrap();
-        c.set("kl", "k2").unwrap();
-        c.set("tau_h", "0.5").unwrap();
-        let back: ObjectiveConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
-        assert_eq!(back, c);
-        // The JSON form of tau_h names q and the population.
+        // The serde form of the S2T mask: tau_h a quantile map or a number.
+        let TauH::Quantile { q, over } = TauH::PAPER else { panic!("the paper's tau_h is a quantile") };
         let s2t = serde_json::to_value(MaskConfig::S2T_DEFAULT).unwrap();
-        let want = serde_json::json!({"kind": "s2t", "tau_p": 0.002f32,
-            "tau_h": {"quantile": {"q": 0.75f32, "over": "candidates"}}});
+        let want = json!({"kind": "s2t", "tau_p": 0.002f32, "tau_h": {"q": q, "over": over.name()}});
         assert_eq!(s2t, want);
         for j in [
-            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
-            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"abs": 0.3}}"#,
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"q": 0.75, "over": "candidates"}}"#,
+            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": 0.3}"#,
         ] {
             let m: MaskConfig = serde_json::from_str(j).unwrap();
             let back: MaskConfig = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
             assert_eq!(back, m, "{j}");
         }
-        let m: MaskConfig = serde_json::from_str(
-            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.75, "over": "candidates"}}}"#,
-        )
-        .unwrap();
-        assert_eq!(m, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::PAPER });
+        // What the map leaves out is the paper's.
+        let m: MaskConfig = serde_json::from_str(r#"{"kind": "s2t"}"#).unwrap();
+        assert_eq!(m, MaskConfig::S2T_DEFAULT);
+        let m: MaskConfig = serde_json::from_str(r#"{"kind": "s2t", "tau_h": {"q": 0.5}}"#).unwrap();
+        assert_eq!(
+            m,
+            MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: TauH::Quantile { q: 0.5, over } })
+        );
         // A population that is not one of the two is an error naming the choices.
-        let e = serde_json::from_str::<MaskConfig>(
-            r#"{"kind": "s2t", "tau_p": 0.002, "tau_h": {"quantile": {"q": 0.8, "over": "all"}}}"#,
-        )
-        .unwrap_err()
-        .to_string();
+        let e = serde_json::from_str::<MaskConfig>(r#"{"kind": "s2t", "tau_h": {"q": 0.8, "over": "all"}}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("response") && e.contains("candidates"), "{e}");
     }
 
@@ -277,126 +274,78 @@ mod tests {
     }
 
     #[test]
-    fn set_overrides() {
-        let mut c = ObjectiveConfig::preset("grpo").unwrap();
-        c.set("eps_high", "0.28").unwrap();
-        c.set("agg", "token-mean").unwrap();
-        c.set("dual_clip", "3").unwrap();
-        c.set("kl_beta", "0.04").unwrap(); // turns on k3
-        c.set("adv", "dr_grpo").unwrap();
-        c.set("mask", "s2t").unwrap();
-        c.set("tau_h_quantile", "0.5").unwrap();
-        c.set_pair("overlong_max_len=1024").unwrap();
-        // DAPO buffer 4096/20480 = 0.2 of L_max → round(0.2 · 1024) = 205.
-        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 205, factor: 1.0 }));
-        c.set("overlong_cache_len", "256").unwrap();
+    fn overlays_switch_kinds_and_keep_the_rest() {
+        let TauH::Quantile { over: paper_over, .. } = TauH::PAPER else { panic!("a quantile") };
+        let q = |q, over| MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: TauH::Quantile { q, over } });
+        let c = ObjectiveConfig::preset("grpo")
+            .unwrap()
+            .overlay(
+                "o",
+                &json!({"loss": {"eps_high": 0.28, "dual_clip": 3}, "agg": "token-mean", "kl": {"beta": 0.04},
+                        "adv": "dr_grpo", "mask": {"kind": "s2t", "tau_h": {"q": 0.5}}}),
+            )
+            .unwrap();
         assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: Some(3.0) });
         assert_eq!(c.agg, AggMode::TokenMean);
         assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K3, beta: 0.04 }));
         assert_eq!(c.adv, AdvEstimator::DrGrpo);
-        let q = |q, over| TauH::Quantile { q, over };
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Candidates) });
-        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
-        c.set("dual_clip", "none").unwrap();
-        assert_eq!(c.loss, PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None });
-        c.set("kl", "none").unwrap();
-        assert_eq!(c.kl, None);
-        c.set("kl", "k1").unwrap();
-        assert_eq!(c.kl, Some(KlConfig { kind: KlKind::K1, beta: 0.001 }));
-        // tau_h_over keeps q; tau_h_quantile keeps the population.
-        c.set("tau_h_over", "response").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.5, QuantileOver::Response) });
-        c.set("tau_h_quantile", "0.9").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.9, QuantileOver::Response) });
-        c.set("tau_h", "0.3").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.3) });
-        // From an absolute tau_h, a population alone starts from the paper's q = 0.75.
-        c.set("tau_h_over", "response").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.75, QuantileOver::Response) });
-        c.set("tau_h", "0.3").unwrap();
-        c.set("tau_h_over", "candidates").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::PAPER });
-        c.set("tau_h", "0.3").unwrap();
-        c.set("tau_h_quantile", "0.6").unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.002, tau_h: q(0.6, QuantileOver::Candidates) });
-        c.set("dynamic_sampling", "on").unwrap();
-        assert!(c.dynamic_sampling);
-        c.set("overlong", "off").unwrap();
-        assert_eq!(c.overlong, None);
-        c.set("overlong", "on").unwrap();
-        assert_eq!(c.overlong, Some(DAPO_OVERLONG));
-        c.set("agg", "seq_mean_token_sum").unwrap();
-        assert_eq!(c.agg, AggMode::SeqMeanTokenSum);
+        assert_eq!(c.mask, q(0.5, paper_over));
+        // `over` alone keeps q; a number replaces the quantile; a quantile map over a number
+        // takes the paper's values for what it leaves out.
+        let c = c.overlay("o", &json!({"mask": {"tau_h": {"over": "response"}}})).unwrap();
+        assert_eq!(c.mask, q(0.5, QuantileOver::Response));
+        let c = c.overlay("o", &json!({"mask": {"tau_h": 0.3}})).unwrap();
+        assert_eq!(c.mask, MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: TauH::Abs(0.3) }));
+        let c = c.overlay("o", &json!({"mask": {"tau_h": {"q": 0.6}}})).unwrap();
+        assert_eq!(c.mask, q(0.6, paper_over));
+        // Optional sections: null clears, a map switches on with the defaults.
+        assert_eq!(c.overlay("o", &json!({"kl": null})).unwrap().kl, None);
+        let k1 = c.overlay("o", &json!({"kl": null})).unwrap().overlay("o", &json!({"kl": {"kind": "k1"}}));
+        assert_eq!(k1.unwrap().kl, Some(KlConfig { kind: KlKind::K1, beta: 0.001 }));
+        assert_eq!(c.overlay("o", &json!({"overlong": {}})).unwrap().overlong, Some(DAPO_OVERLONG));
+        // Switching the loss kind takes that kind's defaults; the same kind merges.
+        let d = ObjectiveConfig::preset("dapo").unwrap();
+        let loss = |over: serde_json::Value| d.overlay("o", &json!({ "loss": over })).unwrap().loss;
+        assert_eq!(loss(json!({"kind": "gspo"})), PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 });
+        assert_eq!(
+            loss(json!({"kind": "gspo", "eps_high": 5e-4})),
+            PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 5e-4 }
+        );
+        assert_eq!(
+            loss(json!({"kind": "sapo", "tau_neg": 2})),
+            PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 2.0 }
+        );
+        assert_eq!(loss(json!({"kind": "pg"})), PolicyLoss::Pg);
+        assert_eq!(
+            loss(json!({"kind": "ppo"})),
+            PolicyLoss::Ppo { eps_low: 0.2, eps_high: 0.28, dual_clip: None }
+        );
     }
 
     #[test]
-    fn switching_the_loss_kind_takes_that_kinds_defaults() {
-        let mut c = ObjectiveConfig::preset("dapo").unwrap();
-        c.set("kind", "gspo").unwrap();
-        assert_eq!(c.loss, PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 4e-4 });
-        c.set("eps_high", "5e-4").unwrap();
-        c.set("kind", "gspo").unwrap(); // same kind: kept as it is
-        assert_eq!(c.loss, PolicyLoss::Gspo { eps_low: 3e-4, eps_high: 5e-4 });
-        let e = c.set("dual_clip", "3").unwrap_err().to_string();
-        assert!(e.contains("dual_clip") && e.contains("loss=ppo"), "{e}");
-        c.set("kind", "sapo").unwrap();
-        c.set("sapo_tau_neg", "2").unwrap();
-        assert_eq!(c.loss, PolicyLoss::Sapo { tau_pos: 1.0, tau_neg: 2.0 });
-        let e = c.set("eps_low", "0.1").unwrap_err().to_string();
-        assert!(e.contains("eps_low") && e.contains("loss=ppo|gspo"), "{e}");
-        c.set("kind", "pg").unwrap();
-        assert_eq!(c.loss, PolicyLoss::Pg);
-    }
-
-    #[test]
-    fn help_lists_come_from_the_registries() {
-        let h = presets_help();
-        for p in PRESETS {
-            assert!(h.contains(p.name) && h.contains(p.summary), "{h}");
-        }
-        assert!(h.contains("drgrpo"));
-        let k = crate::algo::set_keys_help();
-        for a in crate::algo::ALIASES {
-            assert!(k.contains(a.key), "{k}");
-        }
-    }
-
-    #[test]
-    fn set_errors_name_key_and_expectation() {
-        let mut c = ObjectiveConfig::preset("stapo").unwrap();
-        let before = c.clone();
-        let e = c.set("eps_lo", "0.1").unwrap_err().to_string();
-        assert!(e.contains("eps_lo") && e.contains("valid keys") && e.contains("eps_low"), "{e}");
-        let e = c.set("eps_low", "abc").unwrap_err().to_string();
-        assert!(e.contains("eps_low") && e.contains("number") && e.contains("abc"), "{e}");
-        let e = c.set("eps_low", "1.5").unwrap_err().to_string(); // parses, fails validation
-        assert!(e.contains("eps_low") && e.contains("[0, 1)"), "{e}");
-        let e = c.set("dual_clip", "0.5").unwrap_err().to_string();
-        assert!(e.contains("dual_clip") && e.contains("> 1"), "{e}");
-        let e = c.set("rho", "0.2").unwrap_err().to_string();
-        assert!(e.contains("rho") && e.contains("top_entropy"), "{e}");
-        let e = c.set("agg", "mean").unwrap_err().to_string();
-        assert!(e.contains("agg") && e.contains("token-mean"), "{e}");
-        assert!(c.set("tau_h_quantile", "1.5").is_err());
-        let e = c.set("tau_h_over", "tokens").unwrap_err().to_string();
-        assert!(e.contains("tau_h_over") && e.contains("response|candidates"), "{e}");
-        assert!(c.set("overlong_cache_len", "99999").is_err()); // cache > max_len
-        assert!(c.set_pair("eps_low").is_err());
-        assert_eq!(c, before, "failed sets leave the config unchanged");
-    }
-
-    #[test]
-    fn overrides_apply_in_a_fixed_order() {
-        // Given cache first, L_max still comes first: 1024 rescales the DAPO buffer
-        // (round(0.2 · 1024) = 205), then the cache is set to 256.
-        let pairs = [("overlong_cache_len", "256"), ("overlong_max_len", "1024"), ("tau_p", "0.01")];
-        let c = ObjectiveConfig::with_overrides("dapo_s2t", pairs).unwrap();
-        assert_eq!(c.overlong, Some(OverlongConfig { max_len: 1024, cache_len: 256, factor: 1.0 }));
-        // `mask` switches S2T on before its threshold is read, whatever the order.
-        let c = ObjectiveConfig::with_overrides("grpo", [("tau_p", "0.01"), ("mask", "s2t")]).unwrap();
-        assert_eq!(c.mask, MaskConfig::S2t { tau_p: 0.01, tau_h: TauH::PAPER });
-        let e = ObjectiveConfig::with_overrides("grpo", [("tau_q", "1")]).unwrap_err().to_string();
-        assert!(e.contains("tau_q"), "{e}");
+    fn overlay_errors_name_the_path_and_the_nearest_key() {
+        let c = ObjectiveConfig::preset("stapo").unwrap();
+        let err = |over: serde_json::Value| c.overlay("actor.objective", &over).unwrap_err().to_string();
+        let e = err(json!({"loss": {"eps_lo": 0.1}}));
+        assert!(e.contains("`loss.eps_lo`") && e.contains("did you mean `eps_low`?"), "{e}");
+        let e = err(json!({"loss": {"eps_low": "abc"}}));
+        assert!(e.contains("`loss.eps_low`") && e.contains("abc"), "{e}");
+        let e = err(json!({"loss": {"eps_low": 1.5}})); // parses, fails validation
+        assert!(e.contains("loss.eps_low") && e.contains("[0, 1)"), "{e}");
+        let e = err(json!({"loss": {"dual_clip": 0.5}}));
+        assert!(e.contains("loss.dual_clip") && e.contains("> 1"), "{e}");
+        let e = err(json!({"loss": {"kind": "sapo", "eps_low": 0.1}}));
+        assert!(e.contains("`loss.eps_low`") && e.contains("tau_pos"), "{e}");
+        let e = err(json!({"mask": {"rho": 0.2}}));
+        assert!(e.contains("`mask.rho`"), "{e}");
+        let e = err(json!({"mask": {"tau_P": 0.1}}));
+        assert!(e.contains("`mask.tau_P`") && e.contains("did you mean `tau_p`?"), "{e}");
+        let e = err(json!({"agg": "mean"}));
+        assert!(e.contains("`agg`") && e.contains("token-mean"), "{e}");
+        let e = err(json!({"mask": {"tau_h": {"q": 1.5}}}));
+        assert!(e.contains("mask.tau_h.q"), "{e}");
+        let e = err(json!({"overlong": {"cache_len": 99999}})); // cache > max_len
+        assert!(e.contains("overlong"), "{e}");
     }
 
     #[test]
@@ -411,9 +360,12 @@ mod tests {
         assert_eq!(s.overlong, Some(OverlongConfig { max_len: 64, cache_len: 13, factor: 1.0 }));
         assert_eq!(s.norm_len, None); // token-mean: no constant length
                                       // A buffer the user set is kept, and one that starts beyond the budget is a note.
-        let mut u = ObjectiveConfig::with_overrides("dapo", [("overlong_max_len", "1024")]).unwrap();
+        let mut u = ObjectiveConfig::preset("dapo")
+            .unwrap()
+            .overlay("o", &json!({"overlong": {"max_len": 8192}}))
+            .unwrap();
         let notes = u.fit_to_run(64);
-        assert_eq!(u.overlong.unwrap().max_len, 1024);
+        assert_eq!(u.overlong.unwrap().max_len, 8192);
         assert!(notes.len() == 1 && notes[0].contains("never fire"), "{notes:?}");
     }
 }

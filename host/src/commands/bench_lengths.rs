@@ -107,14 +107,10 @@ pub fn run(m: &Qwen3, cfg: &Config, plan: &Plan) -> anyhow::Result<()> {
         lens.iter().max().copied().unwrap_or(0),
         plan.prompt
     );
-    let paths = [
-        ("padded", UpdateConfig { micro_batch: micro, ..UpdateConfig::default() }, &padded_shapes),
-        (
-            "budget",
-            UpdateConfig { max_tokens_per_micro: plan.budget, ..UpdateConfig::default() },
-            &budget_shapes,
-        ),
-    ];
+    let (mut padded, mut budget) = (UpdateConfig::default(), UpdateConfig::default());
+    padded.actor.micro_batch = micro;
+    budget.actor.max_tokens_per_micro = plan.budget;
+    let paths = [("padded", padded, &padded_shapes), ("budget", budget, &budget_shapes)];
     for (name, _, shapes) in &paths {
         let (run, share) = padding(shapes, real);
         let what = if *name == "padded" {

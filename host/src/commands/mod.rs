@@ -108,14 +108,24 @@ pub fn presets_long_help() -> String {
 
 /// `--set`'s one-line help.
 pub const SET_SHORT_HELP: &str =
-    "Objective overrides, e.g. --set tau_p=0.01 --set eps_high=0.3 (--help lists the keys)";
+    "Overrides PATH=VALUE, e.g. --set actor.objective.mask.tau_p=0.01 (--help lists the paths)";
 
-/// `--set`'s `--help` text: every key with what it expects, from the one alias table.
+/// `--set`'s `--help` text: the paths of the update options (the actor section of a run's
+/// configuration, docs/scripting.md).
 pub fn set_long_help() -> String {
-    format!(
-        "Objective overrides KEY=VALUE (repeatable), e.g. --set tau_p=0.01. Keys:\n{}",
-        stapo::algo::set_keys_help()
-    )
+    "Overrides PATH=VALUE (repeatable), dotted paths of the update options (VALUE is JSON when \
+     it parses, else a string), e.g. --set actor.objective.mask.tau_p=0.01. Paths:\n  \
+     actor.objective.loss.kind (ppo|gspo|sapo|pg; a new kind takes its defaults), \
+     actor.objective.loss.{eps_low,eps_high,dual_clip} (ppo), .{eps_low,eps_high} (gspo), \
+     .{tau_pos,tau_neg} (sapo)\n  actor.objective.mask.kind (none|s2t|top_entropy), \
+     mask.tau_p, mask.tau_h (a number, or mask.tau_h.q / mask.tau_h.over = candidates|response), \
+     mask.rho\n  actor.objective.{agg,adv,std,entropy_coef,norm_len,dynamic_sampling,\
+     reward_scale}, actor.objective.kl.{kind,beta} (kl=null: off), \
+     actor.objective.overlong.{max_len,cache_len,factor} (overlong=null: off)\n  \
+     actor.optim.{lr,beta1,beta2,eps,weight_decay,max_grad_norm}, actor.{epochs,mini_batch,\
+     micro_batch,max_tokens_per_micro,old_logp}, actor.rollout_correction.{mode,cap,seq_lower,\
+     seq_upper}, seed, temperature, max_tokens"
+        .to_string()
 }
 
 /// The model options the environment names, the only place that reads

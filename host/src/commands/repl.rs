@@ -36,6 +36,7 @@ pub fn run(a: ReplArgs) -> anyhow::Result<()> {
         args,
         run_dir: a.out,
         resume: false,
+        apply_changes: false,
         progress: std::io::stderr().is_terminal(),
         watch: false,
         stdlib_dirs: script::runner::stdlib_dirs(

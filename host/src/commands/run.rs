@@ -18,17 +18,25 @@ pub struct RunArgs {
     #[arg(long)]
     pub watch: bool,
     /// KEY=VALUE, repeatable. Scripts see it as ARGS.KEY (int, float, bool or string). A KEY
-    /// naming a train() config field (lr, prompts_per_step, sampling.n, ...) or an objective
-    /// override (tau_p, eps_high, ...) is also applied to every train() config.
+    /// that is a dotted path of the configuration tree (actor.optim.lr, rollout.sampling.n,
+    /// actor.objective.mask.tau_p, seed, ...; VALUE read as JSON when it parses) is also laid
+    /// over every train() config. Any other KEY must be one the script reads as ARGS.KEY: an
+    /// unknown one is an error naming the nearest.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// The run folder (one script only).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue the run in this folder from its latest checkpoint; the script is the given one,
-    /// or the copy saved in the folder (script.rhai). The step counter continues.
+    /// or the copy saved in the folder (script.rhai). The step counter continues. A config that
+    /// differs from the run's run_config.json (another script, another --set) is an error
+    /// listing the fields, unless --apply-changes.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With --resume: continue under the changed config (the old run_config.json is kept as
+    /// run_config-step-NNNNNN.json; the changes are listed on stderr and in reloads.log).
+    #[arg(long, requires = "resume")]
+    pub apply_changes: bool,
     /// Smoke mode (also STAPO_SMOKE=1): scripts see SMOKE = true and every train() is clamped to
     /// 2 tiny steps.
     #[arg(long)]
@@ -94,6 +102,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     };
     // Read once here and passed down, so the library never looks at the environment.
     let env_stdlib = std::env::var_os("STAPO_STDLIB").map(PathBuf::from);
+    for path in &scripts {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        script::train_loop::check_set_keys(&args, &text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    }
     let cancel = script::signal::install();
     let mut outcomes = Vec::new();
     for path in &scripts {
@@ -108,6 +121,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             args: args.clone(),
             run_dir,
             resume: a.resume.is_some(),
+            apply_changes: a.apply_changes,
             progress: root && !a.quiet && std::io::stderr().is_terminal(),
             watch: a.watch,
             stdlib_dirs: script::runner::stdlib_dirs(env_stdlib.as_deref(), Some(path)),

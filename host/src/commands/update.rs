@@ -5,15 +5,13 @@ use std::path::PathBuf;
 use anyhow::Context;
 use candle_core::DType;
 use clap::Args;
-use std::collections::BTreeMap;
 
 use stapo::dist;
 use stapo::model;
 use stapo::rollout::RolloutBatch;
-use stapo::train::update::{self, Policy, RolloutCorrection};
-use stapo::train::{
-    AdamW, AdamWConfig, OldLogp, Optimizer, Sequence, ShardMode, ShardedAdamW, UpdateOptions,
-};
+use stapo::train::config::moved_to;
+use stapo::train::update::{self, Policy};
+use stapo::train::{AdamW, AdamWConfig, Optimizer, Sequence, ShardMode, ShardedAdamW, UpdateOptions};
 
 use super::{model_dir, DeviceArgs};
 
@@ -118,33 +116,7 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     if let Some(r) = &a.recompute {
         m.set_recompute(model::Recompute::parse(r, "--recompute")?);
     }
-    let mut set = BTreeMap::new();
-    for kv in &a.set {
-        let (k, v) =
-            kv.split_once('=').with_context(|| format!("--set: expected KEY=VALUE, found `{kv}`"))?;
-        anyhow::ensure!(
-            set.insert(k.trim().to_string(), v.trim().to_string()).is_none(),
-            "--set: `{}` given twice",
-            k.trim()
-        );
-    }
-    let opts = UpdateOptions {
-        objective: a.objective.clone(),
-        set,
-        lr: a.lr,
-        epochs: a.epochs,
-        mini_batch: a.minibatch,
-        micro_batch: a.microbatch,
-        max_tokens_per_micro: a.max_tokens_per_micro,
-        old_logp: if a.rollout_logprobs { OldLogp::Rollout } else { OldLogp::Recompute },
-        seed: a.seed,
-        temperature: a.temperature,
-        max_tokens: a.max_tokens,
-        rollout_correction: RolloutCorrection {
-            mode: serde_json::from_value(serde_json::json!(a.rollout_correction))?,
-            ..RolloutCorrection::default()
-        },
-    };
+    let opts = options(&a)?;
     let (cfg, notes) = opts.to_config()?;
     for n in &notes {
         eprintln!("warning: {n}");
@@ -164,10 +136,11 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let pad_id = m.config().eos_token_id.unwrap_or(0);
     // With LoRA the optimizer holds the adapters alone, at lr x lr_scale.
-    let lr = lora.as_ref().map_or(a.lr, |l| a.lr * l.lr_scale);
+    let base_lr = opts.actor.optim.lr;
+    let lr = lora.as_ref().map_or(base_lr, |l| base_lr * l.lr_scale);
     let comm = dist::for_device(dist::world(), m.device())?;
-    let adam = AdamWConfig { lr, ..AdamWConfig::default() };
-    let mut opt: Box<dyn Optimizer> = match ShardMode::parse(&a.shard, "--shard")? {
+    let adam = AdamWConfig { lr, ..opts.actor.optim.clone() };
+    let mut opt: Box<dyn Optimizer> = match opts.actor.shard {
         ShardMode::None => Box::new(AdamW::new(m.trainable_params(), adam)?),
         mode => Box::new(ShardedAdamW::new(m.trainable_params(), adam, mode, comm.rank(), comm.size())?),
     };
@@ -204,6 +177,40 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(&metrics)?);
     eprintln!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The update options of the flags, with the `--set PATH=VALUE` pairs laid on top (paths of
+/// [`UpdateOptions`]: `actor.objective.mask.tau_p`, `actor.optim.weight_decay`, `seed`, ...).
+fn options(a: &UpdateArgs) -> anyhow::Result<UpdateOptions> {
+    let old_logp = if a.rollout_logprobs { "rollout" } else { "recompute" };
+    let mut user = serde_json::json!({
+        "actor": {
+            "preset": a.objective,
+            "optim": {"lr": a.lr},
+            "epochs": a.epochs,
+            "mini_batch": a.minibatch,
+            "micro_batch": a.microbatch,
+            "max_tokens_per_micro": a.max_tokens_per_micro,
+            "old_logp": old_logp,
+            "rollout_correction": {"mode": a.rollout_correction},
+            "shard": ShardMode::parse(&a.shard, "--shard")?.name(),
+        },
+        "seed": a.seed,
+        "temperature": a.temperature,
+        "max_tokens": a.max_tokens,
+    });
+    let mut seen = std::collections::BTreeSet::new();
+    for kv in &a.set {
+        let (k, v) =
+            kv.split_once('=').with_context(|| format!("--set: expected PATH=VALUE, found `{kv}`"))?;
+        let k = k.trim();
+        anyhow::ensure!(seen.insert(k.to_string()), "--set: `{k}` given twice");
+        if let (false, Some(new)) = (k.contains('.'), moved_to(k)) {
+            anyhow::bail!("--set {k}: `{k}` moved to `{new}`");
+        }
+        stapo::overlay::set_dotted(&mut user, k, stapo::overlay::parse_value(v));
+    }
+    Ok(UpdateOptions::from_json(&user)?)
 }
 
 /// This rank's contiguous share of the groups of `seqs` (whole groups, in the order of

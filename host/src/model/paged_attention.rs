@@ -5,7 +5,7 @@
 //! `paged_attention_v1` kernel). Grouped-query attention: query head `h`
 //! reads kv head `h / (Hq / Hkv)`. Sums run in the input's float type (f32
 //! or f64); rayon splits the work over tokens x query heads, as
-//! [`super::fused::attention`] does over rows and heads. Inference only: no
+//! [`super::fused::attention()`] does over rows and heads. Inference only: no
 //! backward.
 
 use candle_core::{Storage, Tensor, WithDType};

@@ -57,7 +57,7 @@ pub const DEVICE_MAX_ROWS: usize = 256;
 /// `kv_cache_gb` is not set.
 pub const CPU_CACHE_FRACTION: f64 = 0.25;
 
-/// The engine's settings, as a run's config gives them (`rollout_engine`).
+/// The engine's settings, as a run's config gives them (`rollout.engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
@@ -86,7 +86,7 @@ impl EngineConfig {
 
     /// Checks every field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(Error::invalid(format!("rollout_engine.{field}: {msg}")));
+        let bad = |field: &str, msg: String| Err(Error::invalid(format!("rollout.engine.{field}: {msg}")));
         if let Some(g) = self.kv_cache_gb {
             if !(g.is_finite() && g > 0.0) {
                 return bad("kv_cache_gb", format!("expected a positive number of GB, found {g}"));
@@ -312,7 +312,7 @@ fn pool_blocks(
     if per_seq > budget {
         return Err(Error::invalid(format!(
             "rollout: a sequence of {longest} tokens needs {per_seq} cache blocks of {bs} tokens ({:.3} GB) \
-             but the KV cache budget (rollout_engine.kv_cache_gb = {}) holds {budget} ({:.3} GB)",
+             but the KV cache budget (rollout.engine.kv_cache_gb = {}) holds {budget} ({:.3} GB)",
             per_seq as f64 * block_bytes / 1e9,
             cfg.kv_cache_gb.map_or("unset: a share of the free memory".to_string(), |g| g.to_string()),
             budget as f64 * block_bytes / 1e9
@@ -773,7 +773,7 @@ mod tests {
             (EngineConfig { block_size: 0, ..Default::default() }, "block_size"),
         ] {
             let err = bad.validate().expect_err(field).to_string();
-            assert!(err.contains(&format!("rollout_engine.{field}")), "{err}");
+            assert!(err.contains(&format!("rollout.engine.{field}")), "{err}");
         }
         let parsed: EngineConfig =
             serde_json::from_str(r#"{"kv_cache_gb": 2.5, "max_rows": 8}"#).expect("parse");

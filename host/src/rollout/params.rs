@@ -1,4 +1,5 @@
-//! Sampling parameters, as a script or a config file gives them.
+//! Sampling parameters, as a script or a config file gives them. The serde names are
+//! vLLM's (`max_tokens`, `stop`), the ones scripts write.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,13 +19,16 @@ pub struct SamplingParams {
     pub top_p: f64,
     /// Keep only the `k` most likely tokens (None = off).
     pub top_k: Option<usize>,
-    /// Longest response; a response that reaches it is marked truncated.
+    /// Longest response (serde name `max_tokens`, as vLLM); a response that reaches it is
+    /// marked truncated.
+    #[serde(rename = "max_tokens")]
     pub max_new_tokens: usize,
     /// Tokens that end a response (e.g. `<|im_end|>`); included in the response.
     /// The model's `eos_token_id` is always a stop token unless `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
     /// Strings that end a response when its decoded text contains them; the
-    /// response ends with the token that completed the string.
+    /// response ends with the token that completed the string (serde name `stop`, as vLLM).
+    #[serde(rename = "stop")]
     pub stop_strings: Vec<String>,
     /// Do not stop at the model's `eos_token_id` (benchmarks); the other stop
     /// tokens and strings still apply.
@@ -101,7 +105,9 @@ mod tests {
     fn partial_json_takes_defaults_and_unknown_fields_are_rejected() {
         let p: SamplingParams = serde_json::from_str(r#"{"n": 4, "top_p": 0.9}"#).expect("parse");
         assert_eq!(p, SamplingParams { n: 4, top_p: 0.9, ..SamplingParams::default() });
-        assert!(serde_json::from_str::<SamplingParams>(r#"{"max_tokens": 4}"#).is_err());
+        let p: SamplingParams = serde_json::from_str(r#"{"max_tokens": 4, "stop": ["x"]}"#).expect("parse");
+        assert_eq!((p.max_new_tokens, p.stop_strings), (4, vec!["x".to_string()]));
+        assert!(serde_json::from_str::<SamplingParams>(r#"{"max_new_tokens": 4}"#).is_err());
     }
 
     #[test]

@@ -1,7 +1,12 @@
 //! Conversions between Rhai values and the host's serde types: a script map
-//! becomes JSON, is overlaid on a default's JSON and deserialised, so every
-//! config struct (`RunConfig`, `SamplingParams`, ...) accepts partial maps with
-//! the same field names as its JSON form, and errors name the field.
+//! becomes JSON, is laid over a default's JSON and deserialised once
+//! ([`crate::overlay`]), so every config struct (`RunConfig`, `SamplingParams`, ...)
+//! accepts partial maps with the same field names as its JSON form, and errors name the
+//! field's dotted path.
+//!
+//! JSON is the intermediate rather than `rhai::serde::from_dynamic`, whose deserialiser
+//! takes an `f32` field only from a Rhai value holding an `f32` (a script's `0.002` is an
+//! `f64`) and a float field not from an integer (`temperature: 1`).
 
 use rhai::{Array, Dynamic, Map};
 use serde::de::DeserializeOwned;
@@ -72,106 +77,39 @@ pub fn to_dynamic<T: Serialize>(x: &T) -> RhaiResult<Dynamic> {
     serde_json::to_value(x).map(|v| from_json(&v)).map_err(host)
 }
 
-/// Deep-merges `over` into `base`: objects merge key by key, anything else replaces.
-pub fn merge_json(base: &mut Value, over: Value) {
-    match (base, over) {
-        (Value::Object(b), Value::Object(o)) => {
-            for (k, v) in o {
-                match b.get_mut(&k) {
-                    Some(slot) if slot.is_object() && v.is_object() => merge_json(slot, v),
-                    _ => {
-                        b.insert(k, v);
-                    }
-                }
-            }
-        }
-        (b, o) => *b = o,
-    }
-}
-
-/// `T` from `base` with the fields of the script map `over` laid on top;
-/// `what` names the argument in errors (e.g. `sampling`).
+/// `T` from `base` with the fields of the script map `over` laid on top (the one converter,
+/// [`crate::overlay::build`]); `what` names the argument in errors (e.g. `sampling`), which
+/// name the key's dotted path and, for an unknown key, the nearest valid one.
 pub fn overlay<T: Serialize + DeserializeOwned>(what: &str, base: &T, over: Value) -> RhaiResult<T> {
     let base = serde_json::to_value(base).map_err(host)?;
-    deserialize(what, &base, over)
+    crate::overlay::build(what, &base, &over).map_err(|e| config_arg(what, e))
+}
+
+/// A configuration error as a bad argument of `what`: "what: `key`: message".
+pub fn config_arg(what: &str, e: crate::Error) -> Box<rhai::EvalAltResult> {
+    match e {
+        crate::Error::Config { field, msg, .. } => bad_arg(what, format!("`{field}`: {msg}")),
+        other => bad_arg(what, other),
+    }
 }
 
 /// The one converter from a script's option map to a typed option struct
 /// (`#[serde(default, deny_unknown_fields)]`): absent keys take the struct's
-/// defaults, an unknown key is an error listing the valid ones, and a value of
+/// defaults, an unknown key is an error naming the nearest valid one, and a value of
 /// the wrong type or range (a negative count, a string for a number) is an
 /// error naming its key. `what` names the argument (e.g. `evaluate opts`).
 pub fn options<T: DeserializeOwned>(what: &str, m: &Map) -> RhaiResult<T> {
-    deserialize(what, &Value::Object(Default::default()), to_json(what, &Dynamic::from_map(m.clone()))?)
-}
-
-/// `T` from `base` deep-merged with `over`. serde names an unknown key itself
-/// (with the valid ones), but not the key of a value it cannot convert: that
-/// key is found by laying `over`'s keys on `base` one at a time.
-fn deserialize<T: DeserializeOwned>(what: &str, base: &Value, over: Value) -> RhaiResult<T> {
-    let mut v = base.clone();
-    merge_json(&mut v, over.clone());
-    let e = match serde_json::from_value::<T>(v) {
-        Ok(t) => return Ok(t),
-        Err(e) => e,
-    };
-    let msg = e.to_string();
-    if msg.starts_with("unknown field") || msg.starts_with("unknown variant") {
-        return Err(bad_arg(what, msg));
-    }
-    match failing_key::<T>(base, &over, &mut Vec::new()) {
-        Some(found) => Err(bad_arg(what, found)),
-        None => Err(bad_arg(what, msg)),
-    }
-}
-
-/// The key of `over` (dotted, into nested maps: `sampling.n`) whose value alone makes
-/// `base` fail to convert to `T`, with serde's message; `path` is the map being searched.
-fn failing_key<T: DeserializeOwned>(base: &Value, over: &Value, path: &mut Vec<String>) -> Option<String> {
-    let Value::Object(o) = over else { return None };
-    for (k, x) in o {
-        let mut one = base.clone();
-        let nested = path
-            .iter()
-            .rev()
-            .fold(Value::Object([(k.clone(), x.clone())].into_iter().collect()), |acc, p| {
-                Value::Object([(p.clone(), acc)].into_iter().collect())
-            });
-        merge_json(&mut one, nested);
-        let Err(e) = serde_json::from_value::<T>(one) else { continue };
-        if x.is_object() {
-            path.push(k.clone());
-            if let Some(found) = failing_key::<T>(base, x, path) {
-                return Some(found);
-            }
-            path.pop();
-        }
-        let full: Vec<&str> = path.iter().map(String::as_str).chain([k.as_str()]).collect();
-        return Some(format!("`{}`: {e}", full.join(".")));
-    }
-    None
+    let over = to_json(what, &Dynamic::from_map(m.clone()))?;
+    crate::overlay::build(what, &Value::Object(Default::default()), &over).map_err(|e| config_arg(what, e))
 }
 
 /// `SamplingParams` from a script map laid over `base` (`n`, `temperature`,
-/// `top_p`, `top_k`, `max_tokens`/`max_new_tokens`, `stop`/`stop_strings`,
-/// `seed`, ...); keys that are not sampling fields (`template`) are ignored here.
+/// `top_p`, `top_k`, `max_tokens`, `stop`, `seed`, ...); keys that are not sampling
+/// fields (`template`) are ignored here.
 pub fn sampling_from_map(base: &SamplingParams, m: &Map) -> RhaiResult<SamplingParams> {
     let mut m = m.clone();
     m.remove("template");
-    overlay("sampling", base, sampling_json(to_json("sampling", &Dynamic::from_map(m))?))
-}
-
-/// Sampling options as scripts write them: `max_tokens` is accepted for
-/// `max_new_tokens` and `stop` for `stop_strings`.
-pub fn sampling_json(mut v: Value) -> Value {
-    if let Value::Object(o) = &mut v {
-        for (alias, name) in [("max_tokens", "max_new_tokens"), ("stop", "stop_strings")] {
-            if let Some(x) = o.remove(alias) {
-                o.insert(name.into(), x);
-            }
-        }
-    }
-    v
+    overlay("sampling", base, to_json("sampling", &Dynamic::from_map(m))?)
 }
 
 /// An `f32` as the `f64` with the same shortest decimal form (0.01f32 → 0.01, not 0.009999999776).
@@ -239,7 +177,7 @@ mod tests {
     fn overlay_keeps_defaults_and_names_bad_fields() {
         let engine = rhai::Engine::new();
         let m: Map = engine.eval("#{ n: 4, temperature: 1, max_tokens: 16 }").unwrap();
-        let v = sampling_json(to_json("sampling", &Dynamic::from_map(m)).unwrap());
+        let v = to_json("sampling", &Dynamic::from_map(m)).unwrap();
         let p: SamplingParams = overlay("sampling", &SamplingParams::default(), v).unwrap();
         assert_eq!((p.n, p.temperature, p.max_new_tokens, p.top_p), (4, 1.0, 16, 1.0));
         let bad: Map = engine.eval("#{ nn: 4 }").unwrap();
@@ -278,12 +216,12 @@ mod tests {
         assert_eq!(opts("#{ n: 2, lr: 1 }").unwrap(), Opts { n: 2, lr: 1.0, ..Opts::default() });
         // A negative count is an error naming it, never a wrapped usize.
         let e = opts("#{ name: \"a\", n: -3 }").unwrap_err();
-        assert!(e.contains("f opts: `n`:") && e.contains("-3"), "{e}");
+        assert!(e.contains("f opts") && e.contains("`n`") && e.contains("-3"), "{e}");
         let e = opts("#{ name: 5 }").unwrap_err();
         assert!(e.contains("`name`") && e.contains("expected a string"), "{e}");
         // An unknown key lists the valid ones.
         let e = opts("#{ nn: 1 }").unwrap_err();
-        assert!(e.contains("`nn`") && e.contains("`n`, `name`, `lr`"), "{e}");
+        assert!(e.contains("`nn`") && e.contains("did you mean `n`?") && e.contains("n, name, lr"), "{e}");
     }
 
     #[test]

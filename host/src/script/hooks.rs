@@ -54,7 +54,7 @@ pub const SAMPLING: HookSpec = HookSpec {
 pub const THRESHOLDS: HookSpec = HookSpec {
     name: "thresholds",
     params: &["step", "stats"],
-    returns: "#{tau_p, tau_h} or #{tau_p, tau_h_quantile}: the step's S2T thresholds",
+    returns: "#{tau_p, tau_h (a number or #{q, over}), state}: the step's S2T thresholds",
     doc: "called before each step with an S2T objective; stats = the previous step's metrics, \
           run, the thresholds in force and prev (the map returned last time)",
 };

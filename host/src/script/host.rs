@@ -72,6 +72,10 @@ pub struct HostOptions {
     pub run_dir: Option<PathBuf>,
     /// Continue the run in `run_dir` instead of starting one.
     pub resume: bool,
+    /// On resume, continue under the script's config (with `--set`) where it differs from
+    /// the run's `run_config.json` (`stapo run --resume DIR --apply-changes`); without it a
+    /// difference is an error listing the fields.
+    pub apply_changes: bool,
     /// Draw a progress bar during `train` (only on a terminal).
     pub progress: bool,
     /// Watch the script and its imports and swap hooks when they change.

@@ -7,14 +7,17 @@
 //!
 //! 1. `sampling(step)` → map merged into the step's `SamplingParams`
 //!    (`n`, `temperature`, `top_p`, `top_k`, `max_tokens`, ...);
-//! 2. `thresholds(step, stats)` → `#{tau_p, tau_h}` or `#{tau_p, tau_h_quantile, tau_h_over}`,
-//!    applied to the step's S2T mask (S2T objectives only: with another objective
-//!    the hook is not called and a note says so once). `stats` holds the previous step's
-//!    metrics (`silenced_ratio`, `s2t_candidates`, `response_tokens`, ...; absent at the
-//!    first step), `run` (the run folder's name, e.g. a config's `name`), the
-//!    thresholds in force (`tau_p`, `tau_h`/`tau_h_quantile`) and `prev`, the
-//!    map the hook returned last time (extra keys included), so a hook can
-//!    keep state across steps;
+//! 2. `thresholds(step, stats)` → the S2T thresholds in their one form
+//!    ([`crate::algo::S2tThresholds`]: `#{tau_p, tau_h}` with `tau_h` a number or a
+//!    quantile `#{q, over}`; what the map leaves out stays), plus `state`, a map of the
+//!    hook's own; applied to the step's S2T mask (S2T objectives only: with another
+//!    objective the hook is not called and a note says so once). Any other key is an
+//!    error naming the nearest valid one. `stats` holds the previous step's metrics
+//!    (`silenced_ratio`, `s2t_candidates`, `response_tokens`, `tau_h` applied, ...;
+//!    absent at the first step), `run` (the run folder's name, e.g. a config's
+//!    `name`), `thresholds` (those in force, in the same form), `tau_p` and `prev`, the
+//!    map the hook returned last time (`state` included), so a hook can keep state
+//!    across steps;
 //! 3. `lr(step)` → the step's learning rate;
 //! 4. the step itself (rollout, reward, update; metrics logged to `metrics.jsonl`);
 //! 5. `on_step(step, metrics)` and `should_stop(step, metrics)` → bool.
@@ -31,10 +34,16 @@
 //! The run ends with a checkpoint (also when cancelled or a hook fails, so it
 //! can be resumed), and `train` returns a summary map.
 //!
-//! `--set key=value` pairs are applied to the config map: a `RunConfig` field
-//! (`lr=1e-5`, `prompts_per_step=8`, dotted for nested ones: `sampling.n=4`)
-//! or an objective override key (`tau_p=0.01`, goes into `set`). Other keys
-//! are only visible to the script as `ARGS.key`.
+//! `--set key=value` pairs whose key is a path of the configuration tree
+//! ([`RunConfig`]: `actor.optim.lr=1e-5`, `data.prompts_per_step=8`,
+//! `rollout.sampling.n=4`, `actor.objective.mask.tau_p=0.01`, `seed=3`) are laid over
+//! every config map; the others are only visible to the script as `ARGS.key`
+//! ([`check_set_keys`] rejects a key that is neither, naming the nearest).
+//!
+//! A resumed run (`stapo run --resume DIR`) compares the config the script asks for with
+//! the run's `run_config.json`: equal, it continues; different, it stops with the list of
+//! fields that differ, unless `--apply-changes` says to continue under the new values
+//! (the old file is kept as `run_config-step-NNNNNN.json` and `reloads.log` lists them).
 //!
 //! In smoke mode every run is clamped to at most 2 steps of 2 prompts × 2
 //! samples × 8 tokens (at most 2 generation batches per step), evaluation to 2
@@ -49,14 +58,16 @@ use rhai::{Dynamic, Engine, Map, Scope};
 use serde_json::Value;
 
 use super::convert::{
-    clean_f64, from_json, get_num, get_str, num, parse_cli_value, sampling_from_map, sampling_json, to_json,
+    clean_f64, config_arg, from_json, get_num, num, sampling_from_map, to_dynamic, to_json,
 };
 use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
 use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
 use super::hooks::{hook_type_error, HookSet, HookSpec, LR, ON_STEP, SAMPLING, SHOULD_STOP, THRESHOLDS};
 use super::host::{timestamp, Host};
-use crate::algo::{is_set_key, MaskConfig, QuantileOver, TauH};
-use crate::train::{RunConfig, StepMetrics, StepPlan, Trainer};
+use crate::algo::MaskConfig;
+use crate::overlay;
+use crate::train::trainer::RunFolder;
+use crate::train::{config::moved_to, RunConfig, StepMetrics, StepPlan, Trainer};
 use crate::util::append_line;
 use crate::{Error, Result};
 
@@ -77,79 +88,158 @@ fn hook_timeout(host: &Host, cfg: &Map) -> RhaiResult<Option<Duration>> {
     }
 }
 
-/// `RunConfig` from a script map, with `--set` overrides and smoke clamps.
+/// `RunConfig` from a script map, with `--set` overrides and smoke clamps: the one
+/// conversion ([`RunConfig::from_json`]).
 pub fn run_config(host: &Host, cfg: &Map) -> RhaiResult<RunConfig> {
     let mut m = cfg.clone();
     for k in HOST_KEYS {
         m.remove(k);
     }
     let mut v = to_json("config", &Dynamic::from_map(m))?;
-    if let Value::Object(o) = &mut v {
-        if let Some(s) = o.remove("sampling") {
-            o.insert("sampling".into(), sampling_json(s));
-        }
-        // Objective overrides are strings to `ObjectiveConfig::set`; scripts write numbers.
-        if let Some(Value::Object(set)) = o.get_mut("set") {
-            for val in set.values_mut() {
-                if !val.is_string() {
-                    *val = Value::String(val.to_string());
-                }
-            }
+    for (k, raw) in &host.opts.args {
+        if is_config_key(k) {
+            overlay::set_dotted(&mut v, k, overlay::parse_value(raw));
         }
     }
-    apply_args(host, &mut v)?;
-    // A value that does not convert is named by its key (`sampling.n`, `lr`).
-    let mut rc: RunConfig = super::convert::overlay("train config", &RunConfig::default(), v)?;
+    let mut rc = RunConfig::from_json(&v).map_err(|e| config_arg("train config", e))?;
     if host.opts.smoke {
         smoke_clamp(&mut rc);
     }
     Ok(rc)
 }
 
-/// Applies `--set` pairs that name config fields or objective overrides.
-fn apply_args(host: &Host, v: &mut Value) -> RhaiResult<()> {
-    let fields = serde_json::to_value(RunConfig::default()).map_err(host_err)?;
-    let Value::Object(o) = v else { return Ok(()) };
-    for (k, raw) in &host.opts.args {
-        let val = to_json(k, &parse_cli_value(raw))?;
-        let mut parts = k.split('.');
-        let top = parts.next().unwrap_or_default();
-        if fields.get(top).is_some() {
-            let rest: Vec<&str> = parts.collect();
-            let mut slot = o.entry(top.to_string()).or_insert(Value::Object(Default::default()));
-            for p in rest {
-                if !slot.is_object() {
-                    *slot = Value::Object(Default::default());
+/// Whether a `--set` key is a path of the configuration tree: a dotted path below one of
+/// its sections (`actor.optim.lr`), or a top-level leaf (`seed`). A bare section name
+/// (`model`) is not: scripts read such keys as `ARGS.model`.
+fn is_config_key(key: &str) -> bool {
+    let Ok(Value::Object(tree)) = serde_json::to_value(RunConfig::default()) else { return false };
+    let top = key.split('.').next().unwrap_or_default();
+    match tree.get(top) {
+        Some(v) => key.contains('.') || !v.is_object(),
+        None => false,
+    }
+}
+
+/// Checks every `--set` key before a script runs: a path of the configuration tree must
+/// exist in it; any other key must be one the script reads (`ARGS.key` in `script`, the
+/// script's text; a script that reads `ARGS` as a whole or calls `args()` accepts any).
+/// An unknown key is an error naming the nearest valid one, or the new place of a key of
+/// the old flat layout (`lr` → `actor.optim.lr`).
+pub fn check_set_keys(args: &std::collections::BTreeMap<String, String>, script: &str) -> Result<()> {
+    let read = args_read(script);
+    for (k, raw) in args {
+        if is_config_key(k) {
+            let mut v = Value::Object(Default::default());
+            overlay::set_dotted(&mut v, k, overlay::parse_value(raw));
+            match RunConfig::from_json(&v) {
+                Err(Error::Config { field, msg, .. }) if msg.starts_with("unknown") => {
+                    return Err(Error::Config { file: "--set".into(), field, msg });
                 }
-                let Value::Object(inner) = slot else { break };
-                slot = inner.entry(p.to_string()).or_insert(Value::Null);
-            }
-            *slot = val;
-            if top == "sampling" {
-                if let Some(s) = o.remove("sampling") {
-                    o.insert("sampling".into(), sampling_json(s));
-                }
-            }
-        } else if is_set_key(k) {
-            let set = o.entry("set").or_insert(Value::Object(Default::default()));
-            if let Value::Object(s) = set {
-                s.insert(k.clone(), Value::String(raw.clone()));
+                _ => continue,
             }
         }
+        let reads_it = match &read {
+            Some(keys) => keys.iter().any(|r| r == k),
+            None => true,
+        };
+        if reads_it {
+            continue;
+        }
+        let leaves = config_leaves();
+        let section: Vec<&str> =
+            leaves.iter().filter(|l| l.starts_with(&format!("{k}."))).map(String::as_str).collect();
+        let msg = match moved_to(k) {
+            Some(new) => format!("`{k}` moved to `{new}` (and the script reads no ARGS.{k})"),
+            None if !section.is_empty() => format!(
+                "`{k}` is a section of the config: set a path below it ({}; the script reads no ARGS.{k})",
+                section.join(", ")
+            ),
+            None => {
+                let known = read.clone().unwrap_or_default();
+                match nearest_key(k, &known, &leaves) {
+                    Some(n) => format!("unknown key `{k}`; did you mean `{n}`? (neither a config path nor an ARGS key the script reads)"),
+                    None => format!("unknown key `{k}`: neither a config path (e.g. actor.optim.lr) nor an ARGS key the script reads ({})", known.join(", ")),
+                }
+            }
+        };
+        return Err(Error::Config { file: "--set".into(), field: k.clone(), msg });
     }
     Ok(())
 }
 
+/// The nearest valid `--set` key to `key`: an ARGS key the script reads, a config path, or
+/// the path of the config leaf (or old flat key) whose name is nearest (`tau_pp` →
+/// `actor.objective.mask.tau_p`).
+fn nearest_key(key: &str, args: &[String], leaves: &[String]) -> Option<String> {
+    let mut cands: Vec<(String, String)> = args.iter().map(|a| (a.clone(), a.clone())).collect();
+    for l in leaves {
+        cands.push((l.clone(), l.clone()));
+        let last = l.rsplit('.').next().unwrap_or(l);
+        cands.push((last.to_string(), l.clone()));
+    }
+    let near = overlay::nearest(key, cands.iter().map(|(c, _)| c.as_str()))?;
+    let (_, path) = cands.iter().find(|(c, _)| c == near)?;
+    Some(path.clone())
+}
+
+/// The `ARGS.key` names `script` reads, or `None` when it reads `ARGS` in a way that hides
+/// the keys (`ARGS[..]`, `args()`, `ARGS` passed on).
+fn args_read(script: &str) -> Option<Vec<String>> {
+    let mut keys = Vec::new();
+    let mut rest = script;
+    while let Some(i) = rest.find("ARGS") {
+        let after = &rest[i + 4..];
+        let before_ok = rest[..i].chars().next_back().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+        if before_ok {
+            let key: String = after
+                .strip_prefix('.')
+                .map(|a| a.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect())
+                .unwrap_or_default();
+            if key.is_empty() {
+                return None;
+            }
+            keys.push(key);
+        }
+        rest = after;
+    }
+    if script.contains("args()") {
+        return None;
+    }
+    Some(keys)
+}
+
+/// Every leaf path of the default configuration tree (for suggestions).
+fn config_leaves() -> Vec<String> {
+    fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                for (k, x) in o {
+                    let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                    walk(x, &p, out);
+                }
+            }
+            _ => out.push(path.to_string()),
+        }
+    }
+    let mut out = Vec::new();
+    if let Ok(v) = serde_json::to_value(RunConfig::default()) {
+        walk(&v, "", &mut out);
+    }
+    out
+}
+
 /// Smoke mode: tiny steps whatever the script asked for.
 pub fn smoke_clamp(rc: &mut RunConfig) {
-    rc.prompts_per_step = rc.prompts_per_step.clamp(1, 2);
-    clamp_sampling(&mut rc.sampling);
-    rc.eval_n = rc.eval_n.min(1);
-    rc.eval_pass_k = smoke_pass_k(&rc.eval_pass_k, rc.eval_n);
-    rc.eval_limit = Some(rc.eval_limit.unwrap_or(2).min(2));
-    rc.save_every = 0;
-    rc.epochs = rc.epochs.min(1);
-    rc.max_num_gen_batches = rc.max_num_gen_batches.clamp(1, 2);
+    rc.data.prompts_per_step = rc.data.prompts_per_step.clamp(1, 2);
+    clamp_sampling(&mut rc.rollout.sampling);
+    rc.evaluation.sampling.n = rc.evaluation.sampling.n.min(1);
+    rc.evaluation.sampling.max_new_tokens =
+        rc.evaluation.sampling.max_new_tokens.min(rc.rollout.sampling.max_new_tokens);
+    rc.evaluation.pass_k = smoke_pass_k(&rc.evaluation.pass_k, rc.evaluation.sampling.n);
+    rc.evaluation.limit = Some(rc.evaluation.limit.unwrap_or(2).min(2));
+    rc.checkpoint.save_every = 0;
+    rc.actor.epochs = rc.actor.epochs.min(1);
+    rc.rollout.max_num_gen_batches = rc.rollout.max_num_gen_batches.clamp(1, 2);
 }
 
 /// Smoke mode: the pass@k list clamped to the smoke run's samples per problem.
@@ -164,37 +254,25 @@ fn clamp_sampling(s: &mut crate::rollout::SamplingParams) {
     s.max_new_tokens = s.max_new_tokens.clamp(1, 8);
 }
 
-/// A step's metrics as a script map: the `StepMetrics` fields, plus `reward`
-/// (= `reward_mean`) and the thresholds used.
+/// A step's metrics as a script map: the `StepMetrics` fields (`tau_h` is the entropy
+/// threshold applied, a number), plus `reward` (= `reward_mean`) and, under an S2T mask,
+/// the thresholds in force in their one form (`thresholds: #{tau_p, tau_h}`) and `tau_p`.
 pub fn metrics_map(m: &StepMetrics, plan: &StepPlan) -> RhaiResult<Map> {
     let v = serde_json::to_value(m).map_err(host_err)?;
     let mut map = from_json(&v).cast::<Map>();
     map.insert("reward".into(), (m.update.reward_mean as f64).into());
-    // `tau_h` is already the entropy threshold applied; the configured one is `tau_h_abs`.
-    insert_thresholds(&mut map, &plan.objective.mask, "tau_h_abs");
+    insert_thresholds(&mut map, &plan.objective.mask)?;
     Ok(map)
 }
 
-/// Inserts the S2T thresholds of `mask` (if it is S2T): `tau_p`, and `abs_key` or
-/// `tau_h_quantile` with `tau_h_over` (`"response"` / `"candidates"`).
-fn insert_thresholds(map: &mut Map, mask: &MaskConfig, abs_key: &str) {
+/// Inserts the S2T thresholds of `mask` (if it is S2T): `thresholds` in their serde form
+/// and `tau_p`.
+fn insert_thresholds(map: &mut Map, mask: &MaskConfig) -> RhaiResult<()> {
     if let Some(t) = mask.s2t() {
         map.insert("tau_p".into(), clean_f64(t.tau_p).into());
-        match t.tau_h {
-            TauH::Abs(h) => {
-                map.insert(abs_key.into(), clean_f64(h).into());
-            }
-            TauH::Quantile { q, over } => {
-                map.insert("tau_h_quantile".into(), clean_f64(q).into());
-                map.insert("tau_h_over".into(), over.name().into());
-            }
-        }
+        map.insert("thresholds".into(), to_dynamic(&t)?);
     }
-}
-
-/// `m.tau_h_over` (`"response"` / `"candidates"`), if present.
-pub(crate) fn get_over(m: &Map) -> RhaiResult<Option<QuantileOver>> {
-    get_str(m, "tau_h_over")?.map(|s| QuantileOver::parse(&s).map_err(host_err)).transpose()
+    Ok(())
 }
 
 /// Applies a `sampling` hook's map to the plan.
@@ -206,33 +284,32 @@ pub fn apply_sampling(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<(
     Ok(())
 }
 
-/// Applies a `thresholds` map (`tau_p`, `tau_h` or `tau_h_quantile` / `tau_h_over`) to the plan's S2T
-/// mask; what the map leaves out stays as configured. Thresholds apply to S2T only: for
-/// an objective without the S2T mask this is an error (it never switches the mask on).
+/// Applies a `thresholds` map (the serde form of [`crate::algo::S2tThresholds`], plus the
+/// hook's own `state`) to the plan's S2T mask; what the map leaves out stays as configured,
+/// an unknown key is an error naming the nearest. Thresholds apply to S2T only: for an
+/// objective without the S2T mask this is an error (it never switches the mask on).
 pub fn apply_thresholds(plan: &mut StepPlan, m: &Map) -> RhaiResult<()> {
     let cur = plan.objective.mask.s2t().ok_or_else(|| {
         bad_arg(
             "thresholds",
             format!(
                 "the objective has no S2T mask (mask = {}); thresholds apply to S2T only \
-                 (set mask = \"s2t\" or use the stapo preset)",
-                mask_name(&plan.objective.mask)
+                 (set actor.objective.mask.kind = \"s2t\" or use the stapo preset)",
+                plan.objective.mask.name()
             ),
         )
     })?;
-    let t = cur
-        .with(get_num(m, "tau_p")?, get_num(m, "tau_h")?, get_num(m, "tau_h_quantile")?, get_over(m)?)
-        .map_err(host_err)?;
+    let mut m = m.clone();
+    m.remove("state");
+    let over = to_json("thresholds", &Dynamic::from_map(m))?;
+    let t = cur.overlay("thresholds", &over).map_err(|e| match e {
+        Error::Config { field, msg, .. } if msg.starts_with("unknown") => {
+            bad_arg("thresholds", format!("`{field}`: {msg}; a hook keeps values of its own under `state`"))
+        }
+        e => config_arg("thresholds", e),
+    })?;
     plan.objective.mask = t.into();
     plan.objective.validate().map_err(host_err)
-}
-
-fn mask_name(m: &MaskConfig) -> &'static str {
-    match m {
-        MaskConfig::None => "none",
-        MaskConfig::S2t { .. } => "s2t",
-        MaskConfig::TopEntropy { .. } => "top_entropy",
-    }
 }
 
 /// The `stats` argument of `thresholds(step, stats)`.
@@ -240,7 +317,8 @@ fn threshold_stats(last: &Map, plan: &StepPlan, prev: &Map, step: u64, run: &str
     let mut s = last.clone();
     s.insert("step".into(), (step as i64).into());
     s.insert("run".into(), run.into());
-    insert_thresholds(&mut s, &plan.objective.mask, "tau_h");
+    // The configured thresholds; a hook map that cannot convert keeps the previous ones.
+    let _ = insert_thresholds(&mut s, &plan.objective.mask);
     s.insert("prev".into(), Dynamic::from_map(prev.clone()));
     s
 }
@@ -404,16 +482,44 @@ fn save_script(host: &Host, run_dir: &Path) {
 pub fn make_trainer(host: &Host, cfg: &Map) -> RhaiResult<Trainer> {
     let name = cfg.get("name").filter(|n| n.is_string()).map(|n| n.to_string());
     let (dir, resume) = host.next_run_dir(name.as_deref());
+    let wanted = run_config(host, cfg)?;
     let t = if resume {
-        Trainer::resume(&dir).map_err(host_err)?
+        resume_trainer(host, &dir, wanted)?
     } else {
-        Trainer::new(run_config(host, cfg)?, &dir).map_err(host_err)?
+        Trainer::new(wanted, &dir).map_err(host_err)?
     };
     // Under several ranks, rank 0 alone writes into the run folder.
     if t.comm().rank() == 0 {
         save_script(host, &dir);
     }
     Ok(t)
+}
+
+/// Resumes the run in `dir`: under its saved configuration when `wanted` (the script's,
+/// with `--set`) equals it; under `wanted` when they differ and `--apply-changes` says so
+/// (the fields listed on stderr and in `reloads.log`); else an error listing the fields.
+fn resume_trainer(host: &Host, dir: &Path, wanted: RunConfig) -> RhaiResult<Trainer> {
+    let saved = RunFolder::read_config(dir).map_err(host_err)?;
+    let diffs = saved.differences(&wanted);
+    if diffs.is_empty() {
+        return Trainer::resume(dir).map_err(host_err);
+    }
+    let list: Vec<String> = diffs.iter().map(|(p, a, b)| format!("{p} ({a} -> {b})")).collect();
+    let list = list.join(", ");
+    if !host.opts.apply_changes {
+        return Err(bad_arg(
+            "train",
+            format!(
+                "resume of {}: the config differs from its run_config.json in {} field(s): {list}. \
+                 Run again with --apply-changes to continue under the new values (the old file \
+                 is kept as run_config-step-NNNNNN.json), or without the changes",
+                dir.display(),
+                diffs.len()
+            ),
+        ));
+    }
+    log_reload(host, Some(dir), &format!("resume: applying {} changed field(s): {list}", diffs.len()));
+    Trainer::resume_with(crate::dist::world(), dir, Some(wanted)).map_err(host_err)
 }
 
 fn progress_bar(host: &Host, total: u64, pos: u64) -> ProgressBar {
@@ -512,7 +618,7 @@ fn run_steps(
             if !told_no_s2t {
                 host.notice(&format!(
                     "note: the thresholds hook is ignored: the objective has no S2T mask (mask = {})",
-                    mask_name(&plan.objective.mask)
+                    plan.objective.mask.name()
                 ));
                 told_no_s2t = true;
             }
@@ -564,21 +670,25 @@ fn run_steps(
 }
 
 /// `run.step(plan)` for the REPL: one step with optional overrides
-/// (`#{sampling: #{..}, lr, tau_p, tau_h, tau_h_quantile, tau_h_over}`), no hooks.
+/// (`#{sampling: #{..}, lr, thresholds: #{tau_p, tau_h}}`), no hooks.
 pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
+    const KEYS: [&str; 3] = ["sampling", "lr", "thresholds"];
+    if let Some(k) = over.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        let near = overlay::nearest(k, KEYS).map_or(String::new(), |n| format!("; did you mean `{n}`?"));
+        return Err(bad_arg("step", format!("unknown key `{k}`{near} (valid: {})", KEYS.join(", "))));
+    }
     let mut t = lock(&run.0, "run")?;
     let mut plan = t.default_plan();
     if host.opts.smoke {
         clamp_sampling(&mut plan.sampling);
     }
-    if let Some(s) = over.get("sampling") {
-        if !s.is_map() {
-            return Err(bad_arg("step", "`sampling` must be a map"));
+    for (key, apply) in [("sampling", apply_sampling_map as MapApply), ("thresholds", apply_thresholds_map)] {
+        if let Some(s) = over.get(key) {
+            if !s.is_map() {
+                return Err(bad_arg("step", format!("`{key}` must be a map")));
+            }
+            apply(&mut plan, &s.clone().cast::<Map>(), host.opts.smoke)?;
         }
-        apply_sampling(&mut plan, &s.clone().cast::<Map>(), host.opts.smoke)?;
-    }
-    if ["tau_p", "tau_h", "tau_h_quantile", "tau_h_over"].iter().any(|k| over.contains_key(*k)) {
-        apply_thresholds(&mut plan, over)?;
     }
     if let Some(lr) = get_num(over, "lr")? {
         plan.lr = lr;
@@ -588,6 +698,17 @@ pub fn step_once(host: &Host, run: &RunHandle, over: &Map) -> RhaiResult<Map> {
         host.notice(&format!("warning: {w}"));
     }
     metrics_map(&m, &plan)
+}
+
+/// How `step_once` applies one of its maps.
+type MapApply = fn(&mut StepPlan, &Map, bool) -> RhaiResult<()>;
+
+fn apply_sampling_map(plan: &mut StepPlan, m: &Map, smoke: bool) -> RhaiResult<()> {
+    apply_sampling(plan, m, smoke)
+}
+
+fn apply_thresholds_map(plan: &mut StepPlan, m: &Map, _smoke: bool) -> RhaiResult<()> {
+    apply_thresholds(plan, m)
 }
 
 /// The last rollout of a run as a [`RolloutHandle`], with the advantages and the
@@ -613,4 +734,44 @@ pub fn last_rollout(run: &RunHandle) -> RhaiResult<RolloutHandle> {
     let st =
         RolloutState { batch, tokenizer: Some(t.tokenizer().clone()), advantages, silenced, region, points };
     Ok(RolloutHandle(Arc::new(Mutex::new(st))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn check(pairs: &[(&str, &str)], script: &str) -> std::result::Result<(), String> {
+        let args: BTreeMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        check_set_keys(&args, script).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn set_keys_are_config_paths_or_args_the_script_reads() {
+        let script = "let steps = ARGS.steps ?? 2; let m = ARGS.model ?? (); train(#{}, steps);";
+        assert!(check(&[("actor.optim.lr", "1e-4"), ("steps", "3"), ("seed", "1")], script).is_ok());
+        assert!(check(&[("model", "/m"), ("rollout.sampling.n", "4")], script).is_ok());
+        let e = check(&[("lrr", "1e-3")], script).unwrap_err();
+        assert!(e.contains("`lrr`") && e.contains("unknown key"), "{e}");
+        let e = check(&[("stepz", "3")], script).unwrap_err();
+        assert!(e.contains("did you mean `steps`?"), "{e}");
+        let e = check(&[("lr", "1e-3")], script).unwrap_err();
+        assert!(e.contains("`lr` moved to `actor.optim.lr`"), "{e}");
+        let e = check(&[("tau_pp", "0.5")], script).unwrap_err();
+        assert!(e.contains("`tau_pp`") && e.contains("did you mean"), "{e}");
+        let e = check(&[("actor.optim.lrr", "1")], script).unwrap_err();
+        assert!(e.contains("actor.optim.lrr") && e.contains("did you mean `lr`?"), "{e}");
+        let e = check(&[("data", "x.jsonl")], script).unwrap_err();
+        assert!(e.contains("section") && e.contains("data.train"), "{e}");
+        // A script that reads ARGS as a whole accepts any key.
+        assert!(check(&[("anything", "1")], "let a = args(); print(a);").is_ok());
+        assert!(check(&[("anything", "1")], "let k = \"x\"; print(ARGS[k]);").is_ok());
+    }
+
+    #[test]
+    fn args_read_finds_the_keys() {
+        assert_eq!(args_read("ARGS.a + MY_ARGS.b + ARGS.c_d").unwrap(), ["a", "c_d"]);
+        assert!(args_read("f(ARGS)").is_none());
+    }
 }

@@ -16,189 +16,39 @@
 //! The trainer is composed of parts, one file each: [`PolicyState`] (model, optimizer,
 //! rollout copy, reference; the update runs there), [`PromptSource`] (data, epoch
 //! sampler, tokenizer, template), [`RunFolder`] (every file of the run folder and
-//! TensorBoard) and the spurious-token log ([`SpuriousLog`]). This file holds the run
-//! configuration and the step that drives them.
+//! TensorBoard) and the spurious-token log ([`SpuriousLog`]). This file holds the step
+//! that drives them; the configuration tree is [`RunConfig`] (`train/config.rs`).
 
 mod folder;
 mod policy;
 mod prompts;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::algo::{ObjectiveConfig, S2tThresholds, TauH};
-use crate::data::{DatasetOptions, Example, Prompt, PromptTemplate, Tokenizer};
+use crate::algo::{ObjectiveConfig, S2tThresholds};
+use crate::data::{Example, Prompt, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
 use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
-use crate::guard::{check_folder_finite, GuardConfig, NonFiniteStreak, RunLock};
+use crate::guard::{check_folder_finite, NonFiniteStreak, RunLock};
 use crate::model::{self, Qwen3};
-use crate::reward::{self, ExtractMode};
+use crate::reward;
 use crate::rollout::{
-    EngineConfig, EngineStats, GenerateHooks, PromptInfo, RolloutBatch, RolloutFigures, Sample,
-    SamplingParams,
+    EngineStats, GenerateHooks, PromptInfo, RolloutBatch, RolloutFigures, Sample, SamplingParams,
 };
-use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
-use crate::train::update::{
-    self, OldLogp, RolloutCorrection, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord,
-};
+use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
+use crate::train::RunConfig;
 use crate::{Error, Result};
 pub use folder::RunFolder;
 use folder::TrainerState;
 pub use policy::PolicyState;
 pub use prompts::PromptSource;
-
-/// Everything a run needs, as a script map or JSON gives it. Missing fields
-/// take their defaults (the STAPO paper's, scaled to a CPU where noted).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RunConfig {
-    /// Model folder (HF layout with tokenizer.json).
-    pub model: PathBuf,
-    /// Training problems: a JSONL or Parquet file, a folder of Hugging Face
-    /// shards, or a `*` pattern (see `data::Dataset::load`).
-    pub data: PathBuf,
-    /// Held-out problems for periodic evaluation.
-    pub test_data: Option<PathBuf>,
-    /// Field names and bad-line policy of the data files.
-    pub data_options: DatasetOptions,
-    /// Objective preset (`algo::PRESETS`: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo).
-    pub objective: String,
-    /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
-    pub set: BTreeMap<String, String>,
-    /// Prompts per step (paper: 256).
-    pub prompts_per_step: usize,
-    /// Rollout sampling (paper: n 8, temperature 1.0, top-p 1.0).
-    pub sampling: SamplingParams,
-    /// Prompt template (default `"model"`: what the model folder declares).
-    pub template: PromptTemplate,
-    /// Answer extraction of the reward.
-    pub extract: ExtractMode,
-    /// Base learning rate (paper: 1e-6) and schedule.
-    pub lr: f64,
-    pub schedule: LrSchedule,
-    pub adamw: AdamWConfig,
-    /// PPO epochs, sequences per optimizer step (0 = all), per forward (0 = mini-batch).
-    pub epochs: usize,
-    pub mini_batch: usize,
-    pub micro_batch: usize,
-    /// Optimizer state over the ranks of a data-parallel run: `none` (every rank holds
-    /// all of it), `optimizer` (ZeRO-1: each rank holds the AdamW moments, and f32
-    /// master weights of a model in another dtype, of its range of the flattened
-    /// parameters) or `gradients` (ZeRO-2: also the summed gradients of its range
-    /// alone). The weights after each step are the same in every mode
-    /// ([`crate::train::ShardedAdamW`], docs/distributed.md).
-    pub shard: ShardMode,
-    /// Tokens per forward/backward, prompt + response with padding counted (0 = no
-    /// budget): sequences sorted by length and cut by this budget, as verl's
-    /// `ppo_max_token_len_per_gpu` ([`UpdateConfig::max_tokens_per_micro`]).
-    pub max_tokens_per_micro: usize,
-    pub old_logp: OldLogp,
-    /// With dynamic sampling: at most this many prompt batches per step to fill
-    /// `prompts_per_step` groups with mixed rewards (verl `max_num_gen_batches`; 0 = no
-    /// limit); when hit, the step updates on fewer groups and warns.
-    pub max_num_gen_batches: usize,
-    /// Divide the logits by the sampling temperature in the update's forward passes (old
-    /// log-probs and training), as verl does, so the ratio is on-policy at T != 1; the
-    /// S2T rule's p and H then refer to the tempered policy.
-    pub scale_logits_by_temperature: bool,
-    /// Record every response token's logit-gradient norm and report the shares of silenced
-    /// and top-0.01% tokens each step (STAPO's analysis; one extra softmax over the logits).
-    pub token_grad_norms: bool,
-    pub seed: u64,
-    /// Evaluate on `test_data` every this many steps (0 = never).
-    pub eval_every: usize,
-    /// Samples per test problem and how many problems (None = all).
-    pub eval_n: usize,
-    pub eval_limit: Option<usize>,
-    pub eval_temperature: f64,
-    pub eval_top_p: f64,
-    /// Also report unbiased pass@k for these k (each at most `eval_n`) in eval.jsonl.
-    pub eval_pass_k: Vec<usize>,
-    /// Checkpoint every this many steps (0 = only when asked).
-    pub save_every: usize,
-    /// Checkpoints kept (older ones are removed).
-    pub keep_checkpoints: usize,
-    /// Weights in memory: float32, bfloat16, float16; device: cpu, cuda, cuda:N.
-    pub dtype: String,
-    pub device: String,
-    /// Sample rollouts (and evaluate) with a copy of the policy in this dtype
-    /// (e.g. "bfloat16" on a GPU), refreshed from the master weights after every
-    /// update ([`model::RolloutCopy`]); `None` (or `dtype` itself) samples from the
-    /// master weights.
-    pub rollout_dtype: Option<String>,
-    /// The correction of the mismatch between the rollout copy and the master weights
-    /// (`mode`: auto | off | token_tis | seq_mis, `cap` 2, `seq_lower` 0.5, `seq_upper` 2;
-    /// auto is token_tis when `rollout_dtype` differs from `dtype`, at temperature 1):
-    /// see [`update::RolloutCorrection`].
-    pub rollout_correction: RolloutCorrection,
-    /// LoRA (`lora: #{rank, alpha, targets, lr_scale}`): train adapters on a frozen
-    /// base, at `lr * lr_scale`; checkpoints are peft adapter folders
-    /// ([`model::peft`]). `None`: full fine-tuning.
-    pub lora: Option<model::LoraConfig>,
-    /// The rollout engine (`rollout_engine: #{kv_cache_gb, max_rows, block_size}`): the
-    /// KV cache budget in GB, sequences decoded at once and tokens per cache block.
-    pub rollout_engine: EngineConfig,
-    /// The guards' options (`guard: #{max_nonfinite_steps: 3}`): see [`crate::guard`].
-    pub guard: GuardConfig,
-}
-
-impl Default for RunConfig {
-    fn default() -> Self {
-        Self {
-            model: PathBuf::from("models/tiny-qwen3"),
-            data: PathBuf::from("data/arith/train.jsonl"),
-            test_data: None,
-            data_options: DatasetOptions::default(),
-            objective: "stapo".into(),
-            set: BTreeMap::new(),
-            prompts_per_step: 16,
-            sampling: SamplingParams::default(),
-            template: PromptTemplate::Model,
-            extract: ExtractMode::Strict,
-            lr: 1e-6,
-            schedule: LrSchedule::Constant { warmup_steps: 10 },
-            adamw: AdamWConfig::default(),
-            epochs: 1,
-            mini_batch: 0,
-            micro_batch: 0,
-            shard: ShardMode::None,
-            max_tokens_per_micro: 0,
-            old_logp: OldLogp::Recompute,
-            max_num_gen_batches: 10,
-            scale_logits_by_temperature: true,
-            token_grad_norms: true,
-            seed: 0,
-            eval_every: 0,
-            eval_n: 8,
-            eval_limit: None,
-            eval_temperature: 1.0,
-            eval_top_p: 1.0,
-            eval_pass_k: Vec::new(),
-            save_every: 0,
-            keep_checkpoints: 2,
-            dtype: "float32".into(),
-            device: "cpu".into(),
-            rollout_dtype: None,
-            rollout_correction: RolloutCorrection::default(),
-            lora: None,
-            rollout_engine: EngineConfig::default(),
-            guard: GuardConfig::default(),
-        }
-    }
-}
-
-impl RunConfig {
-    /// The objective: preset plus overrides, validated.
-    pub fn objective_config(&self) -> Result<ObjectiveConfig> {
-        ObjectiveConfig::with_overrides(&self.objective, &self.set)
-    }
-}
 
 /// What a step may change relative to the configuration (hooks decide it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -297,8 +147,8 @@ fn rank_device(name: &str, comm: &dyn Comm) -> Result<candle_core::Device> {
 
 /// The model of `dir` in the dtype and on the device `cfg` names, for this rank.
 fn load_model(cfg: &RunConfig, dir: &Path, comm: &dyn Comm) -> Result<Qwen3> {
-    let device = rank_device(&cfg.device, comm)?;
-    let dtype = model::parse_dtype(&cfg.dtype)?;
+    let device = rank_device(&cfg.model.device, comm)?;
+    let dtype = model::parse_dtype(&cfg.model.dtype)?;
     model::load(dir, dtype, &device)
 }
 
@@ -314,15 +164,14 @@ impl Trainer {
     /// [`Trainer::new`] as one rank of `comm` (every rank calls it with the same
     /// arguments); rank 0 alone creates and writes the run folder.
     pub fn new_on(comm: Arc<dyn Comm>, cfg: RunConfig, run_dir: &Path) -> Result<Self> {
-        eval::check_pass_k(&cfg.eval_pass_k, cfg.eval_n)
-            .map_err(|e| Error::invalid(format!("eval_pass_k (eval_n = {}): {e}", cfg.eval_n)))?;
+        cfg.validate()?;
         let lock = dist::on_root(&*comm, || {
             claim_new_run_folder(run_dir)?;
             let lock = RunLock::acquire(run_dir)?;
             RunFolder::create(run_dir, &cfg)?;
             Ok(lock)
         })?;
-        let m = load_model(&cfg, &cfg.model, &*comm)?;
+        let m = load_model(&cfg, &cfg.model.path, &*comm)?;
         let mut t = Self::assemble(comm, cfg, m, run_dir, None)?;
         t._lock = lock;
         Ok(t)
@@ -336,10 +185,26 @@ impl Trainer {
 
     /// [`Trainer::resume`] as one rank of `comm`.
     pub fn resume_on(comm: Arc<dyn Comm>, run_dir: &Path) -> Result<Self> {
-        let cfg = RunFolder::read_config(run_dir)?;
-        // Locked before anything is read or removed: a live run in this folder wins.
-        let locked = dist::on_root(&*comm, || Ok((RunLock::acquire(run_dir)?, remove_leftovers(run_dir)?)))?;
+        Self::resume_with(comm, run_dir, None)
+    }
+
+    /// [`Trainer::resume_on`] with `changed`, a configuration that differs from the run's
+    /// `run_config.json` (see [`RunConfig::differences`]): the run continues under it from
+    /// the latest checkpoint, and rank 0 records it as `run_config.json`, keeping the old
+    /// file as `run_config-step-NNNNNN.json`. `None`: the saved configuration.
+    pub fn resume_with(comm: Arc<dyn Comm>, run_dir: &Path, changed: Option<RunConfig>) -> Result<Self> {
         let ckpt = RunFolder::latest_checkpoint(run_dir)?;
+        // Locked before anything is changed or removed: a live run in this folder wins.
+        let locked = dist::on_root(&*comm, || Ok((RunLock::acquire(run_dir)?, remove_leftovers(run_dir)?)))?;
+        let cfg = match changed {
+            Some(cfg) => {
+                cfg.validate()?;
+                let step = RunFolder::read_state(&ckpt)?.step;
+                dist::on_root(&*comm, || RunFolder::replace_config(run_dir, &cfg, step))?;
+                cfg
+            }
+            None => RunFolder::read_config(run_dir)?,
+        };
         let m = load_model(&cfg, &ckpt, &*comm)?;
         let state = RunFolder::read_state(&ckpt)?;
         let mut t = Self::assemble(comm.clone(), cfg, m, run_dir, Some(&state))?;
@@ -366,15 +231,15 @@ impl Trainer {
         run_dir: &Path,
         state: Option<&TrainerState>,
     ) -> Result<Self> {
-        let objective = cfg.objective_config()?;
-        cfg.rollout_correction.validate()?;
-        if cfg.prompts_per_step < comm.size() {
+        cfg.validate()?;
+        let objective = cfg.actor.objective.clone();
+        if cfg.data.prompts_per_step < comm.size() {
             return Err(Error::Config {
                 file: "run config".into(),
-                field: "prompts_per_step".into(),
+                field: "data.prompts_per_step".into(),
                 msg: format!(
                     "{} prompts per step cannot be shared by {} ranks (each needs at least one)",
-                    cfg.prompts_per_step,
+                    cfg.data.prompts_per_step,
                     comm.size()
                 ),
             });
@@ -462,23 +327,24 @@ impl Trainer {
 
     /// The configuration's plan for the next step (schedules applied).
     pub fn default_plan(&self) -> StepPlan {
+        let optim = &self.cfg.actor.optim;
         StepPlan {
-            sampling: self.cfg.sampling.clone(),
-            lr: self.cfg.schedule.lr_at(self.cfg.lr, self.step),
+            sampling: self.cfg.rollout.sampling.clone(),
+            lr: optim.schedule.lr_at(optim.lr, self.step),
             objective: self.objective.clone(),
         }
     }
 
     /// Sets the S2T thresholds of the objective used by later default plans; an error when
     /// the objective has no S2T mask (thresholds never switch it on).
-    pub fn set_thresholds(&mut self, tau_p: f32, tau_h: TauH) -> Result<()> {
+    pub fn set_thresholds(&mut self, t: S2tThresholds) -> Result<()> {
         if self.objective.mask.s2t().is_none() {
             return Err(Error::invalid(format!(
-                "set_thresholds: the objective `{}` has no S2T mask; thresholds apply to S2T only",
-                self.cfg.objective
+                "set_thresholds: the objective (preset `{}`, mask {}) has no S2T mask; thresholds apply to S2T only",
+                self.cfg.actor.preset,
+                self.objective.mask.name()
             )));
         }
-        let t = S2tThresholds { tau_p, tau_h };
         t.validate()?;
         self.objective.mask = t.into();
         Ok(())
@@ -493,7 +359,11 @@ impl Trainer {
     ) -> Result<StepMetrics> {
         let step = self.step;
         // Like verl's val_before_train: the curve of held-out accuracy starts at step 0.
-        if step == 0 && self.cfg.eval_every > 0 && self.prompts.has_test() && self.folder.evals().is_empty() {
+        if step == 0
+            && self.cfg.evaluation.every > 0
+            && self.prompts.has_test()
+            && self.folder.evals().is_empty()
+        {
             self.evaluate(None)?;
         }
         let mut warnings = std::mem::take(&mut self.notes.pending);
@@ -560,22 +430,23 @@ impl Trainer {
     /// After a step: the held-out evaluation when one is due, the metrics line, the
     /// checkpoint when one is due.
     fn finish_step(&mut self, m: &mut StepMetrics) -> Result<()> {
-        let every = self.cfg.eval_every as u64;
+        let every = self.cfg.evaluation.every as u64;
         if every > 0 && self.step.is_multiple_of(every) && self.prompts.has_test() {
             let r = self.evaluate(None)?;
             m.eval_avg = Some(r.overall.avg);
             m.eval_pass = Some(r.overall.pass);
         }
         dist::on_root(&*self.comm, || self.folder.log_step(m))?;
-        if self.cfg.save_every > 0 && self.step.is_multiple_of(self.cfg.save_every as u64) {
+        let save_every = self.cfg.checkpoint.save_every as u64;
+        if save_every > 0 && self.step.is_multiple_of(save_every) {
             self.checkpoint()?;
         }
         Ok(())
     }
 
     /// The step's rollouts, scored. With dynamic sampling, keeps generating batches of
-    /// prompts until `prompts_per_step` groups have mixed rewards (verl `filter_groups`), at
-    /// most `max_num_gen_batches` batches (0 = no limit).
+    /// prompts until `data.prompts_per_step` groups have mixed rewards (verl `filter_groups`),
+    /// at most `rollout.max_num_gen_batches` batches (0 = no limit).
     fn gather(
         &mut self,
         plan: &StepPlan,
@@ -583,7 +454,7 @@ impl Trainer {
         cancel: Option<&std::sync::atomic::AtomicBool>,
         warnings: &mut Vec<String>,
     ) -> Result<StepBatch> {
-        let target = self.cfg.prompts_per_step;
+        let target = self.cfg.data.prompts_per_step;
         let dynamic = plan.objective.dynamic_sampling;
         let mut b = StepBatch::default();
         // Mixed groups held over all ranks.
@@ -613,7 +484,8 @@ impl Trainer {
             if held >= target {
                 break;
             }
-            if self.cfg.max_num_gen_batches > 0 && b.gen_batches >= self.cfg.max_num_gen_batches {
+            let max_batches = self.cfg.rollout.max_num_gen_batches;
+            if max_batches > 0 && b.gen_batches >= max_batches {
                 warnings.push(format!(
                     "dynamic sampling: {held} of {target} groups with mixed rewards after {} \
                      generation batches (max_num_gen_batches); updating on fewer",
@@ -638,34 +510,28 @@ impl Trainer {
         seqs: &[Sequence],
         warnings: &mut Vec<String>,
     ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
-        let mut objective = plan.objective.clone();
-        for note in objective.fit_to_run(plan.sampling.max_new_tokens) {
+        let mut actor = self.cfg.actor.clone();
+        actor.objective = plan.objective.clone();
+        for note in actor.objective.fit_to_run(plan.sampling.max_new_tokens) {
             self.notes.once(note, warnings);
         }
         let t = plan.sampling.temperature;
-        let temperature = if self.cfg.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
-        let ucfg = UpdateConfig::new(
-            objective.clone(),
-            self.cfg.epochs,
-            self.cfg.mini_batch,
-            self.cfg.micro_batch,
-            self.cfg.old_logp,
-            mix(self.cfg.seed ^ 0x5eed, self.step),
-        )
-        .with_temperature(temperature)
-        .with_max_tokens_per_micro(self.cfg.max_tokens_per_micro);
-        let (rollout_correction, note) = self.cfg.rollout_correction.resolve(
-            self.policy.samples_from_copy(),
-            temperature,
-            self.cfg.old_logp,
-        )?;
+        let temperature = if actor.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
+        let (rollout_correction, note) =
+            actor.rollout_correction.resolve(self.policy.samples_from_copy(), temperature, actor.old_logp)?;
         if let Some(n) = note {
             self.notes.once(n, warnings);
         }
-        let ucfg = UpdateConfig { token_grad_norms: self.cfg.token_grad_norms, rollout_correction, ..ucfg };
+        actor.rollout_correction = rollout_correction;
+        let ucfg = UpdateConfig {
+            actor,
+            seed: mix(self.cfg.seed ^ 0x5eed, self.step),
+            temperature,
+            token_grad_norms: self.cfg.logging.token_grad_norms,
+        };
         let pad_id = self.prompts.tokenizer().pad_id();
         let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr, pad_id)?;
-        Ok((outcome, objective))
+        Ok((outcome, ucfg.actor.objective))
     }
 
     /// The batch metrics, computed once over everything sampled this step (also the groups
@@ -686,7 +552,7 @@ impl Trainer {
         Ok(dropped as usize)
     }
 
-    /// Generation batch `round` of this step: the next `prompts_per_step` prompts, rolled
+    /// Generation batch `round` of this step: the next `data.prompts_per_step` prompts, rolled
     /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
     fn roll_out(
         &mut self,
@@ -697,7 +563,7 @@ impl Trainer {
     ) -> Result<Gathered> {
         // Each rank samples its share of the global batch, with each response's seed from
         // its global prompt index.
-        let (examples, share) = self.prompts.next_share(self.cfg.prompts_per_step, &*self.comm)?;
+        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, &*self.comm)?;
         let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
@@ -705,7 +571,7 @@ impl Trainer {
         let hooks = GenerateHooks {
             progress,
             cancel,
-            engine: self.cfg.rollout_engine,
+            engine: self.cfg.rollout.engine,
             first_prompt_index: share.start,
             ..GenerateHooks::default()
         };
@@ -713,7 +579,7 @@ impl Trainer {
         let generated = gen.generate(&prompts, &sampling, &hooks)?;
         let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
         for s in &mut samples {
-            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.extract);
+            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
             s.reward = Some(if v.correct { 1.0 } else { 0.0 });
             // Group ids are global prompt indices (the update orders ranks' groups by them).
             s.group += share.start;
@@ -721,9 +587,10 @@ impl Trainer {
         Ok(Gathered { examples, texts, samples, stats })
     }
 
-    /// Evaluates on `test_data` (or `examples`) with the configured eval sampling.
+    /// Evaluates on `data.test` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
-        let report = self.evaluate_once(examples, (self.cfg.eval_temperature, self.cfg.eval_top_p), false)?;
+        let s = &self.cfg.evaluation.sampling;
+        let report = self.evaluate_once(examples, (s.temperature, s.top_p), false)?;
         self.folder.note_eval(self.step, &report);
         self.last.eval = Some(report.clone());
         Ok(report)
@@ -739,18 +606,20 @@ impl Trainer {
         temperature: f64,
         top_p: f64,
     ) -> Result<EvalReport> {
-        if (temperature, top_p) == (self.cfg.eval_temperature, self.cfg.eval_top_p) {
+        if (temperature, top_p)
+            == (self.cfg.evaluation.sampling.temperature, self.cfg.evaluation.sampling.top_p)
+        {
             return self.evaluate(examples);
         }
         check_eval_sampling(temperature, top_p)?;
         self.evaluate_once(examples, (temperature, top_p), true)
     }
 
-    /// Sets the sampling of the periodic evaluations (`eval_temperature`, `eval_top_p`)
-    /// from the next one on.
+    /// Sets the sampling of the periodic evaluations (`evaluation.sampling.temperature`,
+    /// `evaluation.sampling.top_p`) from the next one on.
     pub fn set_eval_sampling(&mut self, temperature: f64, top_p: f64) -> Result<()> {
         check_eval_sampling(temperature, top_p)?;
-        (self.cfg.eval_temperature, self.cfg.eval_top_p) = (temperature, top_p);
+        (self.cfg.evaluation.sampling.temperature, self.cfg.evaluation.sampling.top_p) = (temperature, top_p);
         Ok(())
     }
 
@@ -764,17 +633,16 @@ impl Trainer {
     ) -> Result<EvalReport> {
         let ex = match examples {
             Some(e) => e.to_vec(),
-            None => self.prompts.test_examples(self.cfg.eval_limit)?,
+            None => self.prompts.test_examples(self.cfg.evaluation.limit)?,
         };
-        let mut params = self.cfg.sampling.clone();
-        params.n = self.cfg.eval_n;
+        let mut params = self.cfg.evaluation.sampling.clone();
         (params.temperature, params.top_p) = setting;
         params.seed = mix(self.cfg.seed ^ 0xe7a1, 0);
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
             let gen = self.prompts.generator(self.policy.sampling_model());
-            let report = eval::evaluate(&gen, &ex, &params, self.cfg.extract, 64, &|_| {})?
-                .with_pass_k(&self.cfg.eval_pass_k)?;
+            let report = eval::evaluate(&gen, &ex, &params, self.cfg.data.extract, 64, &|_| {})?
+                .with_pass_k(&self.cfg.evaluation.pass_k)?;
             self.folder.log_eval(self.step, &report, setting, extra)?;
             Ok(report)
         })?;
@@ -803,8 +671,8 @@ impl Trainer {
             silenced_contexts: self.spurious.all_contexts().clone(),
         };
         let what = format!("checkpoint step-{:06}", self.step);
-        let path = self.folder.checkpoint(&state, self.cfg.keep_checkpoints, |tmp| {
-            self.policy.save(tmp, &self.cfg.model, staging)?;
+        let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {
+            self.policy.save(tmp, &self.cfg.model.path, staging)?;
             // Verified before it can become `latest`: a resume must find finite weights.
             check_folder_finite(tmp, &what)
         })?;
@@ -828,7 +696,7 @@ impl Trainer {
     /// trained on; the S2T region drawn is the latest step's (tau_p, mean tau_h of its
     /// mini-batches).
     pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
-        self.folder.plot(&self.cfg.objective, &self.spurious)
+        self.folder.plot(&self.cfg.actor.preset, &self.spurious)
     }
 }
 

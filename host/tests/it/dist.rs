@@ -28,39 +28,28 @@ const METRIC_TOL: f64 = 1e-4;
 /// tau_p, since this model is confident).
 fn config(preset: &str) -> RunConfig {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut cfg = RunConfig {
-        model: root.join("models/tiny-qwen3"),
-        data: root.join("data/arith/train.jsonl"),
-        test_data: Some(root.join("data/arith/test.jsonl")),
-        ..RunConfig::default()
-    };
-    cfg.objective = preset.into();
-    cfg.prompts_per_step = 4;
-    cfg.sampling.n = 4;
-    cfg.sampling.max_new_tokens = 16;
-    cfg.lr = 2e-4;
-    cfg.schedule = LrSchedule::Constant { warmup_steps: 0 };
-    cfg.seed = 11;
-    // The tiny model's prompt format (models/tiny-qwen3/README.md).
-    cfg.template = PromptTemplate::Raw { suffix: String::new() };
-    match preset {
+    // Per preset: stapo with several mini- and micro-batches, dapo with two epochs
+    // (mini-batches cut from the shuffled global order).
+    let actor = match preset {
         "stapo" => {
-            cfg.set.insert("tau_p".into(), "0.95".into());
-            cfg.mini_batch = 8;
-            cfg.micro_batch = 3;
+            serde_json::json!({"objective": {"mask": {"tau_p": 0.95}}, "mini_batch": 8, "micro_batch": 3})
         }
-        // Two epochs: mini-batches cut from the shuffled global order.
-        "dapo" => {
-            cfg.epochs = 2;
-            cfg.mini_batch = 6;
-        }
-        _ => {}
-    }
-    cfg.save_every = 2;
-    cfg.eval_every = 2;
-    cfg.eval_n = 1;
-    cfg.eval_limit = Some(2);
-    cfg
+        "dapo" => serde_json::json!({"epochs": 2, "mini_batch": 6}),
+        _ => serde_json::json!({}),
+    };
+    let mut user = serde_json::json!({
+        "model": {"path": root.join("models/tiny-qwen3")},
+        // The tiny model's prompt format (models/tiny-qwen3/README.md).
+        "data": {"train": root.join("data/arith/train.jsonl"), "test": root.join("data/arith/test.jsonl"),
+                 "prompts_per_step": 4, "template": PromptTemplate::Raw { suffix: String::new() }},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 16}},
+        "actor": {"preset": preset, "optim": {"lr": 2e-4, "schedule": LrSchedule::Constant { warmup_steps: 0 }}},
+        "checkpoint": {"save_every": 2},
+        "evaluation": {"every": 2, "sampling": {"n": 1}, "limit": 2},
+        "seed": 11,
+    });
+    stapo::overlay::merge(&mut user["actor"], actor);
+    RunConfig::from_json(&user).unwrap()
 }
 
 fn weights(t: &Trainer) -> Vec<f32> {
@@ -311,13 +300,17 @@ fn mpirun_two_ranks_train_as_one() {
 for run in ["stapo", "dapo", "grpo", "grpo-zero2"] {{
     let preset = if run == "grpo-zero2" {{ "grpo" }} else {{ run }};
     train(#{{
-        name: run, objective: preset, model: "{m}", data: "{d}",
-        shard: if run == "grpo-zero2" {{ "gradients" }} else {{ "none" }},
-        template: #{{ kind: "raw", suffix: "" }},
-        set: if preset == "stapo" {{ #{{ tau_p: "0.95" }} }} else {{ #{{}} }},
-        prompts_per_step: 4, sampling: #{{ n: 4, max_tokens: 16 }},
-        mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
-        lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }}, seed: 11, save_every: 2,
+        name: run, model: #{{ path: "{m}" }},
+        data: #{{ train: "{d}", template: #{{ kind: "raw", suffix: "" }}, prompts_per_step: 4 }},
+        rollout: #{{ sampling: #{{ n: 4, max_tokens: 16 }} }},
+        actor: #{{
+            preset: preset,
+            objective: if preset == "stapo" {{ #{{ mask: #{{ tau_p: 0.95 }} }} }} else {{ #{{}} }},
+            mini_batch: if preset == "stapo" {{ 8 }} else {{ 0 }}, micro_batch: if preset == "stapo" {{ 3 }} else {{ 0 }},
+            optim: #{{ lr: 2e-4, schedule: #{{ kind: "constant", warmup_steps: 0 }} }},
+            shard: if run == "grpo-zero2" {{ "gradients" }} else {{ "none" }},
+        }},
+        seed: 11, checkpoint: #{{ save_every: 2 }},
     }}, 2);
 }}
 "#,
@@ -396,9 +389,10 @@ fn trainable(t: &Trainer) -> Vec<f32> {
 /// `config(preset)` with the optimizer sharded as `mode`; `lora` puts adapters on it.
 fn sharded_config(preset: &str, mode: ShardMode, lora: bool) -> RunConfig {
     let mut cfg = config(preset);
-    cfg.shard = mode;
+    cfg.actor.shard = mode;
     if lora {
-        cfg.lora = Some(stapo::model::LoraConfig { alpha: Some(8.0), ..stapo::model::LoraConfig::new(4) });
+        cfg.actor.lora =
+            Some(stapo::model::LoraConfig { alpha: Some(8.0), ..stapo::model::LoraConfig::new(4) });
     }
     cfg
 }
@@ -467,7 +461,7 @@ fn sharded_checkpoints_resume_on_other_world_sizes() {
     assert_metrics_close(&w1[0].0[2..], &up[0].0, "1 -> 2");
     // And into the unsharded optimizer: the run may drop `shard` when it resumes.
     let mut plain = cfg.clone();
-    plain.shard = ShardMode::None;
+    plain.actor.shard = ShardMode::None;
     std::fs::write(one.join("run_config.json"), serde_json::to_string(&plain).unwrap()).unwrap();
     let unsharded = on_ranks(1, &plain, &one, (1, true), trainable);
     let d = max_diff(&unsharded[0].1, &w1[0].1);

@@ -16,16 +16,32 @@ use stapo::train::{RunConfig, Trainer};
 
 use crate::common::{arith_fixture, tempdir, tiny_config};
 
-/// A tiny run on the arithmetic fixture whose updates have non-zero gradients.
+/// A tiny run on the arithmetic fixture whose updates have non-zero gradients, with the
+/// fields of `extra` laid over it.
+fn config_with(model: &Path, train: &Path, extra: serde_json::Value) -> RunConfig {
+    let mut v = serde_json::json!({
+        "model": {"path": model},
+        "data": {"train": train, "prompts_per_step": 2, "extract": stapo::reward::ExtractMode::Flexible},
+        "rollout": {"sampling": {"n": 3, "max_tokens": 8}},
+        "actor": {"preset": "grpo", "optim": {"lr": 1e-3}},
+    });
+    merge(&mut v, extra);
+    RunConfig::from_json(&v).unwrap()
+}
+
+fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+    match (a, b) {
+        (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
 fn config(model: PathBuf, train: PathBuf) -> RunConfig {
-    let mut cfg = RunConfig { model, data: train, ..RunConfig::default() };
-    cfg.prompts_per_step = 2;
-    cfg.sampling.n = 3;
-    cfg.sampling.max_new_tokens = 8;
-    cfg.lr = 1e-3;
-    cfg.objective = "grpo".into();
-    cfg.extract = stapo::reward::ExtractMode::Flexible;
-    cfg
+    config_with(&model, &train, serde_json::json!({}))
 }
 
 fn weight_bits(t: &Trainer) -> Vec<u32> {
@@ -48,12 +64,13 @@ fn stapo_bin() -> Command {
 fn nothing_lost_01_nan_step_is_skipped() {
     let dir = tempdir();
     let (model, train, _) = arith_fixture(dir.path());
-    let mut cfg = config(model, train);
     // An lr whose f32 step size overflows: every updated weight would be inf or NaN.
-    cfg.lr = 1e39;
-    cfg.adamw.weight_decay = 0.0;
-    cfg.schedule = stapo::train::LrSchedule::Constant { warmup_steps: 0 };
-    cfg.save_every = 1;
+    let cfg = config_with(
+        &model,
+        &train,
+        serde_json::json!({"actor": {"optim": {"lr": 1e39, "weight_decay": 0.0,
+            "schedule": {"kind": "constant", "warmup_steps": 0}}}, "checkpoint": {"save_every": 1}}),
+    );
     let run = dir.path().join("run");
     let mut t = Trainer::new(cfg, &run).unwrap();
     let before = weight_bits(&t);
@@ -83,9 +100,11 @@ fn nothing_lost_01_nan_step_is_skipped() {
 fn nothing_lost_01_lr_times_weight_decay_at_least_one_is_refused() {
     let dir = tempdir();
     let (model, train, _) = arith_fixture(dir.path());
-    let mut cfg = config(model, train);
-    cfg.lr = 1e30;
-    cfg.schedule = stapo::train::LrSchedule::Constant { warmup_steps: 0 };
+    let cfg = config_with(
+        &model,
+        &train,
+        serde_json::json!({"actor": {"optim": {"lr": 1e30, "schedule": {"kind": "constant", "warmup_steps": 0}}}}),
+    );
     let mut t = Trainer::new(cfg, &dir.path().join("run")).unwrap();
     let before = weight_bits(&t);
     let e = t.step(&t.default_plan(), None, None).unwrap_err().to_string();
@@ -205,7 +224,8 @@ fn nothing_lost_04_second_process_on_a_run_folder_is_refused() {
     assert!(e.contains(&format!("process {pid} is training in it")) && e.contains(".stapo-lock"), "{e}");
     // Another process (the CLI) is refused too, by the kernel's flock.
     std::fs::write(run.join("script.rhai"), "train(#{}, 1);").unwrap();
-    let out = stapo_bin().args(["run", "--quiet", "--resume"]).arg(&run).output().unwrap();
+    // --apply-changes: past the config comparison to the lock, which comes before any change.
+    let out = stapo_bin().args(["run", "--quiet", "--apply-changes", "--resume"]).arg(&run).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains(&format!("process {pid}")), "{err}");
     let lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();

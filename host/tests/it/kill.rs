@@ -23,8 +23,9 @@ fn sigkill_mid_run_leaves_a_loadable_checkpoint_that_resumes() {
     std::fs::write(
         &script,
         format!(
-            r#"train(#{{ model: "{}", data: "{}", objective: "grpo", prompts_per_step: 2, lr: 1e-3,
-                sampling: #{{ n: 2, max_tokens: 8 }}, save_every: 1, keep_checkpoints: 2 }}, 100000);"#,
+            r#"train(#{{ model: #{{ path: "{}" }}, data: #{{ train: "{}", prompts_per_step: 2 }},
+                actor: #{{ preset: "grpo", optim: #{{ lr: 1e-3 }} }}, rollout: #{{ sampling: #{{ n: 2, max_tokens: 8 }} }},
+                checkpoint: #{{ save_every: 1, keep: 2 }} }}, 100000);"#,
             model.display(),
             train.display()
         ),

@@ -15,26 +15,19 @@ use crate::common::{on_ranks, tempdir};
 /// rewards), STAPO with S2T candidates, several mini- and micro-batches, rank-4 adapters.
 fn config() -> RunConfig {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut cfg = RunConfig {
-        model: root.join("models/tiny-qwen3"),
-        data: root.join("data/arith/train.jsonl"),
-        ..RunConfig::default()
-    };
-    cfg.objective = "stapo".into();
-    cfg.set.insert("tau_p".into(), "0.95".into());
-    cfg.prompts_per_step = 4;
-    cfg.sampling.n = 4;
     // Room for the multi-step answers (at 16 tokens every response was truncated: no reward).
-    cfg.sampling.max_new_tokens = 40;
-    cfg.mini_batch = 8;
-    cfg.micro_batch = 3;
-    cfg.lr = 2e-4;
-    cfg.schedule = LrSchedule::Constant { warmup_steps: 0 };
-    cfg.seed = 11;
-    cfg.template = PromptTemplate::Raw { suffix: String::new() };
-    cfg.save_every = 2;
-    cfg.lora = Some(LoraConfig { alpha: Some(8.0), ..LoraConfig::new(4) });
-    cfg
+    RunConfig::from_json(&serde_json::json!({
+        "model": {"path": root.join("models/tiny-qwen3")},
+        "data": {"train": root.join("data/arith/train.jsonl"), "prompts_per_step": 4,
+                 "template": PromptTemplate::Raw { suffix: String::new() }},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 40}},
+        "actor": {"preset": "stapo", "objective": {"mask": {"tau_p": 0.95}}, "mini_batch": 8, "micro_batch": 3,
+                  "optim": {"lr": 2e-4, "schedule": LrSchedule::Constant { warmup_steps: 0 }},
+                  "lora": LoraConfig { alpha: Some(8.0), ..LoraConfig::new(4) }},
+        "checkpoint": {"save_every": 2},
+        "seed": 11,
+    }))
+    .unwrap()
 }
 
 fn flat(m: &Qwen3, lora: bool) -> Vec<f32> {
@@ -74,7 +67,7 @@ fn logp(m: &Qwen3) -> Vec<f32> {
 fn lora_run_trains_adapters_and_samples_the_trained_policy() {
     let dir = tempdir();
     let cfg = config();
-    let base = model::load(&cfg.model, DType::F32, &Device::Cpu).unwrap();
+    let base = model::load(&cfg.model.path, DType::F32, &Device::Cpu).unwrap();
     let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
     assert!(t.model().base_frozen());
     assert!(!t.sampling_model().has_lora(), "rollouts sample merged weights");
@@ -106,8 +99,7 @@ fn lora_run_trains_adapters_and_samples_the_trained_policy() {
     // A KL penalty's reference is the frozen base under the adapters (shared, not reloaded):
     // the run trains with it, and the base it shares stays the base.
     let mut kl = cfg.clone();
-    kl.set.insert("kl".into(), "k3".into());
-    kl.set.insert("kl_beta".into(), "0.5".into());
+    kl.actor.objective.kl = Some(stapo::algo::KlConfig { kind: stapo::algo::KlKind::K3, beta: 0.5 });
     let mut t = Trainer::new(kl, &dir.path().join("run-kl")).unwrap();
     for _ in 0..2 {
         let m = t.step(&t.default_plan(), None, None).unwrap();
@@ -138,7 +130,7 @@ fn lora_two_ranks_train_as_one_and_resume() {
     assert!(d <= 2e-5, "resumed: adapters differ by {d}");
     // A checkpoint of other adapters is refused by name.
     let mut other = cfg.clone();
-    other.lora = Some(LoraConfig::new(2));
+    other.actor.lora = Some(LoraConfig::new(2));
     std::fs::write(two_dir.join("run_config.json"), serde_json::to_string(&other).unwrap()).unwrap();
     let err = Trainer::resume(&two_dir).err().unwrap().to_string();
     assert!(err.contains("lora"), "{err}");

@@ -20,6 +20,7 @@ fn repl(input: &str) -> String {
         args: Default::default(),
         run_dir: Some(tempdir().keep()),
         resume: false,
+        apply_changes: false,
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],

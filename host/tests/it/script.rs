@@ -62,14 +62,18 @@ fn repo() -> PathBuf {
 
 fn opts(f: &Fixture, run_dir: &Path, smoke: bool) -> HostOptions {
     let mut args = BTreeMap::new();
+    // For scripts that read ARGS.model / ARGS.data, and laid over every train() config.
     args.insert("model".to_string(), f.model.display().to_string());
     args.insert("data".to_string(), f.data.display().to_string());
-    args.insert("test_data".to_string(), f.data.display().to_string());
+    args.insert("model.path".to_string(), f.model.display().to_string());
+    args.insert("data.train".to_string(), f.data.display().to_string());
+    args.insert("data.test".to_string(), f.data.display().to_string());
     HostOptions {
         smoke,
         args,
         run_dir: Some(run_dir.to_path_buf()),
         resume: false,
+        apply_changes: false,
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
@@ -93,8 +97,10 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
 /// A config map literal for the fixture, tiny but not clamped.
 fn tiny_cfg(f: &Fixture, objective: &str) -> String {
     format!(
-        r#"#{{ model: "{}", data: "{}", objective: "{objective}", prompts_per_step: 1, lr: 1e-4,
-            sampling: #{{ n: 2, max_tokens: 4 }}, set: #{{ overlong_max_len: 4 }} }}"#,
+        r#"#{{ model: #{{ path: "{}" }}, data: #{{ train: "{}", prompts_per_step: 1 }},
+            actor: #{{ preset: "{objective}", optim: #{{ lr: 1e-4 }},
+                       objective: #{{ overlong: #{{ max_len: 4, cache_len: 1 }} }} }},
+            rollout: #{{ sampling: #{{ n: 2, max_tokens: 4 }} }} }}"#,
         f.model.display(),
         f.data.display()
     )
@@ -117,6 +123,7 @@ fn paper_script_smoke_runs_the_real_model_path() {
         args,
         run_dir: Some(run_dir.clone()),
         resume: false,
+        apply_changes: false,
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
@@ -135,14 +142,14 @@ fn paper_script_smoke_runs_the_real_model_path() {
         &std::fs::read_to_string(Path::new(&t.run_dir).join("run_config.json")).expect("run_config"),
     )
     .expect("json");
-    assert_eq!(cfg["objective"], "stapo");
-    assert_eq!(cfg["extract"], "strict");
-    assert_eq!(cfg["data_options"]["strip_instruction"], true);
-    assert_eq!(cfg["lr"], 1e-6);
+    assert_eq!(cfg["actor"]["preset"], "stapo");
+    assert_eq!(cfg["data"]["extract"], "strict");
+    assert_eq!(cfg["data"]["options"]["strip_instruction"], true);
+    assert_eq!(cfg["actor"]["optim"]["lr"], 1e-6);
     // The paper's protocol: grad clip 1.0, constant lr after 10 warm-up steps, no overlong shaping.
-    assert_eq!(cfg["adamw"]["max_grad_norm"], 1.0);
-    assert_eq!(cfg["schedule"]["warmup_steps"], 10);
-    assert!(cfg["set"].get("overlong_max_len").is_none(), "{cfg}");
+    assert_eq!(cfg["actor"]["optim"]["max_grad_norm"], 1.0);
+    assert_eq!(cfg["actor"]["optim"]["schedule"]["warmup_steps"], 10);
+    assert!(cfg["actor"]["objective"]["overlong"].is_null(), "{cfg}");
     // The report in the paper's table layout, with the paper's STAPO 1.7B row beside ours.
     assert!(
         printed.contains("AIME24    AIME25     AMC23   MATH500   Minerva  Olympiad       Avg"),
@@ -240,7 +247,7 @@ print(`summary steps=${{res.steps}} early=${{res.stopped_early}}`);
     assert!(printed.contains("on_step 0 lr=0.001 tau_p=0.01"), "{printed}");
     let run_cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config.json")).unwrap()).unwrap();
-    assert_eq!(run_cfg["objective"], "stapo");
+    assert_eq!(run_cfg["actor"]["preset"], "stapo");
     assert!(run_dir.join("script.rhai").is_file());
 }
 
@@ -257,7 +264,7 @@ let res = train({}, 1);
 print(`has_tau_p=${{"tau_p" in res.final}} silenced=${{res.final.silenced_tokens}}`);
 let t = trainer({});
 let err = "";
-try {{ t.step(#{{ tau_p: 0.5 }}); }} catch (e) {{ err = `${{e}}`; }}
+try {{ t.step(#{{ thresholds: #{{ tau_p: 0.5 }} }}); }} catch (e) {{ err = `${{e}}`; }}
 print(`step_error=${{err}}`);
 "#,
             tiny_cfg(&f, "grpo"),
@@ -363,7 +370,7 @@ let ds = load_data("{data}");
 let r = rollout(m, sample_prompts(ds, 1, 0), #{{ n: 3, max_tokens: 6 }});
 score(r).len
 advantages(r).len
-let st = s2t(r, #{{ tau_p: 0.5, tau_h_quantile: 1.0 }});
+let st = s2t(r, #{{ tau_p: 0.5, tau_h: #{{ q: 1.0 }} }});
 st.response_tokens > 0
 r
 fn double(x) {{
@@ -519,6 +526,36 @@ fn a_resumed_run_continues_the_step_counter() {
     assert_eq!(out.trains[0].steps, 3);
     let steps: Vec<u64> = metrics(&run_dir).iter().map(|m| m["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, vec![0, 1, 2]);
+
+    // Resuming with another config (here another --set) stops, naming the field and both
+    // values, before any step runs...
+    let mut o = opts(&f, &run_dir, false);
+    o.resume = true;
+    o.args.insert("steps".into(), "4".into());
+    o.args.insert("actor.optim.lr".into(), "0.5".into());
+    let (host, _) = buffered(o.clone());
+    let out = script::run_file(&host, &run_dir.join("script.rhai"));
+    let err = out.error.expect("a changed config is refused").to_string();
+    assert!(err.contains("actor.optim.lr (0.0001 -> 0.5)") && err.contains("--apply-changes"), "{err}");
+    assert_eq!(metrics(&run_dir).len(), 3, "no step ran");
+    // ...and with apply_changes continues under it, keeping the old file and saying so.
+    o.apply_changes = true;
+    let (host, buf) = buffered(o);
+    let out = script::run_file(&host, &run_dir.join("script.rhai"));
+    assert!(out.ok(), "{:?}", out.error);
+    assert_eq!(out.trains[0].steps, 4);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["actor"]["optim"]["lr"], 0.5);
+    let old: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("run_config-step-000003.json")).unwrap())
+            .unwrap();
+    assert_eq!(old["actor"]["optim"]["lr"], 1e-4);
+    assert!(buf.lock().unwrap().contains("resume: applying 1 changed field(s): actor.optim.lr"));
+    assert!(std::fs::read_to_string(run_dir.join("reloads.log")).unwrap().contains("actor.optim.lr"));
+    // Step 3 ran at the new base rate (0.5 x 4/10 of the warm-up).
+    let last = metrics(&run_dir).pop().unwrap();
+    assert_eq!((last["step"].as_u64(), last["lr"].as_f64()), (Some(3), Some(0.5 * 4.0 / 10.0)));
 }
 
 #[test]
@@ -534,7 +571,7 @@ fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
         .arg(&bad)
         .arg(&good)
         .arg("--set")
-        .arg(format!("model={}", f.model.display()))
+        .arg(format!("model.path={}", f.model.display()))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -562,10 +599,14 @@ fn stress_script_smoke_pairs_the_arms_over_seeds() {
             let d = run_dir.join(format!("{m}-s{seed}"));
             let cfg: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
-            assert_eq!((cfg["seed"].as_u64(), cfg["objective"].as_str()), (Some(seed), Some("stapo")), "{m}");
-            assert_eq!(cfg["model"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
-            let tau_h = cfg["set"]["tau_h"].as_str();
-            assert_eq!(tau_h, if m == "justrl" { Some("-1") } else { None }, "{m}: {cfg}");
+            assert_eq!(
+                (cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()),
+                (Some(seed), Some("stapo")),
+                "{m}"
+            );
+            assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+            let tau_h = &cfg["actor"]["objective"]["mask"]["tau_h"];
+            assert_eq!(tau_h.as_f64() == Some(-1.0), m == "justrl", "{m}: {cfg}");
             // Step 0 and both steps, at T 1.0 in eval.jsonl and at T 0.7 / top-p 0.9 apart.
             for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
                 let text = std::fs::read_to_string(d.join(file))
@@ -641,7 +682,7 @@ for step in 0..12 {
     out = th::calibrated(stats, target, #{});
 }
 print(`shares=${shares}`);
-print(`slope=${out.slope}`);
+print(`slope=${out.state.slope}`);
 // No candidates at all: tau_p grows by max_step, and stays within max.
 let none = th::calibrated(#{ response_tokens: 100, s2t_candidates: 0, prev: #{ tau_p: 0.3 } }, target, #{});
 print(`grown=${none.tau_p}`);
@@ -681,6 +722,7 @@ fn opts_plain(dir: &Path) -> HostOptions {
         args: BTreeMap::new(),
         run_dir: Some(dir.join("runs")),
         resume: false,
+        apply_changes: false,
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],
@@ -701,9 +743,11 @@ fn silenced_tokens_come_with_contexts_and_the_spurious_figure() {
     std::fs::write(
         &path,
         format!(
-            r#"let t = trainer(#{{ model: "{model}", data: "{data}", objective: "stapo", prompts_per_step: 6,
-    template: #{{ kind: "raw", suffix: "" }}, sampling: #{{ n: 4, max_tokens: 40 }}, lr: 1e-4, seed: 3,
-    set: #{{ tau_p: 0.5, tau_h: 100.0, dynamic_sampling: false, overlong_max_len: 40 }} }});
+            r#"let t = trainer(#{{ model: #{{ path: "{model}" }},
+    data: #{{ train: "{data}", prompts_per_step: 6, template: #{{ kind: "raw", suffix: "" }} }},
+    rollout: #{{ sampling: #{{ n: 4, max_tokens: 40 }} }}, seed: 3,
+    actor: #{{ preset: "stapo", optim: #{{ lr: 1e-4 }}, objective: #{{ mask: #{{ tau_p: 0.5, tau_h: 100.0 }},
+        dynamic_sampling: false, overlong: #{{ max_len: 40, cache_len: 8 }} }} }} }});
 let m = t.step();
 print(`silenced=${{m.silenced_tokens}} examples=${{m.silenced_examples.len}}`);
 print(`example=${{m.silenced_examples[0]}}`);
@@ -958,34 +1002,28 @@ fn nothing_silent_09_load_data_warns_about_dropped_rows() {
     assert!(printed.contains("2 record(s) skipped, 1 loaded"), "{printed}");
 }
 
-/// Issue 33 item 14: `--set lr=fast` and `--set sampling.n=-2` name the field; a failed
-/// run's error says where its checkpoint is.
+/// Issue 33 item 14: `--set actor.optim.lr=fast` and `--set rollout.sampling.n=-2` name the
+/// field; a failed run's error says where its checkpoint is.
 #[test]
 fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint() {
     let f = fixture();
     let path = f.root.join("set.rhai");
     std::fs::write(&path, format!("train({}, 2);\n", tiny_cfg(&f, "grpo"))).unwrap();
-    for (key, val, named) in [
-        ("lr", "fast", "`lr`: invalid type: string \"fast\""),
-        ("sampling.n", "-2", "`sampling.n`: invalid value: integer `-2`"),
-    ] {
+    for (key, val) in [("actor.optim.lr", "fast"), ("rollout.sampling.n", "-2")] {
         let mut o = opts(&f, &f.root.join(format!("run-{key}")), false);
         o.args.insert(key.into(), val.into());
         let (host, _) = buffered(o);
         let e = script::run_file(&host, &path).error.expect("refused").to_string();
-        assert!(e.contains(named), "{key}={val}: {e}");
+        assert!(e.contains(key), "{key}={val}: {e}");
     }
     // A run stopped by the non-finite guard after one step: the error names the checkpoint.
-    let cfg = tiny_cfg(&f, "grpo").replacen(
-        "#{",
-        "#{ guard: #{ max_nonfinite_steps: 1 }, adamw: #{ weight_decay: 0.0 },",
-        1,
-    );
+    let cfg = tiny_cfg(&f, "grpo")
+        .replacen("#{", "#{ guard: #{ max_nonfinite_steps: 1 },", 1)
+        .replace("optim: #{ lr: 1e-4 }", "optim: #{ lr: 1e39, weight_decay: 0.0 }");
+    assert!(cfg.contains("1e39"), "{cfg}");
     std::fs::write(&path, format!("train({cfg}, 3);\n")).unwrap();
     let run_dir = f.root.join("run-nan");
-    let mut o = opts(&f, &run_dir, false);
-    o.args.insert("lr".into(), "1e39".into());
-    let (host, _) = buffered(o);
+    let (host, _) = buffered(opts(&f, &run_dir, false));
     let e = script::run_file(&host, &path).error.expect("stopped").to_string();
     let ckpt = run_dir.join("checkpoints/step-000001");
     assert!(

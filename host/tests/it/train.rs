@@ -42,7 +42,7 @@ fn flat_params(m: &stapo::model::Qwen3) -> Vec<f32> {
 }
 
 fn run(preset: &str, micro: usize, tau_p: Option<f32>) -> (Vec<f32>, Vec<f32>, train::UpdateMetrics) {
-    run_with(preset, tau_p, 1e3, |c| c.micro_batch = micro)
+    run_with(preset, tau_p, 1e3, |c| c.actor.micro_batch = micro)
 }
 
 /// The objective `preset` (no dynamic sampling; S2T's `tau_p` when given) in an update
@@ -57,7 +57,7 @@ fn run_with(
     let m = tiny_model(true, DType::F32, 31);
     let before = flat_params(&m);
     let mut opt = linearish_opt(&m);
-    let mut cfg = UpdateConfig { objective: objective(preset, tau_p), ..Default::default() };
+    let mut cfg = UpdateConfig::for_objective(objective(preset, tau_p));
     f(&mut cfg);
     let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, lr, 0).unwrap().metrics;
     (before, flat_params(&m), metrics)
@@ -66,7 +66,7 @@ fn run_with(
 fn objective(preset: &str, tau_p: Option<f32>) -> ObjectiveConfig {
     let mut objective = ObjectiveConfig::preset(preset).unwrap();
     if let Some(tp) = tau_p {
-        objective.set("tau_p", &tp.to_string()).unwrap();
+        objective = objective.overlay("test", &serde_json::json!({"mask": {"tau_p": tp}})).unwrap();
     }
     objective.dynamic_sampling = false;
     objective
@@ -78,7 +78,7 @@ fn all_presets() -> Vec<(&'static str, Option<f32>)> {
         .iter()
         .map(|p| {
             let s2t =
-                matches!(ObjectiveConfig::preset(p.name).unwrap().mask, stapo::algo::MaskConfig::S2t { .. });
+                matches!(ObjectiveConfig::preset(p.name).unwrap().mask, stapo::algo::MaskConfig::S2t(_));
             (p.name, s2t.then_some(0.03))
         })
         .collect()
@@ -136,17 +136,16 @@ fn token_budget_micro_batches_equal_the_padded_path() {
     for (preset, tau_p) in all_presets() {
         for (mini_batch, epochs, lr) in [(0, 1, 1e3), (6, 2, 10.0)] {
             let shape = |c: &mut UpdateConfig| {
-                c.mini_batch = mini_batch;
-                c.epochs = epochs;
-                c.shuffle = epochs > 1;
+                c.actor.mini_batch = mini_batch;
+                c.actor.epochs = epochs;
             };
             let (before, padded, m_padded) = run_with(preset, tau_p, lr, |c| {
                 shape(c);
-                c.micro_batch = 5;
+                c.actor.micro_batch = 5;
             });
             let (_, budget, m_budget) = run_with(preset, tau_p, lr, |c| {
                 shape(c);
-                c.max_tokens_per_micro = 24;
+                c.actor.max_tokens_per_micro = 24;
             });
             let what = format!("{preset} mini_batch {mini_batch} epochs {epochs}");
             assert_same_update(&what, &before, (&padded, &m_padded), (&budget, &m_budget));
@@ -161,7 +160,7 @@ fn token_budget_micro_batches_on_two_ranks_equal_one_padded_process() {
     use stapo::dist::ThreadComm;
     use stapo::train::update::{update_on, Policy};
     for (preset, tau_p) in [("stapo", Some(0.03)), ("grpo", None), ("gspo", None), ("entropy20", None)] {
-        let (before, padded, m_padded) = run_with(preset, tau_p, 1e3, |c| c.micro_batch = 5);
+        let (before, padded, m_padded) = run_with(preset, tau_p, 1e3, |c| c.actor.micro_batch = 5);
         let all = seqs();
         let parts = [all[..8].to_vec(), all[8..].to_vec()]; // groups 0-1 and group 2
         let comms = ThreadComm::group(2);
@@ -173,11 +172,8 @@ fn token_budget_micro_batches_on_two_ranks_equal_one_padded_process() {
                     sc.spawn(move || {
                         let m = tiny_model(true, DType::F32, 31);
                         let mut opt = linearish_opt(&m);
-                        let cfg = UpdateConfig {
-                            objective: objective(preset, tau_p),
-                            max_tokens_per_micro: 24,
-                            ..Default::default()
-                        };
+                        let mut cfg = UpdateConfig::for_objective(objective(preset, tau_p));
+                        cfg.actor.max_tokens_per_micro = 24;
                         let policy = Policy { model: &m, opt: &mut opt, reference: None };
                         let out = update_on(c, policy, part, &cfg, 1e3, 0).unwrap();
                         (flat_params(&m), out.metrics)
@@ -260,7 +256,7 @@ fn non_finite_loss_skips_the_step_and_leaves_weights_untouched() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let before = bits(&flat_params(&m));
     let mut opt = linearish_opt(&m);
-    let cfg = UpdateConfig { objective: ObjectiveConfig::preset("grpo").unwrap(), ..Default::default() };
+    let cfg = UpdateConfig::for_objective(ObjectiveConfig::preset("grpo").unwrap());
     let metrics = train::update(&m, &mut opt, None, &seqs(), &cfg, 1e-3, 0).unwrap().metrics;
     assert_eq!(metrics.skipped_steps, 1, "{name}: {metrics:?}");
     assert_eq!(metrics.optimizer_steps, 0);
@@ -274,7 +270,8 @@ fn rollout_old_logprobs_must_match_the_responses() {
     let mut opt = linearish_opt(&m);
     let mut data = seqs();
     data[0].rollout_logprobs = Some(vec![-1.0; 2]);
-    let cfg = UpdateConfig { old_logp: OldLogp::Rollout, ..Default::default() };
+    let mut cfg = UpdateConfig::default();
+    cfg.actor.old_logp = OldLogp::Rollout;
     let err = train::update(&m, &mut opt, None, &data, &cfg, 1e-3, 0).unwrap_err().to_string();
     assert!(err.contains("rollout log-probs"), "{err}");
 }
@@ -303,8 +300,8 @@ fn seq_mis_drops_exactly_the_sequences_outside_the_bounds() {
     }
     let mut opt = linearish_opt(&m);
     let corr = RolloutCorrection { mode: RolloutCorrMode::SeqMis, ..RolloutCorrection::default() };
-    let cfg =
-        UpdateConfig { objective: objective("dapo", None), rollout_correction: corr, ..Default::default() };
+    let mut cfg = UpdateConfig::for_objective(objective("dapo", None));
+    cfg.actor.rollout_correction = corr;
     let out = train::update(&m, &mut opt, None, &seqs, &cfg, 1e3, 0).unwrap();
     let (metrics, rec) = (out.metrics, out.record);
     for (i, s) in seqs.iter().enumerate() {
@@ -347,8 +344,8 @@ fn token_tis_with_matching_rollouts_is_the_plain_update() {
         let before = flat_params(&m);
         let mut opt = linearish_opt(&m);
         let rollout_correction = RolloutCorrection { mode, ..RolloutCorrection::default() };
-        let cfg =
-            UpdateConfig { objective: objective("grpo", None), rollout_correction, ..Default::default() };
+        let mut cfg = UpdateConfig::for_objective(objective("grpo", None));
+        cfg.actor.rollout_correction = rollout_correction;
         let metrics = train::update(&m, &mut opt, None, seqs, &cfg, 1e3, 0).unwrap().metrics;
         (before, flat_params(&m), metrics)
     };

@@ -7,24 +7,19 @@ use stapo::train::{RunConfig, Trainer};
 use crate::common::{arith_fixture, tempdir};
 
 fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path::PathBuf) -> RunConfig {
-    let mut cfg = RunConfig { model, data: train, test_data: Some(test), ..RunConfig::default() };
-    cfg.prompts_per_step = 3;
-    cfg.sampling.n = 4;
-    cfg.sampling.max_new_tokens = 12;
-    cfg.lr = 1e-2;
     // DAPO + S2T: its overlong shaping gives the truncated responses of a random model
     // non-zero advantages (stapo, the paper's JustRL recipe, has no length shaping).
-    cfg.objective = "dapo_s2t".into();
-    cfg.set.insert("tau_p".into(), "0.05".into());
-    cfg.set.insert("dynamic_sampling".into(), "false".into());
-    // Last-number fallback so a random model sometimes scores: non-zero advantages.
-    cfg.extract = ExtractMode::Flexible;
-    cfg.save_every = 2;
-    cfg.eval_every = 3;
-    cfg.eval_n = 2;
-    cfg.eval_pass_k = vec![1, 2];
-    cfg.eval_limit = Some(4);
-    cfg
+    // Flexible extraction (last-number fallback) so a random model sometimes scores.
+    RunConfig::from_json(&serde_json::json!({
+        "model": {"path": model},
+        "data": {"train": train, "test": test, "prompts_per_step": 3, "extract": ExtractMode::Flexible},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 12}},
+        "actor": {"preset": "dapo_s2t", "optim": {"lr": 1e-2},
+                  "objective": {"mask": {"tau_p": 0.05}, "dynamic_sampling": false}},
+        "checkpoint": {"save_every": 2},
+        "evaluation": {"every": 3, "sampling": {"n": 2}, "pass_k": [1, 2], "limit": 4},
+    }))
+    .unwrap()
 }
 
 fn weights(t: &Trainer) -> Vec<u32> {
@@ -123,9 +118,10 @@ fn a_new_run_refuses_an_existing_run_folder() {
     let _a = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
     let err = Trainer::new(cfg.clone(), &dir.path().join("run")).err().unwrap().to_string();
     assert!(err.contains("already holds a run"), "{err}");
-    let bad = RunConfig { eval_pass_k: vec![1, 4], ..cfg };
+    let mut bad = cfg;
+    bad.evaluation.pass_k = vec![1, 4];
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
-    assert!(err.contains("eval_pass_k") && err.contains("k = 4"), "{err}");
+    assert!(err.contains("evaluation.pass_k") && err.contains("k = 4"), "{err}");
 }
 
 #[test]
@@ -135,12 +131,12 @@ fn dynamic_sampling_refills_or_warns_at_the_limit() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    cfg.objective = "dapo".into();
-    cfg.set.clear();
-    cfg.extract = ExtractMode::Strict;
-    cfg.eval_every = 0;
-    cfg.save_every = 0;
-    cfg.max_num_gen_batches = 3;
+    cfg.actor.preset = "dapo".into();
+    cfg.actor.objective = stapo::algo::ObjectiveConfig::preset("dapo").unwrap();
+    cfg.data.extract = ExtractMode::Strict;
+    cfg.evaluation.every = 0;
+    cfg.checkpoint.save_every = 0;
+    cfg.rollout.max_num_gen_batches = 3;
     let mut t = Trainer::new(cfg, &dir.path().join("run")).unwrap();
     let m = t.step(&t.default_plan(), None, None).unwrap();
     assert_eq!(m.gen_batches, 3, "{m:?}");
@@ -163,9 +159,9 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    cfg.eval_every = 0;
-    cfg.save_every = 0;
-    cfg.rollout_dtype = Some("bfloat16".into());
+    cfg.evaluation.every = 0;
+    cfg.checkpoint.save_every = 0;
+    cfg.rollout.dtype = Some("bfloat16".into());
     let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
     assert_eq!(t.model().dtype(), candle_core::DType::F32);
     assert_eq!(t.sampling_model().dtype(), candle_core::DType::BF16);
@@ -190,9 +186,10 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
         assert_eq!(d, 0.0, "{name}: the rollout copy lags the master");
     }
     // A bad name is an error naming the field.
-    let bad = RunConfig { rollout_dtype: Some("float8".into()), ..cfg };
+    let mut bad = cfg;
+    bad.rollout.dtype = Some("float8".into());
     let err = Trainer::new(bad, &dir.path().join("run-2")).err().unwrap().to_string();
-    assert!(err.contains("rollout_dtype"), "{err}");
+    assert!(err.contains("rollout.dtype"), "{err}");
 }
 
 /// Rollouts sampled from a bf16 copy on the CPU: their log-probs are the copy's, not the
@@ -207,9 +204,9 @@ fn bf16_rollout_copy_log_probs_and_their_mismatch() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    cfg.eval_every = 0;
-    cfg.save_every = 0;
-    cfg.rollout_dtype = Some("bfloat16".into());
+    cfg.evaluation.every = 0;
+    cfg.checkpoint.save_every = 0;
+    cfg.rollout.dtype = Some("bfloat16".into());
     // The same policy, never updated: the master and the copy that sampled the step's rollouts.
     let t0 = Trainer::new(cfg.clone(), &dir.path().join("run-0")).unwrap();
     let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
@@ -246,8 +243,9 @@ fn bf16_rollout_copy_log_probs_and_their_mismatch() {
         m.update.warnings
     );
     let tis = RolloutCorrection { mode: RolloutCorrMode::TokenTis, ..RolloutCorrection::default() };
-    let mut t =
-        Trainer::new(RunConfig { rollout_correction: tis, ..cfg }, &dir.path().join("run-2")).unwrap();
+    let mut tis_cfg = cfg;
+    tis_cfg.actor.rollout_correction = tis;
+    let mut t = Trainer::new(tis_cfg, &dir.path().join("run-2")).unwrap();
     let err = t.step(&plan, None, None).err().unwrap().to_string();
     assert!(err.contains("rollout_correction.mode") && err.contains("temperature"), "{err}");
 }
@@ -260,14 +258,16 @@ fn an_s2t_mask_that_silences_nothing_trains_as_no_mask() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut base = config(model, train, test);
-    (base.eval_every, base.save_every, base.mini_batch) = (0, 0, 4);
-    base.objective = "dapo".into();
-    base.set.clear();
-    base.set.insert("dynamic_sampling".into(), "false".into());
+    (base.evaluation.every, base.checkpoint.save_every, base.actor.mini_batch) = (0, 0, 4);
+    let preset = |name: &str, over: serde_json::Value| {
+        stapo::algo::ObjectiveConfig::preset(name).unwrap().overlay("test", &over).unwrap()
+    };
+    base.actor.objective = preset("dapo", serde_json::json!({"dynamic_sampling": false}));
     let mut observer = base.clone();
-    observer.objective = "dapo_s2t".into();
-    observer.set.insert("tau_p".into(), "0.05".into());
-    observer.set.insert("tau_h".into(), "-1".into());
+    observer.actor.objective = preset(
+        "dapo_s2t",
+        serde_json::json!({"dynamic_sampling": false, "mask": {"tau_p": 0.05, "tau_h": -1.0}}),
+    );
     let mut a = Trainer::new(base, &dir.path().join("plain")).unwrap();
     let mut b = Trainer::new(observer, &dir.path().join("observer")).unwrap();
     let (mut candidates, mut moved) = (0, 0);
@@ -299,7 +299,7 @@ fn evaluations_at_another_setting_are_logged_apart() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let mut cfg = config(model, train, test);
-    (cfg.eval_every, cfg.save_every) = (1, 0);
+    (cfg.evaluation.every, cfg.checkpoint.save_every) = (1, 0);
     let run = dir.path().join("run");
     let mut t = Trainer::new(cfg, &run).unwrap();
     t.step(&t.default_plan(), None, None).unwrap();

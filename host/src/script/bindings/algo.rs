@@ -9,10 +9,8 @@ use rhai::{Array, Dynamic, Engine, Map};
 use serde::Deserialize;
 
 use super::{lock, RolloutHandle};
-use crate::algo::{
-    AdvEstimator, ObjectiveConfig, QuantileOver, S2tStats, S2tThresholds, StdKind, ALIASES, PRESETS,
-};
-use crate::script::convert::{clean_f64, options, to_dynamic};
+use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, PRESETS};
+use crate::script::convert::{clean_f64, config_arg, options, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 
@@ -26,17 +24,6 @@ struct AdvOpts {
     std: Option<StdKind>,
 }
 
-/// `s2t(r, thresholds)`: `tau_p`, and `tau_h` (absolute) or `tau_h_quantile` /
-/// `tau_h_over`; the paper's defaults (§3, §4.1): 0.002 and the 0.75-quantile over the candidates.
-#[derive(Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-struct ThresholdOpts {
-    tau_p: Option<f64>,
-    tau_h: Option<f64>,
-    tau_h_quantile: Option<f64>,
-    tau_h_over: Option<QuantileOver>,
-}
-
 fn advantages(r: &RolloutHandle, opts: &Map) -> RhaiResult<Array> {
     let o: AdvOpts = options("advantages", opts)?;
     let (est, std) = (o.adv.unwrap_or(AdvEstimator::Grpo), o.std.unwrap_or(StdKind::Sample));
@@ -45,10 +32,8 @@ fn advantages(r: &RolloutHandle, opts: &Map) -> RhaiResult<Array> {
 }
 
 fn s2t(r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
-    let o: ThresholdOpts = options("s2t", opts)?;
-    let th = S2tThresholds::default()
-        .with(o.tau_p, o.tau_h, o.tau_h_quantile, o.tau_h_over)
-        .map_err(|e| bad_arg("s2t", e))?;
+    let over = to_json("s2t", &Dynamic::from_map(opts.clone()))?;
+    let th = S2tThresholds::default().overlay("s2t", &over).map_err(|e| config_arg("s2t", e))?;
     let stats = lock(&r.0, "rollout")?.compute_s2t(th).map_err(|e| bad_arg("s2t", e))?;
     Ok(s2t_map(&stats, th.tau_p))
 }
@@ -70,11 +55,9 @@ fn s2t_map(stats: &S2tStats, tau_p: f32) -> Map {
 }
 
 fn objective(name: &str, overrides: &Map) -> RhaiResult<Dynamic> {
-    let mut o = ObjectiveConfig::preset(name).map_err(host)?;
-    for (k, v) in overrides {
-        o.set(k, &v.to_string()).map_err(host)?;
-    }
-    to_dynamic(&o)
+    let over = to_json("objective", &Dynamic::from_map(overrides.clone()))?;
+    let o = ObjectiveConfig::preset(name).map_err(host)?;
+    to_dynamic(&o.overlay("objective", &over).map_err(|e| config_arg("objective", e))?)
 }
 
 pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
@@ -125,13 +108,14 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "s2t", r#"
         /// s2t(rollout, thresholds) -> map
         ///
-        /// thresholds: #{tau_p, tau_h} (absolute) or #{tau_p, tau_h_quantile, tau_h_over}, with
-        /// tau_h_over "response" (every response token, the default) or "candidates".
+        /// thresholds: #{tau_p, tau_h}, tau_h a number (absolute) or a quantile #{q, over} with over
+        /// "candidates" (the tokens with A > 0 and p < tau_p) or "response" (every response token);
+        /// what the map leaves out is the paper's. The same form as the thresholds hook's.
         ///
         /// # Example
         ///
         /// ```rhai
-        /// s2t(r, #{tau_p: 0.05, tau_h_quantile: 0.5, tau_h_over: "candidates"})
+        /// s2t(r, #{tau_p: 0.05, tau_h: #{q: 0.5, over: "candidates"}})
         /// ```
     "#,
         |r: RolloutHandle, opts: Map| s2t(&r, &opts)
@@ -149,18 +133,18 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     "#,
         || -> Array { PRESETS.iter().map(|p| Dynamic::from(p.name.to_string())).collect() }
     }
-    func! { engine, "set_keys", r#"
-        /// set_keys() -> map
+    func! { engine, "default_thresholds", r#"
+        /// default_thresholds() -> map
         ///
-        /// The keys accepted in a config's `set` map (objective overrides), with what each expects.
+        /// The paper's S2T thresholds in the form the thresholds hook returns: #{tau_p, tau_h: #{q, over}}.
         ///
         /// # Example
         ///
         /// ```rhai
-        /// print(set_keys().tau_p);
+        /// print(default_thresholds().tau_h.q);
         /// ```
     "#,
-        || -> Map { ALIASES.iter().map(|a| (a.key.into(), Dynamic::from(a.expects.to_string()))).collect() }
+        || to_dynamic(&S2tThresholds::default())
     }
     func! { engine, "objective", r#"
         /// objective(preset) -> map
@@ -178,12 +162,13 @@ pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
     func! { engine, "objective", r#"
         /// objective(preset, overrides) -> map
         ///
-        /// A preset with `set` overrides applied (validated).
+        /// A preset with a partial objective laid on top (the form of a run's actor.objective),
+        /// validated; an unknown key is an error naming the nearest.
         ///
         /// # Example
         ///
         /// ```rhai
-        /// objective("grpo", #{eps_high: 0.28})
+        /// objective("grpo", #{loss: #{eps_high: 0.28}})
         /// ```
     "#,
         |name: &str, o: Map| objective(name, &o)

@@ -11,19 +11,15 @@ use crate::data::{Dataset, DatasetOptions, PromptTemplate};
 use crate::eval;
 use crate::reward::ExtractMode;
 use crate::rollout::{Generator, SamplingParams};
-use crate::script::convert::{from_json, options};
+use crate::script::convert::{from_json, options, overlay, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 
-/// `evaluate(model, data, opts)`.
-#[derive(Deserialize)]
+/// `evaluate(model, data, opts)`: the keys that are not sampling fields; the rest of the map
+/// is a [`SamplingParams`] (n 4 by default), so every sampling option reaches evaluation.
+#[derive(Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 struct EvalOpts {
-    /// Samples per problem.
-    n: usize,
-    temperature: f64,
-    top_p: f64,
-    max_tokens: usize,
     /// First `limit` problems only.
     limit: Option<usize>,
     /// "model" (the folder's own format, the default), a template name, or a map as train()
@@ -31,26 +27,12 @@ struct EvalOpts {
     template: Option<serde_json::Value>,
     /// Answer extraction: strict | flexible | answer_line.
     extract: Option<String>,
-    seed: u64,
     /// The k of pass@k (each at most `n`).
     pass_k: Vec<usize>,
 }
 
-impl Default for EvalOpts {
-    fn default() -> Self {
-        EvalOpts {
-            n: 4,
-            temperature: 1.0,
-            top_p: 1.0,
-            max_tokens: 256,
-            limit: None,
-            template: None,
-            extract: None,
-            seed: 0,
-            pass_k: Vec::new(),
-        }
-    }
-}
+/// The keys of [`EvalOpts`].
+const EVAL_KEYS: [&str; 4] = ["limit", "template", "extract", "pass_k"];
 
 /// A dataset argument: a path or a `Dataset`.
 fn dataset_arg(data: &Dynamic) -> RhaiResult<Arc<Dataset>> {
@@ -65,16 +47,17 @@ fn dataset_arg(data: &Dynamic) -> RhaiResult<Arc<Dataset>> {
 }
 
 fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiResult<Dynamic> {
-    let o: EvalOpts = options("evaluate", opts)?;
+    let (own, sampling): (Map, Map) =
+        opts.clone().into_iter().partition(|(k, _)| EVAL_KEYS.contains(&k.as_str()));
+    let o: EvalOpts = options("evaluate", &own)?;
+    let sampling = to_json("evaluate", &Dynamic::from_map(sampling))?;
+    let mut params = overlay("evaluate", &SamplingParams { n: 4, ..SamplingParams::default() }, sampling)?;
     let ds = dataset_arg(data)?;
     let tmpl = match &o.template {
         None => PromptTemplate::Model,
         Some(t) => PromptTemplate::from_json(t).map_err(|e| bad_arg("evaluate", format!("template: {e}")))?,
     };
     let mut limit = o.limit.unwrap_or(ds.len()).min(ds.len());
-    let (n, temperature, top_p, max_new_tokens, seed) = (o.n, o.temperature, o.top_p, o.max_tokens, o.seed);
-    let mut params =
-        SamplingParams { n, temperature, top_p, max_new_tokens, seed, ..SamplingParams::default() };
     let mut ks = o.pass_k;
     if host_.opts.smoke {
         limit = limit.min(2);
@@ -107,10 +90,10 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "evaluate", r#"
         /// evaluate(model, data, opts) -> map
         ///
-        /// avg@n and pass@n on a dataset (path or Dataset). opts: #{n (4), temperature (1.0), top_p
-        /// (1.0), max_tokens (256), limit, template ("model": the folder's own format; or "none",
-        /// "raw", "chat", a map), extract (strict | flexible | answer_line), seed, pass_k ([]; e.g.
-        /// [1, 4, 16])}. Returns
+        /// avg@n and pass@n on a dataset (path or Dataset). opts: the sampling fields (n (4),
+        /// temperature (1.0), top_p (1.0), top_k, max_tokens (256), stop, seed, ...) and limit,
+        /// template ("model": the folder's own format; or "none", "raw", "chat", a map), extract
+        /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]). Returns
         /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
         ///
         /// # Example

@@ -156,7 +156,7 @@ mod tests {
             ("format_number(1.0, -1)", "digits: expected a non-negative integer, found -1"),
             (
                 "load_model(\"m\", #{ dtyp: \"float32\" })",
-                "unknown field `dtyp`, expected `dtype` or `device`",
+                "load_model: `dtyp`: unknown key `dtyp`; did you mean `dtype`? (valid: dtype, device)",
             ),
             ("init_model(#{}, #{ seed: -1 })", "init_model: `seed`: invalid value: integer `-1`"),
         ] {

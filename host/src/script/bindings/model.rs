@@ -11,7 +11,8 @@ use serde::Deserialize;
 use super::{lock, ModelHandle, ModelSlot, TokenizerHandle};
 use crate::data::Tokenizer;
 use crate::model::{self, Config};
-use crate::script::convert::{from_json, merge_json, options, to_json};
+use crate::overlay::merge as merge_json;
+use crate::script::convert::{from_json, options, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 

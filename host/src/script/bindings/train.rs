@@ -7,28 +7,20 @@ use std::sync::{Arc, Mutex};
 use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
 
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
-use crate::script::convert::{from_json, get_num, get_str, options, overlay, to_dynamic, to_json, usize_arg};
+use crate::script::convert::{config_arg, from_json, get_num, get_str, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
 use crate::script::train_loop;
-use crate::train::{self, AdamW, AdamWConfig, RunConfig, Sequence, UpdateOptions};
+use crate::train::{self, AdamW, RunConfig, Sequence, UpdateOptions};
 
-/// `update(model, rollout, opts)`: `opts` are [`UpdateOptions`] (the same constructor as
-/// `stapo update`) plus `adamw`, the optimizer settings of its first call.
+/// `update(model, rollout, opts)`: `opts` are [`UpdateOptions`] (`actor`, `seed`,
+/// `temperature`, `max_tokens`; the same constructor as `stapo update`); the optimizer is
+/// made on the first call from `actor.optim`.
 fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
-    let mut o = opts.clone();
-    let adamw = o.remove("adamw");
-    // Objective overrides are strings to `ObjectiveConfig::set`; scripts write numbers.
-    if let Some(set) = o.get_mut("set").and_then(|v| v.write_lock::<Map>()).as_deref_mut() {
-        for val in set.values_mut() {
-            if !val.is_string() {
-                *val = Dynamic::from(val.to_string());
-            }
-        }
-    }
-    let uo: UpdateOptions = options("update", &o)?;
+    let user = to_json("update", &Dynamic::from_map(opts.clone()))?;
+    let uo = UpdateOptions::from_json(&user).map_err(|e| config_arg("update", e))?;
     let (ucfg, notes) = uo.to_config().map_err(|e| bad_arg("update", e))?;
-    let lr = uo.lr;
+    let lr = uo.actor.optim.lr;
     let seqs: Vec<Sequence> = {
         let st = lock(&r.0, "rollout")?;
         let rewards = st.rewards().map_err(|e| bad_arg("update", e))?;
@@ -37,12 +29,7 @@ fn update(m: &ModelHandle, r: &RolloutHandle, opts: &Map) -> RhaiResult<Map> {
     let mut slot = lock(&m.0, "model")?;
     let slot = &mut *slot;
     if slot.opt.is_none() {
-        let over = match &adamw {
-            Some(a) => to_json("adamw", a)?,
-            None => serde_json::Value::Object(Default::default()),
-        };
-        let acfg = overlay("adamw", &AdamWConfig { lr, ..AdamWConfig::default() }, over)?;
-        slot.opt = Some(AdamW::new(slot.model.params(), acfg).map_err(host)?);
+        slot.opt = Some(AdamW::new(slot.model.params(), uo.actor.optim.clone()).map_err(host)?);
     }
     let pad = slot.tokenizer.as_ref().map_or(0, |t| t.pad_id());
     let opt = slot.opt.as_mut().ok_or_else(|| host("no optimizer"))?;
@@ -127,8 +114,8 @@ fn evaluate_run(r: &RunHandle, opts: &Map) -> RhaiResult<Dynamic> {
     }
     let mut run = lock(&r.0, "run")?;
     let cfg = run.config();
-    let t = get_num(opts, "temperature")?.unwrap_or(cfg.eval_temperature);
-    let p = get_num(opts, "top_p")?.unwrap_or(cfg.eval_top_p);
+    let t = get_num(opts, "temperature")?.unwrap_or(cfg.evaluation.sampling.temperature);
+    let p = get_num(opts, "top_p")?.unwrap_or(cfg.evaluation.sampling.top_p);
     let rep = run.evaluate_at(None, t, p).map_err(host)?;
     Ok(from_json(&serde_json::json!({"overall": rep.overall, "by_source": rep.by_source,
         "avg": rep.overall.avg, "pass": rep.overall.pass, "pass_at_k": rep.overall.pass_at_k,
@@ -265,10 +252,11 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         ///
         /// Runs the training loop for `steps` steps in total (a resumed run continues): each step calls
         /// the script's hooks if defined: sampling(step) -> map, thresholds(step, stats) -> #{tau_p,
-        /// tau_h | tau_h_quantile}, lr(step) -> number, then on_step(step, metrics) and
-        /// should_stop(step, metrics) -> bool. cfg: RunConfig fields (model, data, objective, set,
-        /// prompts_per_step, sampling, lr, ...) plus optional `name` (sub-folder). Returns #{run_dir,
-        /// steps, final, checkpoint, seconds, stopped_early}.
+        /// tau_h (a number or #{q, over}), state}, lr(step) -> number, then on_step(step, metrics) and
+        /// should_stop(step, metrics) -> bool. cfg: the configuration tree (model, data, rollout, actor,
+        /// evaluation, checkpoint, logging, seed; default_config() shows it) plus optional `name`
+        /// (sub-folder), `steps` and `hook_timeout`. Returns #{run_dir, steps, final, checkpoint,
+        /// seconds, stopped_early}.
         ///
         /// # Example
         ///
@@ -287,7 +275,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// # Example
         ///
         /// ```rhai
-        /// let res = train(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl", steps: 50});
+        /// let res = train(#{model: #{path: "models/tiny-qwen3"}, data: #{train: "data/arith/train.jsonl"}, steps: 50});
         /// ```
     "#,
         move |ctx: NativeCallContext, cfg: Map| train_with(&ctx, &h, &cfg, None)
@@ -302,7 +290,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// # Example
         ///
         /// ```rhai
-        /// let t = trainer(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl"}); t.step();
+        /// let t = trainer(#{model: #{path: "models/tiny-qwen3"}, data: #{train: "data/arith/train.jsonl"}}); t.step();
         /// ```
     "#,
         move |cfg: Map| -> RhaiResult<RunHandle> {
@@ -327,13 +315,13 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "step", r#"
         /// run.step(plan) -> map
         ///
-        /// One step with overrides: #{sampling: #{n, temperature, ...}, lr, tau_p, tau_h |
-        /// tau_h_quantile}.
+        /// One step with overrides: #{sampling: #{n, temperature, ...}, lr, thresholds: #{tau_p,
+        /// tau_h}} (thresholds in the `thresholds` hook's form).
         ///
         /// # Example
         ///
         /// ```rhai
-        /// t.step(#{tau_p: 0.01, sampling: #{temperature: 0.7}})
+        /// t.step(#{thresholds: #{tau_p: 0.01}, sampling: #{temperature: 0.7}})
         /// ```
     "#,
         move |r: &mut RunHandle, plan: Map| train_loop::step_once(&h, r, &plan)
@@ -463,18 +451,19 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "update", r#"
         /// update(model, rollout, opts) -> map
         ///
-        /// One RL update of `model` on a scored rollout. opts: #{objective: preset (default stapo),
-        /// set: #{overrides}, lr (1e-6), epochs (1; shuffled between epochs when > 1), mini_batch,
-        /// micro_batch, max_tokens_per_micro (a token budget per forward, padding counted; 0 none),
-        /// old_logp: "recompute"|"rollout", seed, temperature (the rollout's; logits
-        /// are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong buffer
-        /// and Dr.GRPO's normaliser), adamw: #{..}}; other keys are an error. The optimizer state
-        /// stays with the model; warnings (a skipped step) are in the result's `warnings`.
+        /// One RL update of `model` on a scored rollout. opts: #{actor: the run configuration's actor
+        /// section (preset (default stapo), objective overrides, optim: #{lr (1e-6), ...}, epochs
+        /// (1; shuffled between epochs when > 1), mini_batch, micro_batch, max_tokens_per_micro,
+        /// old_logp: "recompute"|"rollout", rollout_correction), seed, temperature (the rollout's;
+        /// logits are divided by it), max_tokens (the rollout's budget: sizes the preset's overlong
+        /// buffer and Dr.GRPO's normaliser)}; other keys are an error naming the nearest. The
+        /// optimizer (from actor.optim on the first call) stays with the model; warnings (a skipped
+        /// step) are in the result's `warnings`.
         ///
         /// # Example
         ///
         /// ```rhai
-        /// score(r); let m = update(model, r, #{objective: "grpo", lr: 1e-5});
+        /// score(r); let m = update(model, r, #{actor: #{preset: "grpo", optim: #{lr: 1e-5}}});
         /// ```
     "#,
         |m: ModelHandle, r: RolloutHandle, opts: Map| update(&m, &r, &opts)
@@ -482,12 +471,13 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "default_config", r#"
         /// default_config() -> map
         ///
-        /// Every RunConfig field with its default.
+        /// The whole configuration tree with its defaults (model, data, rollout, actor, evaluation, checkpoint,
+        /// logging, seed).
         ///
         /// # Example
         ///
         /// ```rhai
-        /// default_config().sampling
+        /// default_config().rollout.sampling
         /// ```
     "#,
         || to_dynamic(&RunConfig::default())

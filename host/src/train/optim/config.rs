@@ -1,8 +1,10 @@
-//! [`AdamWConfig`]: the optimizer's hyper-parameters, validated, and the usual
-//! weight-decay exclusion [`is_norm_or_bias`].
+//! [`AdamWConfig`]: the optimizer's hyper-parameters and learning-rate schedule (a run's
+//! `actor.optim`, as verl's `actor.optim`), validated, and the usual weight-decay
+//! exclusion [`is_norm_or_bias`].
 
 use serde::{Deserialize, Serialize};
 
+use super::LrSchedule;
 use crate::{Error, Result};
 
 /// The name used in configuration errors.
@@ -31,6 +33,10 @@ pub struct AdamWConfig {
     /// Clip the global L2 norm of all gradients to this value; `null` disables clipping.
     #[serde(default = "default_max_grad_norm")]
     pub max_grad_norm: Option<f64>,
+    /// How the learning rate moves over the steps of a run ([`LrSchedule::lr_at`] of `lr`);
+    /// [`AdamW::step`](super::AdamW::step) itself takes the final value.
+    #[serde(default)]
+    pub schedule: LrSchedule,
 }
 
 fn default_lr() -> f64 {
@@ -61,6 +67,7 @@ impl Default for AdamWConfig {
             eps: default_eps(),
             weight_decay: default_weight_decay(),
             max_grad_norm: default_max_grad_norm(),
+            schedule: LrSchedule::default(),
         }
     }
 }

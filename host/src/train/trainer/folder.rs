@@ -53,9 +53,32 @@ impl RunFolder {
         write_file_atomically(&dir.join("run_config.json"), text.as_bytes())
     }
 
-    /// The configuration `dir` was created with.
+    /// The configuration `dir` was created with (through [`RunConfig::from_json`], so a
+    /// file of the old flat layout is an error naming the new place of its first key).
     pub fn read_config(dir: &Path) -> Result<RunConfig> {
-        read_json(&dir.join("run_config.json"))
+        let path = dir.join("run_config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Parse {
+            path: path.clone(),
+            line: e.line(),
+            msg: e.to_string(),
+        })?;
+        RunConfig::from_json(&v).map_err(|e| match e {
+            Error::Config { field, msg, .. } => {
+                Error::Config { file: path.display().to_string(), field, msg }
+            }
+            other => other,
+        })
+    }
+
+    /// Replaces the configuration of `dir` by `cfg` (a resume that applies changes), keeping
+    /// the previous file as `run_config-step-NNNNNN.json` (`step`: where the run resumes).
+    pub fn replace_config(dir: &Path, cfg: &RunConfig, step: u64) -> Result<()> {
+        let path = dir.join("run_config.json");
+        let keep = dir.join(format!("run_config-step-{step:06}.json"));
+        std::fs::copy(&path, &keep).map_err(|e| Error::io(&keep, e))?;
+        let text = serde_json::to_string_pretty(cfg).map_err(|e| Error::invalid(e.to_string()))?;
+        write_file_atomically(&path, text.as_bytes())
     }
 
     /// The folder of the latest checkpoint.

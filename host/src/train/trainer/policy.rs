@@ -35,7 +35,7 @@ impl Opt {
 pub struct PolicyState {
     model: Qwen3,
     opt: Opt,
-    /// The low-precision copy rollouts sample from (`rollout_dtype`).
+    /// The low-precision copy rollouts sample from (`rollout.dtype`).
     rollout_copy: Option<RolloutCopy>,
     reference: Option<Qwen3>,
     /// The run's LoRA settings (`None`: full fine-tuning).
@@ -44,15 +44,15 @@ pub struct PolicyState {
 
 impl PolicyState {
     /// The policy `model` with a fresh optimizer, the rollout copy `cfg` asks for, and
-    /// (when `objective` has a KL penalty) the reference: loaded again from `cfg.model`, or
+    /// (when `objective` has a KL penalty) the reference: loaded again from `cfg.model.path`, or
     /// with LoRA the frozen base under the adapters ([`Qwen3::base_view`]).
     ///
-    /// With `cfg.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
+    /// With `cfg.actor.lora`, fresh adapters go on `model` (seeded by the run's seed) unless it
     /// carries them already (a resumed LoRA checkpoint, whose rank and targets must be the
     /// configuration's); the optimizer then holds the adapters alone, and rollouts sample
     /// a copy with the adapters merged, refreshed after every update.
     ///
-    /// With `cfg.shard` other than `none` the optimizer holds this rank's range of the
+    /// With `cfg.actor.shard` other than `none` the optimizer holds this rank's range of the
     /// flattened trainable parameters alone ([`ShardedAdamW`], ZeRO-1/2 over `comm`).
     pub fn new(
         cfg: &RunConfig,
@@ -64,18 +64,17 @@ impl PolicyState {
         // With LoRA the reference is the frozen base itself (shared, not reloaded).
         let reference = match &objective.kl {
             Some(kl) if kl.beta != 0.0 && model.has_lora() => Some(model.base_view()),
-            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model, model.dtype(), model.device())?),
+            Some(kl) if kl.beta != 0.0 => Some(model::load(&cfg.model.path, model.dtype(), model.device())?),
             _ => None,
         };
         let params = model.trainable_params();
-        let opt = match cfg.shard {
-            ShardMode::None => Opt::Full(AdamW::new(params, cfg.adamw.clone())?),
-            mode => {
-                Opt::Sharded(ShardedAdamW::new(params, cfg.adamw.clone(), mode, comm.rank(), comm.size())?)
-            }
+        let optim = cfg.actor.optim.clone();
+        let opt = match cfg.actor.shard {
+            ShardMode::None => Opt::Full(AdamW::new(params, optim)?),
+            mode => Opt::Sharded(ShardedAdamW::new(params, optim, mode, comm.rank(), comm.size())?),
         };
         let rollout_copy = rollout_copy(cfg, &model)?;
-        Ok(Self { model, opt, rollout_copy, reference, lora: cfg.lora.clone() })
+        Ok(Self { model, opt, rollout_copy, reference, lora: cfg.actor.lora.clone() })
     }
 
     /// The learning rate the optimizer takes for the run's `lr`: times `lora.lr_scale`
@@ -218,10 +217,10 @@ impl PolicyState {
 /// master weights'; with LoRA always (in the master's dtype unless told), since sampling
 /// merged weights is faster than the unmerged adapter path (docs/lora.md).
 fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<RolloutCopy>> {
-    let dt = match &cfg.rollout_dtype {
+    let dt = match &cfg.rollout.dtype {
         Some(name) => model::parse_dtype(name).map_err(|e| Error::Config {
             file: "run config".into(),
-            field: "rollout_dtype".into(),
+            field: "rollout.dtype".into(),
             msg: e.to_string(),
         })?,
         None => m.dtype(),
@@ -229,15 +228,15 @@ fn rollout_copy(cfg: &RunConfig, m: &Qwen3) -> Result<Option<RolloutCopy>> {
     (dt != m.dtype() || m.has_lora()).then(|| RolloutCopy::new(m, dt)).transpose()
 }
 
-/// Puts the adapters of `cfg.lora` on `m`: fresh ones, or (a resumed checkpoint) checks
+/// Puts the adapters of `cfg.actor.lora` on `m`: fresh ones, or (a resumed checkpoint) checks
 /// that those it carries are the configuration's.
 fn attach_lora(cfg: &RunConfig, m: &mut Qwen3) -> Result<()> {
-    let Some(lora) = &cfg.lora else {
+    let Some(lora) = &cfg.actor.lora else {
         if m.has_lora() {
             return Err(Error::Config {
                 file: "run config".into(),
-                field: "lora".into(),
-                msg: "the model carries LoRA adapters but the run has no `lora` settings".into(),
+                field: "actor.lora".into(),
+                msg: "the model carries LoRA adapters but the run has no `actor.lora` settings".into(),
             });
         }
         return Ok(());

@@ -14,7 +14,7 @@ use crate::{Error, Result};
 /// Training and held-out problems, their order, and how they become prompts.
 pub struct PromptSource {
     tokenizer: Tokenizer,
-    /// `cfg.template` resolved against the model folder.
+    /// `cfg.data.template` resolved against the model folder.
     prompter: Prompter,
     train: Dataset,
     test: Option<Dataset>,
@@ -22,16 +22,16 @@ pub struct PromptSource {
 }
 
 impl PromptSource {
-    /// Loads the tokenizer of `cfg.model` and the data files of `cfg`; the sampler starts
+    /// Loads the tokenizer of `cfg.model.path` and the data files of `cfg`; the sampler starts
     /// a new epoch order from `cfg.seed` or continues from `resumed`. Returns the notes
     /// to report with the first step (data lines skipped, how the template was chosen).
     pub fn load(cfg: &RunConfig, resumed: Option<SamplerState>) -> Result<(Self, Vec<String>)> {
-        let tokenizer = Tokenizer::from_file(cfg.model.join("tokenizer.json"))?;
-        let prompter = tokenizer.prompter(&cfg.template)?;
-        let (train, mut notes) = Dataset::load(&cfg.data, &cfg.data_options)?;
+        let tokenizer = Tokenizer::from_file(cfg.model.path.join("tokenizer.json"))?;
+        let prompter = tokenizer.prompter(&cfg.data.template)?;
+        let (train, mut notes) = Dataset::load(&cfg.data.train, &cfg.data.options)?;
         notes.extend(prompter.note().map(str::to_string));
-        let test = match &cfg.test_data {
-            Some(p) => Some(Dataset::load(p, &cfg.data_options)?.0),
+        let test = match &cfg.data.test {
+            Some(p) => Some(Dataset::load(p, &cfg.data.options)?.0),
             None => None,
         };
         let sampler = match resumed {

@@ -1,14 +1,19 @@
 //! What an update consumes and how it runs: the scored [`Sequence`]s, where the old
-//! log-probs come from ([`OldLogp`]), the resolved [`UpdateConfig`] and the user-facing
-//! [`UpdateOptions`] it is built from.
-
-use std::collections::BTreeMap;
+//! log-probs come from ([`OldLogp`]), the run configuration's `actor` section
+//! ([`ActorConfig`]: objective, epochs, mini/micro batches, token budget, optimizer, rollout
+//! correction, LoRA), which the update reads as it is, wrapped with what a single update
+//! adds ([`UpdateConfig`]: seed, temperature), and the options of a lone update
+//! ([`UpdateOptions`], the `update` binding and `stapo update`).
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use super::RolloutCorrection;
 use crate::algo::ObjectiveConfig;
+use crate::model::LoraConfig;
+use crate::overlay;
 use crate::rollout::Sample;
+use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::{Error, Result};
 
 /// One sampled response with its prompt and reward, as the update consumes it.
@@ -52,12 +57,17 @@ pub enum OldLogp {
     Rollout,
 }
 
-/// How one update runs.
+/// The actor: the policy's objective and how it is optimised (verl's `actor_rollout_ref.actor`).
+/// The run configuration's `actor` section, and what every update reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct UpdateConfig {
-    /// The objective, masks and advantages.
+#[serde(default, deny_unknown_fields)]
+pub struct ActorConfig {
+    /// The objective preset `objective` started from (`algo::PRESETS`: grpo, dapo, gspo, sapo,
+    /// entropy20, justrl, stapo, dapo_s2t, drgrpo); a map's `objective` is laid over it.
+    pub preset: String,
+    /// The loss, advantages and masks ([`ObjectiveConfig`]'s serde form).
     pub objective: ObjectiveConfig,
-    /// PPO epochs over the batch.
+    /// PPO epochs over each batch.
     pub epochs: usize,
     /// Sequences per optimizer step (0 = the whole batch).
     pub mini_batch: usize,
@@ -69,146 +79,192 @@ pub struct UpdateConfig {
     /// (and at most `micro_batch` sequences when that is set), each padded to its own longest
     /// prompt and response. The loss normalisers stay the mini-batch's: the gradients are
     /// those of the padded path up to float summation order.
-    #[serde(default)]
     pub max_tokens_per_micro: usize,
     /// Old-policy log-probs.
     pub old_logp: OldLogp,
-    /// Shuffle sequences between epochs (seeded).
-    pub shuffle: bool,
-    pub seed: u64,
-    /// The logits are divided by this in every forward of the update (old log-probs and
-    /// training), as verl does with the rollout temperature so that the ratio is
-    /// on-policy at T != 1; p and H of the S2T rule are then the tempered policy's.
-    #[serde(default = "one")]
-    pub temperature: f64,
-    /// Record each response token's logit-gradient norm (first epoch) and the per-step
-    /// shares of silenced and top-0.01% tokens; costs one softmax over the logits.
-    #[serde(default)]
-    pub token_grad_norms: bool,
-    /// The rollout correction (token-TIS, seq-MIS; `auto` counts as off here: the trainer
-    /// resolves it from the rollout copy's dtype).
-    #[serde(default)]
+    /// Divide the logits by the sampling temperature in the update's forward passes (old
+    /// log-probs and training), as verl does, so the ratio is on-policy at T != 1; the S2T
+    /// rule's p and H then refer to the tempered policy.
+    pub scale_logits_by_temperature: bool,
+    /// AdamW and the learning-rate schedule (`lr` is the base rate; paper: 1e-6 constant after
+    /// 10 warm-up steps, grad clip 1.0).
+    pub optim: AdamWConfig,
+    /// Optimizer state over the ranks of a data-parallel run: `none` (every rank holds all
+    /// of it), `optimizer` (ZeRO-1: each rank holds the AdamW moments, and f32 master
+    /// weights of a model in another dtype, of its range of the flattened parameters) or
+    /// `gradients` (ZeRO-2: also the summed gradients of its range alone). The weights after
+    /// each step are the same in every mode ([`crate::train::ShardedAdamW`],
+    /// docs/distributed.md).
+    pub shard: ShardMode,
+    /// The correction of the mismatch between a rollout copy and the master weights (`mode`:
+    /// auto | off | token_tis | seq_mis, `cap` 2, `seq_lower` 0.5, `seq_upper` 2; auto is
+    /// token_tis when `rollout.dtype` differs from `model.dtype`, at temperature 1): see
+    /// [`RolloutCorrection`].
     pub rollout_correction: RolloutCorrection,
+    /// LoRA (`#{rank, alpha, targets, lr_scale}`): train adapters on a frozen base, at
+    /// `lr * lr_scale`; checkpoints are peft adapter folders. `None`: full fine-tuning.
+    pub lora: Option<LoraConfig>,
 }
 
-fn one() -> f64 {
-    1.0
-}
-
-impl Default for UpdateConfig {
+impl Default for ActorConfig {
+    /// The `stapo` preset, one epoch, whole-batch steps, lr 1e-6 after 10 warm-up steps.
     fn default() -> Self {
-        Self {
-            objective: ObjectiveConfig::default(),
+        ActorConfig {
+            preset: "stapo".into(),
+            objective: ObjectiveConfig::preset("stapo").unwrap_or_default(),
             epochs: 1,
             mini_batch: 0,
             micro_batch: 0,
             max_tokens_per_micro: 0,
             old_logp: OldLogp::Recompute,
-            shuffle: false,
-            seed: 0,
-            temperature: 1.0,
-            token_grad_norms: false,
+            scale_logits_by_temperature: true,
+            optim: AdamWConfig {
+                schedule: LrSchedule::Constant { warmup_steps: 10 },
+                ..AdamWConfig::default()
+            },
+            shard: ShardMode::None,
             rollout_correction: RolloutCorrection::default(),
+            lora: None,
         }
+    }
+}
+
+impl ActorConfig {
+    /// The serde form every user layer is laid over: the defaults, with the objective of
+    /// the preset the user's `actor` layer names (`preset`, else the default's). The error
+    /// names `actor.preset`.
+    pub fn base_json(what: &str, user_actor: Option<&Value>) -> Result<Value> {
+        let mut base = ActorConfig::default();
+        if let Some(p) = user_actor.and_then(|a| a.get("preset")) {
+            let name = p.as_str().ok_or_else(|| {
+                overlay::config_error(what, "actor.preset", &format!("expected a preset name, found {p}"))
+            })?;
+            base.objective = ObjectiveConfig::preset(name)
+                .map_err(|e| overlay::config_error(what, "actor.preset", &e.to_string()))?;
+            base.preset = name.to_string();
+        }
+        serde_json::to_value(base).map_err(|e| overlay::config_error(what, "actor", &e.to_string()))
+    }
+
+    /// Checks every field (the error names the path under `actor.`).
+    pub fn validate(&self) -> Result<()> {
+        let under = |field: &str, e: Error| under("actor", field, e);
+        self.objective.validate().map_err(|e| under("objective", e))?;
+        self.optim.validate().map_err(|e| under("optim", e))?;
+        self.optim.schedule.validate().map_err(|e| under("optim.schedule", e))?;
+        self.rollout_correction.validate().map_err(|e| under("rollout_correction", e))?;
+        if self.epochs == 0 {
+            return Err(under("epochs", Error::invalid("expected at least 1, found 0")));
+        }
+        if let Some(l) = &self.lora {
+            if l.rank == 0 {
+                return Err(under("lora.rank", Error::invalid("expected at least 1, found 0")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `e` as an error of the configuration path `section.field` (a sub-config's own field
+/// name appended), in the run configuration.
+pub fn under(section: &str, field: &str, e: Error) -> Error {
+    let path =
+        |f: &str| [section, field, f].iter().filter(|s| !s.is_empty()).copied().collect::<Vec<_>>().join(".");
+    match e {
+        Error::Config { field: f, msg, .. } => {
+            // A sub-config names its field relative to itself (`lr`), or already with the
+            // section (`rollout_correction.cap`): keep the longer path once.
+            let tail = f.strip_prefix(&format!("{field}.")).unwrap_or(&f);
+            Error::Config { file: "run config".into(), field: path(tail), msg }
+        }
+        other => Error::Config { file: "run config".into(), field: path(""), msg: other.to_string() },
+    }
+}
+
+/// How one update runs: the actor's settings as they apply to this update (the objective
+/// with the step's thresholds, fitted to the run; the rollout correction resolved), and
+/// what one update adds to them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpdateConfig {
+    /// The actor section, read as it is.
+    pub actor: ActorConfig,
+    /// Seeds the shuffle between epochs (sequences are shuffled exactly when there are
+    /// several epochs).
+    pub seed: u64,
+    /// The logits are divided by this in every forward of the update (old log-probs and
+    /// training), as verl does with the rollout temperature so that the ratio is
+    /// on-policy at T != 1; p and H of the S2T rule are then the tempered policy's.
+    pub temperature: f64,
+    /// Record each response token's logit-gradient norm (first epoch) and the per-step
+    /// shares of silenced and top-0.01% tokens; costs one softmax over the logits.
+    pub token_grad_norms: bool,
+}
+
+impl Default for UpdateConfig {
+    /// GRPO (the objective's default), one epoch, whole-batch steps, temperature 1.
+    fn default() -> Self {
+        UpdateConfig::for_objective(ObjectiveConfig::default())
     }
 }
 
 impl UpdateConfig {
-    /// The one constructor of every entry point (the trainer, `stapo update`, the `update`
-    /// script binding): sequences are shuffled between epochs exactly when there are
-    /// several epochs.
-    pub fn new(
-        objective: ObjectiveConfig,
-        epochs: usize,
-        mini_batch: usize,
-        micro_batch: usize,
-        old_logp: OldLogp,
-        seed: u64,
-    ) -> Self {
-        UpdateConfig {
-            objective,
-            epochs,
-            mini_batch,
-            micro_batch,
-            max_tokens_per_micro: 0,
-            old_logp,
-            shuffle: epochs > 1,
-            seed,
-            temperature: 1.0,
-            token_grad_norms: false,
-            rollout_correction: RolloutCorrection::default(),
-        }
+    /// The default update under `objective`.
+    pub fn for_objective(objective: ObjectiveConfig) -> Self {
+        let actor = ActorConfig { preset: String::new(), objective, ..ActorConfig::default() };
+        UpdateConfig { actor, seed: 0, temperature: 1.0, token_grad_norms: false }
     }
 
-    /// The same, with micro-batches cut by a token budget (see
-    /// [`UpdateConfig::max_tokens_per_micro`]; 0: none).
-    pub fn with_max_tokens_per_micro(self, max_tokens_per_micro: usize) -> Self {
-        UpdateConfig { max_tokens_per_micro, ..self }
-    }
-
-    /// The same, with the logits divided by `temperature` (see [`UpdateConfig::temperature`]).
-    pub fn with_temperature(self, temperature: f64) -> Self {
-        UpdateConfig { temperature, ..self }
+    /// Whether sequences are shuffled between epochs: exactly when there are several.
+    pub fn shuffle(&self) -> bool {
+        self.actor.epochs > 1
     }
 }
 
 /// The options of a single update as a user gives them (the `update` script binding's
-/// map, `stapo update`'s flags): a named objective preset with `key = value` overrides.
-/// Missing fields take their defaults; unknown fields are an error naming them.
+/// map, `stapo update`'s flags): the `actor` section (preset, objective, optimizer, ...)
+/// and what the rollouts were sampled with. Missing fields take their defaults; unknown
+/// fields are an error naming them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpdateOptions {
-    /// Objective preset (`algo::PRESETS`: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo).
-    pub objective: String,
-    /// `key = value` overrides of the preset (see `ObjectiveConfig::set`).
-    pub set: BTreeMap<String, String>,
-    /// Learning rate of the step (paper: 1e-6).
-    pub lr: f64,
-    /// PPO epochs, sequences per optimizer step (0 = all), per forward (0 = mini-batch).
-    pub epochs: usize,
-    pub mini_batch: usize,
-    pub micro_batch: usize,
-    /// Tokens per forward/backward, padding counted (0 = no budget; see
-    /// [`UpdateConfig::max_tokens_per_micro`]).
-    pub max_tokens_per_micro: usize,
-    pub old_logp: OldLogp,
+    /// The actor, as in a run configuration (`actor.optim.lr` is the step's learning rate).
+    pub actor: ActorConfig,
+    /// Seeds the shuffle between epochs.
     pub seed: u64,
     /// The rollout's sampling temperature: the update divides the logits by it (verl).
     pub temperature: f64,
     /// The rollout's response budget (`max_tokens`): sizes DAPO's overlong buffer and
     /// Dr.GRPO's normaliser when the preset's are in force ([`ObjectiveConfig::fit_to_run`]).
     pub max_tokens: Option<usize>,
-    /// The rollout correction (`auto`, the default, is off here: which copy sampled the
-    /// rollouts is not known; give token_tis or seq_mis to apply one).
-    pub rollout_correction: RolloutCorrection,
 }
 
 impl Default for UpdateOptions {
     fn default() -> Self {
-        UpdateOptions {
-            objective: "stapo".into(),
-            set: BTreeMap::new(),
-            lr: 1e-6,
-            epochs: 1,
-            mini_batch: 0,
-            micro_batch: 0,
-            max_tokens_per_micro: 0,
-            old_logp: OldLogp::Recompute,
-            seed: 0,
-            temperature: 1.0,
-            max_tokens: None,
-            rollout_correction: RolloutCorrection::default(),
-        }
+        UpdateOptions { actor: ActorConfig::default(), seed: 0, temperature: 1.0, max_tokens: None }
     }
 }
 
 impl UpdateOptions {
-    /// The update configuration: the preset, its overrides (validated), [`UpdateConfig::new`].
-    /// With `max_tokens`, also returns the notes of [`ObjectiveConfig::fit_to_run`].
+    /// The options from a user's partial serde form (a script map, the CLI's flags): laid
+    /// over the defaults with the objective of the preset `actor.preset` names, validated.
+    pub fn from_json(user: &Value) -> Result<Self> {
+        const WHAT: &str = "update options";
+        let mut base = serde_json::to_value(UpdateOptions::default())
+            .map_err(|e| overlay::config_error(WHAT, "", &e.to_string()))?;
+        base["actor"] = ActorConfig::base_json(WHAT, user.get("actor"))?;
+        let o: UpdateOptions = overlay::build(WHAT, &base, user)?;
+        o.actor.validate()?;
+        Ok(o)
+    }
+
+    /// The update configuration (the rollout correction resolved: `auto` is off here, which
+    /// copy sampled the rollouts is not known). With `max_tokens`, also returns the notes of
+    /// [`ObjectiveConfig::fit_to_run`].
     pub fn to_config(&self) -> Result<(UpdateConfig, Vec<String>)> {
-        let mut objective = ObjectiveConfig::with_overrides(&self.objective, &self.set)?;
+        let mut actor = self.actor.clone();
+        actor.objective.validate()?;
         let notes = match self.max_tokens {
-            Some(n) => objective.fit_to_run(n),
+            Some(n) => actor.objective.fit_to_run(n),
             None => Vec::new(),
         };
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
@@ -218,18 +274,10 @@ impl UpdateOptions {
                 msg: format!("expected a number > 0, found {}", self.temperature),
             });
         }
-        let cfg = UpdateConfig::new(
-            objective,
-            self.epochs,
-            self.mini_batch,
-            self.micro_batch,
-            self.old_logp,
-            self.seed,
-        )
-        .with_temperature(self.temperature)
-        .with_max_tokens_per_micro(self.max_tokens_per_micro);
-        let (rollout_correction, _) =
-            self.rollout_correction.resolve(false, self.temperature, self.old_logp)?;
-        Ok((UpdateConfig { rollout_correction, ..cfg }, notes))
+        (actor.rollout_correction, _) =
+            self.actor.rollout_correction.resolve(false, self.temperature, self.actor.old_logp)?;
+        let cfg =
+            UpdateConfig { actor, seed: self.seed, temperature: self.temperature, token_grad_norms: false };
+        Ok((cfg, notes))
     }
 }

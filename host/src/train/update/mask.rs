@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 use super::global_normaliser;
 use super::layout::{layout, response_logp};
 use super::micro::{Ctx, Forward, MiniBatch};
-use crate::algo::{self, MaskConfig, Normaliser, S2tStats, TauH};
+use crate::algo::{self, MaskConfig, Normaliser, S2tStats, S2tThresholds, TauH};
 use crate::dist::{self, Comm};
 use crate::model::Grad;
 use crate::{Error, Result};
@@ -23,9 +23,9 @@ pub fn token_mask(
     let need = || Error::invalid("update: the token mask needs the policy's log-probs and entropies");
     match mask {
         MaskConfig::None => Ok((response.clone(), None)),
-        MaskConfig::S2t { tau_p, tau_h } => {
+        MaskConfig::S2t(t) => {
             let (lp, h) = stats.ok_or_else(need)?;
-            let (m, st) = algo::s2t_mask(lp, h, advantages, response, *tau_p, *tau_h)?;
+            let (m, st) = algo::s2t_mask(lp, h, advantages, response, t.tau_p, t.tau_h)?;
             Ok((algo::compose_masks(&[&m, response])?, Some(st)))
         }
         MaskConfig::TopEntropy { rho } => {
@@ -56,14 +56,14 @@ pub fn token_mask_on(
         return plain(mask);
     }
     match *mask {
-        MaskConfig::S2t { tau_p, tau_h: TauH::Quantile { q, over } } => {
+        MaskConfig::S2t(S2tThresholds { tau_p, tau_h: TauH::Quantile { q, over } }) => {
             let mine = match local {
                 Some((lp, h, adv, resp)) => algo::s2t_population_entropies(lp, h, adv, resp, tau_p, over)?,
                 None => Vec::new(),
             };
             let all = comm.all_gather_f32(&mine)?;
             let tau_h = algo::quantile_linear(&all, q).map_or(TauH::Quantile { q, over }, TauH::Abs);
-            let mut out = plain(&MaskConfig::S2t { tau_p, tau_h })?;
+            let mut out = plain(&MaskConfig::S2t(S2tThresholds { tau_p, tau_h }))?;
             if let Some((_, Some(st))) = out.as_mut() {
                 st.tau_h_population = Some(all.len());
             }
@@ -123,7 +123,7 @@ pub(super) fn mini_batch_mask(
     mb: &MiniBatch,
     single: Option<&Forward>,
 ) -> Result<Option<(Tensor, Option<S2tStats>)>> {
-    let needs_stats = !matches!(x.cfg.objective.mask, MaskConfig::None) && mb.here();
+    let needs_stats = !matches!(x.cfg.actor.objective.mask, MaskConfig::None) && mb.here();
     let stats = match (single, needs_stats) {
         (_, false) => None,
         (Some(f), true) => Some((f.logp.detach(), f.entropy.detach())),
@@ -146,9 +146,11 @@ pub(super) fn mini_batch_mask(
         _ => None,
     };
     match &mb.given {
-        None => {
-            token_mask_on(x.comm, &x.cfg.objective.mask, local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)))
-        }
+        None => token_mask_on(
+            x.comm,
+            &x.cfg.actor.objective.mask,
+            local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)),
+        ),
         Some(given) => mask_in_given_order(x, given, local),
     }
 }
@@ -175,8 +177,11 @@ fn mask_in_given_order(
         }
         None => None,
     };
-    let out =
-        token_mask_on(x.comm, &x.cfg.objective.mask, local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)))?;
+    let out = token_mask_on(
+        x.comm,
+        &x.cfg.actor.objective.mask,
+        local.as_ref().map(|[lp, h, a, r]| (lp, h, a, r)),
+    )?;
     let Some((m, mut st)) = out else { return Ok(None) };
     if let Some(st) = st.as_mut() {
         st.positions.iter_mut().for_each(|(b, _)| *b = layout_of[*b] as usize);
@@ -191,7 +196,7 @@ pub(super) fn normalisers(
     mb: &MiniBatch,
     mask: Option<&Tensor>,
 ) -> Result<(Normaliser, Normaliser)> {
-    let norm_len = x.cfg.objective.norm_len;
+    let norm_len = x.cfg.actor.objective.norm_len;
     let zero = Normaliser { tokens: 0.0, seqs: 0.0, norm_len: norm_len.unwrap_or(0) as f64 };
     let (local, local_resp) = match (mask, &mb.response) {
         (Some(mask), Some(resp)) => {

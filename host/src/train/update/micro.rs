@@ -165,7 +165,7 @@ pub(super) fn micro_step(
     totals: &mut Totals,
     acc: &mut GradStore,
 ) -> Result<MicroOut> {
-    let obj = &x.cfg.objective;
+    let obj = &x.cfg.actor.objective;
     let device = &x.device;
     let Span { start: s, len, t, .. } = span;
     let part = &mb.ss[s..s + len];

@@ -47,13 +47,13 @@ use rand::SeedableRng;
 pub use analysis::{
     grad_shares, logit_grad_norm, token_analysis, GradShares, TokenAnalysis, TOP_1PCT, TOP_GRAD_FRAC, TOP_K,
 };
-pub use config::{OldLogp, Sequence, UpdateConfig, UpdateOptions};
+pub use config::{under, ActorConfig, OldLogp, Sequence, UpdateConfig, UpdateOptions};
 pub use mask::{token_mask, token_mask_on};
 pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
 pub use rollout_corr::{RolloutCorrMetrics, RolloutCorrMode, RolloutCorrection};
 pub use score::{active_sequences, score, Scored};
 
-use crate::algo::{MaskConfig, Normaliser, S2tStats};
+use crate::algo::{MaskConfig, Normaliser, S2tStats, S2tThresholds};
 use crate::dist::{self, Comm, Local};
 use crate::model::Qwen3;
 use crate::train::optim::{AdamW, Optimizer};
@@ -113,7 +113,7 @@ pub fn update_on(
     pad_id: u32,
 ) -> Result<UpdateOutcome> {
     let mut outcome = optimize_on(comm, policy, seqs, cfg, lr, pad_id)?;
-    let scored = score(seqs, &cfg.objective)?;
+    let scored = score(seqs, &cfg.actor.objective)?;
     batch_metrics(comm, seqs, &scored, &mut outcome.metrics)?;
     Ok(outcome)
 }
@@ -128,7 +128,7 @@ pub fn optimize_on(
     lr: f64,
     pad_id: u32,
 ) -> Result<UpdateOutcome> {
-    let obj = &cfg.objective;
+    let obj = &cfg.actor.objective;
     obj.validate()?;
     // Under several ranks a rank may hold none of the batch (dynamic sampling kept
     // only other ranks' groups); it still joins every collective.
@@ -153,23 +153,23 @@ pub fn optimize_on(
     if global.is_empty() {
         return Ok(UpdateOutcome { metrics: out.metrics, record: out.record });
     }
-    let mb_size = if cfg.mini_batch == 0 { global.len() } else { cfg.mini_batch };
-    let micro_size = if cfg.micro_batch == 0 { mb_size } else { cfg.micro_batch.min(mb_size) };
-    let cut = Cut::new(cfg.max_tokens_per_micro, micro_size);
+    let mb_size = if cfg.actor.mini_batch == 0 { global.len() } else { cfg.actor.mini_batch };
+    let micro_size = if cfg.actor.micro_batch == 0 { mb_size } else { cfg.actor.micro_batch.min(mb_size) };
+    let cut = Cut::new(cfg.actor.max_tokens_per_micro, micro_size);
 
     // 3. Old-policy (and reference) log-probs, before any parameter changes. seq-MIS decides
     // on whole sequences before the loss, so it needs them before the training forward.
     let seq_mis = x.corr.is_some_and(|c| c.mode == RolloutCorrMode::SeqMis);
-    let whole = cfg.epochs.max(1) == 1 && global.len() <= mb_size && !seq_mis;
+    let whole = cfg.actor.epochs.max(1) == 1 && global.len() <= mb_size && !seq_mis;
     let old = old_logprobs(model, seqs, &active, cfg, whole, cut, pad_id)?;
     let reference_logp = reference_logprobs(reference, cfg, seqs, &active, cut, pad_id)?;
     let given = Given { old: &old, reference: reference_logp.as_ref() };
 
     // 4-6. Per epoch and mini-batch: this rank's part of each global mini-batch.
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-    for epoch in 0..cfg.epochs.max(1) {
+    for epoch in 0..cfg.actor.epochs.max(1) {
         let mut order: Vec<usize> = (0..global.len()).collect();
-        if cfg.shuffle {
+        if cfg.shuffle() {
             order.shuffle(&mut rng);
         }
         for (k, chunk) in order.chunks(mb_size).enumerate() {
@@ -185,7 +185,7 @@ pub fn optimize_on(
     finish_metrics(comm, &mut out.metrics, out.totals)?;
     out.metrics.entropy_p99 = entropy_p99(comm, &out.record)?;
     if cfg.token_grad_norms {
-        let tau_p = cfg.objective.mask.s2t().map(|t| t.tau_p);
+        let tau_p = cfg.actor.objective.mask.s2t().map(|t| t.tau_p);
         record_grad_norms(&mut out.record, &mut out.metrics, tau_p);
     }
     Ok(UpdateOutcome { metrics: out.metrics, record: out.record })
@@ -335,7 +335,7 @@ fn record_s2t(
             *out.totals.silenced.entry(mb.ss[b].response_ids[j]).or_default() += 1;
         }
     }
-    let MaskConfig::S2t { tau_p, .. } = x.cfg.objective.mask else { return Ok(()) };
+    let MaskConfig::S2t(S2tThresholds { tau_p, .. }) = x.cfg.actor.objective.mask else { return Ok(()) };
     // The mini-batch's candidates over every rank (each rank holds part of it, or none).
     let mut candidates = stats.map_or(0, |st| st.n_candidates);
     if x.comm.size() > 1 {

@@ -41,7 +41,7 @@ pub(super) fn logps_no_grad(
     Ok(out)
 }
 
-/// Old log-probs as `cfg.old_logp` says (verl `compute_log_prob` before the update).
+/// Old log-probs as `cfg.actor.old_logp` says (verl `compute_log_prob` before the update).
 pub(super) fn old_logprobs(
     model: &Qwen3,
     seqs: &[Sequence],
@@ -51,7 +51,7 @@ pub(super) fn old_logprobs(
     cut: Cut,
     pad_id: u32,
 ) -> Result<OldLogps> {
-    Ok(match cfg.old_logp {
+    Ok(match cfg.actor.old_logp {
         OldLogp::Recompute if whole => OldLogps::FromForward,
         OldLogp::Recompute => {
             OldLogps::Given(logps_no_grad(model, seqs, active, (cut, cfg.temperature), pad_id)?)
@@ -95,7 +95,7 @@ pub(super) fn reference_logprobs(
     cut: Cut,
     pad_id: u32,
 ) -> Result<Option<HashMap<usize, Vec<f32>>>> {
-    match (&cfg.objective.kl, reference) {
+    match (&cfg.actor.objective.kl, reference) {
         (Some(kl), Some(r)) if kl.beta != 0.0 => {
             Ok(Some(logps_no_grad(r, seqs, active, (cut, cfg.temperature), pad_id)?))
         }

@@ -244,7 +244,7 @@ impl CorrSums {
     }
 }
 
-/// The correction of an update (`cfg.rollout_correction`, `auto` counting as off: the
+/// The correction of an update (`cfg.actor.rollout_correction`, `auto` counting as off: the
 /// trainer resolves it), when the rollout's log-probs are comparable with the old ones:
 /// temperature 1, old log-probs recomputed, and every active sequence (on every rank)
 /// carrying one rollout log-prob per response token. An explicit mode without them is an
@@ -255,7 +255,7 @@ pub(super) fn in_force(
     seqs: &[Sequence],
     active: &[usize],
 ) -> Result<Option<RolloutCorrection>> {
-    let (corr, _) = cfg.rollout_correction.resolve(false, cfg.temperature, cfg.old_logp)?;
+    let (corr, _) = cfg.actor.rollout_correction.resolve(false, cfg.temperature, cfg.actor.old_logp)?;
     let lacking = |i: &usize| {
         let s = &seqs[*i];
         s.rollout_logprobs.as_ref().is_none_or(|l| l.len() != s.response_ids.len())
@@ -270,7 +270,7 @@ pub(super) fn in_force(
             corr.mode.name()
         )));
     }
-    let comparable = cfg.temperature == 1.0 && cfg.old_logp == OldLogp::Recompute && missing == 0.0;
+    let comparable = cfg.temperature == 1.0 && cfg.actor.old_logp == OldLogp::Recompute && missing == 0.0;
     Ok(comparable.then_some(corr))
 }
 

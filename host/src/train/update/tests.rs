@@ -9,7 +9,7 @@ use super::optimizer::optimizer_step;
 use super::score::run_setting_warnings;
 use super::*;
 use crate::algo::ObjectiveConfig;
-use crate::algo::{OverlongConfig, TauH};
+use crate::algo::{OverlongConfig, S2tThresholds, TauH};
 use crate::model::Config;
 use crate::model::TokenBatch;
 
@@ -229,7 +229,7 @@ fn token_mask_by_hand() {
     let resp = t2(&[1., 1., 1., 0., 1., 1., 0., 0.], 2, 4);
     // S2T, tau_p 0.002, tau_h 0.5: candidates (0,0) H 0.2 and (0,2) H 0.9 (padding and A < 0
     // never are); only (0,0) is below tau_h.
-    let s2t = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Abs(0.5) };
+    let s2t = MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: TauH::Abs(0.5) });
     let (m, st) = token_mask(&s2t, Some((&lp, &h)), &adv, &resp).unwrap();
     assert_eq!(m.to_vec2::<f32>().unwrap(), vec![vec![0., 1., 1., 0.], vec![1., 1., 0., 0.]]);
     let st = st.unwrap();
@@ -261,7 +261,7 @@ fn token_mask_on_ranks_takes_the_quantile_over_the_global_population() {
     let adv = Tensor::from_slice(&[1f32, -1.], 2, &Device::Cpu).unwrap();
     let resp = t2(&[1., 1., 1., 0., 1., 1., 0., 0.], 2, 4);
     for (over, q) in [(QuantileOver::Response, 0.8), (QuantileOver::Candidates, 0.75)] {
-        let cfg = MaskConfig::S2t { tau_p: 0.002, tau_h: TauH::Quantile { q, over } };
+        let cfg = MaskConfig::S2t(S2tThresholds { tau_p: 0.002, tau_h: TauH::Quantile { q, over } });
         let (whole, ws) = token_mask(&cfg, Some((&lp, &h)), &adv, &resp).unwrap();
         let ws = ws.unwrap();
         if over == QuantileOver::Response {
@@ -344,28 +344,28 @@ fn finish_metrics_by_hand() {
 
 #[test]
 fn options_build_the_config_and_reject_unknown_fields() {
-    let o: UpdateOptions =
-        serde_json::from_str(r#"{"objective": "grpo", "set": {"eps_high": "0.28"}, "epochs": 2}"#).unwrap();
+    let opts = |j: serde_json::Value| UpdateOptions::from_json(&j);
+    let o = opts(serde_json::json!({"actor": {"preset": "grpo", "objective": {"loss": {"eps_high": 0.28}},
+        "epochs": 2}}))
+    .unwrap();
     let (c, notes) = o.to_config().unwrap();
     assert!(notes.is_empty());
-    assert_eq!(c.objective.loss.clip_range(), Some((0.2, 0.28)));
-    assert!(c.shuffle && c.epochs == 2 && o.lr == 1e-6);
-    let e = serde_json::from_str::<UpdateOptions>(r#"{"epoch": 2}"#).unwrap_err().to_string();
-    assert!(e.contains("epoch"), "{e}");
-    assert!(serde_json::from_str::<UpdateOptions>(r#"{"epochs": -1}"#).is_err());
+    assert_eq!(c.actor.objective.loss.clip_range(), Some((0.2, 0.28)));
+    assert!(c.shuffle() && c.actor.epochs == 2 && o.actor.optim.lr == 1e-6);
+    let e = opts(serde_json::json!({"actor": {"epoch": 2}})).unwrap_err().to_string();
+    assert!(e.contains("actor.epoch") && e.contains("did you mean `epochs`?"), "{e}");
+    assert!(opts(serde_json::json!({"actor": {"epochs": -1}})).is_err());
     // max_tokens sizes the preset's overlong buffer (dapo_s2t: 20480/4096 → 64/13).
-    let o = UpdateOptions {
-        objective: "dapo_s2t".into(),
-        max_tokens: Some(64),
-        temperature: 0.7,
-        ..Default::default()
-    };
+    let o = opts(serde_json::json!({"actor": {"preset": "dapo_s2t"}, "max_tokens": 64, "temperature": 0.7}))
+        .unwrap();
     let (c, _) = o.to_config().unwrap();
-    assert_eq!(c.objective.overlong.map(|o| (o.max_len, o.cache_len)), Some((64, 13)));
+    assert_eq!(c.actor.objective.overlong.map(|o| (o.max_len, o.cache_len)), Some((64, 13)));
     assert_eq!(c.temperature, 0.7);
     assert!(UpdateOptions { temperature: 0.0, ..Default::default() }.to_config().is_err());
-    let bad = UpdateOptions { set: [("tau_p".into(), "-1".into())].into(), ..Default::default() };
-    assert!(bad.to_config().unwrap_err().to_string().contains("tau_p"));
+    let e = opts(serde_json::json!({"actor": {"objective": {"mask": {"tau_p": -1}}}})).unwrap_err();
+    assert!(e.to_string().contains("actor.objective.mask.tau_p"), "{e}");
+    let e = opts(serde_json::json!({"actor": {"preset": "ppo2"}})).unwrap_err().to_string();
+    assert!(e.contains("actor.preset") && e.contains("ppo2"), "{e}");
 }
 
 /// A random 2-layer, 64-wide Qwen3 over 97 tokens.
@@ -393,10 +393,11 @@ fn the_record_is_what_the_update_used() {
     }
     let m = tiny();
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
-    // dapo_s2t: dynamic sampling, tau_h over the candidates (the paper's rule).
-    let mut obj = ObjectiveConfig::preset("dapo_s2t").unwrap();
-    obj.set("tau_p", "0.03").unwrap();
-    let cfg = UpdateConfig { objective: obj.clone(), micro_batch: 5, ..Default::default() };
+    // dapo_s2t: dynamic sampling, tau_h over the candidates.
+    let tau_p = serde_json::json!({"mask": {"tau_p": 0.03}});
+    let obj = ObjectiveConfig::preset("dapo_s2t").unwrap().overlay("o", &tau_p).unwrap();
+    let mut cfg = UpdateConfig::for_objective(obj.clone());
+    cfg.actor.micro_batch = 5;
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
     let (rec, met) = (&out.record, &out.metrics);
     let a = 0.8660239f32;
@@ -443,9 +444,10 @@ fn the_record_is_what_the_update_used() {
     assert!((met.silenced_per_10k - per_10k).abs() < 1e-3, "{}", met.silenced_per_10k);
 
     // The response variant (not the paper's rule): tau_h the 0.8-quantile over every response token.
-    obj.set("tau_h_over", "response").unwrap();
-    obj.set("tau_h_quantile", "0.8").unwrap();
-    let cfg = UpdateConfig { objective: obj, micro_batch: 5, token_grad_norms: true, ..Default::default() };
+    let obj =
+        obj.overlay("o", &serde_json::json!({"mask": {"tau_h": {"over": "response", "q": 0.8}}})).unwrap();
+    let mut cfg = UpdateConfig { token_grad_norms: true, ..UpdateConfig::for_objective(obj) };
+    cfg.actor.micro_batch = 5;
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-3, 0).unwrap();
     let (rec, met) = (&out.record, &out.metrics);
@@ -532,13 +534,15 @@ fn the_update_sees_the_tempered_policy() {
         want_h.push(-p.iter().map(|q| q * q.ln()).sum::<f64>() as f32);
     }
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
-    let cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0)
-        .with_temperature(2.0);
+    let mut cfg = UpdateConfig {
+        temperature: 2.0,
+        ..UpdateConfig::for_objective(ObjectiveConfig::preset("grpo").unwrap())
+    };
     let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
     close(&out.record.p[0], &want_p, 1e-5, "p at T = 2");
     close(&out.record.entropy[0], &want_h, 1e-4, "H at T = 2");
     // Log-probs recorded at T = 1 cannot serve as old log-probs of a tempered update.
-    let cfg = UpdateConfig { old_logp: OldLogp::Rollout, ..cfg };
+    cfg.actor.old_logp = OldLogp::Rollout;
     let mut with_lp = seqs.clone();
     for s in &mut with_lp {
         s.rollout_logprobs = Some(vec![-1.0; 2]);
@@ -608,8 +612,10 @@ fn grad_norms_are_recorded_from_the_collision_probability() {
         .map(|&pos| host_softmax(&logits[0][pos], 1.0).iter().map(|q| q.powi(2)).sum::<f64>() as f32)
         .collect();
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
-    let mut cfg = UpdateConfig::new(ObjectiveConfig::preset("grpo").unwrap(), 1, 0, 0, OldLogp::Recompute, 0);
-    cfg.token_grad_norms = true;
+    let cfg = UpdateConfig {
+        token_grad_norms: true,
+        ..UpdateConfig::for_objective(ObjectiveConfig::preset("grpo").unwrap())
+    };
     let out = update(&m, &mut opt, None, &seqs, &cfg, 0.0, 0).unwrap();
     let rec = &out.record;
     close(&rec.collision[0], &want_c, 1e-6, "collision");
