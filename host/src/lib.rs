@@ -15,6 +15,7 @@ pub mod data;
 pub mod dist;
 pub mod error;
 pub mod eval;
+pub mod guard;
 pub mod model;
 pub mod overlay;
 pub mod repl;

@@ -16,6 +16,7 @@ fn main() -> ExitCode {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
     let cli = Cli::parse();
+    stapo::guard::set_allow_unused_tensors(cli.allow_unused);
     // STAPO_NO_FUSED and STAPO_RECOMPUTE are read here, once; the library
     // takes them as options.
     match commands::model_options_from_env() {

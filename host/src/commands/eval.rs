@@ -62,6 +62,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    super::print_notes();
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let gen = Generator::new(&m, &tok, &a.template)?;
     if let Some(note) = gen.note() {

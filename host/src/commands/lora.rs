@@ -63,9 +63,13 @@ pub struct MergeArgs {
     /// The base model folder (default: the adapter's base_model_name_or_path).
     #[arg(long)]
     pub base: Option<PathBuf>,
-    /// Output folder: a full Hugging Face model (written atomically).
+    /// Output folder: a full Hugging Face model (written atomically; a new or empty one
+    /// unless --force, never the adapter or base folder).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out even if it already exists and holds files (it is replaced as a whole).
+    #[arg(long)]
+    pub force: bool,
     /// Weights on disk: float32, bfloat16 or float16 (default: the base's torch_dtype).
     #[arg(long)]
     pub dtype: Option<String>,
@@ -78,6 +82,7 @@ pub fn merge(a: MergeArgs) -> anyhow::Result<()> {
         Some(b) => b.clone(),
         None => peft::read_config(&a.adapter)?.base_dir(&a.adapter)?,
     };
+    stapo::guard::check_output_folder(&a.out, &[("adapter", &a.adapter), ("--base", &base)], a.force)?;
     let cfg = model::Config::from_file(&base.join("config.json"))?;
     let save = match &a.dtype {
         Some(d) => model::parse_dtype(d).context("--dtype")?,

@@ -26,6 +26,10 @@ use clap::{Args, Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Load model folders that hold tensors the model does not use, with a warning
+    /// listing them (by default they are an error: the config does not match the weights).
+    #[arg(long, global = true)]
+    pub allow_unused: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -77,6 +81,13 @@ impl DeviceArgs {
 /// Parses `cpu`, `cuda` or `cuda:N`.
 pub fn parse_device(name: &str) -> anyhow::Result<Device> {
     stapo::model::parse_device(name).context("--device")
+}
+
+/// Prints the warnings the library queued (a model loaded with `--allow-unused`).
+pub fn print_notes() {
+    for n in stapo::guard::take_notes() {
+        eprintln!("warning: {n}");
+    }
 }
 
 /// A model folder argument with a readable error when it is missing.

@@ -19,9 +19,12 @@ pub struct InitArgs {
     /// tokenizer.json to copy into the folder (tokenizer_config.json next to it is copied too).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Output model folder.
+    /// Output model folder (a new or empty one unless --force).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out even if it already exists and holds files (it is replaced as a whole).
+    #[arg(long)]
+    pub force: bool,
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -31,6 +34,7 @@ pub struct InitArgs {
 }
 
 pub fn init(a: InitArgs) -> anyhow::Result<()> {
+    stapo::guard::check_output_folder(&a.out, &[], a.force)?;
     let cfg = Config::from_file(&a.config)?;
     let save_dtype = model::parse_dtype(&cfg.torch_dtype)?;
     let m = model::init(&cfg, a.seed, a.init_std, DType::F32, &Device::Cpu)?;
@@ -96,6 +100,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    super::print_notes();
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let template = if a.chat { PromptTemplate::chat(false) } else { a.template.clone() };
     let gen = Generator::new(&m, &tok, &template)?;
@@ -174,6 +179,7 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
     let (device, dtype) = a.device.resolve()?;
     let m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    super::print_notes();
     let tok_path = dir.join("tokenizer.json");
     let tok = if tok_path.is_file() { Some(Tokenizer::from_file(&tok_path)?) } else { None };
     let ids = match (&a.ids, &a.text) {

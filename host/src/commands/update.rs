@@ -69,19 +69,42 @@ pub struct UpdateArgs {
     /// (default: $STAPO_RECOMPUTE, else auto; read once by the CLI).
     #[arg(long)]
     pub recompute: Option<String>,
-    /// Output model folder (written atomically); metrics go to <out>/update_metrics.json.
+    /// Output model folder (written atomically; a new or empty one unless --force, never
+    /// --model itself); metrics go to <out>/update_metrics.json.
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace --out even if it already exists and holds files (it is replaced as a whole).
+    #[arg(long)]
+    pub force: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
     pub lora: super::lora::LoraArgs,
 }
 
+/// Every token id of the rollouts indexes the model's embedding (a rollout file of another
+/// model would otherwise fail deep in a tensor op).
+fn check_token_ids(batch: &RolloutBatch, vocab: usize, file: &std::path::Path) -> anyhow::Result<()> {
+    for (i, s) in batch.samples.iter().enumerate() {
+        for (what, ids) in [("prompt_ids", &s.prompt_ids), ("response_ids", &s.response_ids)] {
+            if let Some((j, t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                anyhow::bail!(
+                    "{}: sample {i}: `{what}`[{j}] is token {t}, outside the model's vocabulary \
+                     (vocab_size {vocab}): the rollouts come from another model or tokenizer",
+                    file.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     let dir = model_dir(&a.model)?;
+    stapo::guard::check_output_folder(&a.out, &[("--model", dir)], a.force)?;
     let (device, dtype) = a.device.resolve()?;
     let mut m = model::load(dir, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    super::print_notes();
     let lora = match (a.lora.config()?, m.lora_config().cloned()) {
         (Some(c), _) => {
             // Fresh adapters (replacing any the folder carried).
@@ -100,6 +123,7 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
     }
     let batch = RolloutBatch::load_jsonl(&a.rollouts)?;
     anyhow::ensure!(!batch.samples.is_empty(), "{}: no samples", a.rollouts.display());
+    check_token_ids(&batch, m.config().vocab_size, &a.rollouts)?;
     let seqs: Vec<Sequence> = batch
         .samples
         .iter()
@@ -144,6 +168,7 @@ pub fn run(a: UpdateArgs) -> anyhow::Result<()> {
             }
             None => model::checkpoint::write_model_files(&m, tmp, save_dtype, Some(dir))?,
         }
+        stapo::guard::check_folder_finite(tmp, &format!("--out {}", a.out.display()))?;
         let text = serde_json::to_string_pretty(&serde_json::json!({"config": cfg, "metrics": metrics}))
             .map_err(|e| stapo::Error::invalid(e.to_string()))?;
         std::fs::write(tmp.join("update_metrics.json"), text)

@@ -172,6 +172,27 @@ impl Collector<'_> {
     }
 }
 
+/// The longest JSONL line a record may be (1 MiB): far above any problem of the math sets
+/// (DAPO-Math-17k's longest is a few kB), far below what would exhaust memory as a prompt.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// The text of a data file; bytes that are not UTF-8 are an error naming the line and
+/// byte offset (the tokenizer and the JSON parser read UTF-8 only).
+fn read_utf8(file: &Path) -> Result<String> {
+    let bytes = std::fs::read(file).map_err(|e| Error::io(file, e))?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
+        let line = bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1;
+        let col = at - bytes[..at].iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1) + 1;
+        Error::Parse {
+            path: file.to_path_buf(),
+            line,
+            msg: format!("byte {col} of the line is not valid UTF-8 (data files must be UTF-8 text)"),
+        }
+    })
+}
+
 fn stem_of(path: &Path) -> String {
     path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into())
 }
@@ -195,7 +216,7 @@ impl Dataset {
                     c.add(parse_record(&obj, i, &stem, opts), || format!("{}: row {i}", file.display()))
                 })?;
             } else {
-                let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+                let text = read_utf8(file)?;
                 Self::collect_jsonl(file, &text, &mut c)?;
             }
             if c.parsed == parsed {
@@ -227,13 +248,24 @@ impl Dataset {
         let stem = stem_of(path);
         for (i, line) in text.lines().enumerate() {
             let line_no = i + 1;
+            // A byte-order mark (a file saved by Notepad, or files concatenated) is not data.
+            let line = line.strip_prefix('\u{feff}').unwrap_or(line);
             if line.trim().is_empty() {
                 continue;
             }
-            let parsed = match serde_json::from_str::<Value>(line) {
-                Err(e) => Err(format!("invalid JSON: {e}")),
-                Ok(Value::Object(obj)) => parse_record(&obj, i, &stem, c.opts),
-                Ok(other) => Err(format!("expected a JSON object, found {}", kind(&other))),
+            // Checked before parsing: a huge line would become a huge prompt (and KV cache).
+            let parsed = if line.len() > MAX_LINE_BYTES {
+                Err(format!(
+                    "the line is {:.1} MB, longer than a record may be ({} MiB)",
+                    line.len() as f64 / 1e6,
+                    MAX_LINE_BYTES >> 20
+                ))
+            } else {
+                match serde_json::from_str::<Value>(line) {
+                    Err(e) => Err(format!("invalid JSON: {e}")),
+                    Ok(Value::Object(obj)) => parse_record(&obj, i, &stem, c.opts),
+                    Ok(other) => Err(format!("expected a JSON object, found {}", kind(&other))),
+                }
             };
             if let (Err(msg), BadLinePolicy::Reject) = (&parsed, c.opts.bad_lines) {
                 return Err(Error::Parse { path: path.to_path_buf(), line: line_no, msg: msg.clone() });

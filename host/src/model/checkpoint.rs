@@ -29,6 +29,8 @@ pub struct SafetensorsSource {
     st: MmapedSafetensors,
     device: Device,
     dtype: DType,
+    /// Names the model asked for (the rest are unused: [`SafetensorsSource::unused`]).
+    used: std::collections::HashSet<String>,
 }
 
 impl SafetensorsSource {
@@ -76,7 +78,38 @@ impl SafetensorsSource {
                 index.insert(name, i);
             }
         }
-        Ok(Self { files, index, st, device: device.clone(), dtype })
+        Ok(Self { files, index, st, device: device.clone(), dtype, used: Default::default() })
+    }
+
+    /// Tensors of the files that the model never asked for, sorted, leaving out those
+    /// Hugging Face ignores too: rotary `inv_freq` buffers of older checkpoints, and
+    /// `lm_head.weight` next to tied embeddings.
+    pub fn unused(&self, cfg: &Config) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .index
+            .keys()
+            .filter(|n| !self.used.contains(*n))
+            .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+            .filter(|n| !(cfg.tie_word_embeddings && n.as_str() == "lm_head.weight"))
+            .cloned()
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// The decoder layers the weights hold (one more than the largest `model.layers.N`).
+    pub fn layers_in_weights(&self) -> usize {
+        self.index
+            .keys()
+            .filter_map(|n| n.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok())
+            .map(|l| l + 1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The files the weights come from, joined for messages.
+    fn files_list(&self) -> String {
+        self.files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     }
 
     fn file_of(&self, name: &str) -> String {
@@ -92,6 +125,7 @@ impl WeightSource for SafetensorsSource {
         if !self.index.contains_key(name) {
             return Err(Error::MissingTensor { file: self.file_of(name), name: name.into() });
         }
+        self.used.insert(name.to_string());
         let t = self.st.load(name, &Device::Cpu).map_err(|e| Error::Config {
             file: self.file_of(name),
             field: name.into(),
@@ -135,11 +169,20 @@ fn shard_files(index_path: &Path) -> Result<Vec<PathBuf>> {
     let dir = index_path.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
     for (name, f) in map {
-        let f = f.as_str().ok_or_else(|| Error::Config {
+        let bad = |msg: String| Error::Config {
             file: index_path.display().to_string(),
             field: format!("weight_map.{name}"),
-            msg: "expected a file name".into(),
-        })?;
+            msg,
+        };
+        let f = f.as_str().ok_or_else(|| bad("expected a file name".into()))?;
+        // A shard is a file of the model folder itself: no absolute path, no `..`.
+        let confined = Path::new(f).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !confined || f.is_empty() {
+            return Err(bad(format!(
+                "shard path {f:?} leaves the model folder {}; shards must be files inside it",
+                dir.display()
+            )));
+        }
         let p = dir.join(f);
         if !files.contains(&p) {
             files.push(p);
@@ -195,9 +238,52 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Qwen3> {
     if super::peft::is_adapter_dir(dir) && !dir.join("config.json").is_file() {
         return Ok(super::peft::load_with_adapter(dir, None, dtype, device)?.0);
     }
-    let cfg = Config::from_file(&dir.join("config.json"))?;
+    let cfg_path = dir.join("config.json");
+    let cfg = Config::from_file(&cfg_path)?;
     let mut src = SafetensorsSource::open(dir, dtype, device)?;
-    Qwen3::new(&cfg, &mut src, dtype, device)
+    let layers = src.layers_in_weights();
+    if layers != cfg.num_hidden_layers && layers > 0 {
+        return Err(Error::Config {
+            file: cfg_path.display().to_string(),
+            field: "num_hidden_layers".into(),
+            msg: format!(
+                "declares {} decoder layers but the weights ({}) hold {layers} (model.layers.0-{})",
+                cfg.num_hidden_layers,
+                src.files_list(),
+                layers - 1
+            ),
+        });
+    }
+    let m = Qwen3::new(&cfg, &mut src, dtype, device)?;
+    check_unused(&src.unused(&cfg), &src.files_list())?;
+    Ok(m)
+}
+
+/// An error listing the tensors the model did not use (a config that does not match its
+/// weights), or with `--allow-unused` ([`crate::guard::allow_unused_tensors`]) a warning
+/// queued for the caller ([`crate::guard::take_notes`]).
+fn check_unused(unused: &[String], files: &str) -> Result<()> {
+    if unused.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<&str> = unused.iter().take(10).map(String::as_str).collect();
+    let more = if unused.len() > shown.len() {
+        format!(" and {} more", unused.len() - shown.len())
+    } else {
+        String::new()
+    };
+    let msg = format!(
+        "{} tensor(s) of {files} are not used by the model: {}{more}",
+        unused.len(),
+        shown.join(", ")
+    );
+    if crate::guard::allow_unused_tensors() {
+        crate::guard::note(format!("{msg} (ignored: --allow-unused)"));
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "{msg}; the config does not describe these weights (pass --allow-unused to load it anyway)"
+    )))
 }
 
 /// A randomly initialised model.
@@ -230,16 +316,20 @@ pub fn write_model_files(
     for (name, var) in model.params() {
         tensors.insert(name, var.as_tensor().detach().to_dtype(save_dtype)?.to_device(&Device::Cpu)?);
     }
-    let st_path = dir.join("model.safetensors");
-    candle_core::safetensors::save(&tensors, &st_path).map_err(|e| Error::Config {
-        file: st_path.display().to_string(),
-        field: "<safetensors>".into(),
-        msg: format!("cannot write: {e}"),
-    })?;
+    save_safetensors(&tensors, &dir.join("model.safetensors"))?;
     if let Some(src) = tokenizer_dir {
         copy_tokenizer_files(src, dir)?;
     }
     Ok(())
+}
+
+/// Writes `tensors` to the safetensors file `path`; a failure (a full disk) names the path.
+pub fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    candle_core::safetensors::save(tensors, path).map_err(|e| Error::Config {
+        file: path.display().to_string(),
+        field: "<safetensors>".into(),
+        msg: format!("cannot write: {e}"),
+    })
 }
 
 /// Copies the tokenizer files ([`TOKENIZER_FILES`]) that `src` has into `dir`.

@@ -135,6 +135,16 @@ impl Config {
                 format!("must be a positive number, found {}", self.rms_norm_eps),
             ));
         }
+        // A special token outside the vocabulary would stop generation never (eos) or
+        // index past the embedding (bos).
+        for (name, id) in [("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id)] {
+            if let Some(id) = id.filter(|&id| id as usize >= self.vocab_size) {
+                return Err(bad(
+                    name,
+                    format!("token id {id} is outside the vocabulary (vocab_size {})", self.vocab_size),
+                ));
+            }
+        }
         parse_dtype(&self.torch_dtype).map_err(|_| {
             bad("torch_dtype", format!("expected float32, bfloat16 or float16, found {:?}", self.torch_dtype))
         })?;
@@ -365,11 +375,13 @@ impl Fields<'_> {
             Some(Value::Array(a)) if a.is_empty() => Ok(None),
             Some(Value::Array(a)) => a[0]
                 .as_u64()
-                .map(|n| Some(n as u32))
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
                 .ok_or_else(|| self.err(field, format!("expected a token id, found {}", a[0]))),
             Some(v) => v
                 .as_u64()
-                .map(|n| Some(n as u32))
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
                 .ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
         }
     }

@@ -1,7 +1,8 @@
 //! `stapo repl`: the interactive shell, after rhai's own `rhai-repl`.
 //!
-//! Input is collected until braces, brackets and parentheses balance
-//! (multi-line functions and maps), then evaluated in one
+//! Input is collected until rhai's parser finds it complete (multi-line functions, maps
+//! and backtick strings; [`Session::is_complete`]; Ctrl-C drops an unfinished one), then
+//! evaluated in one
 //! [`crate::script::session::Session`] (variables and functions
 //! persist). Commands start with `:` so they never clash with variables:
 //!
@@ -59,42 +60,6 @@ pub struct Repl {
     buffer: Option<Arc<Mutex<String>>>,
 }
 
-/// Open minus closed brackets outside strings and comments (> 0: the input continues).
-pub fn open_brackets(src: &str) -> i64 {
-    let chars: Vec<char> = src.chars().collect();
-    let (mut depth, mut i) = (0i64, 0usize);
-    while i < chars.len() {
-        match chars[i] {
-            '/' if chars.get(i + 1) == Some(&'/') => {
-                while i < chars.len() && chars[i] != '\n' {
-                    i += 1;
-                }
-            }
-            '/' if chars.get(i + 1) == Some(&'*') => {
-                i += 2;
-                while i + 1 < chars.len() && !(chars[i] == '*' && chars[i + 1] == '/') {
-                    i += 1;
-                }
-                i += 1;
-            }
-            q @ ('"' | '`') => {
-                i += 1;
-                while i < chars.len() && chars[i] != q {
-                    if chars[i] == '\\' && q == '"' {
-                        i += 1;
-                    }
-                    i += 1;
-                }
-            }
-            '{' | '(' | '[' => depth += 1,
-            '}' | ')' | ']' => depth -= 1,
-            _ => {}
-        }
-        i += 1;
-    }
-    depth
-}
-
 impl Repl {
     /// A REPL on a new session with `opts`; `buffered` captures `print` output
     /// (drained into each [`Feed::Done`]) instead of writing to stdout.
@@ -141,7 +106,7 @@ impl Repl {
         }
         self.pending.push_str(line);
         self.pending.push('\n');
-        if open_brackets(&self.pending) > 0 {
+        if !self.session.is_complete(&self.pending) {
             return Feed::More;
         }
         let src = std::mem::take(&mut self.pending);
@@ -326,11 +291,37 @@ pub fn run_interactive(opts: HostOptions, cancel: &'static std::sync::atomic::At
 mod tests {
     use super::*;
 
+    /// Issue 33 item 13: the parser, not bracket counting, decides when input is complete.
     #[test]
-    fn brackets() {
-        assert_eq!(open_brackets("fn f(x) {"), 1);
-        assert_eq!(open_brackets("let s = \"{\"; // {"), 0);
-        assert_eq!(open_brackets("#{ a: [1,\n 2] }"), 0);
+    fn nothing_silent_13_repl_completeness_from_the_parser() {
+        let r = Repl::new(HostOptions::default(), true, None);
+        let s = r.session();
+        // Complete, though brackets inside literals and comments do not balance.
+        for src in ["let c = '{';\n", "let s = \"}\"; // {\n", "#{ a: [1,\n 2] }\n", "1 +\n 2\n", "let x = 1"]
+        {
+            assert!(s.is_complete(src), "{src:?}");
+        }
+        // Incomplete: open constructs at the end, a `}` inside a string of an open function,
+        // a multi-line backtick string.
+        for src in
+            ["fn f(x) {\n", "fn f() {\n  let s = \"}\";\n", "let t = `line one\n", "foo(1,\n", "let y =\n"]
+        {
+            assert!(!s.is_complete(src), "{src:?}");
+        }
+        // A real error in the middle is complete input (reported, not waited on).
+        assert!(s.is_complete("let x = (1 2);\nlet y = 3;\n"));
+        assert!(s.is_complete("let s = \"open\nlet y = 3;\n"), "an open \" string cannot span lines");
+        // Fed line by line: `let c = '{';` no longer swallows what follows, and a `}` in a
+        // string inside a function or a backtick string does not cut it early.
+        let mut r = Repl::new(HostOptions::default(), true, None);
+        assert_eq!(r.feed("let c = '{';"), Feed::Done(String::new()));
+        assert_eq!(r.feed("fn g() {"), Feed::More);
+        assert_eq!(r.feed("  let s = \"}\";"), Feed::More);
+        assert_eq!(r.feed("  s + `a"), Feed::More);
+        assert_eq!(r.feed("}`"), Feed::More);
+        assert_eq!(r.feed("}"), Feed::Done(String::new()));
+        assert_eq!(r.feed("g()"), Feed::Done("}a\n}\n".into()));
+        assert_eq!(r.feed("c"), Feed::Done("{\n".into()));
     }
 
     #[test]

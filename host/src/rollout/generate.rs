@@ -103,6 +103,16 @@ pub fn generate_stats(
             )));
         }
     }
+    // Lengths bounded, and one sequence's KV cache against the machine, before anything
+    // is allocated (rollout::bounds); the engine's paged pool budgets the batch.
+    super::bounds::check_generation(
+        model.config(),
+        model.dtype(),
+        model.device().is_cpu(),
+        prompts,
+        params,
+        1,
+    )?;
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
     let (mut out, stats) = engine::run(model, prompts, params, decode, hooks, eos)?;
     out.sort_by_key(|s| (s.prompt_index, s.sample_index));

@@ -39,10 +39,30 @@ pub struct Generator<'a> {
     prompter: Prompter,
 }
 
+/// Checks that every id `tokenizer` can produce indexes the model's embedding: a
+/// tokenizer of another model would otherwise fail deep in a tensor op (or sample ids the
+/// tokenizer cannot decode). The model's vocabulary may be larger (Qwen3 pads it).
+pub fn check_vocab(model: &Qwen3, tokenizer: &Tokenizer) -> Result<()> {
+    let vocab = model.config().vocab_size;
+    let max_id = tokenizer.inner().get_vocab(true).into_values().max();
+    match max_id {
+        Some(id) if id as usize >= vocab => Err(crate::Error::Config {
+            file: tokenizer.path().display().to_string(),
+            field: "vocabulary".into(),
+            msg: format!(
+                "the tokenizer has token ids up to {id} but the model's config.json says vocab_size {vocab}: \
+                 the tokenizer belongs to another model"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl<'a> Generator<'a> {
     /// Resolves `template` against the tokenizer's folder (`"model"`: the
     /// folder's declared format).
     pub fn new(model: &'a Qwen3, tokenizer: &'a Tokenizer, template: &PromptTemplate) -> Result<Self> {
+        check_vocab(model, tokenizer)?;
         Ok(Self::with_prompter(model, tokenizer, tokenizer.prompter(template)?))
     }
 

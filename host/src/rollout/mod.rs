@@ -16,6 +16,7 @@
 
 pub mod batch;
 pub mod blocks;
+pub mod bounds;
 pub mod device;
 pub mod engine;
 pub mod generate;
@@ -26,7 +27,7 @@ pub mod sampler;
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
 pub use engine::{EngineConfig, EngineStats, Policy, RolloutFigures};
 pub use generate::{bench_generate, generate, generate_stats, generate_with, GenerateHooks};
-pub use generator::{Generation, Generator};
+pub use generator::{check_vocab, Generation, Generator};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};
 

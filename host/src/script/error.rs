@@ -18,6 +18,41 @@ use rhai::{Dynamic, EvalAltResult, ParseError, Position};
 
 use crate::Error;
 
+/// Whether parsing `src` fails only because the input ends too early (the REPL then asks
+/// for more): rhai's `UnexpectedEOF`, a missing closing token (`}`, `)`, `]`, ...) past the
+/// last character of the input, or an unterminated backtick string (which may span lines;
+/// a `"` string may not, so an open one is an error to report, not more input).
+pub(crate) fn runs_past_end(engine: &rhai::Engine, src: &str) -> bool {
+    use rhai::{LexError, ParseErrorType as P};
+    let Err(ParseError(kind, pos)) = engine.compile(src) else { return false };
+    let last = last_char_pos(src);
+    // Past the last non-blank character (1-based line and column), or no position at all.
+    let at_end = match (pos.line(), pos.position(), last) {
+        (Some(l), Some(c), Some(last)) => (l, c) > last,
+        (Some(l), None, Some(last)) => l > last.0,
+        _ => true,
+    };
+    match *kind {
+        P::UnexpectedEOF => true,
+        P::MissingToken(..) => at_end,
+        P::BadInput(LexError::UnterminatedString) => at_end || char_at(src, pos) == Some('`'),
+        _ => false,
+    }
+}
+
+/// (line, column) of the last non-whitespace character of `src`, 1-based as rhai counts.
+fn last_char_pos(src: &str) -> Option<(usize, usize)> {
+    src.lines()
+        .enumerate()
+        .filter_map(|(i, l)| l.trim_end().chars().count().checked_sub(1).map(|c| (i + 1, c + 1)))
+        .last()
+}
+
+/// The character of `src` at rhai position `pos`.
+fn char_at(src: &str, pos: Position) -> Option<char> {
+    src.lines().nth(pos.line()?.checked_sub(1)?)?.chars().nth(pos.position()?.checked_sub(1)?)
+}
+
 /// The result type of native functions registered into the engine.
 pub type RhaiResult<T> = Result<T, Box<EvalAltResult>>;
 

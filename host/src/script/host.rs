@@ -367,6 +367,16 @@ impl Host {
         self.opts.run_dir.clone()
     }
 
+    /// [`Host::run_dir`] for a script to write into: created with the run marker first
+    /// ([`crate::guard::folder::claim_run_folder`]), so that stapo never writes into a
+    /// folder it did not create, and files written there before `train` do not make the
+    /// run's own folder look foreign.
+    pub fn claimed_run_dir(&self) -> crate::Result<Option<PathBuf>> {
+        let Some(d) = self.run_dir() else { return Ok(None) };
+        crate::guard::folder::claim_run_folder(&d)?;
+        Ok(Some(d))
+    }
+
     /// Records the summary of a finished `train`.
     pub fn push_result(&self, m: Map) {
         if let Ok(mut r) = self.results.lock() {

@@ -52,6 +52,14 @@ impl Session {
         &self.host
     }
 
+    /// Whether `src` is a complete input for [`Session::eval`], decided by rhai's own
+    /// parser rather than by counting brackets: incomplete when parsing runs into the end
+    /// of the input (a missing `}`, `)`, `]` or operand there, or an open backtick string).
+    /// Any other parse error is complete input, whose error [`Session::eval`] reports.
+    pub fn is_complete(&self, src: &str) -> bool {
+        !super::error::runs_past_end(&self.engine, src)
+    }
+
     /// Evaluates one input (`label` names it in errors); returns the value's
     /// printed form unless it is `()`.
     pub fn eval(&mut self, src: &str, label: &str) -> Result<Option<String>> {

@@ -380,9 +380,11 @@ struct HookCaller<'a> {
 }
 
 impl HookCaller<'_> {
-    /// Calls `hook` if the current hooks define it, under the time limit. A
-    /// call past the limit falls back to the hooks from before the last reload
-    /// (logged) and calls the hook there; with no reload to undo it is an error.
+    /// Calls `hook` if the current hooks define it, under the time limit. A call past the
+    /// limit, or one that raises an error, falls back to the hooks from before the last
+    /// reload (logged with the error's file:line) and calls the hook there: a runtime error
+    /// of a hot edit is a broken edit like a syntax error. With no reload to undo, the
+    /// error ends the run.
     fn call(&self, hook: &HookSpec, args: Vec<Dynamic>) -> Result<Option<Dynamic>> {
         debug_assert_eq!(args.len(), hook.arity(), "{}", hook.signature());
         loop {
@@ -399,10 +401,11 @@ impl HookCaller<'_> {
             let mut scope: Scope = super::new_scope(self.host);
             let guard = self.host.hook_deadline(self.limit, what);
             let r = hooks.call(self.engine, &mut scope, hook.name, args.clone());
-            let timed_out = r.is_err() && guard.fired();
             drop(guard);
+            // Ctrl-C and the whole script's deadline end the run whatever the hooks.
+            let stopping = self.host.cancelled() || self.host.deadline_passed().is_some();
             match r {
-                Err(e) if timed_out && self.host.revert_hooks() => log_reload(
+                Err(e) if !stopping && self.host.revert_hooks() => log_reload(
                     self.host,
                     Some(self.run_dir),
                     &format!(
@@ -428,6 +431,26 @@ fn expect_map(host: &Host, name: &str, v: Dynamic) -> Result<Map> {
         Ok(v.cast::<Map>())
     } else {
         Err(hook_type_error(&host.hooks(), name, "a map", &v))
+    }
+}
+
+/// A failed run's error, with where its work is: the checkpoint written after the failure
+/// (or why none could be), and how to resume it.
+fn with_checkpoint(e: Error, ckpt: &Result<String>, run_dir: &Path) -> Error {
+    let note = match ckpt {
+        Ok(p) if !p.is_empty() => {
+            format!(
+                "; the run is checkpointed at {p} (stapo run --resume {} continues it)",
+                run_dir.display()
+            )
+        }
+        Ok(_) => format!("; no step completed, so no checkpoint (run folder {})", run_dir.display()),
+        Err(c) => format!("; the checkpoint after the failure could not be written either: {c}"),
+    };
+    match e {
+        Error::Script { pos, msg } => Error::Script { pos, msg: format!("{msg}{note}") },
+        Error::Host { pos, msg } => Error::Host { pos, msg: format!("{msg}{note}") },
+        other => Error::invalid(format!("{other}{note}")),
     }
 }
 
@@ -531,7 +554,7 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     } else {
         Ok(String::new())
     };
-    let (last, stopped_early) = result.map_err(to_rhai)?;
+    let (last, stopped_early) = result.map_err(|e| to_rhai(with_checkpoint(e, &ckpt, &run_dir)))?;
     let ckpt = ckpt.map_err(host_err)?;
     let mut summary = Map::new();
     summary.insert("run_dir".into(), run_dir.display().to_string().into());

@@ -48,6 +48,8 @@ pub struct RunConfig {
     pub logging: LoggingConfig,
     /// Seeds every random choice of the run (data order, sampling, LoRA init, shuffles).
     pub seed: u64,
+    /// The guards against lost work (`guard.max_nonfinite_steps`): see [`crate::guard`].
+    pub guard: crate::guard::GuardConfig,
 }
 
 /// `model`: the model folder (HF layout with tokenizer.json) and its weights in memory.

@@ -34,6 +34,8 @@ use crate::algo::{ObjectiveConfig, S2tThresholds};
 use crate::data::{Example, Prompt, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
+use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
+use crate::guard::{check_folder_finite, NonFiniteStreak, RunLock};
 use crate::model::{self, Qwen3};
 use crate::reward;
 use crate::rollout::{
@@ -101,6 +103,10 @@ pub struct Trainer {
     comm: Arc<dyn Comm>,
     last: LastStep,
     notes: Notes,
+    /// Steps in a row that skipped their update for a non-finite value.
+    streak: NonFiniteStreak,
+    /// The run folder's lock (rank 0, which writes it), released on drop or exit.
+    _lock: Option<RunLock>,
 }
 
 /// What the latest step and evaluation produced, for the REPL and scripts.
@@ -147,8 +153,10 @@ fn load_model(cfg: &RunConfig, dir: &Path, comm: &dyn Comm) -> Result<Qwen3> {
 }
 
 impl Trainer {
-    /// Starts a run writing into `run_dir` (created; must not hold a run yet), on the
-    /// process's world ([`dist::world`]: one process, or every rank under `mpirun`).
+    /// Starts a run writing into `run_dir` (created; must be new, empty or a stapo run
+    /// folder that holds no run yet), on the process's world ([`dist::world`]: one
+    /// process, or every rank under `mpirun`). The folder is locked while the trainer
+    /// lives ([`RunLock`]).
     pub fn new(cfg: RunConfig, run_dir: &Path) -> Result<Self> {
         Self::new_on(dist::world(), cfg, run_dir)
     }
@@ -157,9 +165,16 @@ impl Trainer {
     /// arguments); rank 0 alone creates and writes the run folder.
     pub fn new_on(comm: Arc<dyn Comm>, cfg: RunConfig, run_dir: &Path) -> Result<Self> {
         cfg.validate()?;
-        dist::on_root(&*comm, || RunFolder::create(run_dir, &cfg))?;
+        let lock = dist::on_root(&*comm, || {
+            claim_new_run_folder(run_dir)?;
+            let lock = RunLock::acquire(run_dir)?;
+            RunFolder::create(run_dir, &cfg)?;
+            Ok(lock)
+        })?;
         let m = load_model(&cfg, &cfg.model.path, &*comm)?;
-        Self::assemble(comm, cfg, m, run_dir, None)
+        let mut t = Self::assemble(comm, cfg, m, run_dir, None)?;
+        t._lock = lock;
+        Ok(t)
     }
 
     /// Continues the run in `run_dir` from its latest checkpoint, on the process's
@@ -179,6 +194,8 @@ impl Trainer {
     /// file as `run_config-step-NNNNNN.json`. `None`: the saved configuration.
     pub fn resume_with(comm: Arc<dyn Comm>, run_dir: &Path, changed: Option<RunConfig>) -> Result<Self> {
         let ckpt = RunFolder::latest_checkpoint(run_dir)?;
+        // Locked before anything is changed or removed: a live run in this folder wins.
+        let locked = dist::on_root(&*comm, || Ok((RunLock::acquire(run_dir)?, remove_leftovers(run_dir)?)))?;
         let cfg = match changed {
             Some(cfg) => {
                 cfg.validate()?;
@@ -194,6 +211,16 @@ impl Trainer {
         t.policy.restore_optimizer(&ckpt, state.step)?;
         // Metrics logged after the checkpoint belong to steps that will run again.
         dist::on_root(&*comm, || t.folder.drop_metrics_from(state.step))?;
+        if let Some((lock, removed)) = locked {
+            t._lock = Some(lock);
+            if !removed.is_empty() {
+                let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+                t.notes.pending.push(format!(
+                    "removed what an interrupted process left half-written: {}",
+                    names.join(", ")
+                ));
+            }
+        }
         Ok(t)
     }
 
@@ -219,7 +246,9 @@ impl Trainer {
         }
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
-        let (prompts, pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
+        let (prompts, mut pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
+        crate::rollout::check_vocab(&m, prompts.tokenizer())?;
+        pending.extend(crate::guard::take_notes());
         let policy = PolicyState::new(&cfg, &objective, m, &*comm)?;
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
@@ -233,6 +262,8 @@ impl Trainer {
             step: state.map_or(0, |s| s.step),
             last: LastStep::default(),
             notes: Notes { pending, warned: HashSet::new() },
+            streak: NonFiniteStreak::default(),
+            _lock: None,
             cfg,
             comm,
         })
@@ -343,6 +374,10 @@ impl Trainer {
 
         let t1 = Instant::now();
         let (outcome, objective) = self.train_on(plan, &seqs, &mut warnings)?;
+        // A skipped update left the weights as they were; too many in a row stop the run
+        // (after this step's metrics are logged).
+        let stop =
+            self.streak.observe(step, &outcome.metrics.skip_reasons, self.cfg.guard.max_nonfinite_steps);
         let mut um = outcome.metrics;
         let groups_dropped =
             self.batch_figures(&batch.all_seqs, &seqs, &objective, batch.groups_dropped, &mut um)?;
@@ -386,7 +421,10 @@ impl Trainer {
             eval_pass: None,
         };
         self.finish_step(&mut m)?;
-        Ok(m)
+        match stop {
+            Some(e) => Err(e),
+            None => Ok(m),
+        }
     }
 
     /// After a step: the held-out evaluation when one is due, the metrics line, the
@@ -632,8 +670,11 @@ impl Trainer {
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
         };
+        let what = format!("checkpoint step-{:06}", self.step);
         let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {
-            self.policy.save(tmp, &self.cfg.model.path, staging)
+            self.policy.save(tmp, &self.cfg.model.path, staging)?;
+            // Verified before it can become `latest`: a resume must find finite weights.
+            check_folder_finite(tmp, &what)
         })?;
         if let Some(r) = &self.last.rollout {
             self.folder.save_rollouts(self.step, r)?;

@@ -3,6 +3,7 @@
 mod common;
 mod dataset;
 mod dist;
+mod guard;
 mod hf;
 mod kill;
 mod lora;

@@ -939,3 +939,97 @@ fn a_script_past_its_time_limit_stops_even_while_an_array_grows() {
     assert!(err.contains(&format!("the script {} ran past its time limit of 1 s", path.display())), "{err}");
     assert!(err.contains("grow.rhai:2:"), "{err}");
 }
+
+/// Issue 33 item 12: a hot edit whose hook raises at run time is a broken edit like a
+/// syntax error: the run goes back to the previous hooks and logs the error's file:line.
+#[test]
+fn nothing_silent_12_reloaded_hook_that_raises_reverts_to_the_previous_hooks() {
+    let f = fixture();
+    let run_dir = f.root.join("run");
+    let path = f.root.join("live.rhai");
+    let script = |body: &str| {
+        format!(
+            "fn lr(step) {{ 0.001 }}\nfn on_step(step, m) {{\n  {body}\n  let t = timestamp(); while t.elapsed < 0.6 {{ }}\n}}\n\
+             train({}, 3);\n",
+            tiny_cfg(&f, "grpo")
+        )
+    };
+    std::fs::write(&path, script("print(`ok ${step}`);")).unwrap();
+    let (host, buf) = buffered(opts(&f, &run_dir, false));
+    let (h2, p2) = (host.clone(), path.clone());
+    let runner = std::thread::spawn(move || script::run_file(&h2, &p2));
+    wait_for("step 0", Duration::from_secs(60), || !metrics(&run_dir).is_empty());
+    std::fs::write(&path, script("let x = no_such_variable + 1;")).unwrap();
+    host.request_reload();
+    let out = runner.join().unwrap();
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\n{printed}", out.error);
+    assert_eq!(out.trains[0].steps, 3);
+    let log = std::fs::read_to_string(run_dir.join("reloads.log")).unwrap();
+    assert!(log.contains("step 1: reloaded"), "{log}");
+    assert!(
+        log.contains(&format!("step 1: script error at {}:3:", path.display()))
+            && log.contains("no_such_variable")
+            && log.contains("keeping the previous hooks"),
+        "{log}"
+    );
+    // The previous on_step ran for every step, the failed call's step included.
+    assert_eq!(printed.matches("ok ").count(), 3, "{printed}");
+}
+
+/// Issue 33 item 9: `load_data()` in a script warns about the rows it drops, with
+/// file:line, as train and eval do.
+#[test]
+fn nothing_silent_09_load_data_warns_about_dropped_rows() {
+    let f = fixture();
+    let data = f.root.join("mixed.jsonl");
+    std::fs::write(&data, "{\"problem\": \"1+1\", \"answer\": \"2\"}\nnot json\n{\"problem\": \"x\"}\n")
+        .unwrap();
+    let path = f.root.join("load.rhai");
+    std::fs::write(&path, format!("let ds = load_data(\"{}\");\nprint(`n=${{ds.len}}`);\n", data.display()))
+        .unwrap();
+    let (host, buf) = buffered(opts(&f, &f.root.join("run"), false));
+    let out = script::run_file(&host, &path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}", out.error);
+    assert!(printed.contains("n=1"), "{printed}");
+    for line in [2, 3] {
+        assert!(
+            printed.contains(&format!("warning: load_data: skipped {}:{line}:", data.display())),
+            "{printed}"
+        );
+    }
+    assert!(printed.contains("2 record(s) skipped, 1 loaded"), "{printed}");
+}
+
+/// Issue 33 item 14: `--set actor.optim.lr=fast` and `--set rollout.sampling.n=-2` name the
+/// field; a failed run's error says where its checkpoint is.
+#[test]
+fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint() {
+    let f = fixture();
+    let path = f.root.join("set.rhai");
+    std::fs::write(&path, format!("train({}, 2);\n", tiny_cfg(&f, "grpo"))).unwrap();
+    for (key, val) in [("actor.optim.lr", "fast"), ("rollout.sampling.n", "-2")] {
+        let mut o = opts(&f, &f.root.join(format!("run-{key}")), false);
+        o.args.insert(key.into(), val.into());
+        let (host, _) = buffered(o);
+        let e = script::run_file(&host, &path).error.expect("refused").to_string();
+        assert!(e.contains(key), "{key}={val}: {e}");
+    }
+    // A run stopped by the non-finite guard after one step: the error names the checkpoint.
+    let cfg = tiny_cfg(&f, "grpo")
+        .replacen("#{", "#{ guard: #{ max_nonfinite_steps: 1 },", 1)
+        .replace("optim: #{ lr: 1e-4 }", "optim: #{ lr: 1e39, weight_decay: 0.0 }");
+    assert!(cfg.contains("1e39"), "{cfg}");
+    std::fs::write(&path, format!("train({cfg}, 3);\n")).unwrap();
+    let run_dir = f.root.join("run-nan");
+    let (host, _) = buffered(opts(&f, &run_dir, false));
+    let e = script::run_file(&host, &path).error.expect("stopped").to_string();
+    let ckpt = run_dir.join("checkpoints/step-000001");
+    assert!(
+        e.contains("guard.max_nonfinite_steps = 1")
+            && e.contains(&format!("checkpointed at {}", ckpt.display())),
+        "{e}"
+    );
+    assert!(ckpt.is_dir());
+}

@@ -53,13 +53,25 @@ fn sample(ds: &DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
     Ok(ds.0.select(&idx).map_err(host)?.into_iter().map(example_map).collect())
 }
 
-fn load_data(path: &str, opts: &Map) -> RhaiResult<DatasetHandle> {
+/// `load_data`: the dataset, with one warning per skipped record shown as train and eval
+/// show theirs (records are never dropped silently).
+fn load_data(h: &Host, path: &str, opts: &Map) -> RhaiResult<DatasetHandle> {
     let o: DatasetOptions = overlay(
         "load_data",
         &DatasetOptions::default(),
         to_json("load_data", &Dynamic::from_map(opts.clone()))?,
     )?;
-    let (ds, _warnings) = Dataset::load(path, &o).map_err(host)?;
+    let (ds, warnings) = Dataset::load(path, &o).map_err(host)?;
+    for w in &warnings {
+        h.notice(&format!("warning: load_data: skipped {w}"));
+    }
+    if !warnings.is_empty() {
+        h.notice(&format!(
+            "warning: load_data(\"{path}\"): {} record(s) skipped, {} loaded",
+            warnings.len(),
+            ds.len()
+        ));
+    }
     Ok(DatasetHandle(Arc::new(ds)))
 }
 
@@ -84,7 +96,8 @@ fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
         c.batch_size = c.batch_size.min(4);
         c.final_eval = false;
         // Never overwrite a real model folder from a smoke run.
-        let base = h.run_dir().unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
+        let base =
+            h.claimed_run_dir().map_err(host)?.unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
         c.model_dir = base.join("tiny-model");
         c.data_dir = Some(base.join("tiny-data"));
     }
@@ -93,6 +106,7 @@ fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
 }
 
 pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
+    let h = host_.clone();
     func! { engine, "load_data", r#"
         /// load_data(path) -> Dataset
         ///
@@ -106,8 +120,9 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// let ds = load_data("data/arith/train.jsonl");
         /// ```
     "#,
-        |path: &str| load_data(path, &Map::new())
+        move |path: &str| load_data(&h, path, &Map::new())
     }
+    let h = host_.clone();
     func! { engine, "load_data", r#"
         /// load_data(path, options) -> Dataset
         ///
@@ -121,7 +136,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// load_data("my.parquet", #{problem_fields: "question", answer_fields: "meta.gold"})
         /// ```
     "#,
-        |path: &str, opts: Map| load_data(path, &opts)
+        move |path: &str, opts: Map| load_data(&h, path, &opts)
     }
     getter! { engine, "len", r#"
         /// dataset.len -> int

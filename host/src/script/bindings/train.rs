@@ -530,7 +530,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
     func! { engine, "run_dir", r#"
         /// run_dir() -> string or ()
         ///
-        /// The session's run folder, when known.
+        /// The session's run folder, when known (created with the run marker when new: files a script
+        /// writes there are the run's, and a non-empty folder that is not a stapo run is refused).
         ///
         /// # Example
         ///
@@ -538,6 +539,9 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// print(run_dir());
         /// ```
     "#,
-        move || h.run_dir().map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string()))
+        move || -> RhaiResult<Dynamic> {
+            let d = h.claimed_run_dir().map_err(host)?;
+            Ok(d.map_or(Dynamic::UNIT, |d| Dynamic::from(d.display().to_string())))
+        }
     }
 }

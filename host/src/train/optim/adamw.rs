@@ -8,17 +8,22 @@ use candle_core::{DType, Tensor, Var};
 use serde::Serialize;
 
 use super::config::AdamWConfig;
-use super::kernels::{fused_supported, grad_sum_sq, update_fused};
+use super::kernels::{fused_stays_finite, fused_supported, grad_sum_sq, update_fused};
 use super::state::{hyper, Hyper, ParamState};
 use crate::{Error, Result};
 
 /// What one call to [`AdamW::step`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepReport {
     /// Global L2 norm of all gradients, before clipping (may be NaN/inf).
     pub grad_norm: f64,
-    /// True when the gradient norm was not finite and nothing was changed.
+    /// True when the gradient norm, or the updated value of a parameter or moment, was
+    /// not finite, and nothing was changed.
     pub skipped: bool,
+    /// The first parameter whose update would have left a non-finite weight or moment
+    /// (e.g. a learning rate so large that weight decay overflows); `None` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nonfinite_param: Option<String>,
     /// The factor the gradients were scaled by (1 when not clipped, 0 when skipped).
     pub clip_coef: f64,
     /// Parameters that had no gradient in the store, and were left untouched.
@@ -131,14 +136,28 @@ impl AdamW {
 
     /// One AdamW step at learning rate `lr` (the caller applies the schedule).
     ///
-    /// Computes the global gradient norm; if it is not finite, warns on stderr and
-    /// returns `skipped = true` with weights, moments and step counts untouched.
-    /// Otherwise clips (as a scale folded into the update) and updates every
-    /// parameter that has a gradient; parameters without one are counted in the
+    /// Computes the global gradient norm; if it is not finite, returns `skipped = true`
+    /// with weights, moments and step counts untouched. Otherwise clips (as a scale
+    /// folded into the update) and checks, in a read-only pass with the update's own
+    /// arithmetic, that every new weight and moment would be finite: if one would not
+    /// (a learning rate so large that weight decay overflows), it returns `skipped =
+    /// true` naming the parameter, again with nothing changed. Otherwise it updates
+    /// every parameter that has a gradient; parameters without one are counted in the
     /// report and left as they are.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepReport> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
+        }
+        // Decoupled decay multiplies weights by 1 - lr * wd: at >= 1 every weight flips sign
+        // and grows by that factor each step (finite, so no later check would catch it).
+        if self.cfg.weight_decay > 0.0 && lr * self.cfg.weight_decay >= 1.0 {
+            return Err(Error::invalid(format!(
+                "adamw: learning rate {lr:e} times weight_decay {} is {:e}, at least 1: weight decay would \
+                 multiply every weight by {:e}; lower `lr` (or `adamw.weight_decay`)",
+                self.cfg.weight_decay,
+                lr * self.cfg.weight_decay,
+                1.0 - lr * self.cfg.weight_decay
+            )));
         }
         let (grad_norm, missing) = self.grad_norm(grads)?;
         if !grad_norm.is_finite() {
@@ -146,6 +165,7 @@ impl AdamW {
             return Ok(StepReport {
                 grad_norm,
                 skipped: true,
+                nonfinite_param: None,
                 clip_coef: 0.0,
                 n_params_without_grad: missing,
             });
@@ -154,6 +174,15 @@ impl AdamW {
             Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
             None => 1.0,
         };
+        if let Some(name) = self.first_nonfinite_update(grads, lr, clip_coef)? {
+            return Ok(StepReport {
+                grad_norm,
+                skipped: true,
+                nonfinite_param: Some(name),
+                clip_coef: 0.0,
+                n_params_without_grad: missing,
+            });
+        }
         let cfg = self.cfg.clone();
         let force_generic = self.force_generic;
         for p in &mut self.params {
@@ -167,7 +196,34 @@ impl AdamW {
             }
         }
         self.step += 1;
-        Ok(StepReport { grad_norm, skipped: false, clip_coef, n_params_without_grad: missing })
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+            nonfinite_param: None,
+            clip_coef,
+            n_params_without_grad: missing,
+        })
+    }
+
+    /// The first parameter whose update at `lr` (gradients scaled by `clip_coef`) would
+    /// leave a non-finite weight or moment, computed as [`AdamW::step`] would compute it,
+    /// without writing anything: the guard that keeps a diverging step from ever reaching
+    /// the weights, at the cost of one read-only pass over them.
+    fn first_nonfinite_update(&self, grads: &GradStore, lr: f64, clip_coef: f64) -> Result<Option<String>> {
+        for p in &self.params {
+            let Some(g) = grads.get(&p.var) else { continue };
+            let h = hyper(&self.cfg, lr, p.steps + 1, p.decay, clip_coef);
+            let finite = if !self.force_generic && fused_supported(&p.var) {
+                fused_stays_finite(p, g, &h)?
+            } else {
+                let (m, v, w) = generic_new_values(p, g, &h)?;
+                all_finite(&m)? && all_finite(&v)? && all_finite(&w)?
+            };
+            if !finite {
+                return Ok(Some(p.name.clone()));
+            }
+        }
+        Ok(None)
     }
 
     /// The optimizer state as named tensors, for `optimizer.safetensors`:
@@ -251,6 +307,22 @@ impl AdamW {
 /// The same update composed of candle ops, for CUDA/Metal and unusual dtypes or
 /// layouts. Correct everywhere, but allocates temporaries. Arithmetic in f32.
 fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
+    let (m_new, v_new, p_new) = generic_new_values(p, g, h)?;
+    p.m.set(&m_new)?;
+    p.v.set(&v_new)?;
+    p.var.set(&p_new)?;
+    Ok(())
+}
+
+/// Whether every element of `t` is finite: `0 * t` is 0 for a finite element and NaN
+/// otherwise, and NaN survives the sum (a plain sum of finite values could overflow).
+pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
+    let t = t.to_dtype(DType::F32)?;
+    Ok(t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()? == 0.0)
+}
+
+/// The new (first moment, second moment, parameter) of the device-generic update.
+fn generic_new_values(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<(Tensor, Tensor, Tensor)> {
     let (clip, b1, b2) = (h.clip as f64, h.b1 as f64, h.b2 as f64);
     let g = g.to_device(p.var.device())?.to_dtype(DType::F32)?;
     let m_new = (p.m.affine(b1, 0.0)? + g.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
@@ -258,10 +330,7 @@ fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
     let denom = v_new.sqrt()?.affine(h.inv_sqrt_bc2 as f64, h.eps as f64)?;
     let upd = (m_new.clone() / denom)?.affine(h.step_size as f64, 0.0)?;
     let p_new = (p.var.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?.to_dtype(p.var.dtype())?;
-    p.m.set(&m_new)?;
-    p.v.set(&v_new)?;
-    p.var.set(&p_new)?;
-    Ok(())
+    Ok((m_new, v_new, p_new))
 }
 
 #[cfg(test)]
@@ -510,6 +579,35 @@ mod tests {
             assert_eq!(snapshot(&opt), before);
             assert_eq!(opt.step_count(), 1);
         }
+    }
+
+    /// Issue 33 item 1: an update that would write a non-finite weight is skipped with the
+    /// parameter named and nothing changed, on the fused and the device-generic path alike;
+    /// a finite update of the same optimizer then steps normally.
+    #[test]
+    fn nothing_lost_01_nonfinite_update_is_skipped_on_both_paths() {
+        for generic in [false, true] {
+            let dev = Device::Cpu;
+            let a = Var::new(&[1.0f32, -2.0], &dev).unwrap();
+            let b = Var::new(&[3.0f32], &dev).unwrap();
+            let cfg = AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() };
+            let mut opt = AdamW::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg).unwrap();
+            opt.force_generic = generic;
+            let mut gs = GradStore::default();
+            gs.insert(&a, Tensor::new(&[0.1f32, 0.2], &dev).unwrap());
+            gs.insert(&b, Tensor::new(&[0.3f32], &dev).unwrap());
+            // lr / (1 - beta1) overflows f32: every new weight would be infinite.
+            let r = opt.step(&gs, 1e38).unwrap();
+            assert!(r.skipped && r.grad_norm.is_finite(), "generic {generic}: {r:?}");
+            assert_eq!(r.nonfinite_param.as_deref(), Some("a"), "generic {generic}");
+            assert_eq!((vec_of(&a), vec_of(&b), opt.step_count()), (vec![1.0, -2.0], vec![3.0], 0));
+            assert!(state_of(&opt, "a.exp_avg").iter().all(|&x| x == 0.0));
+            let r = opt.step(&gs, 1e-3).unwrap();
+            assert!(!r.skipped && r.nonfinite_param.is_none() && opt.step_count() == 1, "generic {generic}");
+            assert_ne!(vec_of(&a), vec![1.0, -2.0]);
+        }
+        assert!(!all_finite(&Tensor::new(&[1f32, f32::NEG_INFINITY], &Device::Cpu).unwrap()).unwrap());
+        assert!(all_finite(&Tensor::new(&[f32::MAX, -f32::MAX], &Device::Cpu).unwrap()).unwrap());
     }
 
     #[test]

@@ -129,6 +129,72 @@ fn adamw_chunk<T: Elem>(p: &mut [T], g: &[T], m: &mut [f32], v: &mut [f32], h: &
     }
 }
 
+/// [`adamw_chunk`]'s arithmetic, element for element, with nothing written: whether
+/// every new weight (rounded to `T`, as stored) and moment of the chunk is finite.
+#[inline]
+fn stays_finite_chunk<T: Elem>(p: &[T], g: &[T], m: &[f32], v: &[f32], h: &Hyper) -> bool {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
+    let mut ok = true;
+    for i in 0..n {
+        let gi = g[i].to_f32() * h.clip;
+        let mi = h.b1 * m[i] + h.one_minus_b1 * gi;
+        let vi = h.b2 * v[i] + h.one_minus_b2 * gi * gi;
+        let denom = vi.sqrt() * h.inv_sqrt_bc2 + h.eps;
+        let pi = T::from_f32(p[i].to_f32() * h.decay - h.step_size * mi / denom).to_f32();
+        ok &= mi.is_finite() & vi.is_finite() & pi.is_finite();
+    }
+    ok
+}
+
+/// Whether the fused update of `p` with gradient `g` would leave every weight and
+/// moment finite: one read-only parallel pass with the kernel's own arithmetic.
+pub(super) fn fused_stays_finite(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<bool> {
+    let g = g.to_device(p.var.device())?.to_dtype(p.var.dtype())?.contiguous()?;
+    let (ps, pl) = p.var.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let (ms, ml) = p.m.storage_and_layout();
+    let (vs, vl) = p.v.storage_and_layout();
+    let (Storage::Cpu(ps), Storage::Cpu(gs), Storage::Cpu(ms), Storage::Cpu(vs)) = (&*ps, &*gs, &*ms, &*vs)
+    else {
+        return Err(crate::Error::invalid("adamw: the fused finiteness check needs CPU tensors"));
+    };
+    let (m, v) = match (ms, vs) {
+        (CpuStorage::F32(m), CpuStorage::F32(v)) => {
+            (range_of(m, ml, "exp_avg")?, range_of(v, vl, "exp_avg_sq")?)
+        }
+        _ => return Err(crate::Error::invalid("adamw: moments must be f32")),
+    };
+    fn all<T: Elem>(p: &[T], g: &[T], m: &[f32], v: &[f32], h: &Hyper) -> candle_core::Result<bool> {
+        if g.len() != p.len() || m.len() != p.len() || v.len() != p.len() {
+            candle_core::bail!("adamw: length mismatch in the finiteness check");
+        }
+        Ok(p.par_chunks(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks(CHUNK))
+            .zip(v.par_chunks(CHUNK))
+            .all(|(((p, g), m), v)| stays_finite_chunk(p, g, m, v, h)))
+    }
+    Ok(match (ps, gs) {
+        (CpuStorage::F32(pd), CpuStorage::F32(gd)) => {
+            all(range_of(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)?
+        }
+        (CpuStorage::BF16(pd), CpuStorage::BF16(gd)) => {
+            all(range_of(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)?
+        }
+        (CpuStorage::F16(pd), CpuStorage::F16(gd)) => {
+            all(range_of(pd, pl, "param")?, range_of(gd, gl, "grad")?, m, v, h)?
+        }
+        (ps, gs) => {
+            return Err(crate::Error::invalid(format!(
+                "adamw: no fused check for param dtype {:?} with grad dtype {:?}",
+                ps.dtype(),
+                gs.dtype()
+            )))
+        }
+    })
+}
+
 /// The fused update over a whole parameter, parallel over chunks.
 fn adamw_slices<T: Elem>(
     p: &mut [T],

@@ -445,6 +445,7 @@ impl ShardedAdamW {
             return Ok(StepReport {
                 grad_norm,
                 skipped: true,
+                nonfinite_param: None,
                 clip_coef: 0.0,
                 n_params_without_grad: missing,
             });
@@ -471,7 +472,13 @@ impl ShardedAdamW {
         }
         self.step += 1;
         self.all_gather_weights(comm, &p, &present)?;
-        Ok(StepReport { grad_norm, skipped: false, clip_coef, n_params_without_grad: missing })
+        Ok(StepReport {
+            grad_norm,
+            skipped: false,
+            nonfinite_param: None,
+            clip_coef,
+            n_params_without_grad: missing,
+        })
     }
 
     /// The AdamW update of elements `at..at + len` of this rank's range: the fused

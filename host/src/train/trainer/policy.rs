@@ -176,7 +176,7 @@ impl PolicyState {
         let o = match &self.opt {
             Opt::Full(o) => {
                 let opt: HashMap<String, Tensor> = o.state_tensors()?.into_iter().collect();
-                candle_core::safetensors::save(&opt, dir.join(PLAIN_FILE))?;
+                checkpoint::save_safetensors(&opt, &dir.join(PLAIN_FILE))?;
                 return Ok(());
             }
             Opt::Sharded(o) => o,

@@ -47,6 +47,10 @@ pub struct UpdateMetrics {
     /// Optimizer steps taken and skipped (non-finite loss or gradient).
     pub optimizer_steps: usize,
     pub skipped_steps: usize,
+    /// Why each skipped optimizer step was skipped, naming the quantity that was not
+    /// finite (`loss is NaN`, `gradient norm is inf`, `updated weights of <param>`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skip_reasons: Vec<String>,
     /// Bytes of optimizer state (AdamW moments, and f32 master weights when sharded with
     /// weights in another dtype) held by this rank (rank 0's in a run's metrics); with
     /// `shard` it falls by the number of ranks.

@@ -1,5 +1,6 @@
-//! Step 6 of the update: the optimizer step of a mini-batch, skipped (with a warning in the
-//! metrics) when its loss or gradient norm is not finite.
+//! Step 6 of the update: the optimizer step of a mini-batch, skipped (with a warning and
+//! the reason in the metrics) when its loss, its gradient norm or the weights it would
+//! write are not finite; the weights and moments are then left exactly as they were.
 
 use candle_core::backprop::GradStore;
 
@@ -22,16 +23,19 @@ pub(super) fn optimizer_step(
 ) -> Result<()> {
     let Some(loss) = loss else {
         metrics.warnings.push("non-finite loss; optimizer step skipped, weights unchanged".into());
+        metrics.skip_reasons.push("loss is not finite".into());
         metrics.skipped_steps += 1;
         return Ok(());
     };
     let report = opt.step_on(comm, acc, lr)?;
     metrics.optimizer_bytes = opt.state_bytes() as u64;
     if report.skipped {
-        metrics.warnings.push(format!(
-            "gradient norm is {}; optimizer step skipped (weights and moments unchanged)",
-            report.grad_norm
-        ));
+        let reason = match &report.nonfinite_param {
+            Some(name) => format!("updated weights of `{name}` would not be finite (learning rate {lr:e})"),
+            None => format!("gradient norm is {}", report.grad_norm),
+        };
+        metrics.warnings.push(format!("{reason}; optimizer step skipped (weights and moments unchanged)"));
+        metrics.skip_reasons.push(reason);
         metrics.skipped_steps += 1;
     } else {
         metrics.optimizer_steps += 1;
