@@ -307,3 +307,44 @@ fn evaluations_at_another_setting_are_logged_apart() {
     t.evaluate(None).unwrap();
     assert_eq!(lines("eval.jsonl").last().unwrap()["temperature"], 0.7);
 }
+
+/// Evaluation samples on the run's rollout engine (`rollout.engine`), not on defaults:
+/// a KV cache budget that holds the training rollouts' sequences (prompt + 12 tokens) but
+/// not the evaluation's (prompt + 90) makes `evaluate` fail with the budget it was given,
+/// and a budget that holds them gives the same report as the default engine (each
+/// response's draws do not depend on the schedule).
+#[test]
+fn evaluation_runs_on_the_runs_engine_settings() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model.clone(), train, test);
+    cfg.evaluation.every = 0;
+    cfg.evaluation.sampling.max_new_tokens = 90;
+    let mcfg = stapo::model::Config::from_file(&model.join("config.json")).unwrap();
+    let per_token = stapo::model::PagedKvCache::bytes_per_token(&mcfg, candle_core::DType::F32) as f64;
+    let mut t = Trainer::new(cfg.clone(), &dir.path().join("run-default")).unwrap();
+    let want = t.evaluate(None).unwrap();
+
+    let mut small = cfg.clone();
+    // 80 tokens of cache (5 blocks of 16): a rollout sequence fits, an evaluation one does not.
+    small.rollout.engine.kv_cache_gb = Some(80.0 * per_token / 1e9);
+    let mut t = Trainer::new(small, &dir.path().join("run-small")).unwrap();
+    t.step(&t.default_plan(), None, None).unwrap();
+    let err = t.evaluate(None).unwrap_err().to_string();
+    assert!(err.contains("rollout.engine.kv_cache_gb = ") && err.contains("holds 5"), "{err}");
+
+    let mut rows = cfg;
+    rows.rollout.engine = stapo::rollout::EngineConfig {
+        kv_cache_gb: Some(2000.0 * per_token / 1e9),
+        max_rows: Some(3),
+        block_size: 8,
+        ..Default::default()
+    };
+    let mut t = Trainer::new(rows, &dir.path().join("run-rows")).unwrap();
+    let got = t.evaluate(None).unwrap();
+    let ids = |r: &stapo::eval::EvalReport| {
+        r.samples.iter().map(|s| (s.id.clone(), s.sample_index, s.response.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&got), ids(&want));
+    assert_eq!(got.overall.avg, want.overall.avg);
+}
