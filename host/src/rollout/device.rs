@@ -96,8 +96,8 @@ impl Blocked {
         }
         let blocks = v.div_ceil(BLOCK);
         let l = logits.to_dtype(DType::F32)?;
-        let argmax = l.argmax_keepdim(D::Minus1)?;
         let d = l.broadcast_sub(&l.max_keepdim(D::Minus1)?)?;
+        let argmax = first_max(&d)?;
         let d = match blocks * BLOCK - v {
             0 => d,
             pad => Tensor::cat(&[d, Tensor::full(PAD, (b, pad), l.device())?], D::Minus1)?,
@@ -207,6 +207,18 @@ impl Blocked {
     }
 }
 
+/// Per row, the lowest index where `d` (logits minus the row's max) is 0: the host
+/// sampler's argmax (the first maximum). CUDA's `argmax` reduction returns any of
+/// tied maxima, and ties are common in bf16 logits (the device check of 2026-12-04 had 32 of
+/// 256 greedy rows differ from the host), so the index is taken as the minimum of
+/// `index + 2^24 * (d != 0)`, exact in f32 for vocabularies below 2^24.
+fn first_max(d: &Tensor) -> Result<Tensor> {
+    let v = d.dim(D::Minus1)?;
+    let not_max = d.ne(0f32)?.to_dtype(DType::F32)?.affine(16_777_216.0, 0.0)?;
+    let index = Tensor::arange(0u32, v as u32, d.device())?.to_dtype(DType::F32)?;
+    Ok(not_max.broadcast_add(&index)?.min_keepdim(D::Minus1)?.to_dtype(DType::U32)?)
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
@@ -264,6 +276,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Greedy rows take the first of tied maxima, as the host sampler does, whatever
+    /// the device's argmax reduction would return.
+    #[test]
+    fn first_max_is_the_lowest_tied_index() {
+        let d = Tensor::new(
+            &[[-1f32, 0.0, -3.0, 0.0], [-2.0, -1.0, -5.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+            &Device::Cpu,
+        )
+        .expect("tensor");
+        let got =
+            first_max(&d).expect("first max").flatten_all().expect("flat").to_vec1::<u32>().expect("vec");
+        assert_eq!(got, vec![1, 3, 0]);
     }
 
     #[test]
