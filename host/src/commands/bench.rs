@@ -260,6 +260,11 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     options.recompute = recompute.unwrap_or(options.recompute);
     options.set_process_default();
     println!("kernels: {}, recompute: {}", options.kernels.name(), options.recompute.name());
+    if device.is_cpu() && matches!(a.what, What::Train | What::Generate | What::Rollout) {
+        // Which SIMD path the CPU kernels run, and this CPU's measured peaks beside it.
+        println!("{}", model::fused::simd::describe());
+        println!("{}", model::fused::roofline::line(&model::fused::roofline::measure(200)));
+    }
     if a.what == What::Train && (a.seqs.len() > 1 || a.table) && !a.table_row {
         return train_table(&a, options);
     }
@@ -666,7 +671,8 @@ fn bench_generate(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     // Long answers: one run each; the KV cache holds 2 x layers x kv_heads x
     // head_dim values per token and sequence.
     let c = m.config();
-    let per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * m.dtype().size_in_bytes();
+    let per_token =
+        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * m.activation_dtype().size_in_bytes();
     for &n in &a.long {
         reset_peak_rss();
         let tps = stapo::rollout::bench_generate(m, a.batch, a.prompt, n)?;

@@ -53,7 +53,9 @@ impl CustomOp1 for FrozenLinear {
         // dx = dy W: (rows, out) x (out, in).
         let out = self.w.dim(0)?;
         let rows = dy.elem_count() / out.max(1);
-        let dx = dy.contiguous()?.reshape((rows, out))?.matmul(&self.w)?;
+        // bf16 weights under f32 activations (CPU, see `Qwen3::activation_dtype`): in f32.
+        let w = if self.w.dtype() == dy.dtype() { self.w.clone() } else { self.w.to_dtype(dy.dtype())? };
+        let dx = dy.contiguous()?.reshape((rows, out))?.matmul(&w)?;
         Ok(Some(dx.reshape(x.shape())?.to_dtype(x.dtype())?))
     }
 }

@@ -69,6 +69,16 @@ pub fn token_stats_tiled(
     }
     let n = targets.elem_count();
     let h = hidden.reshape((n, hd))?;
+    // bf16 weights under f32 activations (CPU, `Qwen3::activation_dtype`): the
+    // head in f32, its weight widened once (a tracked cast, so its gradient
+    // reaches the bf16 weight).
+    let wide;
+    let w = if w.dtype() != h.dtype() && fused::supported(&h) {
+        wide = w.to_dtype(h.dtype())?;
+        &wide
+    } else {
+        w
+    };
     let out = if fused::supported(&h) && h.dtype() == w.dtype() {
         fused::vocab_stats(&h, w, targets, fused::Tiles::for_budget(n, v, tile_elems))?
     } else {

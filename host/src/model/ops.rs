@@ -32,7 +32,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if fused::supported(x) {
         let y = fused::linear(x, w)?;
         return Ok(match b {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
             None => y,
         });
     }
@@ -52,7 +52,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// RMSNorm over the last dimension, computed in f32: `w * (x / sqrt(mean(x^2) + eps))`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if fused::supported(x) {
-        return fused::rms_norm(x, w, eps);
+        return fused::rms_norm(x, &w.to_dtype(x.dtype())?, eps);
     }
     rms_norm_composed(x, w, eps)
 }
@@ -90,7 +90,7 @@ pub fn norm_rope(
     eps: f64,
 ) -> Result<Tensor> {
     if fused::supported(x) {
-        return fused::norm_rope(x, n_heads, w, (cos, sin), eps);
+        return fused::norm_rope(x, n_heads, &w.to_dtype(x.dtype())?, (cos, sin), eps);
     }
     let (b, l, hd) = x.dims3()?;
     let x = x.reshape((b, l, n_heads, hd / n_heads.max(1)))?;

@@ -45,8 +45,8 @@ impl PagedKvCache {
         let mut k = Vec::with_capacity(c.num_hidden_layers);
         let mut v = Vec::with_capacity(c.num_hidden_layers);
         for _ in 0..c.num_hidden_layers {
-            k.push(Tensor::zeros(shape, model.dtype(), model.device())?);
-            v.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+            k.push(Tensor::zeros(shape, model.activation_dtype(), model.device())?);
+            v.push(Tensor::zeros(shape, model.activation_dtype(), model.device())?);
         }
         Ok(Self { k, v, block_size, num_blocks })
     }
@@ -156,7 +156,7 @@ impl Qwen3 {
         let ids = Tensor::from_vec(tokens.to_vec(), (1, t), dev)?;
         let positions = Tensor::from_vec(layout.pos.clone(), (1, t), dev)?;
         let (cos, sin) = self.rotary(&positions)?;
-        let attn = PagedAttn::new(seqs, &layout, cache, self.dtype(), dev)?;
+        let attn = PagedAttn::new(seqs, &layout, cache, self.activation_dtype(), dev)?;
         let mut x = self.embed(&ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = paged_layer(layer, self.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;

@@ -53,8 +53,8 @@ impl KvCache {
         let mut k = Vec::with_capacity(c.num_hidden_layers);
         let mut v = Vec::with_capacity(c.num_hidden_layers);
         for _ in 0..c.num_hidden_layers {
-            k.push(Tensor::zeros(shape, model.dtype, &model.device)?);
-            v.push(Tensor::zeros(shape, model.dtype, &model.device)?);
+            k.push(Tensor::zeros(shape, model.activation_dtype(), &model.device)?);
+            v.push(Tensor::zeros(shape, model.activation_dtype(), &model.device)?);
         }
         Ok(Self {
             k,
@@ -246,6 +246,19 @@ impl Qwen3 {
         self.dtype
     }
 
+    /// The dtype of the activations (and of the KV cache): the weights' dtype,
+    /// except bf16 weights on the CPU under the fused kernels, which run with
+    /// f32 activations (the projections read the bf16 weights and accumulate
+    /// in f32, see [`super::fused::simd`]; norms, rotary, attention and the
+    /// sampling statistics run in f32).
+    pub fn activation_dtype(&self) -> DType {
+        if self.dtype == DType::BF16 && super::fused::supported_on(&self.device, DType::F32) {
+            DType::F32
+        } else {
+            self.dtype
+        }
+    }
+
     /// The device holding the weights.
     pub fn device(&self) -> &Device {
         &self.device
@@ -431,7 +444,8 @@ impl Qwen3 {
         let mut x = self
             .w(&self.embed_tokens, self.base_grad(grad))
             .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, l, self.cfg.hidden_size))?;
+            .reshape((b, l, self.cfg.hidden_size))?
+            .to_dtype(self.activation_dtype())?;
         let ctx = self.layer_ctx(positions, pad_bias, offset, l)?;
         // Activation checkpointing: keep only each layer's input, rerun the
         // layer in the backward pass (model::recompute).
@@ -456,8 +470,8 @@ impl Qwen3 {
             .unsqueeze(2)?
             .broadcast_mul(&self.inv_freq)?
             .to_dtype(ops::compute_dtype(self.dtype))?;
-        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.dtype)?;
-        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.dtype)?;
+        let cos = freqs.cos()?.unsqueeze(1)?.to_dtype(self.activation_dtype())?;
+        let sin = freqs.sin()?.unsqueeze(1)?.to_dtype(self.activation_dtype())?;
         Ok((cos, sin))
     }
 
@@ -465,7 +479,8 @@ impl Qwen3 {
     pub(super) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;
         let table = self.w(&self.embed_tokens, Grad::Off);
-        Ok(table.index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?)
+        let x = table.index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?;
+        Ok(x.to_dtype(self.activation_dtype())?)
     }
 
     /// The final RMSNorm, for inference.
@@ -485,7 +500,7 @@ impl Qwen3 {
         let (cos, sin) = self.rotary(positions)?;
         // Causal within the chunk plus key padding; dense (B, 1, L, S) only for
         // short chunks (ops::AttnMask).
-        let mask = ops::AttnMask::new(l, offset, pad_bias, self.dtype, &self.device)?;
+        let mask = ops::AttnMask::new(l, offset, pad_bias, self.activation_dtype(), &self.device)?;
         Ok(LayerCtx { cfg: self.cfg.clone(), cos, sin, mask })
     }
 }

@@ -257,7 +257,7 @@ pub(super) fn run(
     let cfg = hooks.engine;
     cfg.validate()?;
     let max_rows = cfg.rows(model);
-    let bytes_per_token = PagedKvCache::bytes_per_token(model.config(), model.dtype());
+    let bytes_per_token = PagedKvCache::bytes_per_token(model.config(), model.activation_dtype());
     let budget_bytes = budget_bytes(&cfg, memory(model)?);
     let num_blocks = pool_blocks(budget_bytes, prompts, params, &cfg, max_rows, bytes_per_token)?;
     let n = params.n;

@@ -107,7 +107,7 @@ pub fn generate_stats(
     // is allocated (rollout::bounds); the engine's paged pool budgets the batch.
     super::bounds::check_generation(
         model.config(),
-        model.dtype(),
+        model.activation_dtype(),
         model.device().is_cpu(),
         prompts,
         params,

@@ -8,8 +8,9 @@
 //! other rows share the call.
 //!
 //! f32 runs 4×4 register tiles of AVX-512 accumulators where the CPU has
-//! AVX-512F (checked at run time); everything else runs a portable version of
-//! the same loop. At 8–32 rows the weights come from L3 or memory while the
+//! AVX-512F (checked at run time), else the AVX2 + FMA tiles of
+//! [`super::simd`] where it has those; everything else runs a portable
+//! version of the same loop. At 8–32 rows the weights come from L3 or memory while the
 //! arithmetic is cheap, so two things matter: the rows of `x`, re-read for
 //! every tile of weight rows, are read from a cache-line-aligned copy (an
 //! unaligned 64-byte load straddles two lines), and the next tile's weight
@@ -55,6 +56,17 @@ pub(crate) fn gemv<T: Real>(x: &[T], w: &[T], y: &mut [T], n: usize, o: usize, k
             unsafe { x86::block_f32(&xa, w, y.0, n, o, k, o0, o1) }
         });
         return;
+    }
+    if T::DTYPE == candle_core::DType::F32 && super::simd::path() == super::simd::Path::Avx2 {
+        // SAFETY: T is f32 (checked by dtype).
+        let (x, w, y) = unsafe {
+            (
+                std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()),
+                std::slice::from_raw_parts(w.as_ptr() as *const f32, w.len()),
+                std::slice::from_raw_parts_mut(y.as_mut_ptr() as *mut f32, y.len()),
+            )
+        };
+        return super::simd::gemv_w(x, w, y, n, o, k);
     }
     let yp = SendPtr(y.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]

@@ -1,8 +1,10 @@
-//! Fused `y = x w^T` (the projections) with its backward.
+//! Fused `y = x w^T` (the projections) with its backward; `w` may be bf16
+//! under f32 `x` (bf16 weights, f32 activations: see [`super::simd`]).
 
-use candle_core::{bail, Shape, Tensor};
+use candle_core::{bail, CpuStorage, Shape, Tensor, WithDType};
+use half::bf16;
 
-use super::{all_threads, data, gemv, mm_par, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{all_threads, data, gemv, mm_par, simd, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = x w^T` for contiguous `x (.., in)` and `w (out, in)`: one gemm call
@@ -23,13 +25,17 @@ impl Kernel<2> for Linear {
         let n = ins[0].layout.shape().elem_count() / k.max(1);
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("checked above") = o;
-        let [x, w] = data::<T, 2>(&ins)?;
-        let mut y = vec![zero::<T>(); n * o];
         // A decoding step (one position per sequence, or rows without a
         // sequence axis) of a few rows streams the weights once. Multi-token
         // inputs (training, prefill) always take gemm, so that a sequence's
         // values do not depend on how many sequences share its batch.
         let one_position = dims.len() < 3 || dims[dims.len() - 2] == 1;
+        if let CpuStorage::BF16(_) = ins[1].storage {
+            let y = bf16_weights(ins, (n, o, k), one_position && n <= gemv::MAX_ROWS)?;
+            return Ok((T::cpu_storage_data(f32::to_cpu_storage_owned(y))?, Shape::from(out_dims)));
+        }
+        let [x, w] = data::<T, 2>(&ins)?;
+        let mut y = vec![zero::<T>(); n * o];
         if one_position && n <= gemv::MAX_ROWS {
             gemv::gemv(x, w, &mut y, n, o, k);
             return Ok((y, Shape::from(out_dims)));
@@ -53,9 +59,50 @@ impl Kernel<2> for Linear {
     }
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
+        if w.dtype() != x.dtype() {
+            // bf16 weights under f32 activations: the backward in f32 on the
+            // widened weights, the weight gradient rounded to the weight's dtype.
+            let wx = w.to_dtype(x.dtype())?;
+            let flat = x.apply_op3_no_bwd(&wx, &dy.contiguous()?, &Op(LinearBwd))?;
+            let [dx, dw] = split_like(&flat, [x, &wx])?;
+            return Ok([dx, dw.map(|d| d.to_dtype(w.dtype())).transpose()?]);
+        }
         split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(LinearBwd))?, [x, w])
     }
 }
+
+/// `y = x w^T` for f32 `x` (n×k) and bf16 `w` (o×k), accumulated in f32: the
+/// decoding kernel of [`simd`] reads the bf16 weights directly (`decode`),
+/// larger products widen `w` once and take f32 gemm.
+fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: bool) -> Result32 {
+    let x = ins[0].data::<f32>()?;
+    let w = ins[1].data::<bf16>()?;
+    let mut y = vec![0f32; n * o];
+    if decode {
+        simd::gemv_w(x, w, &mut y, n, o, k);
+        return Ok(y);
+    }
+    let wf = simd::widen(w);
+    // SAFETY: x is n×k, wf is o×k, y is n×o, all contiguous and owned here.
+    unsafe {
+        mm_par(
+            (n, o, k),
+            y.as_mut_ptr(),
+            o,
+            false,
+            x.as_ptr(),
+            (k, 1),
+            wf.as_ptr(),
+            (1, k),
+            1.0,
+            all_threads(),
+        );
+    }
+    Ok(y)
+}
+
+/// What [`bf16_weights`] returns.
+type Result32 = candle_core::Result<Vec<f32>>;
 
 /// Backward of [`Linear`] over `(x, w, dy)`: `[dx = dy w | dw = dy^T x]`.
 struct LinearBwd;

@@ -268,7 +268,11 @@ pub mod gemv;
 pub mod head;
 pub mod linear;
 pub mod norm;
+pub mod roofline;
 pub mod rope;
+pub mod simd;
+#[cfg(test)]
+mod simd_model_tests;
 pub mod swiglu;
 #[cfg(test)]
 pub(crate) mod test_util;

@@ -1,0 +1,427 @@
+//! Run-time SIMD dispatch for the decode hot path, and the kernels that read
+//! bf16 weights: `y = x w^T` with `x` and `y` in f32 and `w` in bf16 (half the
+//! bytes of an f32 weight), accumulated in f32.
+//!
+//! Decoding a few rows is bound by reading the weights (see [`super::gemv`]),
+//! so a bf16 weight read as bf16 and widened in registers (bf16 is the top
+//! half of an f32: a 16-bit shift) halves the memory traffic of the f32 path
+//! without rounding the activations, as llama.cpp's and PyTorch's CPU
+//! `bf16 x f32` gemv do. The dot products of pairs of bf16 that AVX-512 BF16
+//! (`vdpbf16ps`) and AMX (`tdpbf16ps`) offer would also round `x` to bf16 and
+//! buy nothing on a memory-bound product; they pay off only in the large
+//! compute-bound products of a training step, which this module does not
+//! serve (see [`Path`] and docs/performance.md).
+//!
+//! Paths, chosen once at run time ([`path`]): AVX2 + FMA (8 f32 lanes, 4 rows
+//! of `x` × 2 weight rows per register tile) where the CPU has both, else a
+//! portable loop of the same arithmetic shape. The f32 weights of
+//! [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
+
+use std::sync::OnceLock;
+
+use half::bf16;
+
+/// A SIMD path of the CPU, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// AMX tiles (`amx_bf16`): detected and reported, no kernel uses them yet.
+    Amx,
+    /// AVX-512 BF16 (`vdpbf16ps`): detected and reported, no kernel uses it yet.
+    Avx512Bf16,
+    /// AVX-512F: the f32 gemv's register tiles ([`super::gemv`]).
+    Avx512,
+    /// AVX2 + FMA: 8-lane f32 FMA; bf16 widened by a shift in registers.
+    Avx2,
+    /// Plain Rust, for any CPU.
+    Portable,
+}
+
+impl Path {
+    /// The name the benchmarks print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Amx => "amx",
+            Path::Avx512Bf16 => "avx512bf16",
+            Path::Avx512 => "avx512",
+            Path::Avx2 => "avx2",
+            Path::Portable => "portable",
+        }
+    }
+}
+
+/// What the CPU offers, checked once.
+#[derive(Clone, Copy, Debug)]
+pub struct Features {
+    pub amx_bf16: bool,
+    pub avx512bf16: bool,
+    pub avx512f: bool,
+    pub avx2_fma: bool,
+}
+
+/// The CPU's features (all false off x86-64).
+pub fn features() -> Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            Features {
+                // `is_x86_feature_detected!("amx-bf16")` is unstable in rustc 1.95:
+                // CPUID leaf 7, EDX bit 22 (what the CPU reports; the kernel's
+                // permission, ARCH_REQ_XCOMP_PERM, is a separate question).
+                amx_bf16: std::arch::x86_64::__cpuid_count(7, 0).edx & (1 << 22) != 0,
+                avx512bf16: std::is_x86_feature_detected!("avx512bf16"),
+                avx512f: std::is_x86_feature_detected!("avx512f"),
+                avx2_fma: std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Features { amx_bf16: false, avx512bf16: false, avx512f: false, avx2_fma: false }
+        }
+    })
+}
+
+/// The path the bf16-weight kernels run: AVX2 + FMA or portable (see the
+/// module note for why AMX and AVX-512 BF16 are not used for them).
+pub fn path() -> Path {
+    if features().avx2_fma {
+        Path::Avx2
+    } else {
+        Path::Portable
+    }
+}
+
+/// One line for the benchmarks: the path the bf16 kernels run and what the CPU has.
+pub fn describe() -> String {
+    let f = features();
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    format!(
+        "bf16 kernels: {} (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; amx and avx512_bf16 are not used)",
+        path().name(),
+        yes(f.amx_bf16),
+        yes(f.avx512bf16),
+        yes(f.avx512f),
+        yes(f.avx2_fma)
+    )
+}
+
+/// A weight element type the kernels read: f32 or bf16, widened to f32.
+pub(crate) trait Weight: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact for both types).
+    fn f32(self) -> f32;
+
+    /// Eight consecutive weights from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `p..p+8` is readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Weight for f32 {
+    #[inline]
+    fn f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl Weight for bf16 {
+    #[inline]
+    fn f32(self) -> f32 {
+        // bf16 is the top half of an f32: widening is exact.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+}
+
+/// Weight rows per rayon task.
+const ROWS_PER_TASK: usize = 64;
+
+/// `y (n×o) = x (n×k) · w (o×k)^T`, row-major, `w` in f32 or bf16, on the
+/// path of [`path`] (parallel over weight rows unless the product is small).
+/// Each output is one dot product in a fixed order: a row's result does not
+/// depend on how many rows share the call.
+pub(crate) fn gemv_w<W: Weight>(x: &[f32], w: &[W], y: &mut [f32], n: usize, o: usize, k: usize) {
+    assert!(x.len() >= n * k && w.len() >= o * k && y.len() >= n * o, "gemv: buffers too small");
+    if n == 0 || o == 0 {
+        return;
+    }
+    let avx2 = path() == Path::Avx2;
+    let yp = super::SendPtr(y.as_mut_ptr());
+    let run = |t: usize| {
+        let y = yp;
+        let (o0, o1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(o));
+        // SAFETY: each task writes only columns o0..o1 of y; the sizes were
+        // checked above; the AVX2 kernel runs only where the CPU has AVX2 + FMA.
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                return x86::block(x, w, y.0, (n, o, k), (o0, o1));
+            }
+            let _ = avx2;
+            portable(x, w, y.0, (n, o, k), (o0, o1))
+        }
+    };
+    let tasks = o.div_ceil(ROWS_PER_TASK);
+    if tasks == 1 || n * o * k < 1 << 16 {
+        (0..tasks).for_each(run);
+    } else {
+        use rayon::prelude::*;
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// Lanes of the portable accumulators (as the AVX2 path's).
+const LANES: usize = 8;
+
+/// The portable loop: per output, `LANES` partial sums, a fixed-order reduction, then the tail.
+///
+/// # Safety
+/// `y` addresses `n × o` elements that nobody else writes in columns `o0..o1`.
+pub(crate) unsafe fn portable<W: Weight>(
+    x: &[f32],
+    w: &[W],
+    y: *mut f32,
+    (n, o, k): (usize, usize, usize),
+    (o0, o1): (usize, usize),
+) {
+    let kv = k - k % LANES;
+    for j in o0..o1 {
+        let wr = &w[j * k..(j + 1) * k];
+        for i in 0..n {
+            let xr = &x[i * k..(i + 1) * k];
+            let mut acc = [0f32; LANES];
+            for c in (0..kv).step_by(LANES) {
+                for l in 0..LANES {
+                    acc[l] = xr[c + l].mul_add(wr[c + l].f32(), acc[l]);
+                }
+            }
+            let mut s = reduce8(acc);
+            for c in kv..k {
+                s = xr[c].mul_add(wr[c].f32(), s);
+            }
+            *y.add(i * o + j) = s;
+        }
+    }
+}
+
+/// The AVX2 kernel over all `o` weight rows on the calling thread (the roofline probe).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x`, `w` hold `n × k` and `o × k` elements; `y` addresses `n × o`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn avx2_block<W: Weight>(
+    x: &[f32],
+    w: &[W],
+    y: *mut f32,
+    (n, o, k): (usize, usize, usize),
+) {
+    x86::block(x, w, y, (n, o, k), (0, o))
+}
+
+/// The fixed reduction order of 8 lanes both paths use: halves, then pairs.
+#[inline]
+fn reduce8(a: [f32; 8]) -> f32 {
+    let q = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let p = [q[0] + q[2], q[1] + q[3]];
+    p[0] + p[1]
+}
+
+/// `w (bf16)` widened to f32, in parallel (the prefill and training products,
+/// which go to gemm once per call).
+pub fn widen(w: &[bf16]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0f32; w.len()];
+    out.par_chunks_mut(1 << 16).zip(w.par_chunks(1 << 16)).for_each(|(o, i)| {
+        for (d, s) in o.iter_mut().zip(i) {
+            *d = s.f32();
+        }
+    });
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{reduce8, Weight};
+
+    /// Rows of `x` per register tile.
+    const R: usize = 4;
+    /// Weight rows per register tile (R × C = 8 accumulators + C weights + 1 x).
+    const C: usize = 2;
+
+    /// Columns `o0..o1` of `y`, [`C`] weight rows at a time, each dotted with
+    /// every row of `x` while it sits in L1.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; as for [`super::portable`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block<W: Weight>(
+        x: &[f32],
+        w: &[W],
+        y: *mut f32,
+        (n, o, k): (usize, usize, usize),
+        (o0, o1): (usize, usize),
+    ) {
+        let mut j = o0;
+        while j < o1 {
+            let c = (o1 - j).min(C);
+            let mut i = 0;
+            while i < n {
+                let r = (n - i).min(R);
+                let t = Tile { x: x.as_ptr(), w: w.as_ptr(), y, o, k, i0: i, j0: j };
+                match (r, c) {
+                    (4, 2) => t.run::<4, 2>(),
+                    (3, 2) => t.run::<3, 2>(),
+                    (2, 2) => t.run::<2, 2>(),
+                    (1, 2) => t.run::<1, 2>(),
+                    (4, _) => t.run::<4, 1>(),
+                    (3, _) => t.run::<3, 1>(),
+                    (2, _) => t.run::<2, 1>(),
+                    _ => t.run::<1, 1>(),
+                }
+                i += r;
+            }
+            j += c;
+        }
+    }
+
+    /// One register tile: rows `i0..` of `x` (row stride `k`) against weight
+    /// rows `j0..`, into `y` (row stride `o`).
+    struct Tile<W> {
+        x: *const f32,
+        w: *const W,
+        y: *mut f32,
+        o: usize,
+        k: usize,
+        i0: usize,
+        j0: usize,
+    }
+
+    impl<W: Weight> Tile<W> {
+        /// # Safety
+        /// As for [`block`]; rows `i0..i0+RR` of x and `j0..j0+CC` of w exist.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run<const RR: usize, const CC: usize>(&self) {
+            let Self { x, w, y, o, k, i0, j0 } = *self;
+            let xp = x.add(i0 * k);
+            let wp = w.add(j0 * k);
+            let mut acc = [[_mm256_setzero_ps(); CC]; RR];
+            let kv = k - k % 8;
+            let mut c = 0;
+            while c < kv {
+                let mut wv = [_mm256_setzero_ps(); CC];
+                for (b, v) in wv.iter_mut().enumerate() {
+                    *v = W::load8(wp.add(b * k + c));
+                }
+                for (a, row) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(xp.add(a * k + c));
+                    for (b, s) in row.iter_mut().enumerate() {
+                        *s = _mm256_fmadd_ps(xv, wv[b], *s);
+                    }
+                }
+                c += 8;
+            }
+            for (a, row) in acc.iter().enumerate() {
+                for (b, s) in row.iter().enumerate() {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), *s);
+                    let mut v = reduce8(lanes);
+                    for t in kv..k {
+                        v = (*xp.add(a * k + t)).mul_add((*wp.add(b * k + t)).f32(), v);
+                    }
+                    *y.add((i0 + a) * o + j0 + b) = v;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rnd(seed: &mut u64) -> f64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f64 / (1u64 << 31) as f64) - 0.5
+    }
+
+    /// bf16 weights against an f64 dot product of the same (bf16-exact)
+    /// weights, on the dispatched path and the portable one, for every tile
+    /// remainder and k tail; the two paths agree bit for bit (same order of
+    /// operations), and one row alone gives the same bits as in the batch.
+    #[test]
+    fn bf16_simd_gemv_matches_f64() {
+        println!("{}", describe());
+        let mut seed = 3u64;
+        for &(n, o, k) in &[(1, 1, 1), (3, 7, 17), (5, 130, 64), (8, 67, 33), (32, 9, 100), (13, 200, 515)] {
+            let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
+            let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
+            let want: Vec<f64> = (0..n * o)
+                .map(|e| (0..k).map(|c| x[(e / o) * k + c] as f64 * w[(e % o) * k + c].to_f64()).sum())
+                .collect();
+            let mut y = vec![0f32; n * o];
+            gemv_w(&x, &w, &mut y, n, o, k);
+            let mut yp = vec![0f32; n * o];
+            // SAFETY: yp holds n×o elements, written by this call only.
+            unsafe { portable(&x, &w, yp.as_mut_ptr(), (n, o, k), (0, o)) };
+            for e in 0..n * o {
+                // f32 accumulation of k products of magnitude <= 1/4.
+                let bound = 1e-6 * k as f64;
+                assert!(
+                    (y[e] as f64 - want[e]).abs() <= bound,
+                    "({n},{o},{k}) [{e}]: {} vs {}",
+                    y[e],
+                    want[e]
+                );
+            }
+            assert_eq!(y, yp, "{} path vs portable ({n},{o},{k})", path().name());
+            let mut one = vec![0f32; o];
+            gemv_w(&x[(n - 1) * k..], &w, &mut one, 1, o, k);
+            assert_eq!(&one[..], &y[(n - 1) * o..], "row independence ({n},{o},{k})");
+        }
+    }
+
+    /// The same kernel over f32 weights (the AVX2 path of the f32 gemv) against f64.
+    #[test]
+    fn bf16_simd_f32_weights_match_f64() {
+        let mut seed = 5u64;
+        for &(n, o, k) in &[(2, 3, 9), (8, 130, 128), (31, 65, 77)] {
+            let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
+            let w: Vec<f32> = (0..o * k).map(|_| rnd(&mut seed) as f32).collect();
+            let mut y = vec![0f32; n * o];
+            gemv_w(&x, &w, &mut y, n, o, k);
+            for e in 0..n * o {
+                let want: f64 = (0..k).map(|c| x[(e / o) * k + c] as f64 * w[(e % o) * k + c] as f64).sum();
+                assert!((y[e] as f64 - want).abs() <= 1e-6 * k as f64, "({n},{o},{k}) [{e}]");
+            }
+        }
+    }
+
+    /// Widening is exact: every bf16 bit pattern of a finite value gives the same f32 as `half`.
+    #[test]
+    fn bf16_simd_widen_is_exact() {
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).filter(|b| b.is_finite()).collect();
+        let wide = widen(&all);
+        for (b, f) in all.iter().zip(&wide) {
+            assert_eq!(f.to_bits(), b.to_f32().to_bits());
+        }
+    }
+}
