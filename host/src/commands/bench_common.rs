@@ -131,6 +131,11 @@ pub struct BenchArgs {
     /// `rollout`: run the paged engine alone (no static baseline), e.g. at a GPU's cache size.
     #[arg(long)]
     pub paged_only: bool,
+    /// `rollout`: the paged engine alone at each of these row caps (e.g. `8,16,32,64`), at the
+    /// same cache budget, interleaved over `--rounds` in one process: which `max_rows` gives
+    /// the most tokens/s on this machine.
+    #[arg(long, value_delimiter = ',')]
+    pub rows_sweep: Vec<usize>,
     /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
     #[arg(long, default_value = "none")]
     pub shard: String,

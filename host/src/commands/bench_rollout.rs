@@ -42,6 +42,9 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         plan.static_rows,
         plan.paged_rows
     );
+    if !a.rows_sweep.is_empty() {
+        return sweep(m, plan, a);
+    }
     if a.paged_only {
         let (_, p) = once(m, &plan, Policy::Continuous)?;
         report("paged", &p);
@@ -114,6 +117,33 @@ fn plan(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<Plan> {
         static_rows: fit / n * n,
         paged_rows: a.max_rows,
     })
+}
+
+/// The paged engine at each row cap of `--rows-sweep`, same budget, rounds
+/// interleaved; prints each cap's tokens/s over all rounds.
+fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.rows_sweep.iter().all(|&r| r > 0), "--rows-sweep: row caps of at least 1");
+    let mut runs: Vec<Vec<EngineStats>> = vec![Vec::new(); a.rows_sweep.len()];
+    for round in 0..a.rounds.max(1) {
+        for (i, &rows) in a.rows_sweep.iter().enumerate() {
+            plan.paged_rows = rows;
+            let (_, s) = once(m, &plan, Policy::Continuous)?;
+            report(&format!("paged {rows:>3} rows (round {round})"), &s);
+            runs[i].push(s);
+        }
+    }
+    for (rows, v) in a.rows_sweep.iter().zip(&runs) {
+        let tokens: usize = v.iter().map(|s| s.tokens).sum();
+        let secs: f64 = v.iter().map(|s| s.secs).sum();
+        let calls: usize = v.iter().map(|s| s.model_calls).sum();
+        let fed: usize = v.iter().map(|s| s.rows_fed).sum();
+        println!(
+            "rows sweep: max_rows {rows:>3}: {:.0} tok/s, {:.1} rows per call",
+            tokens as f64 / secs.max(1e-9),
+            fed as f64 / calls.max(1) as f64
+        );
+    }
+    Ok(())
 }
 
 /// One rollout under `policy`.

@@ -10,7 +10,7 @@ use stapo::data::{Dataset, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
-use stapo::rollout::{Generator, SamplingParams};
+use stapo::rollout::{EngineConfig, Generator, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -46,9 +46,16 @@ pub struct EvalArgs {
     /// Answer extraction: strict (last \boxed{}), flexible, or answer_line (DAPO-Math's last "Answer:" line).
     #[arg(long, default_value = "strict")]
     pub mode: ExtractMode,
-    /// Prompts decoded together.
+    /// The rollout engine's KV cache budget in GB (default: a quarter of the available memory
+    /// on the CPU; see `rollout.engine.kv_cache_gb`).
+    #[arg(long)]
+    pub kv_cache_gb: Option<f64>,
+    /// Sequences decoded at once (default: the device's, see `rollout.engine.max_rows`).
+    #[arg(long)]
+    pub max_rows: Option<usize>,
+    /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
-    pub batch: usize,
+    pub block_size: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Where to write every graded sample (JSONL); default: eval-samples.jsonl.
@@ -77,6 +84,13 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         seed: a.seed,
         ..SamplingParams::default()
     };
+    let engine = EngineConfig {
+        kv_cache_gb: a.kv_cache_gb,
+        max_rows: a.max_rows,
+        block_size: a.block_size,
+        ..EngineConfig::default()
+    };
+    engine.validate()?;
     let mut rows = Vec::new();
     let mut all_samples = Vec::new();
     for path in &a.data {
@@ -87,18 +101,19 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         let n = a.limit.unwrap_or(ds.len()).min(ds.len());
         let examples = &ds.examples()[..n];
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let bar = ProgressBar::new(n as u64);
+        // Responses end in any order, so the bar counts tokens, up to every response's maximum.
+        let bar = ProgressBar::new((n * a.n * a.max_tokens) as u64);
+        let problems = n;
         bar.set_style(
-            ProgressStyle::with_template(
-                "{prefix:>14} [{bar:30}] {pos}/{len} problems  {elapsed} (eta {eta})",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos} tokens (at most {len})  {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
         );
-        bar.set_prefix(name.clone());
-        let report =
-            eval::evaluate(&gen, examples, &params, a.mode, a.batch, &|done| bar.set_position(done as u64))?
-                .with_pass_k(&ks)?;
+        bar.set_prefix(format!("{name} ({problems} problems)"));
+        let report = eval::evaluate(&gen, examples, &params, a.mode, &engine, &|tokens| {
+            bar.set_position(tokens as u64)
+        })?
+        .with_pass_k(&ks)?;
         bar.finish_and_clear();
         rows.push((name, report.overall.clone()));
         all_samples.extend(report.samples);

@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use stapo::model::{self, Grad, Qwen3, RolloutCopy, TokenBatch};
 use stapo::rollout::device::{Blocked, StepLogits};
-use stapo::rollout::Sampler;
+use stapo::rollout::{generate_stats, EngineConfig, GenerateHooks, Sample, Sampler, SamplingParams};
 use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig, UpdateMetrics};
 
 use super::bench_common::ShapeArgs;
@@ -185,11 +185,90 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
         check.line(&format!("{name}: stats of equal ids"), stat_diff, 1e-4, "");
     }
 
+    // 4. The rollout engine (paged cache, continuous batching) end to end on the
+    // target: against the CPU reference in f32, and against itself with a pool so
+    // small that sequences are preempted and recomputed.
+    engine_checks(&mut check, &reference, target, &rows, dtype, tol)?;
+
     if check.failed > 0 {
         anyhow::bail!("parity: {} check(s) out of tolerance", check.failed);
     }
     println!("parity: all checks passed");
     Ok(())
+}
+
+/// Responses of the paged engine on `reference` (CPU, f32) and `target`, same seeds:
+/// in f32 the two must sample the same tokens (a near-tie may flip: up to 1 response in
+/// 8 may diverge) with old log-probs within `tol` on the common prefix; the target must
+/// give the same responses (up to near-tie flips: 1 in 8 in f32, half in bf16, whose
+/// rounding moves logits by ~1e-2) with a pool small enough to force preemption
+/// (recompute) as with a large one, and the same old log-probs on common prefixes.
+fn engine_checks(
+    check: &mut Check,
+    reference: &Qwen3,
+    target: &Qwen3,
+    rows: &[Vec<u32>],
+    dtype: DType,
+    tol: f64,
+) -> anyhow::Result<()> {
+    let prompts: Vec<Vec<u32>> = rows.iter().take(4).map(|r| r[..r.len().min(24)].to_vec()).collect();
+    let params =
+        SamplingParams { n: 4, max_new_tokens: 48, ignore_eos: true, seed: 7, ..SamplingParams::default() };
+    let run = |m: &Qwen3, engine: EngineConfig| {
+        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
+        generate_stats(m, &prompts, &params, 0, &|_| String::new(), &hooks)
+    };
+    let roomy = EngineConfig { max_rows: Some(16), ..EngineConfig::default() };
+    let (got, stats) = run(target, roomy)?;
+    // Room for about 3 full sequences at a time, with 16 rows wanted: preemption.
+    let per_seq = (24 + 48) * model::PagedKvCache::bytes_per_token(target.config(), target.dtype());
+    let tight = EngineConfig { kv_cache_gb: Some(3.0 * per_seq as f64 / 1e9), ..roomy };
+    let (again, tight_stats) = run(target, tight)?;
+    let (diverged, lp) = compare_samples(&got, &again);
+    // A recomputed sequence is prefilled in one chunk where it was decoded token by
+    // token: the same math in another order, so a near-tie may flip (often in bf16).
+    check.line(
+        "engine: responses differing after preemption",
+        diverged as f64 / got.len() as f64,
+        if dtype == DType::F32 { 0.125 } else { 0.5 },
+        &format!(
+            "  ({diverged} of {}; {} preemptions, {} rows per call vs {:.1})",
+            got.len(),
+            tight_stats.preemptions,
+            format_args!("{:.1}", tight_stats.mean_rows()),
+            stats.mean_rows()
+        ),
+    );
+    check.line("engine: old log-probs of equal prefixes (preempted)", lp, tol, "");
+    if tight_stats.preemptions == 0 {
+        check.line("engine: the tight pool preempted", 1.0, 0.0, "  (no preemption happened)");
+    }
+    if dtype == DType::F32 {
+        let (want, _) = run(reference, roomy)?;
+        let (diverged, lp) = compare_samples(&want, &got);
+        check.line(
+            "engine: responses differing from cpu",
+            diverged as f64 / want.len() as f64,
+            0.125,
+            &format!("  ({diverged} of {})", want.len()),
+        );
+        check.line("engine: old log-probs of equal prefixes", lp, tol, "");
+    }
+    Ok(())
+}
+
+/// Responses of `b` whose tokens differ from `a`'s (same order), and the largest
+/// old-log-prob difference over the tokens before each first difference.
+fn compare_samples(a: &[Sample], b: &[Sample]) -> (usize, f64) {
+    let (mut diverged, mut lp) = (0, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let same = x.response_ids.iter().zip(&y.response_ids).take_while(|(i, j)| i == j).count();
+        diverged += usize::from(same < x.response_ids.len().max(y.response_ids.len()));
+        for (p, q) in x.old_logprobs[..same].iter().zip(&y.old_logprobs[..same]) {
+            lp = lp.max((p - q).abs() as f64);
+        }
+    }
+    (diverged + a.len().abs_diff(b.len()), lp)
 }
 
 /// `batch` token rows of decreasing length (the longest `seq`), deterministic.

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::{Example, Prompt};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{GenerateHooks, Generator, SamplingParams};
+use crate::rollout::{EngineConfig, GenerateHooks, Generator, SamplingParams};
 use crate::{Error, Result};
 
 /// One graded sample.
@@ -139,42 +139,41 @@ impl EvalReport {
 }
 
 /// Samples `params.n` responses per example with `generator` (model,
-/// tokenizer, prompt template) and grades them. `batch_prompts` bounds how
-/// many prompts are decoded together; `progress` is called with the number
-/// of problems done.
+/// tokenizer, prompt template) on the rollout engine with `engine`'s settings
+/// (the run's `rollout.engine`: cache budget, rows, block size), all examples
+/// in one rollout so that the engine keeps its rows full, and grades them.
+/// `progress` is called with the number of tokens sampled so far.
 pub fn evaluate(
     generator: &Generator,
     examples: &[Example],
     params: &SamplingParams,
     mode: ExtractMode,
-    batch_prompts: usize,
+    engine: &EngineConfig,
     progress: &dyn Fn(usize),
 ) -> Result<EvalReport> {
     if examples.is_empty() {
         return Err(Error::invalid("evaluate: no examples"));
     }
-    let mut graded = Vec::with_capacity(examples.len() * params.n);
-    let mut done = 0;
-    for chunk in examples.chunks(batch_prompts.max(1)) {
-        let prompts: Vec<Prompt> = chunk.iter().map(|e| e.prompt()).collect();
-        let samples = generator.generate(&prompts, params, &GenerateHooks::default())?.samples;
-        for s in samples {
-            let ex = &chunk[s.prompt_index];
-            let v = reward::verify(&ex.answer, &s.text, mode);
-            graded.push(GradedSample {
-                id: ex.id.clone(),
-                source: ex.source.clone(),
-                sample_index: s.sample_index,
-                answer: ex.answer.clone(),
-                response_len: s.response_ids.len(),
-                truncated: s.truncated,
-                response: s.text,
-                extracted: v.extracted,
-                correct: v.correct,
-            });
-        }
-        done += chunk.len();
-        progress(done);
+    let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
+    let hooks = GenerateHooks { engine: *engine, progress: Some(progress), ..GenerateHooks::default() };
+    let mut samples = generator.generate(&prompts, params, &hooks)?.samples;
+    // The engine returns responses as they end; grade them in (problem, sample) order.
+    samples.sort_by_key(|s| (s.prompt_index, s.sample_index));
+    let mut graded = Vec::with_capacity(samples.len());
+    for s in samples {
+        let ex = &examples[s.prompt_index];
+        let v = reward::verify(&ex.answer, &s.text, mode);
+        graded.push(GradedSample {
+            id: ex.id.clone(),
+            source: ex.source.clone(),
+            sample_index: s.sample_index,
+            answer: ex.answer.clone(),
+            response_len: s.response_ids.len(),
+            truncated: s.truncated,
+            response: s.text,
+            extracted: v.extracted,
+            correct: v.correct,
+        });
     }
     let all: Vec<&GradedSample> = graded.iter().collect();
     let mut by_source: BTreeMap<String, Vec<&GradedSample>> = BTreeMap::new();

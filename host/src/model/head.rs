@@ -115,7 +115,9 @@ fn tile_stats(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let lse = sum.log()?;
     let p = e.broadcast_div(&sum)?;
     let lse = lse.squeeze(D::Minus1)?;
-    let logp = (z.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)? - &lse)?;
+    // CUDA's gather wants both operands contiguous (targets are often a narrowed view).
+    let ids = targets.unsqueeze(D::Minus1)?.contiguous()?;
+    let logp = (z.contiguous()?.gather(&ids, D::Minus1)?.squeeze(D::Minus1)? - &lse)?;
     let entropy = (lse - (&p * &z)?.sum(D::Minus1)?)?;
     let coll = p.sqr()?.sum(D::Minus1)?;
     Ok(Tensor::stack(&[logp, entropy, coll], 1)?)

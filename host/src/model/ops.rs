@@ -410,7 +410,9 @@ pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
 /// [`fused::logprob_entropy`]).
 pub fn logprob_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let logp_all = log_softmax(logits)?;
-    let logp = logp_all.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+    // CUDA's gather wants both operands contiguous (targets are often a narrowed view).
+    let ids = targets.unsqueeze(D::Minus1)?.contiguous()?;
+    let logp = logp_all.contiguous()?.gather(&ids, D::Minus1)?.squeeze(D::Minus1)?;
     let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
     Ok((logp, entropy))
 }

@@ -196,6 +196,8 @@ struct Gathers {
     query_tokens: Tensor,
     /// `(T)` the padded query of each token.
     token_queries: Tensor,
+    /// `(T)` the pool slot of each token's key and value.
+    token_slots: Tensor,
     /// `(R, 1, l, s)` additive mask in the compute dtype.
     mask: Tensor,
     l: usize,
@@ -225,9 +227,18 @@ impl<'a> PagedAttn<'a> {
         Ok(Self { seqs, layout, block_size: cache.block_size, runs, composed })
     }
 
-    /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` into `pool`.
+    /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` into `pool`:
+    /// one copy per run of consecutive slots on the CPU, and on other devices one
+    /// scatter when the runs are many (a decode step has one per sequence, and a
+    /// launch per run made a 256-row CUDA step launch-bound).
     fn write(&self, pool: &Tensor, new: &Tensor) -> Result<()> {
         let rows = new.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (T, Hkv, D)
+        if let Some(g) = self.composed.as_ref().filter(|_| self.runs.len() > 1) {
+            let idx =
+                g.token_slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?.contiguous()?;
+            pool.scatter_set(&idx, &rows, 0)?;
+            return Ok(());
+        }
         for &(t0, s0, n) in &self.runs {
             pool.slice_set(&rows.narrow(0, t0, n)?, 0, s0)?;
         }
@@ -292,6 +303,7 @@ impl Gathers {
             key_slots: Tensor::from_vec(key_slots, r * s, dev)?,
             query_tokens: Tensor::from_vec(query_tokens, r * l, dev)?,
             token_queries: Tensor::from_vec(token_queries, layout.row.len(), dev)?,
+            token_slots: Tensor::from_slice(&layout.slot, layout.slot.len(), dev)?,
             mask: Tensor::from_vec(mask, (r, 1, l, s), dev)?.to_dtype(cd)?,
             l,
             s,

@@ -79,54 +79,149 @@ fn run<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables, nq: usize) 
 }
 
 /// The kernel proper: `q` `(Hq, T, D)`, pools `(slots, Hkv, D)`; returns
-/// `(T, Hq, D)`.
+/// `(T, Hq, D)`. One task per (token, kv head) serves that kv head's `Hq /
+/// Hkv` query heads, so each key and value row is read once for all of them
+/// (grouped-query attention reads half the cache this way at Qwen3's 2:1).
+/// On x86-64 with AVX2 and FMA (checked once at run time) the same loop is
+/// compiled for those features: 8-lane dot products and updates in `ymm`
+/// registers instead of the SSE2 baseline's 4.
 fn kernel<T: Real>(q: &[T], k: &[T], v: &[T], tb: &Tables, nq: usize, nkv: usize, d: usize) -> Vec<T> {
     let t = tb.row.len();
+    let g = nq / nkv;
+    let mut out = vec![T::from_f64(0.0); t * nq * d];
+    let io = Io { q, k, v, tb, t, nq, nkv, d };
+    // Task (token, kv head) owns the `g * d` outputs of its query heads: a
+    // contiguous chunk of the `(T, Hq, D)` output.
+    out.par_chunks_mut(g * d).enumerate().for_each(|(c, acc)| {
+        #[cfg(target_arch = "x86_64")]
+        if avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            return unsafe { task_avx2(&io, c / nkv, c % nkv, acc) };
+        }
+        task(&io, c / nkv, c % nkv, acc)
+    });
+    out
+}
+
+/// The inputs of one [`kernel`] call.
+struct Io<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    tb: &'a Tables<'a>,
+    t: usize,
+    nq: usize,
+    nkv: usize,
+    d: usize,
+}
+
+/// True when the CPU has AVX2 and FMA (checked once).
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"))
+}
+
+/// [`task`] compiled for AVX2 + FMA.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn task_avx2<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
+    task(io, tok, kvh, acc)
+}
+
+/// Most query heads per kv head a task keeps its running maxima and sums for
+/// on the stack (Qwen3 has 2; more go to the heap).
+const MAX_GROUP: usize = 8;
+
+/// Lanes of the dot products' partial sums (one AVX2 register of f32).
+const LANES: usize = 8;
+
+/// Token `tok`'s query heads of kv head `kvh`: `acc` `(g, D)` gets their
+/// attention over the token's sequence up to its position, one block of keys
+/// at a time with an online softmax.
+#[inline(always)]
+fn task<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
+    let Io { q, k, v, tb, t, nq, nkv, d } = *io;
     let (g, bs) = (nq / nkv, tb.block_size);
     let scale = T::from_f64(1.0 / (d as f64).sqrt());
-    let mut out = vec![T::from_f64(0.0); t * nq * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(c, acc)| {
-        let (tok, h) = (c / nq, c % nq);
-        let seq = &tb.seqs[tb.row[tok] as usize];
-        let limit = tb.pos[tok] as usize + 1;
-        let kvh = h / g;
-        let qv = &q[(h * t + tok) * d..(h * t + tok + 1) * d];
-        let (mut m, mut l) = (T::from_f64(f64::NEG_INFINITY), T::from_f64(0.0));
-        let mut scores = vec![T::from_f64(0.0); bs];
-        for (bi, &blk) in seq.blocks.iter().enumerate() {
-            let start = bi * bs;
-            if start >= limit {
-                break;
+    let seq = &tb.seqs[tb.row[tok] as usize];
+    let limit = tb.pos[tok] as usize + 1;
+    let zero = T::from_f64(0.0);
+    let (mut ms, mut ls) = ([T::from_f64(f64::NEG_INFINITY); MAX_GROUP], [zero; MAX_GROUP]);
+    let mut heap;
+    let (m, l) = if g <= MAX_GROUP {
+        (&mut ms[..g], &mut ls[..g])
+    } else {
+        heap = (vec![T::from_f64(f64::NEG_INFINITY); g], vec![zero; g]);
+        (&mut heap.0[..], &mut heap.1[..])
+    };
+    // Scores of one block, head-major: `(g, bs)`.
+    let mut scores = vec![zero; g * bs];
+    let qh = |h: usize| &q[((kvh * g + h) * t + tok) * d..][..d];
+    for (bi, &blk) in seq.blocks.iter().enumerate() {
+        let start = bi * bs;
+        if start >= limit {
+            break;
+        }
+        let n = bs.min(limit - start);
+        let row = |o: usize| ((blk as usize * bs + o) * nkv + kvh) * d;
+        for o in 0..n {
+            let kk = &k[row(o)..][..d];
+            for h in 0..g {
+                scores[h * bs + o] = dot(qh(h), kk) * scale;
             }
-            let n = bs.min(limit - start);
-            let base = blk as usize * bs;
-            let mut bm = T::from_f64(f64::NEG_INFINITY);
-            for (o, s) in scores[..n].iter_mut().enumerate() {
-                let kk = &k[((base + o) * nkv + kvh) * d..][..d];
-                *s = qv.iter().zip(kk).fold(T::from_f64(0.0), |a, (&x, &y)| a + x * y) * scale;
-                bm = bm.fmax(*s);
-            }
-            let m_new = m.fmax(bm);
+        }
+        for h in 0..g {
+            let s = &mut scores[h * bs..h * bs + n];
+            let m_new = s.iter().fold(m[h], |a, &x| a.fmax(x));
             // exp(-inf) = 0 on the first block: nothing accumulated yet.
-            let corr = (m - m_new).exp();
-            l *= corr;
-            for a in acc.iter_mut() {
+            let corr = (m[h] - m_new).exp();
+            l[h] *= corr;
+            for a in acc[h * d..(h + 1) * d].iter_mut() {
                 *a *= corr;
             }
-            for (o, &s) in scores[..n].iter().enumerate() {
-                let p = (s - m_new).exp();
-                l += p;
-                let vv = &v[((base + o) * nkv + kvh) * d..][..d];
-                for (a, &x) in acc.iter_mut().zip(vv) {
+            for x in s.iter_mut() {
+                *x = (*x - m_new).exp();
+                l[h] += *x;
+            }
+            m[h] = m_new;
+        }
+        for o in 0..n {
+            let vv = &v[row(o)..][..d];
+            for h in 0..g {
+                let p = scores[h * bs + o];
+                for (a, &x) in acc[h * d..(h + 1) * d].iter_mut().zip(vv) {
                     *a += p * x;
                 }
             }
-            m = m_new;
         }
-        let inv = T::from_f64(1.0) / l;
-        for a in acc.iter_mut() {
+    }
+    for h in 0..g {
+        let inv = T::from_f64(1.0) / l[h];
+        for a in acc[h * d..(h + 1) * d].iter_mut() {
             *a *= inv;
         }
-    });
-    out
+    }
+}
+
+/// `sum_i a_i b_i` as [`LANES`] partial sums (independent chains the
+/// compiler keeps in one vector register) added in a fixed order.
+#[inline(always)]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::from_f64(0.0); LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = acc.iter().fold(T::from_f64(0.0), |s, &x| s + x);
+    for (&x, &y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
 }

@@ -77,14 +77,24 @@ pub const DEVICE_MAX_ROWS: usize = 256;
 /// `kv_cache_gb` is not set.
 pub const CPU_CACHE_FRACTION: f64 = 0.25;
 
+/// Default share of the free device memory the KV cache takes on a GPU when
+/// `kv_cache_gb` is not set (vLLM's `gpu_memory_utilization`).
+pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
 /// The engine's settings, as a run's config gives them (`rollout.engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
     /// The KV cache's budget in GB (1e9 bytes); `None`: a quarter of the
-    /// available memory on the CPU ([`CPU_CACHE_FRACTION`]), and on other
-    /// devices what `max_rows` full-length sequences need.
+    /// available memory on the CPU ([`CPU_CACHE_FRACTION`]), on CUDA
+    /// `gpu_memory_utilization` of the device memory free when the rollout
+    /// starts (after the weights and optimizer state), and on other devices
+    /// what `max_rows` full-length sequences need.
     pub kv_cache_gb: Option<f64>,
+    /// On CUDA with `kv_cache_gb` unset: the share of the free device memory
+    /// the KV cache takes (vLLM's `gpu_memory_utilization`, but of the memory
+    /// free after the weights rather than of the whole device).
+    pub gpu_memory_utilization: f64,
     /// Sequences decoded at once; `None`: [`CPU_MAX_ROWS`] on the CPU,
     /// [`DEVICE_MAX_ROWS`] elsewhere.
     pub max_rows: Option<usize>,
@@ -94,7 +104,12 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { kv_cache_gb: None, max_rows: None, block_size: 16 }
+        Self {
+            kv_cache_gb: None,
+            gpu_memory_utilization: GPU_MEMORY_UTILIZATION,
+            max_rows: None,
+            block_size: 16,
+        }
     }
 }
 
@@ -111,6 +126,10 @@ impl EngineConfig {
             if !(g.is_finite() && g > 0.0) {
                 return bad("kv_cache_gb", format!("expected a positive number of GB, found {g}"));
             }
+        }
+        let u = self.gpu_memory_utilization;
+        if !(u.is_finite() && u > 0.0 && u <= 1.0) {
+            return bad("gpu_memory_utilization", format!("expected a share in (0, 1], found {u}"));
         }
         if self.max_rows == Some(0) {
             return bad("max_rows", "expected at least 1, found 0".into());
@@ -259,7 +278,8 @@ pub(super) fn run(
     cfg.validate()?;
     let max_rows = cfg.rows(model);
     let bytes_per_token = PagedKvCache::bytes_per_token(model.config(), model.dtype());
-    let num_blocks = pool_blocks(model, prompts, params, &cfg, max_rows, bytes_per_token)?;
+    let budget_bytes = budget_bytes(&cfg, memory(model)?);
+    let num_blocks = pool_blocks(budget_bytes, prompts, params, &cfg, max_rows, bytes_per_token)?;
     let n = params.n;
     let rows = (0..prompts.len() * n)
         .map(|id| {
@@ -309,7 +329,7 @@ pub(super) fn run(
 /// its sequences at full length, or `max_rows` of them and one group more).
 /// A sequence that cannot fit the whole budget is an error.
 fn pool_blocks(
-    model: &Qwen3,
+    budget_bytes: f64,
     prompts: &[Vec<u32>],
     params: &SamplingParams,
     cfg: &EngineConfig,
@@ -318,11 +338,6 @@ fn pool_blocks(
 ) -> Result<usize> {
     let bs = cfg.block_size;
     let block_bytes = (bs * bytes_per_token) as f64;
-    let budget_bytes = match cfg.kv_cache_gb {
-        Some(gb) => gb * 1e9,
-        None if model.device().is_cpu() => CPU_CACHE_FRACTION * available_memory() as f64,
-        None => f64::INFINITY,
-    };
     // The relative 1e-9 keeps a budget given as exactly k blocks (in GB, rounded) at k.
     let budget = (budget_bytes / block_bytes * (1.0 + 1e-9)).floor().min(u32::MAX as f64) as usize;
     // The last sampled token is never fed back, hence the - 1.
@@ -341,6 +356,45 @@ fn pool_blocks(
     let all: usize = prompts.iter().map(|p| params.n * blocks_for(seq_len(p), bs)).sum();
     let rows = (max_rows + params.n).saturating_mul(per_seq);
     Ok(budget.min(all).min(rows).max(per_seq))
+}
+
+/// The memory a KV cache budget left unset is a share of.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Memory {
+    /// The CPU: bytes available to this process.
+    Host(u64),
+    /// A CUDA device: bytes free on it now.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(u64),
+    /// A device whose free memory is not known (the pool is then sized to
+    /// `max_rows` full-length sequences).
+    Unknown,
+}
+
+/// The KV cache's budget in bytes: `kv_cache_gb`, or a share of `mem`.
+fn budget_bytes(cfg: &EngineConfig, mem: Memory) -> f64 {
+    match (cfg.kv_cache_gb, mem) {
+        (Some(gb), _) => gb * 1e9,
+        (None, Memory::Host(available)) => CPU_CACHE_FRACTION * available as f64,
+        (None, Memory::Device(free)) => cfg.gpu_memory_utilization * free as f64,
+        (None, Memory::Unknown) => f64::INFINITY,
+    }
+}
+
+/// The memory of `model`'s device.
+fn memory(model: &Qwen3) -> Result<Memory> {
+    match model.device() {
+        candle_core::Device::Cpu => Ok(Memory::Host(available_memory())),
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(dev) => {
+            let (free, _total) = dev.cuda_stream().context().mem_get_info().map_err(|e| {
+                Error::invalid(format!("rollout: querying the free CUDA memory for the KV cache: {e:?}"))
+            })?;
+            Ok(Memory::Device(free as u64))
+        }
+        #[allow(unreachable_patterns)]
+        _ => Ok(Memory::Unknown),
+    }
 }
 
 /// Bytes of memory available to this process (`MemAvailable` of
@@ -710,7 +764,12 @@ mod tests {
             (EngineConfig::default(), Policy::Continuous),
             (EngineConfig { max_rows: Some(2), ..EngineConfig::default() }, Policy::Continuous),
             (
-                EngineConfig { max_rows: Some(6), block_size: 4, kv_cache_gb: budget(10.5, 4) },
+                EngineConfig {
+                    max_rows: Some(6),
+                    block_size: 4,
+                    kv_cache_gb: budget(10.5, 4),
+                    ..EngineConfig::default()
+                },
                 Policy::Continuous,
             ),
             (EngineConfig { max_rows: Some(6), block_size: 4, ..EngineConfig::default() }, Policy::Static),
@@ -795,9 +854,43 @@ mod tests {
             let err = bad.validate().expect_err(field).to_string();
             assert!(err.contains(&format!("rollout.engine.{field}")), "{err}");
         }
+        for u in [0.0, 1.5, f64::NAN] {
+            let bad = EngineConfig { gpu_memory_utilization: u, ..Default::default() };
+            let err = bad.validate().expect_err("utilization").to_string();
+            assert!(err.contains("rollout.engine.gpu_memory_utilization"), "{err}");
+        }
         let parsed: EngineConfig =
             serde_json::from_str(r#"{"kv_cache_gb": 2.5, "max_rows": 8}"#).expect("parse");
         assert_eq!((parsed.kv_cache_gb, parsed.max_rows, parsed.block_size), (Some(2.5), Some(8), 16));
         assert!(serde_json::from_str::<EngineConfig>(r#"{"max_row": 8}"#).is_err());
+    }
+
+    /// With `kv_cache_gb` unset, a GPU's pool is `gpu_memory_utilization` of the
+    /// free device memory (0.9 by default), the CPU's a quarter of the available
+    /// memory; a set budget wins everywhere. The pool then holds whole blocks of
+    /// that budget, capped by what the call can use.
+    #[test]
+    fn an_unset_budget_is_a_share_of_the_free_memory() {
+        let gb = 1_000_000_000u64;
+        let unset = EngineConfig::default();
+        assert_eq!(budget_bytes(&unset, Memory::Device(80 * gb)), 72e9);
+        assert_eq!(budget_bytes(&unset, Memory::Host(8 * gb)), 2e9);
+        assert_eq!(budget_bytes(&unset, Memory::Unknown), f64::INFINITY);
+        let half = EngineConfig { gpu_memory_utilization: 0.5, ..unset };
+        assert_eq!(budget_bytes(&half, Memory::Device(80 * gb)), 40e9);
+        let set = EngineConfig { kv_cache_gb: Some(3.0), ..half };
+        assert_eq!(budget_bytes(&set, Memory::Device(80 * gb)), 3e9);
+        assert_eq!(budget_bytes(&set, Memory::Host(gb)), 3e9);
+        // 1,000 blocks of 16 tokens x 1,000 bytes are free: 0.9 of them is 900 blocks,
+        // fewer than 64 prompts x 4 samples x 100 blocks would use.
+        let prompts = vec![vec![1u32; 600]; 64];
+        let params = SamplingParams { n: 4, max_new_tokens: 1001, ..SamplingParams::default() };
+        let free = budget_bytes(&unset, Memory::Device(16_000_000));
+        assert_eq!(pool_blocks(free, &prompts, &params, &unset, 256, 1000).expect("pool"), 900);
+        // Two rows at most: the pool stops at (2 + 4) sequences of 100 blocks.
+        assert_eq!(pool_blocks(free, &prompts, &params, &unset, 2, 1000).expect("pool"), 600);
+        let tiny = budget_bytes(&unset, Memory::Device(1_000_000));
+        let err = pool_blocks(tiny, &prompts, &params, &unset, 2, 1000).expect_err("too small").to_string();
+        assert!(err.contains("needs 100 cache blocks") && err.contains("holds 56"), "{err}");
     }
 }

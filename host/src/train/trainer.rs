@@ -641,8 +641,9 @@ impl Trainer {
         let comm = self.comm.clone();
         let report = dist::on_root(&*comm, || {
             let gen = self.prompts.generator(self.policy.sampling_model());
-            let report = eval::evaluate(&gen, &ex, &params, self.cfg.data.extract, 64, &|_| {})?
-                .with_pass_k(&self.cfg.evaluation.pass_k)?;
+            let report =
+                eval::evaluate(&gen, &ex, &params, self.cfg.data.extract, &self.cfg.rollout.engine, &|_| {})?
+                    .with_pass_k(&self.cfg.evaluation.pass_k)?;
             self.folder.log_eval(self.step, &report, setting, extra)?;
             Ok(report)
         })?;

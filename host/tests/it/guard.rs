@@ -14,7 +14,7 @@ use stapo::model::{self, Config};
 use stapo::rollout::{self, GenerateHooks, SamplingParams};
 use stapo::train::{RunConfig, Trainer};
 
-use crate::common::{arith_fixture, tempdir, tiny_config};
+use crate::common::{arith_fixture, tempdir, tiny_config, weight_bits};
 
 /// A tiny run on the arithmetic fixture whose updates have non-zero gradients, with the
 /// fields of `extra` laid over it.
@@ -44,13 +44,13 @@ fn config(model: PathBuf, train: PathBuf) -> RunConfig {
     config_with(&model, &train, serde_json::json!({}))
 }
 
-fn weight_bits(t: &Trainer) -> Vec<u32> {
-    t.model()
-        .params()
-        .iter()
-        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        .map(f32::to_bits)
-        .collect()
+/// A trainer in `dir/run` on the arithmetic fixture, with `extra` laid over the tiny
+/// config, and its weights' bits before any step.
+fn trainer_with(dir: &Path, extra: serde_json::Value) -> (Trainer, Vec<u32>) {
+    let (model, train, _) = arith_fixture(dir);
+    let t = Trainer::new(config_with(&model, &train, extra), &dir.join("run")).unwrap();
+    let before = weight_bits(&t);
+    (t, before)
 }
 
 fn stapo_bin() -> Command {
@@ -63,17 +63,13 @@ fn stapo_bin() -> Command {
 #[test]
 fn nothing_lost_01_nan_step_is_skipped() {
     let dir = tempdir();
-    let (model, train, _) = arith_fixture(dir.path());
     // An lr whose f32 step size overflows: every updated weight would be inf or NaN.
-    let cfg = config_with(
-        &model,
-        &train,
+    let (mut t, before) = trainer_with(
+        dir.path(),
         serde_json::json!({"actor": {"optim": {"lr": 1e39, "weight_decay": 0.0,
             "schedule": {"kind": "constant", "warmup_steps": 0}}}, "checkpoint": {"save_every": 1}}),
     );
     let run = dir.path().join("run");
-    let mut t = Trainer::new(cfg, &run).unwrap();
-    let before = weight_bits(&t);
     for step in 0..2 {
         let m = t.step(&t.default_plan(), None, None).unwrap();
         assert_eq!((m.update.skipped_steps, m.update.optimizer_steps), (1, 0), "step {step}");
@@ -99,14 +95,10 @@ fn nothing_lost_01_nan_step_is_skipped() {
 #[test]
 fn nothing_lost_01_lr_times_weight_decay_at_least_one_is_refused() {
     let dir = tempdir();
-    let (model, train, _) = arith_fixture(dir.path());
-    let cfg = config_with(
-        &model,
-        &train,
+    let (mut t, before) = trainer_with(
+        dir.path(),
         serde_json::json!({"actor": {"optim": {"lr": 1e30, "schedule": {"kind": "constant", "warmup_steps": 0}}}}),
     );
-    let mut t = Trainer::new(cfg, &dir.path().join("run")).unwrap();
-    let before = weight_bits(&t);
     let e = t.step(&t.default_plan(), None, None).unwrap_err().to_string();
     assert!(e.contains("weight_decay") && e.contains("lower `lr`"), "{e}");
     assert_eq!(weight_bits(&t), before);

@@ -494,6 +494,9 @@ if r.pass_at_k["1"] > r.pass_at_k["2"] || r.pass_at_k["2"] > r.pass_at_k["4"] {{
 let msg = "no error";
 try {{ evaluate(m, "{data}", #{{ n: 2, pass_k: [4], limit: 1, max_tokens: 2 }}); }} catch (e) {{ msg = `${{e}}`; }}
 print(msg);
+// The engine's settings reach the rollout: a cache budget of under one block is refused.
+try {{ evaluate(m, "{data}", #{{ n: 2, limit: 1, max_tokens: 2, engine: #{{ kv_cache_gb: 1e-12 }} }}); }}
+catch (e) {{ print(`engine: ${{e}}`); }}
 "#,
         model = f.model.display(),
         data = f.data.display()
@@ -504,6 +507,7 @@ print(msg);
     let printed = buf.lock().unwrap().clone();
     assert!(out.ok(), "{:?}\n{printed}", out.error);
     assert!(printed.contains("k = 4") && printed.contains("2 samples"), "{printed}");
+    assert!(printed.contains("engine: ") && printed.contains("kv_cache_gb = 0.000000000001"), "{printed}");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use stapo::reward::ExtractMode;
 use stapo::train::{RunConfig, Trainer};
 
-use crate::common::{arith_fixture, tempdir};
+use crate::common::{arith_fixture, max_abs_diff, tempdir, weight_bits};
 
 fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path::PathBuf) -> RunConfig {
     // DAPO + S2T: its overlong shaping gives the truncated responses of a random model
@@ -20,15 +20,6 @@ fn config(model: std::path::PathBuf, train: std::path::PathBuf, test: std::path:
         "evaluation": {"every": 3, "sampling": {"n": 2}, "pass_k": [1, 2], "limit": 4},
     }))
     .unwrap()
-}
-
-fn weights(t: &Trainer) -> Vec<u32> {
-    t.model()
-        .params()
-        .iter()
-        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        .map(f32::to_bits)
-        .collect()
 }
 
 #[test]
@@ -62,7 +53,7 @@ fn resume_equals_uninterrupted_run() {
     let m = b.step(&b.default_plan(), None, None).unwrap();
     assert!(b.last_update().unwrap().advantages.iter().any(|x| *x != 0.0), "resumed step: all advantages 0");
 
-    assert_eq!(weights(&a), weights(&b), "weights differ after resume");
+    assert_eq!(weight_bits(&a), weight_bits(&b), "weights differ after resume");
     let (ma, mb) = (serde_json::to_value(&metrics_a[2]).unwrap(), serde_json::to_value(&m).unwrap());
     for key in ["loss", "reward_mean", "entropy", "kept_tokens", "silenced_tokens", "grad_norm", "eval_avg"] {
         assert_eq!(ma[key], mb[key], "metric {key}");
@@ -165,24 +156,13 @@ fn rollout_dtype_samples_from_a_copy_that_follows_the_master() {
     let mut t = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
     assert_eq!(t.model().dtype(), candle_core::DType::F32);
     assert_eq!(t.sampling_model().dtype(), candle_core::DType::BF16);
-    let before = weights(&t);
+    let before = weight_bits(&t);
     t.step(&t.default_plan(), None, None).unwrap();
-    assert_ne!(weights(&t), before, "the update moved the master weights");
+    assert_ne!(weight_bits(&t), before, "the update moved the master weights");
     // After the update the copy holds the new master weights, rounded to bf16.
     for ((name, m), (_, c)) in t.model().params().iter().zip(t.sampling_model().params().iter()) {
         let want = m.as_tensor().to_dtype(candle_core::DType::BF16).unwrap();
-        let got = c.as_tensor();
-        let d = (want.to_dtype(candle_core::DType::F32).unwrap()
-            - got.to_dtype(candle_core::DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+        let d = max_abs_diff(&want, c.as_tensor());
         assert_eq!(d, 0.0, "{name}: the rollout copy lags the master");
     }
     // A bad name is an error naming the field.
@@ -289,7 +269,7 @@ fn an_s2t_mask_that_silences_nothing_trains_as_no_mask() {
         moved += a.last_update().unwrap().advantages.iter().filter(|x| **x != 0.0).count();
     }
     assert!(candidates > 0 && moved > 0, "candidates {candidates}, non-zero advantages {moved}");
-    assert_eq!(weights(&a), weights(&b), "weights differ");
+    assert_eq!(weight_bits(&a), weight_bits(&b), "weights differ");
 }
 
 /// `evaluate_at` another sampling setting writes its own file (with the setting) and
@@ -326,4 +306,45 @@ fn evaluations_at_another_setting_are_logged_apart() {
     t.set_eval_sampling(0.7, 0.9).unwrap();
     t.evaluate(None).unwrap();
     assert_eq!(lines("eval.jsonl").last().unwrap()["temperature"], 0.7);
+}
+
+/// Evaluation samples on the run's rollout engine (`rollout.engine`), not on defaults:
+/// a KV cache budget that holds the training rollouts' sequences (prompt + 12 tokens) but
+/// not the evaluation's (prompt + 90) makes `evaluate` fail with the budget it was given,
+/// and a budget that holds them gives the same report as the default engine (each
+/// response's draws do not depend on the schedule).
+#[test]
+fn evaluation_runs_on_the_runs_engine_settings() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model.clone(), train, test);
+    cfg.evaluation.every = 0;
+    cfg.evaluation.sampling.max_new_tokens = 90;
+    let mcfg = stapo::model::Config::from_file(&model.join("config.json")).unwrap();
+    let per_token = stapo::model::PagedKvCache::bytes_per_token(&mcfg, candle_core::DType::F32) as f64;
+    let mut t = Trainer::new(cfg.clone(), &dir.path().join("run-default")).unwrap();
+    let want = t.evaluate(None).unwrap();
+
+    let mut small = cfg.clone();
+    // 80 tokens of cache (5 blocks of 16): a rollout sequence fits, an evaluation one does not.
+    small.rollout.engine.kv_cache_gb = Some(80.0 * per_token / 1e9);
+    let mut t = Trainer::new(small, &dir.path().join("run-small")).unwrap();
+    t.step(&t.default_plan(), None, None).unwrap();
+    let err = t.evaluate(None).unwrap_err().to_string();
+    assert!(err.contains("rollout.engine.kv_cache_gb = ") && err.contains("holds 5"), "{err}");
+
+    let mut rows = cfg;
+    rows.rollout.engine = stapo::rollout::EngineConfig {
+        kv_cache_gb: Some(2000.0 * per_token / 1e9),
+        max_rows: Some(3),
+        block_size: 8,
+        ..Default::default()
+    };
+    let mut t = Trainer::new(rows, &dir.path().join("run-rows")).unwrap();
+    let got = t.evaluate(None).unwrap();
+    let ids = |r: &stapo::eval::EvalReport| {
+        r.samples.iter().map(|s| (s.id.clone(), s.sample_index, s.response.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&got), ids(&want));
+    assert_eq!(got.overall.avg, want.overall.avg);
 }

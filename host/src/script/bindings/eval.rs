@@ -10,7 +10,7 @@ use super::{lock, DatasetHandle, ModelHandle};
 use crate::data::{Dataset, DatasetOptions, PromptTemplate};
 use crate::eval;
 use crate::reward::ExtractMode;
-use crate::rollout::{Generator, SamplingParams};
+use crate::rollout::{EngineConfig, Generator, SamplingParams};
 use crate::script::convert::{from_json, options, overlay, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::host::Host;
@@ -29,10 +29,13 @@ struct EvalOpts {
     extract: Option<String>,
     /// The k of pass@k (each at most `n`).
     pass_k: Vec<usize>,
+    /// The rollout engine's settings (`#{kv_cache_gb, max_rows, block_size}`, as a run's
+    /// `rollout.engine`).
+    engine: EngineConfig,
 }
 
 /// The keys of [`EvalOpts`].
-const EVAL_KEYS: [&str; 4] = ["limit", "template", "extract", "pass_k"];
+const EVAL_KEYS: [&str; 5] = ["limit", "template", "extract", "pass_k", "engine"];
 
 /// A dataset argument: a path or a `Dataset`.
 fn dataset_arg(data: &Dynamic) -> RhaiResult<Arc<Dataset>> {
@@ -76,7 +79,7 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     if let Some(note) = gen.note() {
         host_.println(note);
     }
-    let rep = eval::evaluate(&gen, &ds.examples()[..limit], &params, extract, 64, &|_| {})
+    let rep = eval::evaluate(&gen, &ds.examples()[..limit], &params, extract, &o.engine, &|_| {})
         .and_then(|r| r.with_pass_k(&ks))
         .map_err(host)?;
     Ok(from_json(&serde_json::json!({
@@ -93,7 +96,8 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
         /// avg@n and pass@n on a dataset (path or Dataset). opts: the sampling fields (n (4),
         /// temperature (1.0), top_p (1.0), top_k, max_tokens (256), stop, seed, ...) and limit,
         /// template ("model": the folder's own format; or "none", "raw", "chat", a map), extract
-        /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]). Returns
+        /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]), engine (the rollout
+        /// engine's #{kv_cache_gb, max_rows, block_size}, as a run's rollout.engine). Returns
         /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
         ///
         /// # Example

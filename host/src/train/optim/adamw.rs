@@ -145,43 +145,14 @@ impl AdamW {
     /// every parameter that has a gradient; parameters without one are counted in the
     /// report and left as they are.
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepReport> {
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
-        }
-        // Decoupled decay multiplies weights by 1 - lr * wd: at >= 1 every weight flips sign
-        // and grows by that factor each step (finite, so no later check would catch it).
-        if self.cfg.weight_decay > 0.0 && lr * self.cfg.weight_decay >= 1.0 {
-            return Err(Error::invalid(format!(
-                "adamw: learning rate {lr:e} times weight_decay {} is {:e}, at least 1: weight decay would \
-                 multiply every weight by {:e}; lower `lr` (or `adamw.weight_decay`)",
-                self.cfg.weight_decay,
-                lr * self.cfg.weight_decay,
-                1.0 - lr * self.cfg.weight_decay
-            )));
-        }
+        check_lr(&self.cfg, lr)?;
         let (grad_norm, missing) = self.grad_norm(grads)?;
-        if !grad_norm.is_finite() {
-            // The caller reports it (the library prints nothing): `report.skipped`.
-            return Ok(StepReport {
-                grad_norm,
-                skipped: true,
-                nonfinite_param: None,
-                clip_coef: 0.0,
-                n_params_without_grad: missing,
-            });
-        }
-        let clip_coef = match self.cfg.max_grad_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
+        // The caller reports a skip (the library prints nothing): `report.skipped`.
+        let Some(clip_coef) = clip_coef(&self.cfg, grad_norm) else {
+            return Ok(StepReport::skipped(grad_norm, None, missing));
         };
         if let Some(name) = self.first_nonfinite_update(grads, lr, clip_coef)? {
-            return Ok(StepReport {
-                grad_norm,
-                skipped: true,
-                nonfinite_param: Some(name),
-                clip_coef: 0.0,
-                n_params_without_grad: missing,
-            });
+            return Ok(StepReport::skipped(grad_norm, Some(name), missing));
         }
         let cfg = self.cfg.clone();
         let force_generic = self.force_generic;
@@ -196,13 +167,7 @@ impl AdamW {
             }
         }
         self.step += 1;
-        Ok(StepReport {
-            grad_norm,
-            skipped: false,
-            nonfinite_param: None,
-            clip_coef,
-            n_params_without_grad: missing,
-        })
+        Ok(StepReport::applied(grad_norm, clip_coef, missing))
     }
 
     /// The first parameter whose update at `lr` (gradients scaled by `clip_coef`) would
@@ -213,13 +178,7 @@ impl AdamW {
         for p in &self.params {
             let Some(g) = grads.get(&p.var) else { continue };
             let h = hyper(&self.cfg, lr, p.steps + 1, p.decay, clip_coef);
-            let finite = if !self.force_generic && fused_supported(&p.var) {
-                fused_stays_finite(p, g, &h)?
-            } else {
-                let (m, v, w) = generic_new_values(p, g, &h)?;
-                all_finite(&m)? && all_finite(&v)? && all_finite(&w)?
-            };
-            if !finite {
+            if !update_stays_finite(&p.var, g, &p.m, &p.v, &h, !self.force_generic)? {
                 return Ok(Some(p.name.clone()));
             }
         }
@@ -307,7 +266,7 @@ impl AdamW {
 /// The same update composed of candle ops, for CUDA/Metal and unusual dtypes or
 /// layouts. Correct everywhere, but allocates temporaries. Arithmetic in f32.
 fn update_generic(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
-    let (m_new, v_new, p_new) = generic_new_values(p, g, h)?;
+    let (m_new, v_new, p_new) = generic_new_values(&p.var, g, &p.m, &p.v, h)?;
     p.m.set(&m_new)?;
     p.v.set(&v_new)?;
     p.var.set(&p_new)?;
@@ -321,16 +280,100 @@ pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
     Ok(t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()? == 0.0)
 }
 
-/// The new (first moment, second moment, parameter) of the device-generic update.
-fn generic_new_values(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<(Tensor, Tensor, Tensor)> {
+/// The new (first moment, second moment, parameter) of the device-generic update of
+/// `p` (any dtype; computed in f32, returned in `p`'s dtype) with moments `m`, `v`.
+pub(super) fn generic_new_values(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &Hyper,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (clip, b1, b2) = (h.clip as f64, h.b1 as f64, h.b2 as f64);
-    let g = g.to_device(p.var.device())?.to_dtype(DType::F32)?;
-    let m_new = (p.m.affine(b1, 0.0)? + g.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
-    let v_new = (p.v.affine(b2, 0.0)? + g.sqr()?.affine(h.one_minus_b2 as f64 * clip * clip, 0.0)?)?;
+    let g = g.to_device(p.device())?.to_dtype(DType::F32)?;
+    let m_new = (m.affine(b1, 0.0)? + g.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
+    let v_new = (v.affine(b2, 0.0)? + g.sqr()?.affine(h.one_minus_b2 as f64 * clip * clip, 0.0)?)?;
     let denom = v_new.sqrt()?.affine(h.inv_sqrt_bc2 as f64, h.eps as f64)?;
     let upd = (m_new.clone() / denom)?.affine(h.step_size as f64, 0.0)?;
-    let p_new = (p.var.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?.to_dtype(p.var.dtype())?;
+    let p_new = (p.to_dtype(DType::F32)?.affine(h.decay as f64, 0.0)? - upd)?.to_dtype(p.dtype())?;
     Ok((m_new, v_new, p_new))
+}
+
+/// Whether the update of `p` (moments `m`, `v`) with gradient `g` would leave every
+/// weight and moment finite, computed with the arithmetic of the path that will run
+/// it (the fused kernel when `fused` and the tensors allow, else candle ops), without
+/// writing anything. Shared by [`AdamW`] and the sharded optimizer, which calls it on
+/// views of its flat shards.
+pub(super) fn update_stays_finite(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &Hyper,
+    fused: bool,
+) -> Result<bool> {
+    if fused && fused_supported(p) {
+        return fused_stays_finite(p, g, m, v, h);
+    }
+    let (m, v, w) = generic_new_values(p, g, m, v, h)?;
+    Ok(all_finite(&m)? && all_finite(&v)? && all_finite(&w)?)
+}
+
+/// Refuses a learning rate no AdamW step can use: not finite, negative, or so large
+/// that decoupled decay multiplies weights by `1 - lr * wd <= 0`.
+pub(super) fn check_lr(cfg: &AdamWConfig, lr: f64) -> Result<()> {
+    if !(lr.is_finite() && lr >= 0.0) {
+        return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
+    }
+    // At lr * wd >= 1 every weight flips sign and grows by that factor each step (finite,
+    // so no later check would catch it).
+    if cfg.weight_decay > 0.0 && lr * cfg.weight_decay >= 1.0 {
+        return Err(Error::invalid(format!(
+            "adamw: learning rate {lr:e} times weight_decay {} is {:e}, at least 1: weight decay would \
+             multiply every weight by {:e}; lower `lr` (or `adamw.weight_decay`)",
+            cfg.weight_decay,
+            lr * cfg.weight_decay,
+            1.0 - lr * cfg.weight_decay
+        )));
+    }
+    Ok(())
+}
+
+/// The factor the gradients are scaled by at global norm `grad_norm` (1 unless
+/// `max_grad_norm` clips), or `None` when the norm is not finite and the step is skipped.
+pub(super) fn clip_coef(cfg: &AdamWConfig, grad_norm: f64) -> Option<f64> {
+    if !grad_norm.is_finite() {
+        return None;
+    }
+    Some(match cfg.max_grad_norm {
+        Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+        None => 1.0,
+    })
+}
+
+impl StepReport {
+    /// A step that changed nothing: a non-finite gradient norm, or (`nonfinite_param`)
+    /// an update that would have left that parameter non-finite.
+    pub(super) fn skipped(grad_norm: f64, nonfinite_param: Option<String>, missing: usize) -> Self {
+        StepReport {
+            grad_norm,
+            skipped: true,
+            nonfinite_param,
+            clip_coef: 0.0,
+            n_params_without_grad: missing,
+        }
+    }
+
+    /// A step that updated every parameter with a gradient.
+    pub(super) fn applied(grad_norm: f64, clip_coef: f64, missing: usize) -> Self {
+        StepReport {
+            grad_norm,
+            skipped: false,
+            nonfinite_param: None,
+            clip_coef,
+            n_params_without_grad: missing,
+        }
+    }
 }
 
 #[cfg(test)]

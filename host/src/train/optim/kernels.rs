@@ -147,14 +147,15 @@ fn stays_finite_chunk<T: Elem>(p: &[T], g: &[T], m: &[f32], v: &[f32], h: &Hyper
     ok
 }
 
-/// Whether the fused update of `p` with gradient `g` would leave every weight and
-/// moment finite: one read-only parallel pass with the kernel's own arithmetic.
-pub(super) fn fused_stays_finite(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<bool> {
-    let g = g.to_device(p.var.device())?.to_dtype(p.var.dtype())?.contiguous()?;
-    let (ps, pl) = p.var.storage_and_layout();
+/// Whether the fused update of `p` (moments `m`, `v`) with gradient `g` would leave
+/// every weight and moment finite: one read-only parallel pass with the kernel's own
+/// arithmetic. Views (a narrowed range of a flat shard) are read in place.
+pub(super) fn fused_stays_finite(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &Hyper) -> Result<bool> {
+    let g = g.to_device(p.device())?.to_dtype(p.dtype())?.contiguous()?;
+    let (ps, pl) = p.storage_and_layout();
     let (gs, gl) = g.storage_and_layout();
-    let (ms, ml) = p.m.storage_and_layout();
-    let (vs, vl) = p.v.storage_and_layout();
+    let (ms, ml) = m.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
     let (Storage::Cpu(ps), Storage::Cpu(gs), Storage::Cpu(ms), Storage::Cpu(vs)) = (&*ps, &*gs, &*ms, &*vs)
     else {
         return Err(crate::Error::invalid("adamw: the fused finiteness check needs CPU tensors"));

@@ -33,6 +33,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
+use super::adamw::{check_lr, clip_coef, generic_new_values, update_stays_finite};
 use super::config::{AdamWConfig, ShardMode};
 use super::kernels::{fused_supported, grad_sum_sq, update_fused_tensors};
 use super::state::{hyper, Hyper};
@@ -422,11 +423,13 @@ impl ShardedAdamW {
         Ok(())
     }
 
-    /// One step (see the module docs). Every rank calls it with the same `lr`.
+    /// One step (see the module docs). Every rank calls it with the same `lr`. The
+    /// checks are [`AdamW::step`](super::AdamW::step)'s, over the shards: a learning
+    /// rate no step can use is an error; a non-finite global gradient norm, or an update
+    /// that would leave a weight or moment of any rank's range non-finite, skips the
+    /// step on every rank with nothing changed.
     pub fn step(&mut self, comm: &dyn Comm, grads: &mut GradStore, lr: f64) -> Result<StepReport> {
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(Error::invalid(format!("adamw: learning rate must be finite and >= 0, found {lr}")));
-        }
+        check_lr(&self.cfg, lr)?;
         if comm.size() != self.layout.size || comm.rank() != self.rank {
             return Err(Error::invalid(format!(
                 "sharded adamw: built for rank {} of {}, stepped by rank {} of {}",
@@ -441,44 +444,60 @@ impl ShardedAdamW {
         let g = self.summed_grad(comm, grads)?;
         let [sum_sq] = dist::sum_f64(comm, [grad_sum_sq(&g)?])?;
         let grad_norm = sum_sq.sqrt();
-        if !grad_norm.is_finite() {
-            return Ok(StepReport {
-                grad_norm,
-                skipped: true,
-                nonfinite_param: None,
-                clip_coef: 0.0,
-                n_params_without_grad: missing,
-            });
-        }
-        let clip_coef = match self.cfg.max_grad_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
+        let Some(clip_coef) = clip_coef(&self.cfg, grad_norm) else {
+            return Ok(StepReport::skipped(grad_norm, None, missing));
         };
-        for (s, &p) in self.slots.iter_mut().zip(&present) {
-            s.steps += u64::from(p);
-        }
         let p = match &self.master {
             Some(m) => m.clone(),
             None => self.own_weights()?,
         };
+        // The hyper-parameters of each piece, at the step count the update will have.
         let start = self.range().start;
-        for pc in self.layout.pieces(start, self.range().end) {
-            if !present[pc.param] {
-                continue;
-            }
-            let s = &self.slots[pc.param];
-            let h = hyper(&self.cfg, lr, s.steps, s.decay, clip_coef);
-            self.update_segment(&p, &g, pc.flat - start, pc.len, &h)?;
+        let pieces: Vec<(Piece, Hyper)> = self
+            .layout
+            .pieces(start, self.range().end)
+            .into_iter()
+            .filter(|pc| present[pc.param])
+            .map(|pc| {
+                let s = &self.slots[pc.param];
+                (pc, hyper(&self.cfg, lr, s.steps + 1, s.decay, clip_coef))
+            })
+            .collect();
+        if let Some(name) = self.first_nonfinite_update(comm, &p, &g, &pieces)? {
+            return Ok(StepReport::skipped(grad_norm, Some(name), missing));
+        }
+        for (s, &p) in self.slots.iter_mut().zip(&present) {
+            s.steps += u64::from(p);
+        }
+        for (pc, h) in &pieces {
+            self.update_segment(&p, &g, pc.flat - start, pc.len, h)?;
         }
         self.step += 1;
         self.all_gather_weights(comm, &p, &present)?;
-        Ok(StepReport {
-            grad_norm,
-            skipped: false,
-            nonfinite_param: None,
-            clip_coef,
-            n_params_without_grad: missing,
-        })
+        Ok(StepReport::applied(grad_norm, clip_coef, missing))
+    }
+
+    /// The first parameter (in flat order) whose update would leave a non-finite weight
+    /// or moment on some rank: each rank checks its own pieces read-only, with the
+    /// arithmetic of the path that will run them, and the flags are summed over ranks
+    /// so that every rank names the same parameter (or none).
+    fn first_nonfinite_update(
+        &self,
+        comm: &dyn Comm,
+        p: &Tensor,
+        g: &Tensor,
+        pieces: &[(Piece, Hyper)],
+    ) -> Result<Option<String>> {
+        let start = self.range().start;
+        let mut bad = vec![0.0f64; self.slots.len()];
+        for (pc, h) in pieces {
+            let [ps, gs, ms, vs] = [p, g, &self.m, &self.v].map(|t| t.narrow(0, pc.flat - start, pc.len));
+            if !update_stays_finite(&ps?, &gs?, &ms?, &vs?, h, true)? {
+                bad[pc.param] = 1.0;
+            }
+        }
+        comm.all_reduce_f64(&mut bad)?;
+        Ok(bad.iter().position(|&b| b > 0.0).map(|i| self.slots[i].name.clone()))
     }
 
     /// The AdamW update of elements `at..at + len` of this rank's range: the fused
@@ -489,12 +508,7 @@ impl ShardedAdamW {
         if fused_supported(&ps) {
             return update_fused_tensors(&ps, &gs, &ms, &vs, h);
         }
-        let (clip, b1, b2) = (h.clip as f64, h.b1 as f64, h.b2 as f64);
-        let m_new = (ms.affine(b1, 0.0)? + gs.affine(h.one_minus_b1 as f64 * clip, 0.0)?)?;
-        let v_new = (vs.affine(b2, 0.0)? + gs.sqr()?.affine(h.one_minus_b2 as f64 * clip * clip, 0.0)?)?;
-        let denom = v_new.sqrt()?.affine(h.inv_sqrt_bc2 as f64, h.eps as f64)?;
-        let upd = (m_new.clone() / denom)?.affine(h.step_size as f64, 0.0)?;
-        let p_new = (ps.affine(h.decay as f64, 0.0)? - upd)?;
+        let (m_new, v_new, p_new) = generic_new_values(&ps, &gs, &ms, &vs, h)?;
         self.m.slice_set(&m_new.contiguous()?, 0, at)?;
         self.v.slice_set(&v_new.contiguous()?, 0, at)?;
         p.slice_set(&p_new.contiguous()?, 0, at)?;

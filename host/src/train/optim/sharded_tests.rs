@@ -300,3 +300,31 @@ fn foreign_checkpoint_is_refused() {
         assert!(err.contains("first difference at position 2"), "{err}");
     });
 }
+
+/// AdamW's guards hold over shards: a learning rate whose decay would flip every weight
+/// is an error, and an update that would leave a weight non-finite in one rank's range
+/// only (parameter `d`, which lies in rank 1's half) skips the step on every rank, names
+/// the parameter on every rank, and changes nothing anywhere.
+#[test]
+fn nonfinite_update_in_one_range_skips_every_rank() {
+    for mode in [ShardMode::Optimizer, ShardMode::Gradients] {
+        let reports = on_ranks(2, |c| {
+            let mut init = initial();
+            init[3][0] = f32::INFINITY;
+            let vars = make_vars(DType::F32, &init);
+            let mut opt = sharded(c, &vars, mode, 1 << 20);
+            let err = opt.step(c, &mut store(&vars, DType::F32, |i| grad(0, c.rank(), i)), 20.0).unwrap_err();
+            assert!(err.to_string().contains("weight_decay"), "{err}");
+            let before = flat(&vars);
+            let r = opt.step(c, &mut store(&vars, DType::F32, |i| grad(0, c.rank(), i)), 1e-2).unwrap();
+            let after = flat(&vars);
+            let unchanged = before.iter().zip(&after).all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+            (r, unchanged, opt.step_count())
+        });
+        for (rank, (r, unchanged, steps)) in reports.iter().enumerate() {
+            assert!(r.skipped && r.grad_norm.is_finite(), "{mode:?} rank {rank}: {r:?}");
+            assert_eq!(r.nonfinite_param.as_deref(), Some("d"), "{mode:?} rank {rank}");
+            assert!(*unchanged && *steps == 0, "{mode:?} rank {rank}: weights changed or step counted");
+        }
+    }
+}

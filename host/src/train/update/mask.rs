@@ -171,7 +171,8 @@ fn mask_in_given_order(
     let local = match local {
         Some(ts) => {
             let [lp, h, a, r] = ts;
-            let pick = |t: Tensor| t.index_select(&to_given, 0);
+            // CUDA's index_select wants a contiguous source.
+            let pick = |t: Tensor| t.contiguous()?.index_select(&to_given, 0);
             Some([pick(lp)?, pick(h)?, pick(a)?, pick(r)?])
         }
         None => None,
