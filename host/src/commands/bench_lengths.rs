@@ -12,7 +12,7 @@ use stapo::model::{Config, Qwen3};
 use stapo::train::update::micro_batch_shapes;
 use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig};
 
-use super::bench::{peak_rss, report};
+use super::bench_common::{peak_rss, report};
 
 /// Response lengths drawn from a log-normal whose 2.5% and 97.5% quantiles are `lo` and
 /// `hi` (`mu = (ln lo + ln hi) / 2`, `sigma = (ln hi - ln lo) / 3.92`), clamped to

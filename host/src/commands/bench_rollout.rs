@@ -12,7 +12,7 @@ use stapo::rollout::{
     generate_stats, EngineConfig, EngineStats, GenerateHooks, Policy, Sample, SamplingParams,
 };
 
-use super::bench::{peak_rss, BenchArgs};
+use super::bench_common::{peak_rss, BenchArgs};
 use super::bench_lengths::LogNormal;
 
 /// The comparison's sizes, from the command line.

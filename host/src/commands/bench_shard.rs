@@ -15,7 +15,7 @@ use stapo::model::{Config, Qwen3};
 use stapo::train::update::{self, Policy};
 use stapo::train::{AdamW, AdamWConfig, Optimizer, ShardMode, ShardedAdamW, UpdateConfig};
 
-use super::bench::{peak_rss, reset_peak_rss, synthetic_sequences, BenchArgs};
+use super::bench_common::{peak_rss, reset_peak_rss, synthetic_sequences, BenchArgs};
 
 /// What one rank measured.
 #[derive(Debug, Serialize, Deserialize)]

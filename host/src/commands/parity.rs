@@ -25,7 +25,7 @@ use stapo::rollout::device::{Blocked, StepLogits};
 use stapo::rollout::{generate_stats, EngineConfig, GenerateHooks, Sample, Sampler, SamplingParams};
 use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig, UpdateMetrics};
 
-use super::bench::ShapeArgs;
+use super::bench_common::ShapeArgs;
 use super::DeviceArgs;
 
 #[derive(Args, Debug)]

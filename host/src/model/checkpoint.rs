@@ -231,13 +231,10 @@ impl WeightSource for RandomInit {
     }
 }
 
-/// Loads the model in `dir` with weights converted to `dtype` on `device`. A
-/// peft adapter folder (`adapter_config.json`, no `config.json`) loads its
-/// base model with the adapters on ([`super::peft::load_with_adapter`]).
+/// Loads the Hugging Face model folder `dir` (`config.json` and safetensors)
+/// with weights converted to `dtype` on `device`. [`super::load`] also takes a
+/// peft adapter folder.
 pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Qwen3> {
-    if super::peft::is_adapter_dir(dir) && !dir.join("config.json").is_file() {
-        return Ok(super::peft::load_with_adapter(dir, None, dtype, device)?.0);
-    }
     let cfg_path = dir.join("config.json");
     let cfg = Config::from_file(&cfg_path)?;
     let mut src = SafetensorsSource::open(dir, dtype, device)?;

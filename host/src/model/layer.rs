@@ -8,7 +8,8 @@
 use candle_core::{Tensor, Var};
 
 use super::config::Config;
-use super::lora::{self, LayerLora, Target};
+use super::frozen::frozen_linear;
+use super::lora::{LayerLora, Target};
 use super::ops;
 use crate::Result;
 
@@ -88,6 +89,29 @@ pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
 }
 
 impl Layer {
+    /// The base weight `(out, in)` of projection `t`.
+    pub(super) fn base(&self, t: Target) -> &Var {
+        match t {
+            Target::QProj => &self.q_proj,
+            Target::KProj => &self.k_proj,
+            Target::VProj => &self.v_proj,
+            Target::OProj => &self.o_proj,
+            Target::GateProj => &self.gate_proj,
+            Target::UpProj => &self.up_proj,
+            Target::DownProj => &self.down_proj,
+        }
+    }
+
+    /// `W + scale * B A` in the base weight's dtype (the merged weight of
+    /// projection `t`; the base weight itself without an adapter).
+    pub(super) fn merged_weight(&self, t: Target) -> Result<Tensor> {
+        let w = self.base(t).as_tensor().detach();
+        match self.lora.get(t) {
+            Some(ad) => ad.merged(&w),
+            None => Ok(w),
+        }
+    }
+
     /// How the forward reads the base weights (projections, norms, biases):
     /// never tracked when the base is frozen.
     pub(super) fn base_grad(&self, grad: Grad) -> Grad {
@@ -97,6 +121,21 @@ impl Layer {
             grad
         }
     }
+}
+
+/// `x W^T + bias` of projection `t` of `layer`, plus its adapter's term when
+/// it has one. Every projection of a decoder layer goes through here.
+fn linear(x: &Tensor, layer: &Layer, t: Target, bias: Option<&Tensor>, grad: Grad) -> Result<Tensor> {
+    let base = layer.base(t);
+    let y = if layer.lora.frozen() && grad == Grad::Track {
+        // dx only: no gradient (and no gemm) for the frozen base weight.
+        frozen_linear(x, base.as_tensor(), bias)?
+    } else {
+        ops::linear(x, &weight(base, grad), bias)?
+    };
+    let Some(ad) = layer.lora.get(t) else { return Ok(y) };
+    let delta = ad.delta(x, &weight(&ad.a, grad), &weight(&ad.b, grad), y.dtype())?;
+    Ok((y + delta)?)
 }
 
 /// One decoder layer, `(B, L, hidden)` -> `(B, L, hidden)`. `offset` is the
@@ -154,9 +193,9 @@ pub(super) fn qkv(
     let w = |v: &Var| weight(v, layer.base_grad(grad));
     let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
     let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let q = lora::linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?; // (B, L, Hq * D)
-    let k = lora::linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?; // (B, L, Hkv * D)
-    let v = lora::linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?.reshape((b, l, nkv, d))?;
+    let q = linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?; // (B, L, Hq * D)
+    let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?; // (B, L, Hkv * D)
+    let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?.reshape((b, l, nkv, d))?;
     // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
     let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
     let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
@@ -182,7 +221,7 @@ pub(super) fn attention_out(
 /// The output projection of attention's result `o` `(B, L, Hq * D)`.
 pub(super) fn o_proj(layer: &Layer, o: &Tensor, grad: Grad) -> Result<Tensor> {
     let bias = layer.biases.as_ref().map(|bs| weight(&bs[3], layer.base_grad(grad)));
-    lora::linear(o, layer, Target::OProj, bias.as_ref(), grad)
+    linear(o, layer, Target::OProj, bias.as_ref(), grad)
 }
 
 /// The MLP half of a decoder layer with its residual:
@@ -191,8 +230,8 @@ pub(super) fn o_proj(layer: &Layer, o: &Tensor, grad: Grad) -> Result<Tensor> {
 pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Result<Tensor> {
     let w = |v: &Var| weight(v, layer.base_grad(grad));
     let h = ops::rms_norm(x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-    let gate = lora::linear(&h, layer, Target::GateProj, None, grad)?;
-    let up = lora::linear(&h, layer, Target::UpProj, None, grad)?;
-    let mlp = lora::linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
+    let gate = linear(&h, layer, Target::GateProj, None, grad)?;
+    let up = linear(&h, layer, Target::UpProj, None, grad)?;
+    let mlp = linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
     Ok((x + mlp)?)
 }

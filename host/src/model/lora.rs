@@ -5,17 +5,18 @@
 //! sqrt(r)` with rsLoRA. No dropout: RL samples from the policy it trains.
 //!
 //! The base stays frozen (its Vars are not handed to the optimizer; see
-//! [`Qwen3::lora_params`]) and may be bf16 while the adapters are f32: the
+//! [`super::Qwen3::lora_params`]) and may be bf16 while the adapters are f32: the
 //! adapter term is computed in the adapters' dtype and cast to the output's.
+//!
+//! Below layer.rs and qwen3.rs (it imports only `ops`): it knows adapters, not layers. `layer.rs` routes every
+//! projection through its adapter ([`Adapter::delta`]), `qwen3.rs` puts adapters
+//! on a model and merges them ([`Adapter::merged`]).
 
-use candle_core::{DType, Tensor, Var};
-use rand::{Rng, SeedableRng};
+use candle_core::{DType, Device, Tensor, Var};
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::frozen::frozen_linear;
-use super::layer::{weight, Grad, Layer};
 use super::ops;
-use super::qwen3::Qwen3;
 use crate::{Error, Result};
 
 /// A linear layer of a Qwen3 block that may carry an adapter (peft's
@@ -52,19 +53,6 @@ impl Target {
 
     fn slot(self) -> usize {
         self as usize
-    }
-
-    /// The frozen base weight `(out, in)` this target adapts.
-    pub(super) fn base(self, layer: &Layer) -> &Var {
-        match self {
-            Self::QProj => &layer.q_proj,
-            Self::KProj => &layer.k_proj,
-            Self::VProj => &layer.v_proj,
-            Self::OProj => &layer.o_proj,
-            Self::GateProj => &layer.gate_proj,
-            Self::UpProj => &layer.up_proj,
-            Self::DownProj => &layer.down_proj,
-        }
     }
 }
 
@@ -138,6 +126,43 @@ pub struct Adapter {
     pub scale: f64,
 }
 
+impl Adapter {
+    /// A fresh adapter for a base weight `(out, inp)` in `dtype` on `device`:
+    /// `A` as `nn.init.kaiming_uniform_(A, a=sqrt(5))` (uniform in
+    /// `±1/sqrt(inp)`), `B` zero, so that the adapted layer starts as the base.
+    pub(super) fn kaiming(
+        rng: &mut impl Rng,
+        (out, inp): (usize, usize),
+        rank: usize,
+        scale: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        // kaiming_uniform_ with a = sqrt(5): gain sqrt(2 / (1 + 5)),
+        // bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
+        let bound = 1.0 / (inp as f32).sqrt();
+        let a: Vec<f32> = (0..rank * inp).map(|_| rng.random_range(-bound..bound)).collect();
+        let a = Var::from_tensor(&Tensor::from_vec(a, (rank, inp), device)?.to_dtype(dtype)?)?;
+        let b = Var::zeros((out, rank), dtype, device)?;
+        Ok(Self { a, b, scale })
+    }
+
+    /// The adapter's term `scale * (x A^T) B^T` for an input `x` `(.., in)`,
+    /// computed in the adapters' dtype and cast to `out_dtype`. `a` and `b` are
+    /// the adapter's weights as the forward reads them (tracked or detached).
+    pub(super) fn delta(&self, x: &Tensor, a: &Tensor, b: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let xa = ops::linear(&x.to_dtype(a.dtype())?, a, None)?; // (.., r)
+        Ok((ops::linear(&xa, b, None)? * self.scale)?.to_dtype(out_dtype)?)
+    }
+
+    /// `W + scale * B A` in `w`'s dtype: the base weight `w` `(out, in)` with
+    /// this adapter folded in.
+    pub(super) fn merged(&self, w: &Tensor) -> Result<Tensor> {
+        let ba = (self.b.as_tensor().detach().matmul(&self.a.as_tensor().detach())? * self.scale)?;
+        Ok((w.to_dtype(ba.dtype())? + ba)?.to_dtype(w.dtype())?)
+    }
+}
+
 /// The adapters of one decoder layer, one optional slot per [`Target`], and
 /// whether the layer's base weights are frozen (they are while it has adapters).
 #[derive(Clone, Default)]
@@ -147,6 +172,16 @@ pub(super) struct LayerLora {
 }
 
 impl LayerLora {
+    /// No adapter yet, and the base frozen: what [`LayerLora::insert`] fills.
+    pub(super) fn frozen_base() -> Self {
+        Self { frozen: true, ..Self::default() }
+    }
+
+    /// Puts `adapter` on target `t` (replacing any there was).
+    pub(super) fn insert(&mut self, t: Target, adapter: Adapter) {
+        self.slots[t.slot()] = Some(adapter);
+    }
+
     /// True when the base weights take no gradient (only the adapters train).
     pub(super) fn frozen(&self) -> bool {
         self.frozen
@@ -163,134 +198,6 @@ impl LayerLora {
     }
 }
 
-/// `x W^T + bias` of target `t` of `layer`, plus its adapter's term when it
-/// has one. Every projection of a decoder layer goes through here.
-pub(super) fn linear(
-    x: &Tensor,
-    layer: &Layer,
-    t: Target,
-    bias: Option<&Tensor>,
-    grad: Grad,
-) -> Result<Tensor> {
-    let base = t.base(layer).as_tensor();
-    let y = if layer.lora.frozen() && grad == Grad::Track {
-        // dx only: no gradient (and no gemm) for the frozen base weight.
-        frozen_linear(x, base, bias)?
-    } else {
-        ops::linear(x, &weight(t.base(layer), grad), bias)?
-    };
-    let Some(ad) = layer.lora.get(t) else { return Ok(y) };
-    let (a, b) = (weight(&ad.a, grad), weight(&ad.b, grad));
-    let xa = ops::linear(&x.to_dtype(a.dtype())?, &a, None)?; // (.., r)
-    let delta = (ops::linear(&xa, &b, None)? * ad.scale)?.to_dtype(y.dtype())?;
-    Ok((y + delta)?)
-}
-
-/// `W + scale * B A` in the base weight's dtype (the merged weight of target
-/// `t`; the base weight itself without an adapter).
-pub(super) fn merged_weight(layer: &Layer, t: Target) -> Result<Tensor> {
-    let w = t.base(layer).as_tensor().detach();
-    let Some(ad) = layer.lora.get(t) else { return Ok(w) };
-    let ba = (ad.b.as_tensor().detach().matmul(&ad.a.as_tensor().detach())? * ad.scale)?;
-    Ok((w.to_dtype(ba.dtype())? + ba)?.to_dtype(w.dtype())?)
-}
-
-impl Qwen3 {
-    /// Puts fresh adapters (f32, f64 on an f64 model; on the model's device) on the `cfg.targets`
-    /// of every block: `A` as `nn.init.kaiming_uniform_(A, a=sqrt(5))`
-    /// (uniform in `±1/sqrt(in)`), `B` zero. Replaces any adapters there were.
-    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
-        cfg.validate()?;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let device = self.device().clone();
-        let scale = cfg.scale();
-        let dtype = if self.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-        for layer in &mut self.layers {
-            let mut lora = LayerLora { frozen: true, ..LayerLora::default() };
-            for &t in &cfg.targets {
-                let (out, inp) = t.base(layer).dims2()?;
-                // kaiming_uniform_ with a = sqrt(5): gain sqrt(2 / (1 + 5)),
-                // bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
-                let bound = 1.0 / (inp as f32).sqrt();
-                let a: Vec<f32> = (0..cfg.rank * inp).map(|_| rng.random_range(-bound..bound)).collect();
-                let a = Tensor::from_vec(a, (cfg.rank, inp), &device)?.to_dtype(dtype)?;
-                let a = Var::from_tensor(&a)?;
-                let b = Var::zeros((out, cfg.rank), dtype, &device)?;
-                lora.slots[t.slot()] = Some(Adapter { a, b, scale });
-            }
-            layer.lora = lora;
-        }
-        self.lora = Some(cfg.clone());
-        Ok(())
-    }
-
-    /// The settings of the adapters the model carries (`None` without adapters).
-    pub fn lora_config(&self) -> Option<&LoraConfig> {
-        self.lora.as_ref()
-    }
-
-    /// The adapters' parameters under peft's names
-    /// (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`,
-    /// `...lora_B.weight`): what the optimizer trains with LoRA on.
-    pub fn lora_params(&self) -> Vec<(String, Var)> {
-        let mut out = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            for t in Target::ALL {
-                if let Some(ad) = layer.lora.get(t) {
-                    let p = format!("base_model.model.model.layers.{i}.{}", t.module());
-                    out.push((format!("{p}.lora_A.weight"), ad.a.clone()));
-                    out.push((format!("{p}.lora_B.weight"), ad.b.clone()));
-                }
-            }
-        }
-        out
-    }
-
-    /// Every base parameter under its Hugging Face name, detached, with the
-    /// adapted projections merged (`W + scale B A`, in the base dtype): the
-    /// weights of the same function without adapters, which the rollout copy
-    /// samples from. Without adapters, [`Qwen3::params`] detached.
-    pub fn merged_params(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut merged = std::collections::HashMap::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            for t in Target::ALL {
-                if layer.lora.get(t).is_some() {
-                    merged
-                        .insert(format!("model.layers.{i}.{}.weight", t.module()), merged_weight(layer, t)?);
-                }
-            }
-        }
-        Ok(self
-            .params()
-            .into_iter()
-            .map(|(n, v)| {
-                let t = merged.remove(&n).unwrap_or_else(|| v.as_tensor().detach());
-                (n, t)
-            })
-            .collect())
-    }
-
-    /// Whether any layer carries adapters.
-    pub fn has_lora(&self) -> bool {
-        self.layers.iter().any(|l| l.lora.vars().next().is_some())
-    }
-
-    /// Folds every adapter into its base weight (`W <- W + scale B A`) and
-    /// drops the adapters: the same function, one matmul per projection.
-    pub fn merge_lora(&mut self) -> Result<()> {
-        for layer in &mut self.layers {
-            for t in Target::ALL {
-                if layer.lora.get(t).is_some() {
-                    t.base(layer).set(&merged_weight(layer, t)?)?;
-                }
-            }
-            layer.lora = LayerLora::default();
-        }
-        self.lora = None;
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device, Tensor};
@@ -300,6 +207,7 @@ mod tests {
     use crate::model::fused::test_util::{probe, randn};
     use crate::model::qwen3::TokenBatch;
     use crate::model::Recompute;
+    use crate::model::{Grad, Qwen3};
 
     fn tiny(dtype: DType, seed: u64) -> Qwen3 {
         let cfg = Config::from_json_str(

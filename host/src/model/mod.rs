@@ -20,12 +20,28 @@ pub mod peft;
 pub mod qwen3;
 pub mod recompute;
 
-pub use checkpoint::{init, load, save};
+pub use checkpoint::{init, save};
 pub use config::{dtype_name, parse_device, parse_dtype, Config};
+pub use fused::Kernels;
 pub use head::{token_stats, TokenStats};
 pub use lora::{LoraConfig, Target as LoraTarget};
 pub use mixed::RolloutCopy;
-pub use options::{Kernels, ModelOptions};
+pub use options::ModelOptions;
 pub use paged::{PagedKvCache, PagedSeq};
 pub use qwen3::{logprob_entropy, Grad, KvCache, Qwen3, TokenBatch, WeightSource};
 pub use recompute::Recompute;
+
+/// Loads the model in `dir` with weights converted to `dtype` on `device`: a
+/// Hugging Face folder ([`checkpoint::load`]), or a peft adapter folder
+/// (`adapter_config.json`, no `config.json`), whose base model loads with the
+/// adapters on ([`peft::load_with_adapter`]).
+pub fn load(
+    dir: &std::path::Path,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> crate::Result<Qwen3> {
+    if peft::is_adapter_dir(dir) && !dir.join("config.json").is_file() {
+        return Ok(peft::load_with_adapter(dir, None, dtype, device)?.0);
+    }
+    checkpoint::load(dir, dtype, device)
+}

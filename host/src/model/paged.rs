@@ -24,6 +24,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::Config;
 use super::layer::{mlp_block, o_proj, qkv, Grad, Layer};
+pub use super::paged_attention::PagedSeq;
 use super::qwen3::Qwen3;
 use super::{fused, ops};
 use crate::{Error, Result};
@@ -78,16 +79,6 @@ impl PagedKvCache {
         }
         Ok(())
     }
-}
-
-/// One sequence of a [`Qwen3::decode_paged`] call: its block table, its
-/// length after the call (cached tokens plus `new`), and how many tokens the
-/// call adds (their slots must already be in `blocks`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PagedSeq {
-    pub blocks: Vec<u32>,
-    pub len: usize,
-    pub new: usize,
 }
 
 /// Where every new token of a call sits: its sequence, position and slot.

@@ -12,8 +12,17 @@ use candle_core::{Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::fused::Real;
-use super::paged::PagedSeq;
 use crate::{Error, Result};
+
+/// One sequence of a [`super::Qwen3::decode_paged`] call: its block table, its
+/// length after the call (cached tokens plus `new`), and how many tokens the
+/// call adds (their slots must already be in `blocks`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedSeq {
+    pub blocks: Vec<u32>,
+    pub len: usize,
+    pub new: usize,
+}
 
 /// The block tables of a call and where each new token sits.
 pub struct Tables<'a> {

@@ -16,11 +16,13 @@
 //! uses detached views of the same storage, so inference keeps no graph alive.
 
 use candle_core::{DType, Device, Tensor, Var};
+use rand::SeedableRng;
 
 use super::config::Config;
 use super::head::TokenStats;
 pub use super::layer::Grad;
 use super::layer::{layer_forward, weight, Layer, LayerCtx};
+use super::lora::{Adapter, LayerLora, LoraConfig, Target};
 use super::ops;
 use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
@@ -163,7 +165,7 @@ pub struct Qwen3 {
     /// When decoder layers are recomputed in the backward pass.
     recompute: RecomputeCell,
     /// The settings of the LoRA adapters the layers carry (`None`: none).
-    pub(super) lora: Option<super::lora::LoraConfig>,
+    pub(super) lora: Option<LoraConfig>,
 }
 
 /// Where the model reads its named weights from when it is built.
@@ -514,6 +516,96 @@ pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Ten
         return super::fused::logprob_entropy(&logits, targets);
     }
     ops::logprob_entropy_composed(&logits, targets)
+}
+
+/// LoRA adapters on the decoder layers' projections (see `lora.rs`).
+impl Qwen3 {
+    /// Puts fresh adapters (f32, f64 on an f64 model; on the model's device) on the `cfg.targets`
+    /// of every block: `A` as `nn.init.kaiming_uniform_(A, a=sqrt(5))`
+    /// (uniform in `±1/sqrt(in)`), `B` zero. Replaces any adapters there were.
+    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
+        cfg.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let device = self.device().clone();
+        let scale = cfg.scale();
+        let dtype = if self.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        for layer in &mut self.layers {
+            let mut lora = LayerLora::frozen_base();
+            for &t in &cfg.targets {
+                let shape = layer.base(t).dims2()?;
+                lora.insert(t, Adapter::kaiming(&mut rng, shape, cfg.rank, scale, dtype, &device)?);
+            }
+            layer.lora = lora;
+        }
+        self.lora = Some(cfg.clone());
+        Ok(())
+    }
+
+    /// The settings of the adapters the model carries (`None` without adapters).
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
+    }
+
+    /// The adapters' parameters under peft's names
+    /// (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`,
+    /// `...lora_B.weight`): what the optimizer trains with LoRA on.
+    pub fn lora_params(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                if let Some(ad) = layer.lora.get(t) {
+                    let p = format!("base_model.model.model.layers.{i}.{}", t.module());
+                    out.push((format!("{p}.lora_A.weight"), ad.a.clone()));
+                    out.push((format!("{p}.lora_B.weight"), ad.b.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every base parameter under its Hugging Face name, detached, with the
+    /// adapted projections merged (`W + scale B A`, in the base dtype): the
+    /// weights of the same function without adapters, which the rollout copy
+    /// samples from. Without adapters, [`Qwen3::params`] detached.
+    pub fn merged_params(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut merged = std::collections::HashMap::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                if layer.lora.get(t).is_some() {
+                    merged.insert(format!("model.layers.{i}.{}.weight", t.module()), layer.merged_weight(t)?);
+                }
+            }
+        }
+        Ok(self
+            .params()
+            .into_iter()
+            .map(|(n, v)| {
+                let t = merged.remove(&n).unwrap_or_else(|| v.as_tensor().detach());
+                (n, t)
+            })
+            .collect())
+    }
+
+    /// Whether any layer carries adapters.
+    pub fn has_lora(&self) -> bool {
+        self.layers.iter().any(|l| l.lora.vars().next().is_some())
+    }
+
+    /// Folds every adapter into its base weight (`W <- W + scale B A`) and
+    /// drops the adapters: the same function, one matmul per projection.
+    pub fn merge_lora(&mut self) -> Result<()> {
+        for layer in &mut self.layers {
+            for t in Target::ALL {
+                if layer.lora.get(t).is_some() {
+                    let merged = layer.merged_weight(t)?;
+                    layer.base(t).set(&merged)?;
+                }
+            }
+            layer.lora = LayerLora::default();
+        }
+        self.lora = None;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -81,9 +81,11 @@ impl StepLogits {
     }
 }
 
-/// Whether top-k or top-p removes tokens (then the vocabulary must be sorted).
+/// Whether a filter (the sampler's list: top-k, top-p, ...) removes tokens: then the
+/// vocabulary must be sorted, on the host. Asked of the sampler, so that a filter added
+/// there cannot be dropped here.
 fn filters(s: &Sampler, vocab: usize) -> bool {
-    s.temperature != 0.0 && (s.top_p < 1.0 || s.top_k.is_some_and(|k| k < vocab))
+    s.temperature != 0.0 && s.filters(vocab)
 }
 
 impl Blocked {
@@ -92,7 +94,9 @@ impl Blocked {
     pub fn new(logits: &Tensor, sampler: &Sampler) -> Result<Self> {
         let (b, v) = logits.dims2()?;
         if filters(sampler, v) {
-            return Err(Error::invalid("device sampling: top-k/top-p rows must be drawn on the host"));
+            return Err(Error::invalid(
+                "device sampling: rows with a top-k/top-p filter must be drawn on the host",
+            ));
         }
         let blocks = v.div_ceil(BLOCK);
         let l = logits.to_dtype(DType::F32)?;
@@ -225,9 +229,10 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
+    use crate::rollout::SamplingParams;
 
     fn sampler(temperature: f64) -> Sampler {
-        Sampler { temperature, top_p: 1.0, top_k: None }
+        Sampler::new(&SamplingParams { temperature, ..SamplingParams::default() })
     }
 
     /// Rows of random logits, one with a huge spread, one with exact ties, over
@@ -309,7 +314,7 @@ mod tests {
     #[test]
     fn filtered_sampling_stays_on_the_host() {
         let t = tensor(&logits(300));
-        let s = Sampler { temperature: 1.0, top_p: 0.9, top_k: None };
+        let s = Sampler::new(&SamplingParams { top_p: 0.9, ..SamplingParams::default() });
         assert!(Blocked::new(&t, &s).is_err());
         assert!(matches!(StepLogits::new(&t, &s).expect("step"), StepLogits::Host { .. }));
         assert!(matches!(StepLogits::new(&t, &sampler(1.0)).expect("step"), StepLogits::Host { .. }));

@@ -26,7 +26,7 @@
 //! next chunk waits until the last response of this one ends.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rand::rngs::StdRng;
@@ -35,11 +35,31 @@ use serde::{Deserialize, Serialize};
 
 use super::blocks::{blocks_for, BlockPool, BlockTable};
 use super::device::StepLogits;
-use super::generate::{GenerateHooks, Row, StopRules};
+use super::row::{Row, StopRules};
 use super::sampler::{row_seed, Sampler};
 use super::{Finish, Sample, SamplingParams};
 use crate::model::{PagedKvCache, PagedSeq, Qwen3};
 use crate::{Error, Result};
+
+/// Optional controls of a generation ([`super::generate_with`], [`run`]).
+#[derive(Clone, Copy, Default)]
+pub struct GenerateHooks<'a> {
+    /// Called after every step with the number of tokens sampled so far.
+    pub progress: Option<&'a dyn Fn(usize)>,
+    /// When set to true, generation stops at the next step with an error.
+    pub cancel: Option<&'a AtomicBool>,
+    /// The KV cache budget, rows decoded at once and block size.
+    pub engine: EngineConfig,
+    /// How the scheduler admits prompts (continuous batching by default).
+    pub policy: Policy,
+    /// Index of `prompts[0]` in the whole batch, for the per-response seeds: a
+    /// data-parallel rank that samples prompts `[lo, hi)` of a step's batch
+    /// passes `lo`, so every response is drawn as in a one-process run.
+    pub first_prompt_index: usize,
+    /// Forced lengths (benchmarks): response `(global prompt index, sample
+    /// index)` ends, as truncated, at this many tokens (at most `max_new_tokens`).
+    pub lengths: Option<&'a dyn Fn(usize, usize) -> usize>,
+}
 
 /// Prompt tokens prefilled per step at most (vLLM's chunked prefill budget):
 /// bounds how long a step of the decoding rows can take.

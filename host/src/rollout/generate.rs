@@ -7,37 +7,15 @@
 //! (up to float rounding of batched matmuls, which can only flip a draw that
 //! lands within ~1e-6 of a boundary).
 
-use std::sync::atomic::AtomicBool;
-
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::batch::{Finish, Sample};
-use super::engine::{self, EngineConfig, EngineStats, Policy};
-use super::sampler::TokenDraw;
+use super::batch::Sample;
+pub use super::engine::GenerateHooks;
+use super::engine::{self, EngineConfig, EngineStats};
 use super::SamplingParams;
 use crate::model::Qwen3;
 use crate::{Error, Result};
-
-/// Optional controls of [`generate_with`].
-#[derive(Clone, Copy, Default)]
-pub struct GenerateHooks<'a> {
-    /// Called after every step with the number of tokens sampled so far.
-    pub progress: Option<&'a dyn Fn(usize)>,
-    /// When set to true, generation stops at the next step with an error.
-    pub cancel: Option<&'a AtomicBool>,
-    /// The KV cache budget, rows decoded at once and block size.
-    pub engine: EngineConfig,
-    /// How the scheduler admits prompts (continuous batching by default).
-    pub policy: Policy,
-    /// Index of `prompts[0]` in the whole batch, for the per-response seeds: a
-    /// data-parallel rank that samples prompts `[lo, hi)` of a step's batch
-    /// passes `lo`, so every response is drawn as in a one-process run.
-    pub first_prompt_index: usize,
-    /// Forced lengths (benchmarks): response `(global prompt index, sample
-    /// index)` ends, as truncated, at this many tokens (at most `max_new_tokens`).
-    pub lengths: Option<&'a dyn Fn(usize, usize) -> usize>,
-}
 
 /// Samples `params.n` responses for each prompt (token ids, any lengths).
 ///
@@ -119,113 +97,6 @@ pub fn generate_stats(
     Ok((out, stats))
 }
 
-/// When a response ends.
-pub(super) struct StopRules {
-    eos: Option<u32>,
-    tokens: Vec<u32>,
-    strings: Vec<String>,
-    /// Tokens decoded from the end of a response to look for stop strings.
-    window: usize,
-}
-
-impl StopRules {
-    pub(super) fn new(params: &SamplingParams, eos: Option<u32>) -> Self {
-        let longest = params.stop_strings.iter().map(String::len).max().unwrap_or(0);
-        // A stop string completed by the newest token lies within its last
-        // `len` tokens if every token decodes to at least one byte; the margin
-        // covers tokens that decode to nothing (e.g. skipped special tokens).
-        Self {
-            eos,
-            tokens: params.stop_token_ids.clone(),
-            strings: params.stop_strings.clone(),
-            window: 2 * longest + 8,
-        }
-    }
-
-    /// Whether `ids` (a response so far) has just been ended by its last token.
-    /// Only the tail is decoded, so the check costs O(window) per token rather
-    /// than O(length).
-    pub(super) fn check(&self, ids: &[u32], decode: &dyn Fn(&[u32]) -> String) -> Option<Finish> {
-        let &last = ids.last()?;
-        if Some(last) == self.eos {
-            return Some(Finish::Eos);
-        }
-        if self.tokens.contains(&last) {
-            return Some(Finish::Stop);
-        }
-        if !self.strings.is_empty() {
-            let text = decode(&ids[ids.len().saturating_sub(self.window)..]);
-            if self.strings.iter().any(|s| text.contains(s.as_str())) {
-                return Some(Finish::StopString);
-            }
-        }
-        None
-    }
-}
-
-/// One response being generated.
-pub(super) struct Row {
-    prompt_index: usize,
-    sample_index: usize,
-    pub(super) rng: StdRng,
-    pub(super) ids: Vec<u32>,
-    logprobs: Vec<f32>,
-    old_logprobs: Vec<f32>,
-    entropies: Vec<f32>,
-    pub(super) done: bool,
-}
-
-impl Row {
-    /// An empty response of prompt `prompt_index` (local), sample
-    /// `sample_index`, drawing from `rng`, with room for `cap` tokens.
-    pub(super) fn new(prompt_index: usize, sample_index: usize, rng: StdRng, cap: usize) -> Self {
-        // Reserve a little: most responses end long before `max_new_tokens`.
-        let cap = cap.min(256);
-        Self {
-            prompt_index,
-            sample_index,
-            rng,
-            ids: Vec::with_capacity(cap),
-            logprobs: Vec::with_capacity(cap),
-            old_logprobs: Vec::with_capacity(cap),
-            entropies: Vec::with_capacity(cap),
-            done: false,
-        }
-    }
-
-    pub(super) fn push(&mut self, d: TokenDraw) {
-        self.ids.push(d.id);
-        self.logprobs.push(d.logprob);
-        self.old_logprobs.push(d.logprob_raw);
-        self.entropies.push(d.entropy);
-    }
-
-    /// Moves the response out into a [`Sample`].
-    pub(super) fn finish(
-        &mut self,
-        finish: Finish,
-        prompt: &[u32],
-        decode: &dyn Fn(&[u32]) -> String,
-    ) -> Sample {
-        self.done = true;
-        let response_ids = std::mem::take(&mut self.ids);
-        Sample {
-            group: self.prompt_index,
-            prompt_index: self.prompt_index,
-            sample_index: self.sample_index,
-            prompt_ids: prompt.to_vec(),
-            text: decode(&response_ids),
-            response_ids,
-            logprobs: std::mem::take(&mut self.logprobs),
-            old_logprobs: std::mem::take(&mut self.old_logprobs),
-            entropies: std::mem::take(&mut self.entropies),
-            finish,
-            truncated: finish == Finish::Length,
-            reward: None,
-        }
-    }
-}
-
 /// Generation throughput in sampled tokens per second, prefill included:
 /// `batch` random prompts of `prompt_len` tokens, one sample each at
 /// temperature 1, exactly `new_tokens` new tokens each (EOS ignored).
@@ -245,12 +116,14 @@ pub fn bench_generate(model: &Qwen3, batch: usize, prompt_len: usize, new_tokens
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+    use std::sync::atomic::AtomicBool;
 
     use candle_core::Tensor;
 
     use super::*;
     use crate::model::{logprob_entropy, Grad, TokenBatch};
     use crate::rollout::test_support::{angle_decode, tiny_model};
+    use crate::rollout::{Finish, Policy};
 
     fn prompts() -> Vec<Vec<u32>> {
         vec![vec![5, 9, 13], vec![2, 40, 41, 42, 43, 44, 45], vec![77], vec![60, 61, 3, 3, 8]]

@@ -22,11 +22,12 @@ pub mod engine;
 pub mod generate;
 pub mod generator;
 pub mod params;
+mod row;
 pub mod sampler;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
-pub use engine::{EngineConfig, EngineStats, Policy, RolloutFigures};
-pub use generate::{bench_generate, generate, generate_stats, generate_with, GenerateHooks};
+pub use engine::{EngineConfig, EngineStats, GenerateHooks, Policy, RolloutFigures};
+pub use generate::{bench_generate, generate, generate_stats, generate_with};
 pub use generator::{check_vocab, Generation, Generator};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};

@@ -129,8 +129,9 @@ impl Sampler {
         Self { temperature: params.temperature, top_p: params.top_p, top_k: params.top_k }
     }
 
-    /// True when a top-k or top-p filter removes tokens.
-    fn filters(&self, vocab: usize) -> bool {
+    /// True when a filter (top-k, top-p) removes tokens: the one list of the
+    /// filters, which the device path (`device.rs`) asks too.
+    pub(super) fn filters(&self, vocab: usize) -> bool {
         self.top_p < 1.0 || self.top_k.is_some_and(|k| k < vocab)
     }
 

@@ -1,5 +1,6 @@
 //! The integration test binary: one process, one module per concern.
 
+mod acyclic;
 mod common;
 mod dataset;
 mod dist;

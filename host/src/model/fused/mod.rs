@@ -28,8 +28,6 @@ use candle_core::{
 };
 use gemm::Parallelism;
 
-use super::options::Kernels;
-
 /// True when the fused kernels serve `t`: a CPU tensor in f32 or f64, while
 /// the kernels in force are [`Kernels::Fused`] (see [`Kernels::current`]:
 /// `STAPO_NO_FUSED=1` or `--kernels composed` turn them off for A/B checks).
@@ -266,6 +264,7 @@ fn split_like<const N: usize>(flat: &Tensor, like: [&Tensor; N]) -> Grads<N> {
 pub mod attention;
 pub mod gemv;
 pub mod head;
+mod kernels;
 pub mod linear;
 pub mod norm;
 pub mod roofline;
@@ -280,6 +279,7 @@ pub mod vocab;
 
 pub use attention::{attention, attention_blockwise};
 pub use head::logprob_entropy;
+pub use kernels::Kernels;
 pub use linear::linear;
 pub use norm::rms_norm;
 pub use rope::norm_rope;

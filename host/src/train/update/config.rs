@@ -5,10 +5,10 @@
 //! adds ([`UpdateConfig`]: seed, temperature), and the options of a lone update
 //! ([`UpdateOptions`], the `update` binding and `stapo update`).
 
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::RolloutCorrection;
 use crate::algo::ObjectiveConfig;
 use crate::model::LoraConfig;
 use crate::overlay;
@@ -280,4 +280,147 @@ impl UpdateOptions {
             UpdateConfig { actor, seed: self.seed, temperature: self.temperature, token_grad_norms: false };
         Ok((cfg, notes))
     }
+}
+
+// The rollout correction's settings (what `rollout_corr.rs` computes with them).
+
+/// verl keeps IS weights within `[exp(-20), exp(20)]`.
+pub(super) const LOG_WEIGHT_CLAMP: f64 = 20.0;
+
+/// Which correction the update applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutCorrMode {
+    /// `token_tis` when rollouts sample from a copy in another dtype than the master
+    /// weights (at temperature 1, old log-probs recomputed), else `off`.
+    #[default]
+    Auto,
+    Off,
+    TokenTis,
+    SeqMis,
+}
+
+/// The rollout correction as a run or an update gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutCorrection {
+    pub mode: RolloutCorrMode,
+    /// token-TIS: the cap of the token weight (verl's `rollout_is_threshold`, 2); also the
+    /// threshold of the `fraction_high` metric.
+    pub cap: f32,
+    /// seq-MIS: the bounds of the sequence weight outside which a sequence is rejected.
+    pub seq_lower: f32,
+    pub seq_upper: f32,
+}
+
+impl Default for RolloutCorrection {
+    fn default() -> Self {
+        RolloutCorrection { mode: RolloutCorrMode::Auto, cap: 2.0, seq_lower: 0.5, seq_upper: 2.0 }
+    }
+}
+
+fn field_err(field: &str, msg: String) -> Error {
+    Error::Config { file: "run config".into(), field: format!("rollout_correction.{field}"), msg }
+}
+
+impl RolloutCorrection {
+    /// Checks the numbers: `cap >= 1`, `0 < seq_lower <= 1 <= seq_upper`, all finite.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.cap.is_finite() && self.cap >= 1.0) {
+            return Err(field_err("cap", format!("expected a number >= 1, found {}", self.cap)));
+        }
+        if !(self.seq_lower.is_finite() && self.seq_lower > 0.0 && self.seq_lower <= 1.0) {
+            return Err(field_err(
+                "seq_lower",
+                format!("expected a number in (0, 1], found {}", self.seq_lower),
+            ));
+        }
+        if !(self.seq_upper.is_finite() && self.seq_upper >= 1.0) {
+            return Err(field_err("seq_upper", format!("expected a number >= 1, found {}", self.seq_upper)));
+        }
+        Ok(())
+    }
+
+    /// The correction in force for an update whose rollouts sampled from a copy in another
+    /// dtype (`copy_differs`), with the logits divided by `temperature` and old log-probs
+    /// from `old_logp`: `auto` becomes `token_tis` or `off`. An explicit mode where the
+    /// rollout's log-probs cannot be compared with the old ones is an error naming why;
+    /// the second value is a note when `auto` turned it off although the copy differs.
+    pub fn resolve(
+        &self,
+        copy_differs: bool,
+        temperature: f64,
+        old_logp: OldLogp,
+    ) -> Result<(RolloutCorrection, Option<String>)> {
+        self.validate()?;
+        let blocker = if temperature != 1.0 {
+            Some(format!(
+                "the rollout's log-probs are recorded at temperature 1 while the update divides the \
+                 logits by {temperature}: at T != 1 the sampled log-probs are not the policy's"
+            ))
+        } else if old_logp == OldLogp::Rollout {
+            Some("old_logp = rollout: the ratio's denominator already is the rollout's log-probs".to_string())
+        } else {
+            None
+        };
+        let mode = match (self.mode, &blocker) {
+            (RolloutCorrMode::Auto, Some(why)) => {
+                let note = copy_differs.then(|| format!("rollout correction off: {why}"));
+                return Ok((RolloutCorrection { mode: RolloutCorrMode::Off, ..*self }, note));
+            }
+            (RolloutCorrMode::Auto, None) if copy_differs => RolloutCorrMode::TokenTis,
+            (RolloutCorrMode::Auto, None) => RolloutCorrMode::Off,
+            (RolloutCorrMode::Off, _) => RolloutCorrMode::Off,
+            (m, Some(why)) => {
+                return Err(field_err(
+                    "mode",
+                    format!("{} cannot be applied: {why}; use off or auto", m.name()),
+                ))
+            }
+            (m, None) => m,
+        };
+        Ok((RolloutCorrection { mode, ..*self }, None))
+    }
+
+    /// Whether a correction is applied (`auto` unresolved counts as off).
+    pub fn active(&self) -> bool {
+        matches!(self.mode, RolloutCorrMode::TokenTis | RolloutCorrMode::SeqMis)
+    }
+
+    /// seq-MIS: whether a sequence with these old and rollout log-probs stays in the loss.
+    pub fn keeps_sequence(&self, old: &[f32], rollout: &[f32]) -> bool {
+        let rho = seq_log_weight(old, rollout).exp();
+        rho >= self.seq_lower as f64 && rho <= self.seq_upper as f64
+    }
+
+    /// The constant per-token weight of the policy loss for `(B, T)` log-ratios
+    /// `d = old - rollout` (0 outside the response), or `None` without correction.
+    pub fn weights(&self, d: &Tensor) -> Result<Option<Tensor>> {
+        let c = LOG_WEIGHT_CLAMP as f32;
+        Ok(match self.mode {
+            RolloutCorrMode::TokenTis => Some(d.clamp(-c, c)?.exp()?.minimum(self.cap)?),
+            RolloutCorrMode::SeqMis => {
+                let s = d.sum_keepdim(1)?.clamp(-c, c)?.exp()?;
+                Some(s.broadcast_as(d.shape())?.contiguous()?)
+            }
+            RolloutCorrMode::Auto | RolloutCorrMode::Off => None,
+        })
+    }
+}
+
+impl RolloutCorrMode {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            RolloutCorrMode::Auto => "auto",
+            RolloutCorrMode::Off => "off",
+            RolloutCorrMode::TokenTis => "token_tis",
+            RolloutCorrMode::SeqMis => "seq_mis",
+        }
+    }
+}
+
+/// `sum_t (old - rollout)`, clamped to ±20 (the log of the sequence weight).
+fn seq_log_weight(old: &[f32], rollout: &[f32]) -> f64 {
+    let s: f64 = old.iter().zip(rollout).map(|(&o, &r)| o as f64 - r as f64).sum();
+    s.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
 }

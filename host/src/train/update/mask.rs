@@ -3,7 +3,6 @@
 
 use candle_core::{DType, Tensor};
 
-use super::global_normaliser;
 use super::layout::{layout, response_logp};
 use super::micro::{Ctx, Forward, MiniBatch};
 use crate::algo::{self, MaskConfig, Normaliser, S2tStats, S2tThresholds, TauH};
@@ -207,4 +206,15 @@ pub(super) fn normalisers(
     };
     let fixed = norm_len.is_some();
     Ok((global_normaliser(x.comm, local, fixed)?, global_normaliser(x.comm, local_resp, fixed)?))
+}
+
+/// The normaliser of a global mini-batch from each rank's part: kept tokens and
+/// sequences summed, the default length (`norm_len` not `fixed`) the longest over ranks.
+fn global_normaliser(comm: &dyn Comm, local: Normaliser, fixed: bool) -> Result<Normaliser> {
+    if comm.size() == 1 {
+        return Ok(local);
+    }
+    let [tokens, seqs] = dist::sum_f64(comm, [local.tokens, local.seqs])?;
+    let norm_len = if fixed { local.norm_len } else { dist::max_f64(comm, local.norm_len)? };
+    Ok(Normaliser { tokens, seqs, norm_len })
 }

@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 
 use super::analysis::{grad_shares, logit_grad_norm};
 use super::layout::rows;
-use super::micro::MiniBatch;
 use super::rollout_corr::{CorrSums, RolloutCorrMetrics};
 use super::score::Scored;
 use super::Sequence;
@@ -261,14 +260,16 @@ pub(super) fn entropy_p99(comm: &dyn Comm, record: &UpdateRecord) -> Result<Opti
     Ok(crate::algo::quantile_linear(&all, 0.99))
 }
 
-/// Stores the first epoch's kept and silenced tokens of a mini-batch in the record.
+/// Stores the first epoch's kept and silenced tokens of a mini-batch in the record:
+/// `idx` and `ss` are the mini-batch's sequence indices and sequences, in its layout
+/// order (the rows of `mask`).
 pub(super) fn record_mask(
     record: &mut UpdateRecord,
-    mb: &MiniBatch,
+    (idx, ss): (&[usize], &[&Sequence]),
     mask: &Tensor,
     s2t: Option<&S2tStats>,
 ) -> Result<()> {
-    for (&i, row) in mb.idx.iter().zip(rows(mask, &mb.ss)?) {
+    for (&i, row) in idx.iter().zip(rows(mask, ss)?) {
         record.kept[i] = row.iter().map(|&x| x > 0.5).collect();
         if s2t.is_some() {
             record.silenced[i] = vec![false; row.len()];
@@ -276,7 +277,7 @@ pub(super) fn record_mask(
     }
     if let Some(st) = s2t {
         for &(b, j) in &st.positions {
-            record.silenced[mb.idx[b]][j] = true;
+            record.silenced[idx[b]][j] = true;
         }
     }
     Ok(())

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::layout::{grid, layout, response_stats, rows, Cut, Micro, Span};
 use super::metrics::Totals;
 use super::old_logp::OldLogps;
-use super::rollout_corr::RolloutCorrection;
+use super::RolloutCorrection;
 use super::{Sequence, UpdateConfig};
 use crate::algo::{compute_loss, LossInputs, Normaliser};
 use crate::dist::Comm;

@@ -48,12 +48,13 @@ pub use analysis::{
     grad_shares, logit_grad_norm, token_analysis, GradShares, TokenAnalysis, TOP_1PCT, TOP_GRAD_FRAC, TOP_K,
 };
 pub use config::{under, ActorConfig, OldLogp, Sequence, UpdateConfig, UpdateOptions};
+pub use config::{RolloutCorrMode, RolloutCorrection};
 pub use mask::{token_mask, token_mask_on};
 pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
-pub use rollout_corr::{RolloutCorrMetrics, RolloutCorrMode, RolloutCorrection};
+pub use rollout_corr::RolloutCorrMetrics;
 pub use score::{active_sequences, score, Scored};
 
-use crate::algo::{MaskConfig, Normaliser, S2tStats, S2tThresholds};
+use crate::algo::{MaskConfig, S2tStats, S2tThresholds};
 use crate::dist::{self, Comm, Local};
 use crate::model::Qwen3;
 use crate::train::optim::{AdamW, Optimizer};
@@ -247,7 +248,7 @@ fn mini_batch_step(
     }
     record_s2t(x, mb, masked.as_ref(), out)?;
     if let (0, Some((mask, s2t))) = (mb.epoch, &masked) {
-        record_mask(&mut out.record, mb, mask, s2t.as_ref())?;
+        record_mask(&mut out.record, (&mb.idx, &mb.ss), mask, s2t.as_ref())?;
     }
     let (norm, response_norm) = mask::normalisers(x, mb, masked.as_ref().map(|(m, _)| m))?;
 
@@ -384,15 +385,4 @@ fn sync_over_ranks(x: &Ctx, loss: Option<f64>) -> Result<Option<f64>> {
         return Ok(None);
     }
     Ok(Some(sum))
-}
-
-/// The normaliser of a global mini-batch from each rank's part: kept tokens and
-/// sequences summed, the default length (`norm_len` not `fixed`) the longest over ranks.
-fn global_normaliser(comm: &dyn Comm, local: Normaliser, fixed: bool) -> Result<Normaliser> {
-    if comm.size() == 1 {
-        return Ok(local);
-    }
-    let [tokens, seqs] = dist::sum_f64(comm, [local.tokens, local.seqs])?;
-    let norm_len = if fixed { local.norm_len } else { dist::max_f64(comm, local.norm_len)? };
-    Ok(Normaliser { tokens, seqs, norm_len })
 }

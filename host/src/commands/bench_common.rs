@@ -1,0 +1,259 @@
+//! What every `stapo bench` part shares: the command's arguments
+//! ([`BenchArgs`]), FLOP counts, timing, peak memory, the report line and a
+//! synthetic RL batch. `bench.rs` dispatches to the parts (`bench_lengths.rs`,
+//! `bench_rollout.rs`, `bench_shard.rs`); all of them import this file, which
+//! imports none of them.
+
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use stapo::model::Config;
+use stapo::train::Sequence;
+
+use super::DeviceArgs;
+
+/// Which part of the pipeline `stapo bench` times.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    /// Forward pass over a batch (hidden states and logits), no graph.
+    Forward,
+    /// The pieces of one RL update: old-policy forward, forward + loss,
+    /// backward, optimizer, and the full `train::update` step.
+    Train,
+    /// Batched sampling with a KV cache.
+    Generate,
+    /// One rollout with forced lengths (`--lengths lognormal:LO:HI`): continuous
+    /// batching over the paged cache against the static policy at equal cache memory.
+    Rollout,
+    /// candle CPU matmul for this shape's products in the layouts the step uses.
+    Matmul,
+    /// AdamW steps over this shape's parameter count (f32, CPU), ours against candle-nn's.
+    Optimizer,
+    /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one
+    /// process or every rank under `mpirun -np N`: optimizer bytes, peak RSS, seconds.
+    Shard,
+    /// Everything.
+    All,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// What to time.
+    #[arg(value_enum, default_value = "all")]
+    pub what: What,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence; for `train`, a comma-separated list (1024,2048,...)
+    /// prints one row per length: full update time, tokens/s, peak memory and
+    /// the memory growth per token from the previous length.
+    #[arg(long = "seq", value_delimiter = ',', default_value = "128")]
+    pub seqs: Vec<usize>,
+    /// Response tokens per sequence for `train` (the rest is prompt); default seq / 2.
+    #[arg(long)]
+    pub response: Option<usize>,
+    /// Prompt tokens for `generate`.
+    #[arg(long, default_value_t = 16)]
+    pub prompt: usize,
+    /// New tokens per sequence for `generate`.
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Long-answer cases for `generate`: new tokens per sequence, comma-separated
+    /// (e.g. 1024,4096), each timed once with its KV-cache size and peak memory.
+    #[arg(long, value_delimiter = ',')]
+    pub long: Vec<usize>,
+    /// Activation checkpointing for `train`: auto, on or off (default:
+    /// $STAPO_RECOMPUTE, else auto).
+    #[arg(long)]
+    pub recompute: Option<String>,
+    /// Kernels: `fused` (the fused CPU kernels where they apply) or `composed`
+    /// (candle ops on every device: the code CUDA and bf16 run; default:
+    /// composed when $STAPO_NO_FUSED=1, else fused).
+    #[arg(long)]
+    pub kernels: Option<String>,
+    /// Timed repetitions (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Untimed full updates before each length of the `--seq` table is timed
+    /// (first-step costs: allocating the AdamW moments, faulting pages in).
+    /// The peak memory then counts from what the warm-up left allocated, as
+    /// in a long run.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// `train`: the `--seq` table (a fresh process per length, one full
+    /// update per repetition, no pieces) even for one length.
+    #[arg(long)]
+    pub table: bool,
+    /// Internal: run one length of the `--seq` table in this process and print
+    /// it as one machine-readable row. The table runs each length in a fresh
+    /// process, so that no length's peak memory depends on the lengths before
+    /// it (freed memory that the allocator keeps would count).
+    #[arg(long, hide = true)]
+    pub table_row: bool,
+    /// For `train`: response lengths drawn from `lognormal:LO:HI` (LO and HI the 2.5% and
+    /// 97.5% quantiles, draws clamped to them; prompts of `--prompt` tokens, `--batch`
+    /// responses): one full update with padded micro-batches against one with micro-batches
+    /// cut by `--max-tokens-per-micro`, with their padding shares.
+    #[arg(long)]
+    pub lengths: Option<String>,
+    /// With `--lengths`: the token budget of the budget path.
+    #[arg(long, default_value_t = 16384)]
+    pub max_tokens_per_micro: usize,
+    /// With `--lengths`: sequences per micro-batch of the padded path (default: as many
+    /// of the longest sequence as fit the budget).
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// `rollout`: prompts, each sampled `--samples` times.
+    #[arg(long, default_value_t = 64)]
+    pub prompts: usize,
+    /// `rollout`: responses per prompt (the GRPO group size).
+    #[arg(long, default_value_t = 8)]
+    pub samples: usize,
+    /// `rollout`: prompt tokens.
+    #[arg(long, default_value_t = 128)]
+    pub rollout_prompt: usize,
+    /// `rollout`: most new tokens per response (what the static policy reserves).
+    #[arg(long, default_value_t = 4096)]
+    pub max_new: usize,
+    /// `rollout`: rows the paged engine decodes at once; by default the cache budget is
+    /// what the static policy reserves for this many full-length sequences.
+    #[arg(long, default_value_t = 16)]
+    pub max_rows: usize,
+    /// `rollout`: the KV cache budget of both engines, in GB (the static policy's rows
+    /// are the whole groups that fit it at full length).
+    #[arg(long)]
+    pub kv_cache_gb: Option<f64>,
+    /// `rollout`: rounds of (static, paged), interleaved.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// `rollout`: run the paged engine alone (no static baseline), e.g. at a GPU's cache size.
+    #[arg(long)]
+    pub paged_only: bool,
+    /// `rollout`: the paged engine alone at each of these row caps (e.g. `8,16,32,64`), at the
+    /// same cache budget, interleaved over `--rounds` in one process: which `max_rows` gives
+    /// the most tokens/s on this machine.
+    #[arg(long, value_delimiter = ',')]
+    pub rows_sweep: Vec<usize>,
+    /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
+    #[arg(long, default_value = "none")]
+    pub shard: String,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// LoRA: `train` updates adapters on a frozen base (AdamW over the adapters alone);
+    /// `generate` times the unmerged adapter path against merged weights.
+    #[command(flatten)]
+    pub lora: super::lora::LoraArgs,
+}
+
+/// A Qwen3 shape; defaults are the 16.8M benchmark model.
+#[derive(Args, Debug, Clone)]
+pub struct ShapeArgs {
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 512)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 8)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 4)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    #[arg(long, default_value_t = 1536)]
+    pub intermediate: usize,
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+    /// Untie the LM head from the embedding.
+    #[arg(long)]
+    pub untied: bool,
+}
+
+impl ShapeArgs {
+    pub fn config(&self) -> anyhow::Result<Config> {
+        let v = serde_json::json!({
+            "vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "tie_word_embeddings": !self.untied, "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        });
+        Ok(Config::from_json_str(&v.to_string(), "bench shape")?)
+    }
+}
+
+/// Matmul FLOPs of one forward pass over `tokens` tokens of `seq` length
+/// (projections, attention scores and context, LM head).
+pub fn forward_flops(cfg: &Config, batch: usize, seq: usize) -> f64 {
+    let t = (batch * seq) as f64;
+    let (h, i, d) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.head_dim as f64);
+    let (nq, nkv) = (cfg.num_attention_heads as f64, cfg.num_key_value_heads as f64);
+    let proj = 2.0 * t * (h * nq * d * 2.0 + h * nkv * d * 2.0 + 3.0 * h * i);
+    let attn = 2.0 * 2.0 * batch as f64 * nq * (seq * seq) as f64 * d;
+    let head = 2.0 * t * h * cfg.vocab_size as f64;
+    cfg.num_hidden_layers as f64 * (proj + attn) + head
+}
+
+/// Matmul FLOPs of the forward pass that an update runs: the decoder over all
+/// `seq` positions, the LM head over the `resp` response positions only.
+pub fn update_forward_flops(cfg: &Config, batch: usize, seq: usize, resp: usize) -> f64 {
+    let head = |n: usize| 2.0 * (batch * n) as f64 * cfg.hidden_size as f64 * cfg.vocab_size as f64;
+    forward_flops(cfg, batch, seq) - head(seq) + head(resp)
+}
+
+/// User + system CPU seconds used by this process so far (Linux `/proc/self/stat`,
+/// assuming the usual 100 clock ticks per second).
+pub fn cpu_seconds() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = s.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// Peak resident memory of this process, in bytes (Linux `VmHWM`).
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Runs `f` once to warm up, then `reps` times; returns the mean seconds.
+pub fn time<F: FnMut() -> anyhow::Result<()>>(reps: usize, mut f: F) -> anyhow::Result<f64> {
+    f()?;
+    let start = Instant::now();
+    for _ in 0..reps.max(1) {
+        f()?;
+    }
+    Ok(start.elapsed().as_secs_f64() / reps.max(1) as f64)
+}
+
+/// Synthetic RL batch: `batch` sequences of `seq - resp` prompt and `resp`
+/// response tokens, in groups of 4 with mixed rewards (so advantages are nonzero).
+pub(super) fn synthetic_sequences(cfg: &Config, batch: usize, seq: usize, resp: usize) -> Vec<Sequence> {
+    let v = cfg.vocab_size;
+    let tok = |b: usize, t: usize| ((b * 7919 + t * 104_729 + 1) % v) as u32;
+    (0..batch)
+        .map(|b| Sequence {
+            prompt_ids: (0..seq - resp).map(|t| tok(b / 4, t)).collect(),
+            response_ids: (seq - resp..seq).map(|t| tok(b, t)).collect(),
+            rollout_logprobs: None,
+            reward: (b % 2) as f32,
+            group: b / 4,
+            truncated: false,
+        })
+        .collect()
+}
+
+/// Asks Linux to restart the peak-RSS count (`VmHWM`) from the current RSS.
+pub(super) fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Prints one timing line: seconds, tokens/s and GFLOP/s when FLOPs are known.
+pub fn report(name: &str, secs: f64, flops: Option<f64>, tokens: usize) {
+    let gf = flops.map(|f| format!("  {:>7.1} GFLOP/s", f / secs / 1e9)).unwrap_or_default();
+    println!("{name:<30} {:>9.1} ms  {:>9.0} tok/s{gf}", secs * 1e3, tokens as f64 / secs);
+}
