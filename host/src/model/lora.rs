@@ -9,8 +9,8 @@
 //! adapter term is computed in the adapters' dtype and cast to the output's.
 //!
 //! Below layer.rs and qwen3.rs (it imports only `ops`): it knows adapters, not layers. `layer.rs` routes every
-//! projection through its adapter ([`Adapter::delta`]), `qwen3.rs` puts adapters
-//! on a model and merges them ([`Adapter::merged`]).
+//! projection through its adapter (`Adapter::delta`), `qwen3.rs` puts adapters
+//! on a model and merges them (`Adapter::merged`).
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::Rng;

@@ -41,7 +41,7 @@ use super::{Finish, Sample, SamplingParams};
 use crate::model::{PagedKvCache, PagedSeq, Qwen3};
 use crate::{Error, Result};
 
-/// Optional controls of a generation ([`super::generate_with`], [`run`]).
+/// Optional controls of a generation ([`super::generate_with`] and this module's `run`).
 #[derive(Clone, Copy, Default)]
 pub struct GenerateHooks<'a> {
     /// Called after every step with the number of tokens sampled so far.
