@@ -222,7 +222,7 @@ bench_rollout() {
     local name=$1 shape=$2 np=$3 lengths=$4 max=$5 gb=$6 limit=$7
     # shellcheck disable=SC2086
     run "$name" "$limit" bench rollout $shape --paged-only --prompts "$np" --samples 8 --lengths "$lengths" \
-        --max-new "$max" --max-rows 256 --kv-cache-gb "$gb" --device cuda --dtype bfloat16
+        --max-new "$max" --paged-rows 256 --kv-cache-gb "$gb" --device cuda --dtype bfloat16
     local tps
     tps=$(grep -oE "^rollout \(paged only\): [0-9.]+ tok/s" "$LOG_DIR/$name.log" | grep -oE "[0-9.]+ tok/s" | awk '{print $1}')
     if [[ $RC -eq 0 && -n "$tps" ]]; then

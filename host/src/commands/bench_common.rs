@@ -117,10 +117,14 @@ pub struct BenchArgs {
     /// `rollout`: most new tokens per response (what the static policy reserves).
     #[arg(long, default_value_t = 4096)]
     pub max_new: usize,
-    /// `rollout`: rows the paged engine decodes at once; by default the cache budget is
-    /// what the static policy reserves for this many full-length sequences.
+    /// `rollout`: the static policy's rows (today's engine); by default the cache budget
+    /// of both engines is what these reserve at full length.
     #[arg(long, default_value_t = 16)]
     pub max_rows: usize,
+    /// `rollout`: rows the paged engine decodes at once; default the engine's default for
+    /// the device (`rollout::engine::CPU_MAX_ROWS` on the CPU).
+    #[arg(long)]
+    pub paged_rows: Option<usize>,
     /// `rollout`: the KV cache budget of both engines, in GB (the static policy's rows
     /// are the whole groups that fit it at full length).
     #[arg(long)]

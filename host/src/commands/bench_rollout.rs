@@ -115,7 +115,7 @@ fn plan(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<Plan> {
         params,
         budget_gb,
         static_rows: fit / n * n,
-        paged_rows: a.max_rows,
+        paged_rows: a.paged_rows.unwrap_or_else(|| EngineConfig::default().rows(m)),
     })
 }
 

@@ -65,9 +65,12 @@ pub struct GenerateHooks<'a> {
 /// bounds how long a step of the decoding rows can take.
 pub const PREFILL_TOKENS: usize = 512;
 
-/// Rows decoded at once on the CPU by default: at the 16.8M shape a step of
-/// 16 rows yields more tokens per second than one of 64 (issue 34).
-pub const CPU_MAX_ROWS: usize = 16;
+/// Rows decoded at once on the CPU by default. Measured on the 2-core AVX2 machine
+/// (2026-12-04, quiet; `stapo bench rollout --lengths lognormal:50:1000 --prompts 8
+/// --max-new 1024 --rows-sweep 16,32,64`, 16.8M shape): 521, 685 and 818 tok/s: a
+/// decode step streams every weight once whatever its rows, so fuller steps win.
+/// (On the AVX-512 machine of the issue, 16 rows had beaten 64 with the dense cache.)
+pub const CPU_MAX_ROWS: usize = 64;
 
 /// Rows decoded at once by default on other devices (a GPU step costs about
 /// the same for 8 rows as for 200).
