@@ -108,9 +108,8 @@ fn nothing_lost_01_lr_times_weight_decay_at_least_one_is_refused() {
 #[test]
 fn nothing_lost_01_checkpoint_with_nan_never_becomes_latest() {
     let dir = tempdir();
-    let (model, train, _) = arith_fixture(dir.path());
+    let (mut t, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
-    let mut t = Trainer::new(config(model, train), &run).unwrap();
     t.step(&t.default_plan(), None, None).unwrap();
     t.checkpoint().unwrap();
     t.step(&t.default_plan(), None, None).unwrap();
@@ -206,9 +205,8 @@ fn nothing_lost_03_run_refuses_a_foreign_non_empty_folder() {
 #[test]
 fn nothing_lost_04_second_process_on_a_run_folder_is_refused() {
     let dir = tempdir();
-    let (model, train, _) = arith_fixture(dir.path());
+    let (mut a, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
-    let mut a = Trainer::new(config(model, train), &run).unwrap();
     a.step(&a.default_plan(), None, None).unwrap();
     a.checkpoint().unwrap();
     let e = Trainer::resume(&run).err().unwrap().to_string();
@@ -232,9 +230,8 @@ fn nothing_lost_04_second_process_on_a_run_folder_is_refused() {
 #[test]
 fn nothing_lost_05_leftover_tmp_checkpoints_are_removed_at_resume() {
     let dir = tempdir();
-    let (model, train, _) = arith_fixture(dir.path());
+    let (mut a, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
-    let mut a = Trainer::new(config(model, train), &run).unwrap();
     a.step(&a.default_plan(), None, None).unwrap();
     a.checkpoint().unwrap();
     drop(a);

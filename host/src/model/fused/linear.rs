@@ -35,27 +35,12 @@ impl Kernel<2> for Linear {
             return Ok((T::cpu_storage_data(f32::to_cpu_storage_owned(y))?, Shape::from(out_dims)));
         }
         let [x, w] = data::<T, 2>(&ins)?;
-        let mut y = vec![zero::<T>(); n * o];
         if one_position && n <= gemv::MAX_ROWS {
+            let mut y = vec![zero::<T>(); n * o];
             gemv::gemv(x, w, &mut y, n, o, k);
             return Ok((y, Shape::from(out_dims)));
         }
-        // SAFETY: x is n×k, w is o×k, y is n×o, all contiguous and owned here.
-        unsafe {
-            mm_par(
-                (n, o, k),
-                y.as_mut_ptr(),
-                o,
-                false,
-                x.as_ptr(),
-                (k, 1),
-                w.as_ptr(),
-                (1, k),
-                T::from_f64(1.0),
-                all_threads(),
-            );
-        }
-        Ok((y, Shape::from(out_dims)))
+        Ok((x_wt(x, w, (n, o, k)), Shape::from(out_dims)))
     }
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
@@ -77,13 +62,20 @@ impl Kernel<2> for Linear {
 fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: bool) -> Result32 {
     let x = ins[0].data::<f32>()?;
     let w = ins[1].data::<bf16>()?;
-    let mut y = vec![0f32; n * o];
     if decode {
+        let mut y = vec![0f32; n * o];
         simd::gemv_w(x, w, &mut y, n, o, k);
         return Ok(y);
     }
-    let wf = simd::widen(w);
-    // SAFETY: x is n×k, wf is o×k, y is n×o, all contiguous and owned here.
+    Ok(x_wt(x, &simd::widen(w), (n, o, k)))
+}
+
+/// `x w^T` for `x` (n×k) and `w` (o×k), one gemm over all threads: the product
+/// of every projection too large for the decoding gemv.
+fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
+    debug_assert!(x.len() == n * k && w.len() == o * k, "x_wt: operands do not match ({n}, {o}, {k})");
+    let mut y = vec![zero::<T>(); n * o];
+    // SAFETY: x is n×k, w is o×k (the callers' layouts), y is n×o, all contiguous and owned here.
     unsafe {
         mm_par(
             (n, o, k),
@@ -92,13 +84,13 @@ fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: b
             false,
             x.as_ptr(),
             (k, 1),
-            wf.as_ptr(),
+            w.as_ptr(),
             (1, k),
-            1.0,
+            T::from_f64(1.0),
             all_threads(),
         );
     }
-    Ok(y)
+    y
 }
 
 /// What [`bf16_weights`] returns.
