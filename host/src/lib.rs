@@ -4,7 +4,7 @@
 //! Dependencies point one way, from the top of this list to the bottom:
 //! `repl` → `script` → `train` → `eval` → `rollout` → `model`, with `algo`,
 //! `reward`, `data` and `dist` standing alone (using nothing of the crate but
-//! [`util`], [`overlay`] and [`error`]). Only `script` imports rhai. The run's one
+//! [`files`], [`seed`], [`overlay`] and [`error`]). Only `script` imports rhai. The run's one
 //! configuration tree is [`train::RunConfig`] (`train/config.rs`).
 //! docs/architecture.md follows one training step through these folders;
 //! the design notes (the algorithm, the scripts, the scale the paper works at)
@@ -15,6 +15,7 @@ pub mod data;
 pub mod dist;
 pub mod error;
 pub mod eval;
+pub mod files;
 pub mod guard;
 pub mod model;
 pub mod overlay;
@@ -22,7 +23,7 @@ pub mod repl;
 pub mod reward;
 pub mod rollout;
 pub mod script;
+pub mod seed;
 pub mod train;
-pub mod util;
 
 pub use error::{Error, Result};

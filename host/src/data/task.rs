@@ -263,7 +263,7 @@ pub fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
 
 /// Reads problems written by [`write_jsonl`] (all five fields required).
 pub fn read_jsonl(path: &Path) -> Result<Vec<Problem>> {
-    crate::util::read_jsonl(path)
+    crate::files::read_jsonl(path)
 }
 
 /// How the tokenizer is trained.

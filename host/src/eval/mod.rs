@@ -194,7 +194,7 @@ pub fn write_samples(path: &Path, samples: &[GradedSample]) -> Result<()> {
         text.push_str(&serde_json::to_string(s).map_err(|e| Error::invalid(e.to_string()))?);
         text.push('\n');
     }
-    crate::util::write_file_atomically(path, text.as_bytes())
+    crate::files::write_file_atomically(path, text.as_bytes())
 }
 
 #[cfg(test)]

@@ -317,7 +317,7 @@ pub fn attention_blocks(
         offset,
         n_kv,
         blocks,
-        held: super::held::Held::new(y, "blockwise attention"),
+        held: super::precomputed::Held::new(y, "blockwise attention"),
     };
     Ok(q.apply_op3(k, v, op)?)
 }
@@ -328,7 +328,7 @@ struct AttentionBlocks {
     offset: usize,
     n_kv: usize,
     blocks: Vec<(usize, usize)>,
-    held: super::held::Held,
+    held: super::precomputed::Held,
 }
 
 impl candle_core::CustomOp3 for AttentionBlocks {

@@ -23,10 +23,10 @@ pub mod convert;
 pub mod error;
 pub mod handles;
 pub mod hooks;
-pub mod host;
 pub mod resolver;
 pub mod runner;
 pub mod session;
+pub mod shared_state;
 pub mod signal;
 pub mod table;
 pub mod train_loop;
@@ -38,8 +38,8 @@ use rhai::{Dynamic, Engine, Scope};
 
 pub use error::{from_eval, from_parse, is_host_error, HostError};
 pub use hooks::HookSet;
-pub use host::{Console, Host, HostOptions, TimeLimits};
 pub use runner::{run_file, RunOutcome};
+pub use shared_state::{Console, Host, HostOptions, TimeLimits};
 
 /// Most operations one evaluation may run (a runaway loop stops here).
 pub const MAX_OPERATIONS: u64 = 500_000_000;

@@ -12,7 +12,7 @@ use rhai::Map;
 use super::convert::num;
 use super::error::{from_eval, from_parse};
 use super::hooks::HookSet;
-use super::host::Host;
+use super::shared_state::Host;
 use super::{build_engine, new_scope, resolver, watch};
 use crate::{Error, Result};
 

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::error::{from_eval, from_parse};
 use super::hooks::{lint, top_level_imports, HookSet};
-use super::host::Host;
+use super::shared_state::Host;
 use super::{build_engine, new_scope};
 use crate::{Error, Result};
 

@@ -13,8 +13,8 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use crate::files::read_jsonl;
 use crate::train::spurious::{Region, TokenPoint};
-use crate::util::read_jsonl;
 use crate::{Error, Result};
 
 /// DejaVu Sans (Bitstream Vera license), embedded so plots render without system fonts.

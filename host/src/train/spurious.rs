@@ -208,7 +208,7 @@ impl SpuriousPoints {
             if self.reservoir.len() < RESERVOIR {
                 self.reservoir.push(q);
             } else {
-                self.rng = crate::util::splitmix64(self.rng);
+                self.rng = crate::seed::splitmix64(self.rng);
                 let j = self.rng % self.seen;
                 if (j as usize) < RESERVOIR {
                     self.reservoir[j as usize] = q;

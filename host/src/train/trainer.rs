@@ -770,7 +770,7 @@ impl Gathered {
 
 /// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
 fn mix(seed: u64, step: u64) -> u64 {
-    crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
+    crate::seed::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::seed::SPLITMIX64_GAMMA)))
 }
 
 /// Checks an evaluation's sampling: temperature finite and >= 0, top_p in (0, 1].

@@ -12,7 +12,7 @@ use super::{lock, RolloutHandle};
 use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, PRESETS};
 use crate::script::convert::{clean_f64, config_arg, options, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 
 /// `advantages(r, opts)`.
 #[derive(Deserialize, Default)]

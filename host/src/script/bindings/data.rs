@@ -10,7 +10,7 @@ use super::DatasetHandle;
 use crate::data::{task, Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, TaskConfig};
 use crate::script::convert::{options, overlay, to_dynamic, to_json, u64_arg, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 use crate::train::TinyConfig;
 
 /// An example as a script map: `#{id, problem, answer, source}`, plus
@@ -289,7 +289,7 @@ pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
                 text.push_str(&to_json("rows", r)?.to_string());
                 text.push('\n');
             }
-            crate::util::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
+            crate::files::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
             Ok(rows.len() as i64)
         }
     }

@@ -21,7 +21,7 @@ use super::error::HostError;
 pub use super::handles::{
     lock, DatasetHandle, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle, TokenizerHandle,
 };
-use super::host::Host;
+use super::shared_state::Host;
 
 /// A binding's doc text as one Rhai doc comment. The text is written in the
 /// source as indented `///` lines, as rhai's own packages document their

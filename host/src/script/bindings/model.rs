@@ -14,7 +14,7 @@ use crate::model::{self, Config};
 use crate::overlay::merge as merge_json;
 use crate::script::convert::{from_json, options, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 
 /// `load_model(dir, opts)`.
 #[derive(Deserialize)]

@@ -9,7 +9,7 @@ use super::{lock, RolloutHandle};
 use crate::reward::{self, ExtractMode};
 use crate::script::convert::num;
 use crate::script::error::{bad_arg, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 
 fn score_builtin(r: &RolloutHandle) -> RhaiResult<Array> {
     let mut st = lock(&r.0, "rollout")?;

@@ -9,7 +9,7 @@ use rhai::{Array, Dynamic, Engine, Map, NativeCallContext};
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
 use crate::script::convert::{config_arg, from_json, get_num, get_str, to_dynamic, to_json, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 use crate::script::train_loop;
 use crate::train::{self, AdamW, RunConfig, Sequence, UpdateOptions};
 
@@ -130,7 +130,7 @@ fn read_run(dir: &str) -> RhaiResult<Map> {
         if !p.is_file() {
             return Ok(Array::new());
         }
-        let rows: Vec<serde_json::Value> = crate::util::read_jsonl(&p).map_err(host)?;
+        let rows: Vec<serde_json::Value> = crate::files::read_jsonl(&p).map_err(host)?;
         Ok(rows.iter().map(from_json).collect())
     };
     if !dir.join("metrics.jsonl").is_file() {

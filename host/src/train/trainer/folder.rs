@@ -13,11 +13,11 @@ use serde::{Deserialize, Serialize};
 use super::{RunConfig, StepMetrics};
 use crate::data::SamplerState;
 use crate::eval::{self, EvalReport};
+use crate::files::{append_line, write_file_atomically};
 use crate::rollout::RolloutBatch;
 use crate::train::plot::{self, RunCurves};
 use crate::train::spurious::{SilencedContexts, SpuriousLog};
 use crate::train::tensorboard::Board;
-use crate::util::{append_line, write_file_atomically};
 use crate::{Error, Result};
 
 /// Saved with each checkpoint: where the run stood.
