@@ -26,7 +26,7 @@ pub use fused::Kernels;
 pub use head::{token_stats, TokenStats};
 pub use lora::{LoraConfig, Target as LoraTarget};
 pub use options::ModelOptions;
-pub use paged::{PagedKvCache, PagedSeq};
+pub use paged::{decode_paged, PagedKvCache, PagedSeq};
 pub use qwen3::{logprob_entropy, Grad, KvCache, Qwen3, TokenBatch, WeightSource};
 pub use recompute::Recompute;
 pub use rollout_copy::RolloutCopy;

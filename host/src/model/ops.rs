@@ -27,6 +27,23 @@ pub fn compute_dtype(dtype: DType) -> DType {
     }
 }
 
+/// Whether a forward pass records the autograd graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grad {
+    /// Record operations so that `loss.backward()` reaches the parameters.
+    Track,
+    /// Inference: compute on detached views of the weights.
+    Off,
+}
+
+/// The weight `v` as the forward uses it: tracked, or a detached view.
+pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
+    match grad {
+        Grad::Track => v.as_tensor().clone(),
+        Grad::Off => v.as_tensor().detach(),
+    }
+}
+
 /// `x @ w^T + b` over the last dimension; `x` is `(.., in)`, `w` is `(out, in)`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if fused::supported(x) {

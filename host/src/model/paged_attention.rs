@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::fused::Real;
 use crate::{Error, Result};
 
-/// One sequence of a [`super::Qwen3::decode_paged`] call: its block table, its
+/// One sequence of a [`super::paged::decode_paged`] call: its block table, its
 /// length after the call (cached tokens plus `new`), and how many tokens the
 /// call adds (their slots must already be in `blocks`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,7 +24,8 @@ use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, Device, Layout, MetalStorage, Shape, Tensor, Var,
 };
 
-use super::layer::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
+use super::layer::{attention_out, layer_forward, mlp_block, qkv, Layer, LayerCtx};
+use super::ops::Grad;
 use super::precomputed::{zero_like, Held};
 use crate::{Error, Result};
 

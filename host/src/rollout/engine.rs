@@ -10,7 +10,7 @@
 //! sequence is preempted: its blocks are returned and it waits, at the front
 //! of the queue, to be recomputed (prefilled again with the tokens it has
 //! drawn, which it keeps). All of a step's tokens, prefill and decode, go
-//! through the model in one call ([`Qwen3::decode_paged`]).
+//! through the model in one call ([`model::decode_paged`]).
 //!
 //! A GRPO group is prefilled once, as one unit; when its prompt is in the
 //! cache it forks into its `n` samples, which share the prompt's blocks
@@ -38,7 +38,7 @@ use super::device::StepLogits;
 use super::row::{Row, StopRules};
 use super::sampler::{row_seed, Sampler};
 use super::{Finish, Sample, SamplingParams};
-use crate::model::{PagedKvCache, PagedSeq, Qwen3};
+use crate::model::{self, PagedKvCache, PagedSeq, Qwen3};
 use crate::{Error, Result};
 
 /// Optional controls of a generation ([`super::generate_with`] and this module's `run`).
@@ -605,7 +605,7 @@ impl Engine<'_> {
         }
         self.stats.model_calls += 1;
         self.stats.rows_fed += sched.len();
-        let logits = self.model.decode_paged(&tokens, &seqs, &self.cache)?;
+        let logits = model::decode_paged(&self.model, &tokens, &seqs, &self.cache)?;
         StepLogits::new(&logits, &self.sampler)
     }
 

@@ -4,13 +4,17 @@
 //! `silenced_tokens.tsv`. Every file a crash could leave half-written is written
 //! atomically; rank 0 alone writes (the callers run these under [`dist::on_root`]).
 //!
+//! Depends on `data` (the sampler's state), `eval` (reports), `rollout` (the saved
+//! rollouts), `train::plot`, `train::spurious`, `train::tensorboard`, `files` and the
+//! step's metrics (`metrics.rs`).
+//!
 //! [`dist::on_root`]: crate::dist::on_root
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{RunConfig, StepMetrics};
+use super::metrics::StepMetrics;
 use crate::data::SamplerState;
 use crate::eval::{self, EvalReport};
 use crate::files::{append_line, write_file_atomically};
@@ -18,6 +22,7 @@ use crate::rollout::RolloutBatch;
 use crate::train::plot::{self, RunCurves};
 use crate::train::spurious::{SilencedContexts, SpuriousLog};
 use crate::train::tensorboard::Board;
+use crate::train::RunConfig;
 use crate::{Error, Result};
 
 /// Saved with each checkpoint: where the run stood.
