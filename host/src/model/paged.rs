@@ -13,7 +13,7 @@
 //!
 //! - on the CPU in f32/f64, [`super::paged_attention`] reads the pool in place
 //!   through the block tables (online softmax, no copy of the cache);
-//! - on CUDA in f32/bf16, [`super::paged_cuda`] does the same in one kernel
+//! - on CUDA in f32/bf16, `model::paged_cuda` (built with `--features cuda`) does the same in one kernel
 //!   per layer (compiled by NVRTC at run time);
 //! - elsewhere (other dtypes or devices, or `--kernels composed`), the
 //!   composed path gathers each sequence's slots into a dense `(R, Hkv, S, D)`
