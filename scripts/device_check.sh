@@ -28,7 +28,7 @@
 #      HOST_CPU=1 (first: the device host's CPU, issue 36: `stapo bench kernels` where the binary has
 #      it, `bench train` and `bench generate` in f32 and bf16 at the 16.8M shape, and PyTorch's
 #      docs/bench/torch_bf16.py beside them where python3 can import torch and transformers),
-#      GPU=0 (skip the GPU rows).
+#      GPU=0 (skip the GPU rows), SKIP_TRAIN=1 (skip the update rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -210,6 +210,7 @@ SHAPE_17B="--layers 28 --hidden 2048 --heads 16 --kv-heads 8 --head-dim 128 --in
 # updates then one timed `train::update` (f32 master weights, AdamW, half of
 # each sequence response), via the one-length table of `bench train`.
 bench_train() {
+    [[ "${SKIP_TRAIN:-0}" == 1 ]] && return
     local name=$1 shape=$2 b=$3 s=$4 limit=$5 warmup=$6
     # shellcheck disable=SC2086
     run "$name" "$limit" bench train $shape --batch "$b" --seq "$s" --table --warmup "$warmup" --reps 1 \
