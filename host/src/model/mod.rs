@@ -14,6 +14,8 @@ pub mod ops;
 pub mod options;
 pub mod paged;
 pub mod paged_attention;
+#[cfg(feature = "cuda")]
+pub mod paged_cuda;
 pub mod peft;
 mod precomputed;
 pub mod qwen3;
