@@ -474,17 +474,17 @@ mod tests {
         let m = tiny(4);
         let cache = PagedKvCache::new(&m, 2, 4).expect("cache");
         let seq = |blocks: Vec<u32>, len, new| PagedSeq { blocks, len, new };
-        let ok = decode_paged(m, &[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
+        let ok = decode_paged(&m, &[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
         assert_eq!(ok.dims(), &[1, 97]);
         for (s, what) in [
             (seq(vec![0], 5, 2), "1 blocks of 4"),
             (seq(vec![0], 2, 0), "adds 0 tokens"),
             (seq(vec![7], 2, 2), "past the pool"),
         ] {
-            let err = decode_paged(m, &[1, 2], &[s], &cache).expect_err(what).to_string();
+            let err = decode_paged(&m, &[1, 2], &[s], &cache).expect_err(what).to_string();
             assert!(err.contains(what), "{err}");
         }
-        let err = decode_paged(m, &[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
+        let err = decode_paged(&m, &[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
         assert!(err.contains("1 tokens given for 2"), "{err}");
     }
 }
