@@ -10,6 +10,8 @@
 //! the design notes (the algorithm, the scripts, the scale the paper works at)
 //! are in DESIGN.md at the repository root.
 
+#![deny(missing_docs)]
+
 pub mod algo;
 pub mod data;
 pub mod dist;

@@ -130,6 +130,7 @@ impl TaskConfig {
 /// One generated problem, in the dataset schema plus its worked solution.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Problem {
+    /// The problem's id.
     pub id: String,
     /// The question, e.g. `Compute 17+25-9.` (no instruction suffix).
     pub problem: String,

@@ -27,12 +27,19 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Target {
+    /// Attention's query projection.
     QProj,
+    /// Attention's key projection.
     KProj,
+    /// Attention's value projection.
     VProj,
+    /// Attention's output projection.
     OProj,
+    /// The MLP's gate projection.
     GateProj,
+    /// The MLP's up projection.
     UpProj,
+    /// The MLP's down projection.
     DownProj,
 }
 
@@ -164,8 +171,11 @@ pub(super) trait LinearLike {
 /// One adapter: `A` `(r, in)`, `B` `(out, r)` and the scale of `B A`.
 #[derive(Clone)]
 pub struct Adapter {
+    /// `A` `(r, in)`: the input side, kaiming-uniform at the start.
     pub a: Var,
+    /// `B` `(out, r)`: the output side, zero at the start.
     pub b: Var,
+    /// The factor of `B A` (`alpha / r`, or `alpha / sqrt(r)` with rsLoRA).
     pub scale: f64,
 }
 

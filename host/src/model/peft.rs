@@ -36,6 +36,7 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 /// What `adapter_config.json` says: the LoRA settings and the base model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterConfig {
+    /// The LoRA settings (rank, alpha, targets, rsLoRA).
     pub lora: LoraConfig,
     /// `base_model_name_or_path` as written (may be a hub id or a path).
     pub base: Option<String>,

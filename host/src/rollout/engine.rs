@@ -161,6 +161,7 @@ pub enum Policy {
 pub struct EngineStats {
     /// Tokens sampled.
     pub tokens: usize,
+    /// Wall-clock seconds of the rollout.
     pub secs: f64,
     /// Model calls (steps).
     pub model_calls: usize,
@@ -168,10 +169,13 @@ pub struct EngineStats {
     pub rows_fed: usize,
     /// Prompt (and recomputed) tokens prefilled.
     pub prefill_tokens: usize,
+    /// Sequences preempted (their blocks freed, recomputed later).
     pub preemptions: usize,
+    /// Tokens per cache block.
     pub block_size: usize,
     /// Blocks in the pool and the most held at once.
     pub pool_blocks: usize,
+    /// The most blocks held at once.
     pub peak_blocks: usize,
     /// The static policy's most blocks reserved at once (0 under continuous batching).
     pub peak_reserved_blocks: usize,
@@ -192,9 +196,13 @@ pub struct EngineStats {
 /// [`EngineStats::phases`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Phases {
+    /// Scheduling: block tables, admission, preemption.
     pub schedule: f64,
+    /// The model call.
     pub model: f64,
+    /// The step's logits to sampling statistics.
     pub logits: f64,
+    /// Drawing the tokens.
     pub draw: f64,
 }
 
@@ -238,10 +246,13 @@ impl EngineStats {
 pub struct RolloutFigures {
     /// Sequences per model call (decode rows and prefill chunks).
     pub rows_per_step: f64,
+    /// Model calls over the step's generation batches.
     pub model_calls: usize,
     /// The most cache blocks held at once, and their size in GB.
     pub peak_blocks: usize,
+    /// Size of those blocks in GB.
     pub peak_cache_gb: f64,
+    /// Sequences preempted over the step.
     pub preemptions: usize,
 }
 

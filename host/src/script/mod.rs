@@ -47,7 +47,9 @@ pub const MAX_OPERATIONS: u64 = 500_000_000;
 pub const MAX_CALL_LEVELS: usize = 64;
 /// Longest string, array and map a script may build.
 pub const MAX_STRING: usize = 16 << 20;
+/// Longest array a script may build.
 pub const MAX_ARRAY: usize = 1 << 22;
+/// Largest map a script may build.
 pub const MAX_MAP: usize = 1 << 16;
 
 /// Operations between two checks of the time limits.

@@ -19,8 +19,11 @@ use crate::{Error, Result};
 /// One function's documentation, from the engine's metadata.
 #[derive(Debug, Clone)]
 pub struct FnDoc {
+    /// The function's name.
     pub name: String,
+    /// Its signature, as the first doc line gives it.
     pub signature: String,
+    /// Its doc text.
     pub doc: String,
 }
 

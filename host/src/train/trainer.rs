@@ -210,9 +210,11 @@ impl Trainer {
         &self.comm
     }
 
+    /// The run's configuration (eval sampling as last set).
     pub fn config(&self) -> &RunConfig {
         &self.cfg
     }
+    /// The policy being trained (the master weights).
     pub fn model(&self) -> &Qwen3 {
         self.policy.model()
     }
@@ -221,6 +223,7 @@ impl Trainer {
     pub fn sampling_model(&self) -> &Qwen3 {
         self.policy.sampling_model()
     }
+    /// The run's tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         self.prompts.tokenizer()
     }
@@ -228,9 +231,11 @@ impl Trainer {
     pub fn step_count(&self) -> u64 {
         self.step
     }
+    /// The run folder.
     pub fn run_dir(&self) -> &Path {
         self.folder.path()
     }
+    /// The scored samples of the last step (`None` before the first).
     pub fn last_rollout(&self) -> Option<&RolloutBatch> {
         self.last.rollout.as_ref()
     }
@@ -243,6 +248,7 @@ impl Trainer {
     pub fn eval_history(&self) -> &[(u64, f64, f64)] {
         self.folder.evals()
     }
+    /// The report of the last evaluation (`None` before the first).
     pub fn last_eval(&self) -> Option<&EvalReport> {
         self.last.eval.as_ref()
     }

@@ -52,9 +52,13 @@ impl Path {
 /// What the CPU offers, checked once.
 #[derive(Clone, Copy, Debug)]
 pub struct Features {
+    /// AMX tiles with bf16 (`amx-bf16`).
     pub amx_bf16: bool,
+    /// AVX-512 bf16 dot products (`avx512bf16`).
     pub avx512bf16: bool,
+    /// AVX-512 foundation (`avx512f`).
     pub avx512f: bool,
+    /// AVX2 with FMA (`avx2` and `fma`).
     pub avx2_fma: bool,
 }
 

@@ -28,9 +28,13 @@ use crate::{Error, Result};
 /// Saved with each checkpoint: where the run stood.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct TrainerState {
+    /// Steps completed when the checkpoint was written.
     pub step: u64,
+    /// Where the epoch sampler stands in the training set.
     pub sampler: SamplerState,
+    /// Times each token was silenced over the run, most frequent first.
     pub silenced_totals: Vec<(String, usize)>,
+    /// A few contexts of each silenced token.
     #[serde(default)]
     pub silenced_contexts: SilencedContexts,
 }
@@ -106,6 +110,7 @@ impl RunFolder {
         Self { dir: dir.to_path_buf(), tb: Board::new(dir), evals }
     }
 
+    /// The run folder's path.
     pub fn path(&self) -> &Path {
         &self.dir
     }

@@ -13,8 +13,11 @@ use crate::train::update::UpdateMetrics;
 /// Per-step metrics: the update's, plus rollout and timing figures.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
+    /// The step these metrics belong to (0 for the first).
     pub step: u64,
+    /// The learning rate the step's update used.
     pub lr: f64,
+    /// The update's metrics (flattened into the same JSON object).
     #[serde(flatten)]
     pub update: UpdateMetrics,
     /// Most frequently silenced tokens this step, as text.
@@ -22,8 +25,11 @@ pub struct StepMetrics {
     /// A few silenced tokens of this step in their response (`…12+7=1⟦9⟧\n\boxed…`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub silenced_examples: Vec<String>,
+    /// Wall-clock seconds of the step's rollouts (every generation batch).
     pub rollout_secs: f64,
+    /// Wall-clock seconds of the update and its metrics.
     pub update_secs: f64,
+    /// Response tokens sampled per second over all ranks.
     pub rollout_tokens_per_sec: f64,
     /// The rollout engine's rows per step, cache blocks and preemptions (this rank's).
     #[serde(default)]
@@ -36,6 +42,7 @@ pub struct StepMetrics {
     pub groups_dropped: usize,
     /// Held-out avg@n when this step evaluated.
     pub eval_avg: Option<f64>,
+    /// Held-out pass@n when this step evaluated.
     pub eval_pass: Option<f64>,
 }
 

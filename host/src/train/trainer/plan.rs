@@ -12,8 +12,11 @@ use crate::train::RunConfig;
 /// What a step may change relative to the configuration (hooks decide it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepPlan {
+    /// How this step's rollouts sample.
     pub sampling: SamplingParams,
+    /// This step's learning rate.
     pub lr: f64,
+    /// This step's objective (loss, mask and S2T thresholds, aggregation).
     pub objective: ObjectiveConfig,
 }
 

@@ -42,6 +42,7 @@ impl PromptSource {
         Ok((Self { tokenizer, prompter, train, test, sampler }, notes))
     }
 
+    /// The tokenizer prompts are encoded with.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

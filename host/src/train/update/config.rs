@@ -263,8 +263,11 @@ pub enum RolloutCorrMode {
     /// weights (at temperature 1, old log-probs recomputed), else `off`.
     #[default]
     Auto,
+    /// No correction: every token and sequence weighs 1.
     Off,
+    /// Token-level truncated importance sampling: each token's loss weighted by `min(exp(old - rollout), cap)`.
     TokenTis,
+    /// Sequence-level masked importance sampling: sequences whose weight falls outside `[seq_lower, seq_upper]` are rejected.
     SeqMis,
 }
 
@@ -272,12 +275,14 @@ pub enum RolloutCorrMode {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RolloutCorrection {
+    /// Which correction applies (`auto` resolves per run).
     pub mode: RolloutCorrMode,
     /// token-TIS: the cap of the token weight (verl's `rollout_is_threshold`, 2); also the
     /// threshold of the `fraction_high` metric.
     pub cap: f32,
     /// seq-MIS: the bounds of the sequence weight outside which a sequence is rejected.
     pub seq_lower: f32,
+    /// seq-MIS: the upper bound of the sequence weight.
     pub seq_upper: f32,
 }
 

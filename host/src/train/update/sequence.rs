@@ -9,7 +9,9 @@ use crate::rollout::Sample;
 /// One sampled response with its prompt and reward, as the update consumes it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sequence {
+    /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
+    /// The response's token ids, stop token included.
     pub response_ids: Vec<u32>,
     /// Log-probs of the response tokens under the sampling policy at T = 1
     /// (used when old log-probs come from the rollout).
