@@ -129,6 +129,10 @@ pub struct BenchArgs {
     /// are the whole groups that fit it at full length).
     #[arg(long)]
     pub kv_cache_gb: Option<f64>,
+    /// `rollout`: the paged engine's cache dtype, `auto` (the model's) or `bfloat16`
+    /// (`rollout.engine.kv_cache_dtype`); the static policy keeps the model's.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,

@@ -9,7 +9,7 @@
 
 use stapo::model::{PagedKvCache, Qwen3};
 use stapo::rollout::{
-    generate_stats, EngineConfig, EngineStats, GenerateHooks, Policy, Sample, SamplingParams,
+    generate_stats, EngineConfig, EngineStats, GenerateHooks, KvCacheDtype, Policy, Sample, SamplingParams,
 };
 
 use super::bench_common::{peak_rss, BenchArgs};
@@ -24,6 +24,8 @@ struct Plan {
     budget_gb: f64,
     static_rows: usize,
     paged_rows: usize,
+    /// The paged engine's cache dtype (the static policy keeps the model's).
+    kv_dtype: KvCacheDtype,
 }
 
 /// Runs the comparison; its last line is `rollout: R.RRx the static engine's tokens/s,
@@ -31,7 +33,7 @@ struct Plan {
 pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     let plan = plan(m, a)?;
     println!(
-        "rollout: {} prompts x {} of {} tokens, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows",
+        "rollout: {} prompts x {} of {} tokens, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows{}",
         plan.prompts.len(),
         plan.params.n,
         a.rollout_prompt,
@@ -40,7 +42,8 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         plan.params.max_new_tokens,
         plan.budget_gb,
         plan.static_rows,
-        plan.paged_rows
+        plan.paged_rows,
+        if plan.kv_dtype == KvCacheDtype::Bfloat16 { " (paged cache in bf16)" } else { "" }
     );
     if !a.rows_sweep.is_empty() {
         return sweep(m, plan, a);
@@ -116,6 +119,7 @@ fn plan(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<Plan> {
         budget_gb,
         static_rows: fit / n * n,
         paged_rows: a.paged_rows.unwrap_or_else(|| EngineConfig::default().rows(m)),
+        kv_dtype: KvCacheDtype::parse(&a.kv_cache_dtype, "--kv-cache-dtype")?,
     })
 }
 
@@ -149,8 +153,13 @@ fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
 /// One rollout under `policy`.
 fn once(m: &Qwen3, plan: &Plan, policy: Policy) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
     let rows = if policy == Policy::Static { plan.static_rows } else { plan.paged_rows };
-    let engine =
-        EngineConfig { kv_cache_gb: Some(plan.budget_gb), max_rows: Some(rows), ..EngineConfig::default() };
+    let kv_cache_dtype = if policy == Policy::Static { KvCacheDtype::Auto } else { plan.kv_dtype };
+    let engine = EngineConfig {
+        kv_cache_gb: Some(plan.budget_gb),
+        max_rows: Some(rows),
+        kv_cache_dtype,
+        ..EngineConfig::default()
+    };
     let n = plan.params.n;
     let forced = |p: usize, s: usize| plan.lengths[p * n + s];
     let hooks = GenerateHooks { engine, policy, lengths: Some(&forced), ..GenerateHooks::default() };
