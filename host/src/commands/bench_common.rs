@@ -130,7 +130,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kv_cache_gb: Option<f64>,
     /// `rollout`: the paged engine's cache dtype, `auto` (the model's) or `bfloat16`
-    /// (`rollout.engine.kv_cache_dtype`); the static policy keeps the model's.
+    /// (`rollout.engine.kv_cache_dtype`); a list (`auto,bfloat16`) runs the paged engine
+    /// once per dtype after the static one in each round. The static policy keeps the
+    /// model's.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// `rollout`: rounds of (static, paged), interleaved.

@@ -132,6 +132,14 @@ impl KvCacheDtype {
         }
     }
 
+    /// The name [`KvCacheDtype::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Bfloat16 => "bfloat16",
+        }
+    }
+
     /// The pools' dtype, `None` for the model's own.
     pub fn dtype(self) -> Option<candle_core::DType> {
         match self {
