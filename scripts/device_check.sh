@@ -24,7 +24,11 @@
 #
 # Env: LOG_DIR (default device-check-logs; $OUT/logs when $OUT is set),
 #      BUDGET_S (seconds of commands, default 570),
-#      QUICK=1 (parity, the 0.6B update and generate rows, and a 64 x 8 rollout at 0.6B).
+#      QUICK=1 (parity, the 0.6B update and generate rows, and a 64 x 8 rollout at 0.6B),
+#      HOST_CPU=1 (first: the device host's CPU, issue 36: `stapo bench kernels` where the binary has
+#      it, `bench train` and `bench generate` in f32 and bf16 at the 16.8M shape, and PyTorch's
+#      docs/bench/torch_bf16.py beside them where python3 can import torch and transformers),
+#      GPU=0 (skip the GPU rows), SKIP_TRAIN=1 (skip the update rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -158,8 +162,36 @@ why() { # the reason a row has no figure
 ROWS=()
 row() { ROWS+=("$(printf '| %-34s | %-28s | %12s | %10s | %12s |' "$@")"); }
 
-# --- 1. parity ------------------------------------------------------------------
+# --- 0. the host CPU (HOST_CPU=1) ------------------------------------------------
 FAILED=0
+if [[ "${HOST_CPU:-0}" == 1 ]]; then
+    grep -o -w 'amx_bf16\|amx_tile\|avx512_bf16\|avx512f\|avx2' /proc/cpuinfo | sort | uniq -c
+    echo "cpus: $(nproc); python3: $(python3 --version 2>&1)"
+    torch_ok=0
+    python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
+        && torch_ok=1
+    if "$BIN" bench --help 2>/dev/null | grep -q -- "- kernels:"; then
+        run cpu-kernels 60 bench kernels
+        [[ $RC -eq 0 ]] || FAILED=1
+    fi
+    for dt in float32 bfloat16; do
+        run "cpu-train-$dt" 60 bench train --device cpu --dtype "$dt"
+        run "cpu-generate-$dt" 60 bench generate --device cpu --dtype "$dt"
+    done
+    if [[ $torch_ok == 1 ]]; then
+        for what in train generate; do
+            for dt in f32 bf16; do
+                echo "== torch $what $dt"
+                timeout 90 python3 docs/bench/torch_bf16.py --what "$what" --dtype "$dt" --threads "$(nproc)" \
+                    >"$LOG_DIR/torch-$what-$dt.log" 2>&1
+                tail -n 3 "$LOG_DIR/torch-$what-$dt.log"
+            done
+        done
+    fi
+fi
+[[ "${GPU:-1}" == 0 ]] && exit $FAILED
+
+# --- 1. parity ------------------------------------------------------------------
 for dt in float32 bfloat16; do
     run "parity-$dt" 45 parity --device cuda --dtype "$dt"
     if [[ $RC -eq 0 ]]; then
@@ -178,6 +210,7 @@ SHAPE_17B="--layers 28 --hidden 2048 --heads 16 --kv-heads 8 --head-dim 128 --in
 # updates then one timed `train::update` (f32 master weights, AdamW, half of
 # each sequence response), via the one-length table of `bench train`.
 bench_train() {
+    [[ "${SKIP_TRAIN:-0}" == 1 ]] && return
     local name=$1 shape=$2 b=$3 s=$4 limit=$5 warmup=$6
     # shellcheck disable=SC2086
     run "$name" "$limit" bench train $shape --batch "$b" --seq "$s" --table --warmup "$warmup" --reps 1 \

@@ -178,4 +178,5 @@ fn report(name: &str, s: &EngineStats) {
         s.peak_cache_bytes() as f64 / live.max(1) as f64,
         s.preemptions
     );
+    println!("  time: {}", s.phases.line());
 }

@@ -16,6 +16,8 @@ pub mod ops;
 pub mod options;
 pub mod paged;
 pub mod paged_attention;
+#[cfg(feature = "cuda")]
+pub mod paged_cuda;
 pub mod peft;
 pub mod qwen3;
 pub mod recompute;

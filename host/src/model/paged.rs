@@ -13,9 +13,12 @@
 //!
 //! - on the CPU in f32/f64, [`super::paged_attention`] reads the pool in place
 //!   through the block tables (online softmax, no copy of the cache);
-//! - elsewhere (CUDA, bf16, or `--kernels composed`), the composed path
-//!   gathers each sequence's slots into a dense `(R, Hkv, S, D)` tensor and
-//!   runs the existing attention ([`ops::attention_composed`]).
+//! - on CUDA in f32/bf16, `model::paged_cuda` (built with `--features cuda`) does the same in one kernel
+//!   per layer (compiled by NVRTC at run time);
+//! - elsewhere (other dtypes or devices, or `--kernels composed`), the
+//!   composed path gathers each sequence's slots into a dense `(R, Hkv, S, D)`
+//!   tensor, padded to the longest, and runs the existing attention
+//!   ([`ops::attention_composed`]).
 //!
 //! The allocation of blocks (reference counts, copy on write) is the
 //! caller's: see `rollout::blocks`.
@@ -183,8 +186,21 @@ struct PagedAttn<'a> {
     block_size: usize,
     /// Runs of consecutive slots: `(first token, first slot, tokens)`.
     runs: Vec<(usize, usize, usize)>,
-    /// The composed path's gathers and mask; `None` when the fused kernel serves.
-    composed: Option<Gathers>,
+    /// Off the CPU, `(T)` the pool slot of each new token's key and value.
+    token_slots: Option<Tensor>,
+    /// Which attention serves the call.
+    path: Attend,
+}
+
+/// The three ways attention reads the pools.
+enum Attend {
+    /// The fused CPU kernel, [`super::paged_attention`].
+    Cpu,
+    /// The CUDA kernel over the block tables, [`super::paged_cuda`].
+    #[cfg(feature = "cuda")]
+    Cuda(super::paged_cuda::Meta),
+    /// The composed ops over gathered rows (other devices and dtypes, or `--kernels composed`).
+    Composed(Gathers),
 }
 
 /// Index tensors and mask of the composed path: sequences padded to `l`
@@ -196,8 +212,6 @@ struct Gathers {
     query_tokens: Tensor,
     /// `(T)` the padded query of each token.
     token_queries: Tensor,
-    /// `(T)` the pool slot of each token's key and value.
-    token_slots: Tensor,
     /// `(R, 1, l, s)` additive mask in the compute dtype.
     mask: Tensor,
     l: usize,
@@ -219,12 +233,39 @@ impl<'a> PagedAttn<'a> {
                 _ => runs.push((i, slot as usize, 1)),
             }
         }
-        let composed = if fused::supported_on(dev, dtype) {
-            None
+        let path = if fused::supported_on(dev, dtype) {
+            Attend::Cpu
         } else {
-            Some(Gathers::new(seqs, layout, cache.block_size, dtype, dev)?)
+            Self::device_path(seqs, layout, cache, dtype, dev)?
         };
-        Ok(Self { seqs, layout, block_size: cache.block_size, runs, composed })
+        let token_slots = match path {
+            Attend::Cpu => None,
+            _ => Some(Tensor::from_slice(&layout.slot, layout.slot.len(), dev)?),
+        };
+        Ok(Self { seqs, layout, block_size: cache.block_size, runs, token_slots, path })
+    }
+
+    /// Off the fused CPU path: the CUDA kernel where it serves the pools'
+    /// dtype and head size (unless `--kernels composed` asks for the composed
+    /// ops), else the composed gathers.
+    fn device_path(
+        seqs: &[PagedSeq],
+        layout: &Layout,
+        cache: &PagedKvCache,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Attend> {
+        #[cfg(feature = "cuda")]
+        if dev.is_cuda()
+            && fused::Kernels::current() == fused::Kernels::Fused
+            && super::paged_cuda::supports(cache.k[0].dtype(), cache.k[0].dim(2)?)
+        {
+            let tables: Vec<&[u32]> = seqs.iter().map(|s| s.blocks.as_slice()).collect();
+            let meta =
+                super::paged_cuda::Meta::new(&layout.row, &layout.pos, &tables, cache.block_size, dev)?;
+            return Ok(Attend::Cuda(meta));
+        }
+        Ok(Attend::Composed(Gathers::new(seqs, layout, cache.block_size, dtype, dev)?))
     }
 
     /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` into `pool`:
@@ -233,9 +274,8 @@ impl<'a> PagedAttn<'a> {
     /// launch per run made a 256-row CUDA step launch-bound).
     fn write(&self, pool: &Tensor, new: &Tensor) -> Result<()> {
         let rows = new.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (T, Hkv, D)
-        if let Some(g) = self.composed.as_ref().filter(|_| self.runs.len() > 1) {
-            let idx =
-                g.token_slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?.contiguous()?;
+        if let Some(slots) = self.token_slots.as_ref().filter(|_| self.runs.len() > 1) {
+            let idx = slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?.contiguous()?;
             pool.scatter_set(&idx, &rows, 0)?;
             return Ok(());
         }
@@ -248,14 +288,19 @@ impl<'a> PagedAttn<'a> {
     /// Attention of the new tokens' queries `(1, Hq, T, D)` over their
     /// sequences' slots; returns `(1, T, Hq * D)`.
     fn attend(&self, q: &Tensor, pool_k: &Tensor, pool_v: &Tensor, n_kv: usize) -> Result<Tensor> {
-        let Some(g) = &self.composed else {
-            let tables = super::paged_attention::Tables {
-                seqs: self.seqs,
-                row: &self.layout.row,
-                pos: &self.layout.pos,
-                block_size: self.block_size,
-            };
-            return super::paged_attention::attention(q, pool_k, pool_v, &tables);
+        let g = match &self.path {
+            Attend::Cpu => {
+                let tables = super::paged_attention::Tables {
+                    seqs: self.seqs,
+                    row: &self.layout.row,
+                    pos: &self.layout.pos,
+                    block_size: self.block_size,
+                };
+                return super::paged_attention::attention(q, pool_k, pool_v, &tables);
+            }
+            #[cfg(feature = "cuda")]
+            Attend::Cuda(meta) => return meta.attention(q, pool_k, pool_v),
+            Attend::Composed(g) => g,
         };
         let (_, nq, t, d) = q.dims4()?;
         let r = self.seqs.len();
@@ -303,7 +348,6 @@ impl Gathers {
             key_slots: Tensor::from_vec(key_slots, r * s, dev)?,
             query_tokens: Tensor::from_vec(query_tokens, r * l, dev)?,
             token_queries: Tensor::from_vec(token_queries, layout.row.len(), dev)?,
-            token_slots: Tensor::from_slice(&layout.slot, layout.slot.len(), dev)?,
             mask: Tensor::from_vec(mask, (r, 1, l, s), dev)?.to_dtype(cd)?,
             l,
             s,

@@ -180,6 +180,37 @@ pub struct EngineStats {
     /// The most tokens the running sequences held at once, a shared prompt
     /// counted once per sample (what per-sequence caches of exact size hold).
     pub peak_live_tokens: usize,
+    /// Where the time went: scheduling (block tables, admission, preemption),
+    /// the model call (on a GPU mostly launching kernels: they run
+    /// asynchronously), the step's logits to sampling statistics (on a GPU
+    /// where the host first waits for the device), and the draws.
+    #[serde(default)]
+    pub phases: Phases,
+}
+
+/// Seconds of a rollout spent in each phase of a step (see
+/// [`EngineStats::phases`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Phases {
+    pub schedule: f64,
+    pub model: f64,
+    pub logits: f64,
+    pub draw: f64,
+}
+
+impl Phases {
+    /// One line for people: each phase's seconds and share of their sum.
+    pub fn line(&self) -> String {
+        let all = (self.schedule + self.model + self.logits + self.draw).max(1e-9);
+        let part = |name: &str, s: f64| format!("{name} {s:.2} s ({:.0}%)", 100.0 * s / all);
+        [
+            part("schedule", self.schedule),
+            part("model call", self.model),
+            part("logits", self.logits),
+            part("draw", self.draw),
+        ]
+        .join(", ")
+    }
 }
 
 impl EngineStats {
@@ -442,6 +473,7 @@ impl Engine<'_> {
 
     /// One step: schedule, run the model once, draw, retire finished rows.
     fn step(&mut self) -> Result<()> {
+        let t0 = Instant::now();
         let (mut sched, budget) = self.schedule_running()?;
         match self.policy {
             Policy::Continuous => self.admit_continuous(&mut sched, budget)?,
@@ -457,8 +489,12 @@ impl Engine<'_> {
         }
         let live: usize = self.running.iter().map(|u| u.table.len()).sum();
         self.stats.peak_live_tokens = self.stats.peak_live_tokens.max(live);
+        self.stats.phases.schedule += t0.elapsed().as_secs_f64();
         let logits = self.forward(&sched)?;
-        self.draw(&sched, &logits)
+        let t0 = Instant::now();
+        self.draw(&sched, &logits)?;
+        self.stats.phases.draw += t0.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Gives each running unit its next tokens, oldest first: one for a
@@ -605,8 +641,13 @@ impl Engine<'_> {
         }
         self.stats.model_calls += 1;
         self.stats.rows_fed += sched.len();
+        let t0 = Instant::now();
         let logits = self.model.decode_paged(&tokens, &seqs, &self.cache)?;
-        StepLogits::new(&logits, &self.sampler)
+        let t1 = Instant::now();
+        let step = StepLogits::new(&logits, &self.sampler)?;
+        self.stats.phases.model += (t1 - t0).as_secs_f64();
+        self.stats.phases.logits += t1.elapsed().as_secs_f64();
+        Ok(step)
     }
 
     /// Draws the next token of every unit whose tokens are all in the cache

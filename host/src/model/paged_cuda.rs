@@ -1,0 +1,327 @@
+//! CUDA attention over a paged KV cache: each query reads its sequence's keys
+//! and values straight from the pools through the block table, with an online
+//! softmax, as vLLM's `paged_attention_v1` kernel does (Kwon et al. 2023) and
+//! as [`super::paged_attention`] does on the CPU. No gather of the cache: a
+//! step reads each live key once per query head, whatever the other rows'
+//! lengths (the composed path padded every row to the longest one).
+//!
+//! The kernel is CUDA C compiled at run time by NVRTC (cudarc, which candle
+//! already links) and loaded into candle's device as a custom module. One
+//! thread block serves one (token, query head): its warps take the keys in
+//! turn, each warp keeping its own running max, sum and weighted values, and
+//! the warps' partial results are merged at the end. Sums are f32 for f32 and
+//! bf16 pools alike. Inference only: no backward.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::nvrtc;
+use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::{CustomOp3, DType, Layout, Shape, Storage, Tensor};
+
+use crate::{Error, Result};
+
+/// Threads per block: four warps share one query's keys.
+const THREADS: u32 = 128;
+/// The largest head dimension the kernel holds in registers (8 per lane).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The kernel source. Types are spelled without CUDA headers (NVRTC at run
+/// time has none): bf16 is its 16 bits, widened by a shift and narrowed with
+/// round-to-nearest-even.
+const SOURCE: &str = r#"
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
+__device__ __forceinline__ void store(float* o, float x) { *o = x; }
+__device__ __forceinline__ void store(bf16_t* o, float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *o = (bf16_t)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *o = (bf16_t)(u >> 16);
+}
+
+#define MAXC 8
+#define MAXW 8
+
+// q: (Hq, T, D); pools: (slots, Hkv, D); out: (T, Hq, D).
+// meta: row[T] | pos[T] | tables[R * maxb] (each sequence's block ids).
+template <typename T>
+__device__ void paged_attention(const T* __restrict__ q, const T* __restrict__ kp, const T* __restrict__ vp,
+                                T* __restrict__ out, const unsigned int* __restrict__ meta, int nt, int hq,
+                                int hkv, int d, int bs, int maxb, float scale) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int row = (int)meta[t], pos = (int)meta[nt + t];
+    const unsigned int* table = meta + 2 * nt + (u64)row * maxb;
+    const int kvh = h / (hq / hkv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float neg_inf = __int_as_float(0xff800000);
+
+    float qr[MAXC], acc[MAXC];
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c) {
+        const int i = lane + 32 * c;
+        qr[c] = i < d ? to_f(q[((u64)h * nt + t) * d + i]) * scale : 0.f;
+        acc[c] = 0.f;
+    }
+    float m = neg_inf, l = 0.f;
+    for (int p = warp; p <= pos; p += nw) {
+        const u64 slot = (u64)table[p / bs] * bs + p % bs;
+        const T* kr = kp + (slot * hkv + kvh) * d;
+        const T* vr = vp + (slot * hkv + kvh) * d;
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int i = lane + 32 * c;
+            if (i < d) s += qr[c] * to_f(kr[i]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float mn = fmaxf(m, s);
+        const float a = __expf(m - mn), b = __expf(s - mn);
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int i = lane + 32 * c;
+            if (i < d) acc[c] = acc[c] * a + b * to_f(vr[i]);
+        }
+        l = l * a + b;
+        m = mn;
+    }
+
+    __shared__ float sm[MAXW], sl[MAXW];
+    __shared__ float sacc[MAXW * MAXC * 32];
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c) {
+        const int i = lane + 32 * c;
+        if (i < d) sacc[warp * d + i] = acc[c];
+    }
+    __syncthreads();
+    float mx = neg_inf;
+    for (int w = 0; w < nw; ++w) mx = fmaxf(mx, sm[w]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int w = 0; w < nw; ++w) {
+            if (sl[w] == 0.f) continue;  // a warp that saw no key
+            const float f = __expf(sm[w] - mx);
+            num += sacc[w * d + i] * f;
+            den += sl[w] * f;
+        }
+        store(&out[((u64)t * hq + h) * d + i], num / den);
+    }
+}
+
+extern "C" __global__ void paged_attention_f32(const float* q, const float* kp, const float* vp, float* out,
+                                               const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
+                                               int maxb, float scale) {
+    paged_attention<float>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
+}
+
+extern "C" __global__ void paged_attention_bf16(const bf16_t* q, const bf16_t* kp, const bf16_t* vp, bf16_t* out,
+                                                const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
+                                                int maxb, float scale) {
+    paged_attention<bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
+}
+"#;
+
+/// The module name under which candle's device caches the loaded kernel.
+const MODULE: &str = "stapo_paged_attention";
+
+/// The PTX of [`SOURCE`], compiled once per process (NVRTC needs no GPU).
+pub fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        nvrtc::compile_ptx(SOURCE)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("NVRTC could not compile it: {e:?}"))
+    })
+    .as_ref()
+    .map(|s| s.as_str())
+    .map_err(|e| Error::invalid(format!("paged attention kernel: {e}")))
+}
+
+/// Whether the kernel serves pools of `dtype` with heads of `head_dim`.
+pub fn supports(dtype: DType, head_dim: usize) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16) && head_dim <= MAX_HEAD_DIM
+}
+
+/// The block tables of one call, on the device: `row[T] | pos[T] |
+/// tables[R * max_blocks]`, built once per call and shared by every layer.
+pub struct Meta {
+    meta: Tensor,
+    tokens: usize,
+    max_blocks: usize,
+    block_size: usize,
+}
+
+impl Meta {
+    /// `row` and `pos` per new token, `tables` per sequence (padded to the
+    /// longest with block 0, never read past a sequence's length).
+    pub fn new(
+        row: &[u32],
+        pos: &[u32],
+        tables: &[&[u32]],
+        block_size: usize,
+        dev: &candle_core::Device,
+    ) -> Result<Self> {
+        let max_blocks = tables.iter().map(|t| t.len()).max().unwrap_or(1).max(1);
+        let mut meta = Vec::with_capacity(2 * row.len() + tables.len() * max_blocks);
+        meta.extend_from_slice(row);
+        meta.extend_from_slice(pos);
+        for t in tables {
+            meta.extend_from_slice(t);
+            meta.resize(meta.len() + max_blocks - t.len(), 0);
+        }
+        let n = meta.len();
+        Ok(Self { meta: Tensor::from_vec(meta, n, dev)?, tokens: row.len(), max_blocks, block_size })
+    }
+
+    /// Attention of `q` `(1, Hq, T, D)` over pools `k`, `v` `(slots, Hkv, D)`;
+    /// returns `(1, T, Hq * D)` in `q`'s dtype.
+    pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (_, hq, t, d) = q.dims4()?;
+        let (hkv, dk) = (k.dim(1)?, k.dim(2)?);
+        if t != self.tokens
+            || dk != d
+            || v.dims() != k.dims()
+            || hkv == 0
+            || hq % hkv != 0
+            || d > MAX_HEAD_DIM
+        {
+            return Err(Error::invalid(format!(
+                "paged attention (CUDA): q {:?} for {} tokens against pools k {:?}, v {:?}",
+                q.dims(),
+                self.tokens,
+                k.dims(),
+                v.dims()
+            )));
+        }
+        let op =
+            Op { meta: &self.meta, tokens: t, hq, hkv, d, max_blocks: self.max_blocks, bs: self.block_size };
+        let out = q.contiguous()?.apply_op3_no_bwd(k, v, &op)?; // (T, Hq, D)
+        Ok(out.reshape((1, t, hq * d))?)
+    }
+}
+
+struct Op<'a> {
+    meta: &'a Tensor,
+    tokens: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    max_blocks: usize,
+    bs: usize,
+}
+
+/// The contiguous part of `s` that `l` describes.
+fn view<'s, T>(
+    s: &'s CudaSlice<T>,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<candle_core::cuda::cudarc::driver::CudaView<'s, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.slice(a..b)),
+        None => candle_core::bail!("paged attention (CUDA): {what} is not contiguous"),
+    }
+}
+
+impl Op<'_> {
+    fn launch<T: DeviceRepr + candle_core::WithDType>(
+        &self,
+        name: &str,
+        (q, lq): (&CudaSlice<T>, &Layout),
+        (k, lk): (&CudaSlice<T>, &Layout),
+        (v, lv): (&CudaSlice<T>, &Layout),
+        dev: &CudaDevice,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let ptx = ptx().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let func = dev.get_or_load_custom_func(name, MODULE, ptx)?;
+        let (meta_storage, meta_layout) = self.meta.storage_and_layout();
+        let Storage::Cuda(meta_cuda) = &*meta_storage else {
+            candle_core::bail!("paged attention (CUDA): the block tables are not on the GPU");
+        };
+        let meta = view(meta_cuda.as_cuda_slice::<u32>()?, meta_layout, "the block tables")?;
+        let (q, k, v) = (view(q, lq, "q")?, view(k, lk, "the key pool")?, view(v, lv, "the value pool")?);
+        // SAFETY: every element is written by the kernel (one block per (token, head), all D lanes).
+        let out = unsafe { dev.alloc::<T>(self.tokens * self.hq * self.d)? };
+        let cfg = LaunchConfig {
+            grid_dim: (self.tokens as u32, self.hq as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dims = [self.tokens, self.hq, self.hkv, self.d, self.bs, self.max_blocks].map(|x| x as i32);
+        let scale = 1f32 / (self.d as f32).sqrt();
+        let mut b = func.builder();
+        b.arg(&q);
+        b.arg(&k);
+        b.arg(&v);
+        b.arg(&out);
+        b.arg(&meta);
+        for x in &dims {
+            b.arg(x);
+        }
+        b.arg(&scale);
+        // SAFETY: the arguments match the kernel's signature; indices stay inside the pools
+        // because `decode_paged`'s layout checked every slot against the pool's size.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}
+
+impl CustomOp3 for Op<'_> {
+    fn name(&self) -> &'static str {
+        "paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("paged attention (CUDA): called on the CPU; the CPU has model::paged_attention")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        lq: &Layout,
+        k: &CudaStorage,
+        lk: &Layout,
+        v: &CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = q.device();
+        let slice = match (&q.slice, &k.slice, &v.slice) {
+            (CudaStorageSlice::F32(q), CudaStorageSlice::F32(k), CudaStorageSlice::F32(v)) => {
+                CudaStorageSlice::F32(self.launch("paged_attention_f32", (q, lq), (k, lk), (v, lv), dev)?)
+            }
+            (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(k), CudaStorageSlice::BF16(v)) => {
+                CudaStorageSlice::BF16(self.launch("paged_attention_bf16", (q, lq), (k, lk), (v, lv), dev)?)
+            }
+            _ => candle_core::bail!(
+                "paged attention (CUDA): no kernel for q {:?} over pools {:?}/{:?}",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            ),
+        };
+        Ok((CudaStorage { slice, device: dev.clone() }, Shape::from((self.tokens, self.hq, self.d))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// NVRTC compiles the kernel without a GPU: a syntax or type error in the
+    /// source fails here, not on a lent device.
+    #[test]
+    fn the_kernel_compiles() {
+        let ptx = super::ptx().expect("NVRTC compiles the paged attention kernel");
+        assert!(ptx.contains("paged_attention_f32") && ptx.contains("paged_attention_bf16"));
+    }
+}
