@@ -32,6 +32,10 @@ pub enum What {
     /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one
     /// process or every rank under `mpirun -np N`: optimizer bytes, peak RSS, seconds.
     Shard,
+    /// Self-check of the CPU bf16 kernels on every path this CPU supports
+    /// (AMX, AVX-512 BF16, AVX2, portable) against f64, with GFLOP/s and the
+    /// roofline peaks; exits non-zero on a mismatch. No model is built.
+    Kernels,
     /// Everything.
     All,
 }
