@@ -16,6 +16,10 @@ use super::bench_common::{
 pub use super::bench_common::{BenchArgs, What};
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    model::fused::simd::check_env().map_err(anyhow::Error::msg)?;
+    if a.what == What::Kernels {
+        return bench_kernels(a.reps);
+    }
     let (device, dtype) = a.device.resolve()?;
     let cfg = a.shape.config()?;
     let seq = *a.seqs.first().context("--seq: give at least one length")?;
@@ -110,6 +114,26 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if let Some(p) = peak_rss() {
         println!("peak memory (RSS): {:.2} GB", p as f64 / 1e9);
     }
+    Ok(())
+}
+
+/// `stapo bench kernels`: the CPU paths, the roofline peaks, the self-check
+/// table ([`model::fused::selfcheck`]); an error when a row fails.
+fn bench_kernels(reps: usize) -> anyhow::Result<()> {
+    use model::fused::{roofline, selfcheck, simd};
+    println!("{}", simd::describe());
+    for n in &simd::selection().notes {
+        println!("note: {n}");
+    }
+    for s in selfcheck::skipped() {
+        println!("{s}");
+    }
+    println!("{}", roofline::line(&roofline::measure(200)));
+    let rows = selfcheck::run(false, reps.clamp(1, 5));
+    print!("{}", selfcheck::table(&rows));
+    let failed = rows.iter().filter(|r| !r.pass()).count();
+    anyhow::ensure!(failed == 0, "kernel self-check: {failed} of {} rows FAILED", rows.len());
+    println!("kernel self-check: all {} rows passed", rows.len());
     Ok(())
 }
 

@@ -32,6 +32,10 @@ pub enum What {
     /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one
     /// process or every rank under `mpirun -np N`: optimizer bytes, peak RSS, seconds.
     Shard,
+    /// Self-check of the CPU bf16 kernels on every path this CPU supports
+    /// (AMX, AVX-512 BF16, AVX2, portable) against f64, with GFLOP/s and the
+    /// roofline peaks; exits non-zero on a mismatch. No model is built.
+    Kernels,
     /// Everything.
     All,
 }
@@ -129,6 +133,12 @@ pub struct BenchArgs {
     /// are the whole groups that fit it at full length).
     #[arg(long)]
     pub kv_cache_gb: Option<f64>,
+    /// `rollout`: the paged engine's cache dtype, `auto` (the model's) or `bfloat16`
+    /// (`rollout.engine.kv_cache_dtype`); a list (`auto,bfloat16`) runs the paged engine
+    /// once per dtype after the static one in each round. The static policy keeps the
+    /// model's.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,

@@ -9,7 +9,7 @@
 
 use stapo::model::{PagedKvCache, Qwen3};
 use stapo::rollout::{
-    generate_stats, EngineConfig, EngineStats, GenerateHooks, Policy, Sample, SamplingParams,
+    generate_stats, EngineConfig, EngineStats, GenerateHooks, KvCacheDtype, Policy, Sample, SamplingParams,
 };
 
 use super::bench_common::{peak_rss, BenchArgs};
@@ -24,6 +24,9 @@ struct Plan {
     budget_gb: f64,
     static_rows: usize,
     paged_rows: usize,
+    /// The paged engine's cache dtypes, each run in turn (the static policy keeps the
+    /// model's).
+    kv_dtypes: Vec<KvCacheDtype>,
 }
 
 /// Runs the comparison; its last line is `rollout: R.RRx the static engine's tokens/s,
@@ -31,7 +34,7 @@ struct Plan {
 pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     let plan = plan(m, a)?;
     println!(
-        "rollout: {} prompts x {} of {} tokens, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows",
+        "rollout: {} prompts x {} of {} tokens, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows{}",
         plan.prompts.len(),
         plan.params.n,
         a.rollout_prompt,
@@ -40,13 +43,17 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         plan.params.max_new_tokens,
         plan.budget_gb,
         plan.static_rows,
-        plan.paged_rows
+        plan.paged_rows,
+        match plan.kv_dtypes.as_slice() {
+            [KvCacheDtype::Auto] => String::new(),
+            d => format!(" (paged cache in {})", d.iter().map(|d| d.name()).collect::<Vec<_>>().join(", then ")),
+        }
     );
     if !a.rows_sweep.is_empty() {
         return sweep(m, plan, a);
     }
     if a.paged_only {
-        let (_, p) = once(m, &plan, Policy::Continuous)?;
+        let (_, p) = once(m, &plan, Policy::Continuous, plan.kv_dtypes[0])?;
         report("paged", &p);
         print_rss();
         println!(
@@ -56,29 +63,49 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let (mut stat, mut paged) = (Vec::new(), Vec::new());
-    let mut flips = 0;
+    let kinds = plan.kv_dtypes.len();
+    let (mut stat, mut paged) = (Vec::new(), vec![Vec::new(); kinds]);
+    let mut flips = vec![0; kinds];
     for round in 0..a.rounds.max(1) {
-        let (s_out, s) = once(m, &plan, Policy::Static)?;
+        let (s_out, s) = once(m, &plan, Policy::Static, KvCacheDtype::Auto)?;
         report(&format!("static  (round {round})"), &s);
-        let (p_out, p) = once(m, &plan, Policy::Continuous)?;
-        report(&format!("paged   (round {round})"), &p);
-        flips = s_out.iter().zip(&p_out).filter(|(x, y)| x.response_ids != y.response_ids).count();
+        for (i, &dt) in plan.kv_dtypes.iter().enumerate() {
+            let (p_out, p) = once(m, &plan, Policy::Continuous, dt)?;
+            let name = if kinds > 1 { format!("paged, cache {}", dt.name()) } else { "paged  ".to_string() };
+            report(&format!("{name} (round {round})"), &p);
+            flips[i] = s_out.iter().zip(&p_out).filter(|(x, y)| x.response_ids != y.response_ids).count();
+            paged[i].push(p);
+        }
         stat.push(s);
-        paged.push(p);
     }
     let tps = |v: &[EngineStats]| {
         v.iter().map(|s| s.tokens).sum::<usize>() as f64 / v.iter().map(|s| s.secs).sum::<f64>().max(1e-9)
     };
-    let last = paged.last().cloned().unwrap_or_default();
-    let live_bytes = (last.peak_live_tokens * last.bytes_per_token) as f64;
-    println!("responses that differ between the two engines (near-tie flips): {flips}");
+    let peak_vs_live = |v: &[EngineStats]| {
+        let last = v.last().cloned().unwrap_or_default();
+        last.peak_cache_bytes() as f64 / ((last.peak_live_tokens * last.bytes_per_token) as f64).max(1.0)
+    };
     print_rss();
-    println!(
-        "rollout: {:.2}x the static engine's tokens/s, cache peak {:.2} x live tokens",
-        tps(&paged) / tps(&stat),
-        last.peak_cache_bytes() as f64 / live_bytes.max(1.0)
-    );
+    // The first cache dtype's comparison last (the line scripts read); the others before it.
+    for i in (0..kinds).rev() {
+        let dt = plan.kv_dtypes[i];
+        println!(
+            "responses that differ between the static engine and the paged one ({}): {}",
+            dt.name(),
+            flips[i]
+        );
+        let head = if i == 0 { "rollout".to_string() } else { format!("rollout, paged cache {}", dt.name()) };
+        let vs_first = if i == 0 {
+            String::new()
+        } else {
+            format!(" ({:.2}x the first cache's)", tps(&paged[i]) / tps(&paged[0]))
+        };
+        println!(
+            "{head}: {:.2}x the static engine's tokens/s{vs_first}, cache peak {:.2} x live tokens",
+            tps(&paged[i]) / tps(&stat),
+            peak_vs_live(&paged[i])
+        );
+    }
     Ok(())
 }
 
@@ -116,6 +143,11 @@ fn plan(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<Plan> {
         budget_gb,
         static_rows: fit / n * n,
         paged_rows: a.paged_rows.unwrap_or_else(|| EngineConfig::default().rows(m)),
+        kv_dtypes: a
+            .kv_cache_dtype
+            .split(',')
+            .map(|d| KvCacheDtype::parse(d.trim(), "--kv-cache-dtype"))
+            .collect::<Result<_, _>>()?,
     })
 }
 
@@ -127,7 +159,7 @@ fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
     for round in 0..a.rounds.max(1) {
         for (i, &rows) in a.rows_sweep.iter().enumerate() {
             plan.paged_rows = rows;
-            let (_, s) = once(m, &plan, Policy::Continuous)?;
+            let (_, s) = once(m, &plan, Policy::Continuous, plan.kv_dtypes[0])?;
             report(&format!("paged {rows:>3} rows (round {round})"), &s);
             runs[i].push(s);
         }
@@ -147,10 +179,19 @@ fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
 }
 
 /// One rollout under `policy`.
-fn once(m: &Qwen3, plan: &Plan, policy: Policy) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
+fn once(
+    m: &Qwen3,
+    plan: &Plan,
+    policy: Policy,
+    kv_cache_dtype: KvCacheDtype,
+) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
     let rows = if policy == Policy::Static { plan.static_rows } else { plan.paged_rows };
-    let engine =
-        EngineConfig { kv_cache_gb: Some(plan.budget_gb), max_rows: Some(rows), ..EngineConfig::default() };
+    let engine = EngineConfig {
+        kv_cache_gb: Some(plan.budget_gb),
+        max_rows: Some(rows),
+        kv_cache_dtype,
+        ..EngineConfig::default()
+    };
     let n = plan.params.n;
     let forced = |p: usize, s: usize| plan.lengths[p * n + s];
     let hooks = GenerateHooks { engine, policy, lengths: Some(&forced), ..GenerateHooks::default() };

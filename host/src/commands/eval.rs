@@ -10,7 +10,7 @@ use stapo::data::{Dataset, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
-use stapo::rollout::{EngineConfig, Generator, SamplingParams};
+use stapo::rollout::{EngineConfig, Generator, KvCacheDtype, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -56,6 +56,10 @@ pub struct EvalArgs {
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// The KV cache's element type: auto (the model's) or bfloat16 (see
+    /// `rollout.engine.kv_cache_dtype`).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Where to write every graded sample (JSONL); default: eval-samples.jsonl.
@@ -88,6 +92,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         kv_cache_gb: a.kv_cache_gb,
         max_rows: a.max_rows,
         block_size: a.block_size,
+        kv_cache_dtype: KvCacheDtype::parse(&a.kv_cache_dtype, "--kv-cache-dtype")?,
         ..EngineConfig::default()
     };
     engine.validate()?;

@@ -9,6 +9,7 @@
 //! backward.
 
 use candle_core::{Storage, Tensor, WithDType};
+use half::bf16;
 use rayon::prelude::*;
 
 use super::fused::Real;
@@ -42,22 +43,61 @@ pub struct Tables<'a> {
 /// Attention of `q` `(1, Hq, T, D)` over pools `k`, `v` `(slots, Hkv, D)`
 /// (contiguous, CPU, f32 or f64); returns `(1, T, Hq * D)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables) -> Result<Tensor> {
+    use candle_core::DType::{BF16, F32, F64};
     let (_, nq, t, d) = q.dims4()?;
     let q = q.contiguous()?;
-    let out = match q.dtype() {
-        candle_core::DType::F32 => {
-            Tensor::from_vec(run::<f32>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?
+    if k.dtype() != v.dtype() {
+        return Err(Error::invalid(format!(
+            "paged attention: key pool in {:?}, value pool in {:?}",
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    let out = match (q.dtype(), k.dtype()) {
+        (F32, F32) => Tensor::from_vec(run::<f32, f32>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?,
+        (F32, BF16) => Tensor::from_vec(run::<f32, bf16>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?,
+        (F64, F64) => Tensor::from_vec(run::<f64, f64>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?,
+        (F64, BF16) => Tensor::from_vec(run::<f64, bf16>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?,
+        (a, b) => {
+            return Err(Error::invalid(format!(
+                "paged attention: no CPU kernel for q in {a:?} over pools in {b:?}"
+            )))
         }
-        candle_core::DType::F64 => {
-            Tensor::from_vec(run::<f64>(&q, k, v, tables, nq)?, (1, t, nq * d), q.device())?
-        }
-        other => return Err(Error::invalid(format!("paged attention: no CPU kernel for {other:?}"))),
     };
     Ok(out)
 }
 
+/// An element of the KV pools, read as the queries' float type `T`: the
+/// same type, or bf16 widened (a pool kept in bf16 to halve the cache's
+/// bytes, `rollout.engine.kv_cache_dtype`).
+pub(crate) trait Elem<T>: WithDType {
+    fn get(self) -> T;
+}
+
+impl<T: Real> Elem<T> for T {
+    #[inline(always)]
+    fn get(self) -> T {
+        self
+    }
+}
+
+impl Elem<f32> for bf16 {
+    #[inline(always)]
+    fn get(self) -> f32 {
+        // bf16 is the top half of an f32: a shift widens it exactly.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Elem<f64> for bf16 {
+    #[inline(always)]
+    fn get(self) -> f64 {
+        f64::from(f32::from_bits((self.to_bits() as u32) << 16))
+    }
+}
+
 /// The contiguous CPU data of `t`.
-fn host<T: WithDType>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<Vec<T>>) -> Result<Vec<T>> {
+fn host<T: WithDType, R>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<Vec<R>>) -> Result<Vec<R>> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         return Err(Error::invalid(format!("paged attention: {what} is not on the CPU")));
@@ -68,7 +108,13 @@ fn host<T: WithDType>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<Vec
     f(&cpu.as_slice::<T>()?[a..b])
 }
 
-fn run<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables, nq: usize) -> Result<Vec<T>> {
+fn run<T: Real, K: Elem<T>>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    tables: &Tables,
+    nq: usize,
+) -> Result<Vec<T>> {
     let (nkv, d) = (k.dim(1)?, k.dim(2)?);
     if nkv == 0 || !nq.is_multiple_of(nkv) || v.dims() != k.dims() || q.dim(3)? != d {
         return Err(Error::invalid(format!(
@@ -78,8 +124,10 @@ fn run<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables, nq: usize) 
             v.dims()
         )));
     }
-    host::<T>(q, "q", |qs| {
-        host::<T>(k, "k pool", |ks| host::<T>(v, "v pool", |vs| Ok(kernel(qs, ks, vs, tables, nq, nkv, d))))
+    host::<T, T>(q, "q", |qs| {
+        host::<K, T>(k, "k pool", |ks| {
+            host::<K, T>(v, "v pool", |vs| Ok(kernel(qs, ks, vs, tables, nq, nkv, d)))
+        })
     })
 }
 
@@ -90,7 +138,15 @@ fn run<T: Real>(q: &Tensor, k: &Tensor, v: &Tensor, tables: &Tables, nq: usize) 
 /// On x86-64 with AVX2 and FMA (checked once at run time) the same loop is
 /// compiled for those features: 8-lane dot products and updates in `ymm`
 /// registers instead of the SSE2 baseline's 4.
-fn kernel<T: Real>(q: &[T], k: &[T], v: &[T], tb: &Tables, nq: usize, nkv: usize, d: usize) -> Vec<T> {
+fn kernel<T: Real, K: Elem<T>>(
+    q: &[T],
+    k: &[K],
+    v: &[K],
+    tb: &Tables,
+    nq: usize,
+    nkv: usize,
+    d: usize,
+) -> Vec<T> {
     let t = tb.row.len();
     let g = nq / nkv;
     let mut out = vec![T::from_f64(0.0); t * nq * d];
@@ -109,10 +165,10 @@ fn kernel<T: Real>(q: &[T], k: &[T], v: &[T], tb: &Tables, nq: usize, nkv: usize
 }
 
 /// The inputs of one [`kernel`] call.
-struct Io<'a, T> {
+struct Io<'a, T, K> {
     q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
+    k: &'a [K],
+    v: &'a [K],
     tb: &'a Tables<'a>,
     t: usize,
     nq: usize,
@@ -133,7 +189,7 @@ fn avx2_fma() -> bool {
 /// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
+unsafe fn task_avx2<T: Real, K: Elem<T>>(io: &Io<'_, T, K>, tok: usize, kvh: usize, acc: &mut [T]) {
     task(io, tok, kvh, acc)
 }
 
@@ -148,7 +204,7 @@ const LANES: usize = 8;
 /// attention over the token's sequence up to its position, one block of keys
 /// at a time with an online softmax.
 #[inline(always)]
-fn task<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
+fn task<T: Real, K: Elem<T>>(io: &Io<'_, T, K>, tok: usize, kvh: usize, acc: &mut [T]) {
     let Io { q, k, v, tb, t, nq, nkv, d } = *io;
     let (g, bs) = (nq / nkv, tb.block_size);
     let scale = T::from_f64(1.0 / (d as f64).sqrt());
@@ -199,7 +255,7 @@ fn task<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
             for h in 0..g {
                 let p = scores[h * bs + o];
                 for (a, &x) in acc[h * d..(h + 1) * d].iter_mut().zip(vv) {
-                    *a += p * x;
+                    *a += p * x.get();
                 }
             }
         }
@@ -215,18 +271,18 @@ fn task<T: Real>(io: &Io<'_, T>, tok: usize, kvh: usize, acc: &mut [T]) {
 /// `sum_i a_i b_i` as [`LANES`] partial sums (independent chains the
 /// compiler keeps in one vector register) added in a fixed order.
 #[inline(always)]
-fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+fn dot<T: Real, K: Elem<T>>(a: &[T], b: &[K]) -> T {
     let mut acc = [T::from_f64(0.0); LANES];
     let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for i in 0..LANES {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].get();
         }
     }
     let mut s = acc.iter().fold(T::from_f64(0.0), |s, &x| s + x);
     for (&x, &y) in ar.iter().zip(br) {
-        s += x * y;
+        s += x * y.get();
     }
     s
 }

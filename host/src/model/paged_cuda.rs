@@ -46,10 +46,10 @@ __device__ __forceinline__ void store(bf16_t* o, float x) {
 #define MAXC 8
 #define MAXW 8
 
-// q: (Hq, T, D); pools: (slots, Hkv, D); out: (T, Hq, D).
+// q: (Hq, T, D); pools: (slots, Hkv, D); out: (T, Hq, D) in q's type.
 // meta: row[T] | pos[T] | tables[R * maxb] (each sequence's block ids).
-template <typename T>
-__device__ void paged_attention(const T* __restrict__ q, const T* __restrict__ kp, const T* __restrict__ vp,
+template <typename T, typename K>
+__device__ void paged_attention(const T* __restrict__ q, const K* __restrict__ kp, const K* __restrict__ vp,
                                 T* __restrict__ out, const unsigned int* __restrict__ meta, int nt, int hq,
                                 int hkv, int d, int bs, int maxb, float scale) {
     const int t = blockIdx.x, h = blockIdx.y;
@@ -69,8 +69,8 @@ __device__ void paged_attention(const T* __restrict__ q, const T* __restrict__ k
     float m = neg_inf, l = 0.f;
     for (int p = warp; p <= pos; p += nw) {
         const u64 slot = (u64)table[p / bs] * bs + p % bs;
-        const T* kr = kp + (slot * hkv + kvh) * d;
-        const T* vr = vp + (slot * hkv + kvh) * d;
+        const K* kr = kp + (slot * hkv + kvh) * d;
+        const K* vr = vp + (slot * hkv + kvh) * d;
         float s = 0.f;
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
@@ -116,13 +116,19 @@ __device__ void paged_attention(const T* __restrict__ q, const T* __restrict__ k
 extern "C" __global__ void paged_attention_f32(const float* q, const float* kp, const float* vp, float* out,
                                                const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
                                                int maxb, float scale) {
-    paged_attention<float>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
+    paged_attention<float, float>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
+}
+
+extern "C" __global__ void paged_attention_f32_bf16kv(const float* q, const bf16_t* kp, const bf16_t* vp, float* out,
+                                                      const unsigned int* meta, int nt, int hq, int hkv, int d,
+                                                      int bs, int maxb, float scale) {
+    paged_attention<float, bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
 }
 
 extern "C" __global__ void paged_attention_bf16(const bf16_t* q, const bf16_t* kp, const bf16_t* vp, bf16_t* out,
                                                 const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
                                                 int maxb, float scale) {
-    paged_attention<bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
+    paged_attention<bf16_t, bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
 }
 "#;
 
@@ -142,9 +148,11 @@ pub fn ptx() -> Result<&'static str> {
     .map_err(|e| Error::invalid(format!("paged attention kernel: {e}")))
 }
 
-/// Whether the kernel serves pools of `dtype` with heads of `head_dim`.
-pub fn supports(dtype: DType, head_dim: usize) -> bool {
-    matches!(dtype, DType::F32 | DType::BF16) && head_dim <= MAX_HEAD_DIM
+/// Whether the kernel serves queries in `q` over pools in `pool` with heads
+/// of `head_dim`: f32 over f32 or bf16 pools, bf16 over bf16.
+pub fn supports(q: DType, pool: DType, head_dim: usize) -> bool {
+    matches!((q, pool), (DType::F32, DType::F32 | DType::BF16) | (DType::BF16, DType::BF16))
+        && head_dim <= MAX_HEAD_DIM
 }
 
 /// The block tables of one call, on the device: `row[T] | pos[T] |
@@ -228,12 +236,12 @@ fn view<'s, T>(
 }
 
 impl Op<'_> {
-    fn launch<T: DeviceRepr + candle_core::WithDType>(
+    fn launch<T: DeviceRepr + candle_core::WithDType, K: DeviceRepr>(
         &self,
         name: &str,
         (q, lq): (&CudaSlice<T>, &Layout),
-        (k, lk): (&CudaSlice<T>, &Layout),
-        (v, lv): (&CudaSlice<T>, &Layout),
+        (k, lk): (&CudaSlice<K>, &Layout),
+        (v, lv): (&CudaSlice<K>, &Layout),
         dev: &CudaDevice,
     ) -> candle_core::Result<CudaSlice<T>> {
         let ptx = ptx().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -301,6 +309,15 @@ impl CustomOp3 for Op<'_> {
             (CudaStorageSlice::F32(q), CudaStorageSlice::F32(k), CudaStorageSlice::F32(v)) => {
                 CudaStorageSlice::F32(self.launch("paged_attention_f32", (q, lq), (k, lk), (v, lv), dev)?)
             }
+            (CudaStorageSlice::F32(q), CudaStorageSlice::BF16(k), CudaStorageSlice::BF16(v)) => {
+                CudaStorageSlice::F32(self.launch(
+                    "paged_attention_f32_bf16kv",
+                    (q, lq),
+                    (k, lk),
+                    (v, lv),
+                    dev,
+                )?)
+            }
             (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(k), CudaStorageSlice::BF16(v)) => {
                 CudaStorageSlice::BF16(self.launch("paged_attention_bf16", (q, lq), (k, lk), (v, lv), dev)?)
             }
@@ -322,6 +339,8 @@ mod tests {
     #[test]
     fn the_kernel_compiles() {
         let ptx = super::ptx().expect("NVRTC compiles the paged attention kernel");
-        assert!(ptx.contains("paged_attention_f32") && ptx.contains("paged_attention_bf16"));
+        for name in ["paged_attention_f32", "paged_attention_f32_bf16kv", "paged_attention_bf16"] {
+            assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing from the PTX");
+        }
     }
 }

@@ -26,7 +26,7 @@ mod row;
 pub mod sampler;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
-pub use engine::{EngineConfig, EngineStats, GenerateHooks, Policy, RolloutFigures};
+pub use engine::{EngineConfig, EngineStats, GenerateHooks, KvCacheDtype, Policy, RolloutFigures};
 pub use generate::{bench_generate, generate, generate_stats, generate_with};
 pub use generator::{check_vocab, Generation, Generator};
 pub use params::SamplingParams;

@@ -4,7 +4,9 @@
 use candle_core::{bail, CpuStorage, Shape, Tensor, WithDType};
 use half::bf16;
 
-use super::{all_threads, data, gemv, mm_par, simd, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{
+    all_threads, data, gemv, mm_bf16, mm_par, simd, split_like, zero, Grads, Input, Kernel, Op, Out, Real,
+};
 use crate::Result;
 
 /// `y = x w^T` for contiguous `x (.., in)` and `w (out, in)`: one gemm call
@@ -57,8 +59,9 @@ impl Kernel<2> for Linear {
 }
 
 /// `y = x w^T` for f32 `x` (n×k) and bf16 `w` (o×k), accumulated in f32: the
-/// decoding kernel of [`simd`] reads the bf16 weights directly (`decode`),
-/// larger products widen `w` once and take f32 gemm.
+/// decoding kernel of [`simd`] reads the bf16 weights directly (`decode`);
+/// larger products take the CPU's bf16 dot products ([`mm_bf16`], `x` rounded
+/// to bf16) where it has them, else widen `w` once and take f32 gemm.
 fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: bool) -> Result32 {
     let x = ins[0].data::<f32>()?;
     let w = ins[1].data::<bf16>()?;
@@ -67,12 +70,16 @@ fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: b
         simd::gemv_w(x, w, &mut y, n, o, k);
         return Ok(y);
     }
+    let path = simd::cpu_path();
+    if path.bf16_dot() {
+        return Ok(mm_bf16::xwt(path, x, w, (n, o, k)));
+    }
     Ok(x_wt(x, &simd::widen(w), (n, o, k)))
 }
 
 /// `x w^T` for `x` (n×k) and `w` (o×k), one gemm over all threads: the product
 /// of every projection too large for the decoding gemv.
-fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
+pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
     debug_assert!(x.len() == n * k && w.len() == o * k, "x_wt: operands do not match ({n}, {o}, {k})");
     let mut y = vec![zero::<T>(); n * o];
     // SAFETY: x is n×k, w is o×k (the callers' layouts), y is n×o, all contiguous and owned here.

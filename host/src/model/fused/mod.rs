@@ -266,9 +266,11 @@ pub mod gemv;
 pub mod head;
 mod kernels;
 pub mod linear;
+pub mod mm_bf16;
 pub mod norm;
 pub mod roofline;
 pub mod rope;
+pub mod selfcheck;
 pub mod simd;
 #[cfg(test)]
 mod simd_model_tests;

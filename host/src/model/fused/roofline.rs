@@ -19,6 +19,10 @@ pub struct Peaks {
     pub f32_fma: f64,
     /// bf16 weights widened in registers, times an f32 vector, f32 FMA (L1 data).
     pub bf16_weights: f64,
+    /// AVX-512 BF16 `vdpbf16ps` from registers; `None` without it.
+    pub avx512bf16: Option<f64>,
+    /// AMX `tdpbf16ps` on register tiles; `None` without it (or its permission).
+    pub amx: Option<f64>,
 }
 
 /// Runs both probes for about `millis` ms each on every rayon thread.
@@ -28,17 +32,50 @@ pub fn measure(millis: u64) -> Peaks {
         let flops_secs: Vec<(f64, f64)> = (0..threads).into_par_iter().map(|_| probe(millis)).collect();
         flops_secs.iter().map(|(f, s)| f / s).sum::<f64>() / 1e9
     };
-    Peaks { f32_fma: run(fma_probe), bf16_weights: run(bf16_probe) }
+    let has_avx512bf16 = simd::features().avx512bf16;
+    let has_amx = simd::features().amx_bf16 && simd::amx_ready();
+    Peaks {
+        f32_fma: run(fma_probe),
+        bf16_weights: run(bf16_probe),
+        avx512bf16: has_avx512bf16.then(|| run(avx512bf16_probe)),
+        amx: has_amx.then(|| run(amx_probe)),
+    }
+}
+
+/// `(flops, seconds)` of `vdpbf16ps` on 8 independent accumulators.
+fn avx512bf16_probe(millis: u64) -> (f64, f64) {
+    spin_probe(millis, 8.0 * super::mm_bf16::AVX512BF16_FLOPS_PER_OP, super::mm_bf16::avx512bf16_spin)
+}
+
+/// `(flops, seconds)` of `tdpbf16ps` on four independent C tiles.
+fn amx_probe(millis: u64) -> (f64, f64) {
+    spin_probe(millis, 4.0 * super::mm_bf16::AMX_FLOPS_PER_OP, super::mm_bf16::amx_spin)
+}
+
+/// Calls `spin(ROUND)` for about `millis` ms; `per_round` FLOPs per round.
+fn spin_probe(millis: u64, per_round: f64, spin: fn(u64) -> bool) -> (f64, f64) {
+    let start = Instant::now();
+    let mut rounds = 0u64;
+    while start.elapsed().as_millis() < millis as u128 {
+        if !spin(ROUND as u64) {
+            return (0.0, 1.0);
+        }
+        rounds += ROUND as u64;
+    }
+    (rounds as f64 * per_round, start.elapsed().as_secs_f64())
 }
 
 /// The line `stapo bench` prints.
 pub fn line(p: &Peaks) -> String {
+    let opt = |v: Option<f64>| v.map_or("n/a (not on this CPU)".to_string(), |g| format!("{g:.0} GFLOP/s"));
     format!(
-        "roofline ({} path, {} threads): f32 FMA {:.0} GFLOP/s, bf16-weight FMA {:.0} GFLOP/s (measured)",
+        "roofline ({} path, {} threads): f32 FMA {:.0} GFLOP/s, bf16-weight FMA {:.0} GFLOP/s, avx512_bf16 vdpbf16ps {}, amx tdpbf16ps {} (measured)",
         simd::path().name(),
         rayon::current_num_threads(),
         p.f32_fma,
-        p.bf16_weights
+        p.bf16_weights,
+        opt(p.avx512bf16),
+        opt(p.amx)
     )
 }
 

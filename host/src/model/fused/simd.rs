@@ -1,5 +1,5 @@
-//! Run-time SIMD dispatch for the decode hot path, and the kernels that read
-//! bf16 weights: `y = x w^T` with `x` and `y` in f32 and `w` in bf16 (half the
+//! Run-time CPU path selection, and the decode kernels that read bf16
+//! weights: `y = x w^T` with `x` and `y` in f32 and `w` in bf16 (half the
 //! bytes of an f32 weight), accumulated in f32.
 //!
 //! Decoding a few rows is bound by reading the weights (see [`super::gemv`]),
@@ -7,15 +7,16 @@
 //! half of an f32: a 16-bit shift) halves the memory traffic of the f32 path
 //! without rounding the activations, as llama.cpp's and PyTorch's CPU
 //! `bf16 x f32` gemv do. The dot products of pairs of bf16 that AVX-512 BF16
-//! (`vdpbf16ps`) and AMX (`tdpbf16ps`) offer would also round `x` to bf16 and
-//! buy nothing on a memory-bound product; they pay off only in the large
-//! compute-bound products of a training step, which this module does not
-//! serve (see [`Path`] and docs/performance.md).
+//! (`vdpbf16ps`) and AMX (`tdpbf16ps`) offer also round `x` to bf16 and buy
+//! nothing on a memory-bound product; they serve the large, compute-bound
+//! products of training and prefill ([`super::mm_bf16`]).
 //!
-//! Paths, chosen once at run time ([`path`]): AVX2 + FMA (8 f32 lanes, 4 rows
-//! of `x` × 2 weight rows per register tile) where the CPU has both, else a
-//! portable loop of the same arithmetic shape. The f32 weights of
-//! [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
+//! Paths, chosen once at run time ([`selection`]): AMX, then AVX-512 BF16,
+//! AVX2, portable (best first), capped by [`ENV`]; AMX only with the kernel's permission
+//! ([`request_amx`]). The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
+//! rows of `x` × 2 weight rows per register tile) where the CPU has both
+//! ([`path`]), else a portable loop of the same arithmetic shape. The f32
+//! weights of [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
 
 use std::sync::OnceLock;
 
@@ -24,9 +25,9 @@ use half::bf16;
 /// A SIMD path of the CPU, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path {
-    /// AMX tiles (`amx_bf16`): detected and reported, no kernel uses them yet.
+    /// AMX tiles (`amx_bf16`, `tdpbf16ps`): the bf16 products of [`super::mm_bf16`].
     Amx,
-    /// AVX-512 BF16 (`vdpbf16ps`): detected and reported, no kernel uses it yet.
+    /// AVX-512 BF16 (`vdpbf16ps`): the same products where AMX is absent.
     Avx512Bf16,
     /// AVX-512F: the f32 gemv's register tiles ([`super::gemv`]).
     Avx512,
@@ -37,7 +38,7 @@ pub enum Path {
 }
 
 impl Path {
-    /// The name the benchmarks print.
+    /// The name the benchmarks print (and [`ENV`] takes).
     pub fn name(self) -> &'static str {
         match self {
             Path::Amx => "amx",
@@ -47,18 +48,31 @@ impl Path {
             Path::Portable => "portable",
         }
     }
+
+    /// True for the paths that round activations to bf16 and use the CPU's
+    /// bf16 dot products ([`super::mm_bf16`]).
+    pub fn bf16_dot(self) -> bool {
+        matches!(self, Path::Amx | Path::Avx512Bf16)
+    }
 }
+
+/// The environment variable that forces a lower CPU path than the best one
+/// (`amx`, `avx512bf16`, `avx2` or `portable`), to compare paths on one machine.
+pub const ENV: &str = "STAPO_CPU_PATH";
+
+/// The paths [`ENV`] may name, best first.
+const CHOICES: [Path; 4] = [Path::Amx, Path::Avx512Bf16, Path::Avx2, Path::Portable];
 
 /// What the CPU offers, checked once.
 #[derive(Clone, Copy, Debug)]
 pub struct Features {
-    /// AMX tiles with bf16 (`amx-bf16`).
+    /// CPUID's `amx_bf16` and `amx_tile` (the kernel's permission is separate).
     pub amx_bf16: bool,
-    /// AVX-512 bf16 dot products (`avx512bf16`).
+    /// AVX-512 BF16 with AVX-512F and BW (the kernel's masked loads).
     pub avx512bf16: bool,
-    /// AVX-512 foundation (`avx512f`).
+    /// AVX-512F.
     pub avx512f: bool,
-    /// AVX2 with FMA (`avx2` and `fma`).
+    /// AVX2 and FMA.
     pub avx2_fma: bool,
 }
 
@@ -68,12 +82,14 @@ pub fn features() -> Features {
     *F.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
+            // `is_x86_feature_detected!("amx-bf16")` is unstable in rustc 1.95:
+            // CPUID leaf 7, EDX bits 22 (amx_bf16) and 24 (amx_tile).
+            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
             Features {
-                // `is_x86_feature_detected!("amx-bf16")` is unstable in rustc 1.95:
-                // CPUID leaf 7, EDX bit 22 (what the CPU reports; the kernel's
-                // permission, ARCH_REQ_XCOMP_PERM, is a separate question).
-                amx_bf16: std::arch::x86_64::__cpuid_count(7, 0).edx & (1 << 22) != 0,
-                avx512bf16: std::is_x86_feature_detected!("avx512bf16"),
+                amx_bf16: edx & (1 << 22) != 0 && edx & (1 << 24) != 0,
+                avx512bf16: std::is_x86_feature_detected!("avx512bf16")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512f"),
                 avx512f: std::is_x86_feature_detected!("avx512f"),
                 avx2_fma: std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
             }
@@ -85,22 +101,163 @@ pub fn features() -> Features {
     })
 }
 
-/// The path the bf16-weight kernels run: AVX2 + FMA or portable (see the
-/// module note for why AMX and AVX-512 BF16 are not used for them).
+/// The paths this CPU's instructions support (AMX without asking the kernel
+/// for permission), best first.
+pub fn supported_paths() -> Vec<Path> {
+    let f = features();
+    CHOICES.into_iter().filter(|p| supports(f, *p)).collect()
+}
+
+fn supports(f: Features, p: Path) -> bool {
+    match p {
+        Path::Amx => f.amx_bf16,
+        Path::Avx512Bf16 => f.avx512bf16,
+        Path::Avx512 => f.avx512f,
+        Path::Avx2 => f.avx2_fma,
+        Path::Portable => true,
+    }
+}
+
+/// The chosen path and what the choice had to say (a fallback, a refusal).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// The best path that is supported, permitted and not above the forced one.
+    pub path: Path,
+    /// One line per fallback, for the log.
+    pub notes: Vec<String>,
+}
+
+/// Chooses the CPU path: the best of AMX > AVX-512 BF16 > AVX2 > portable
+/// that the CPU supports, at or below `forced` (the value of [`ENV`]), with
+/// AMX only if `amx_permission` (asked only when AMX would be chosen) succeeds.
+///
+/// # Errors
+/// `forced` names no path.
+pub fn select(
+    f: Features,
+    forced: Option<&str>,
+    amx_permission: &mut dyn FnMut() -> Result<(), String>,
+) -> Result<Selection, String> {
+    let cap = match forced.map(str::trim).filter(|s| !s.is_empty()) {
+        None => 0,
+        Some(name) => CHOICES.iter().position(|p| p.name() == name).ok_or_else(|| {
+            let names: Vec<_> = CHOICES.iter().map(|p| p.name()).collect();
+            format!("{ENV}={name}: expected one of {}", names.join(", "))
+        })?,
+    };
+    let mut notes = Vec::new();
+    for &p in &CHOICES[cap..] {
+        if !supports(f, p) {
+            if forced.is_some() && p == CHOICES[cap] {
+                notes.push(format!("{ENV}={}: not supported by this CPU, trying the next path", p.name()));
+            }
+            continue;
+        }
+        if p == Path::Amx {
+            if let Err(e) = amx_permission() {
+                notes.push(format!("amx: the kernel did not permit AMX tiles ({e}); falling back"));
+                continue;
+            }
+        }
+        return Ok(Selection { path: p, notes });
+    }
+    unreachable!("the portable path is always supported")
+}
+
+/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`), process-wide; without it the first tile
+/// instruction raises SIGILL.
+///
+/// # Errors
+/// The kernel's refusal (its errno), or not Linux on x86-64.
+pub fn request_amx() -> Result<(), String> {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        const SYS_ARCH_PRCTL: usize = 158;
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        let ret: isize;
+        // SAFETY: the arch_prctl system call with two integer arguments; it
+        // reads and writes no user memory; rcx and r11 are clobbered by `syscall`.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack)
+            );
+        }
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(format!("arch_prctl(ARCH_REQ_XCOMP_PERM) failed with errno {}", -ret))
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        Err("AMX permission is requested only on Linux x86-64".into())
+    }
+}
+
+/// The process's selection: [`select`] on this CPU and [`ENV`], made once;
+/// its notes go to stderr once. An unknown [`ENV`] value is reported there
+/// and ignored (the benchmarks check it first with [`check_env`]).
+pub fn selection() -> &'static Selection {
+    static S: OnceLock<Selection> = OnceLock::new();
+    S.get_or_init(|| {
+        let forced = std::env::var(ENV).ok();
+        let s = select(features(), forced.as_deref(), &mut request_amx).unwrap_or_else(|e| {
+            eprintln!("stapo: {e}; ignored");
+            select(features(), None, &mut request_amx).expect("no forced path")
+        });
+        for n in &s.notes {
+            eprintln!("stapo: {n}");
+        }
+        s
+    })
+}
+
+/// The CPU path of the bf16 products: [`selection`]'s path.
+pub fn cpu_path() -> Path {
+    selection().path
+}
+
+/// True when AMX may run: the selection chose it (so the kernel permitted it).
+/// A forced lower path asks no permission; `stapo bench kernels` asks itself.
+pub fn amx_ready() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    cpu_path() == Path::Amx || *READY.get_or_init(|| features().amx_bf16 && request_amx().is_ok())
+}
+
+/// Checks [`ENV`]: an error names the variable and the values it takes.
+///
+/// # Errors
+/// [`ENV`] is set to no path's name.
+pub fn check_env() -> Result<(), String> {
+    let forced = std::env::var(ENV).ok();
+    select(features(), forced.as_deref(), &mut || Ok(())).map(|_| ())
+}
+
+/// The path the f32-activation kernels (bf16-weight gemv, roofline) run:
+/// AVX2 + FMA where the CPU has both, unless [`ENV`] forces `portable`.
 pub fn path() -> Path {
-    if features().avx2_fma {
+    if features().avx2_fma && cpu_path() != Path::Portable {
         Path::Avx2
     } else {
         Path::Portable
     }
 }
 
-/// One line for the benchmarks: the path the bf16 kernels run and what the CPU has.
+/// One line for the benchmarks: the paths chosen and what the CPU has.
 pub fn describe() -> String {
     let f = features();
     let yes = |b: bool| if b { "yes" } else { "no" };
     format!(
-        "bf16 kernels: {} (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; amx and avx512_bf16 are not used)",
+        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a lower path)",
+        cpu_path().name(),
         path().name(),
         yes(f.amx_bf16),
         yes(f.avx512bf16),
@@ -113,6 +270,12 @@ pub fn describe() -> String {
 pub(crate) trait Weight: Copy + Send + Sync + 'static {
     /// The value as f32 (exact for both types).
     fn f32(self) -> f32;
+
+    /// The value as bf16 (round to nearest even for f32).
+    fn bf16(self) -> bf16;
+
+    /// The slice as bf16 when it already is.
+    fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
 
     /// Eight consecutive weights from `p`, widened to f32.
     ///
@@ -128,6 +291,15 @@ impl Weight for f32 {
         self
     }
 
+    #[inline]
+    fn bf16(self) -> bf16 {
+        bf16::from_f32(self)
+    }
+
+    fn as_bf16(_: &[f32]) -> Option<&[bf16]> {
+        None
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -141,6 +313,15 @@ impl Weight for bf16 {
     fn f32(self) -> f32 {
         // bf16 is the top half of an f32: widening is exact.
         f32::from_bits((self.to_bits() as u32) << 16)
+    }
+
+    #[inline]
+    fn bf16(self) -> bf16 {
+        self
+    }
+
+    fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
+        Some(s)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -161,11 +342,24 @@ const ROWS_PER_TASK: usize = 64;
 /// Each output is one dot product in a fixed order: a row's result does not
 /// depend on how many rows share the call.
 pub(crate) fn gemv_w<W: Weight>(x: &[f32], w: &[W], y: &mut [f32], n: usize, o: usize, k: usize) {
+    gemv_w_on(path(), x, w, y, (n, o, k))
+}
+
+/// [`gemv_w`] on `path` ([`Path::Avx2`], which the CPU must have, or any
+/// other for the portable loop): the self-check compares the two.
+pub(crate) fn gemv_w_on<W: Weight>(
+    p: Path,
+    x: &[f32],
+    w: &[W],
+    y: &mut [f32],
+    (n, o, k): (usize, usize, usize),
+) {
     assert!(x.len() >= n * k && w.len() >= o * k && y.len() >= n * o, "gemv: buffers too small");
+    assert!(p != Path::Avx2 || features().avx2_fma, "gemv: this CPU has no AVX2 + FMA");
     if n == 0 || o == 0 {
         return;
     }
-    let avx2 = path() == Path::Avx2;
+    let avx2 = p == Path::Avx2;
     let yp = super::SendPtr(y.as_mut_ptr());
     let run = |t: usize| {
         let y = yp;
@@ -426,6 +620,65 @@ mod tests {
         let wide = widen(&all);
         for (b, f) in all.iter().zip(&wide) {
             assert_eq!(f.to_bits(), b.to_f32().to_bits());
+        }
+    }
+
+    const ALL: Features = Features { amx_bf16: true, avx512bf16: true, avx512f: true, avx2_fma: true };
+    const AVX2: Features = Features { amx_bf16: false, avx512bf16: false, avx512f: false, avx2_fma: true };
+
+    /// The dispatch: best first; a forced path caps it (and asks no AMX
+    /// permission below AMX); a refused permission falls back with a note;
+    /// a forced path the CPU lacks falls to the next one with a note; an
+    /// unknown name is an error naming the variable.
+    #[test]
+    fn bf16_simd_select_paths() {
+        let mut asked = 0;
+        let mut grant = || -> Result<(), String> {
+            asked += 1;
+            Ok(())
+        };
+        assert_eq!(select(ALL, None, &mut grant).unwrap(), Selection { path: Path::Amx, notes: vec![] });
+        assert_eq!(asked, 1);
+        for (name, want) in
+            [("avx512bf16", Path::Avx512Bf16), ("avx2", Path::Avx2), ("portable", Path::Portable)]
+        {
+            let s = select(ALL, Some(name), &mut || panic!("no AMX permission asked below amx")).unwrap();
+            assert_eq!(s, Selection { path: want, notes: vec![] }, "{name}");
+        }
+        let refused = select(ALL, None, &mut || Err("errno 22".into())).unwrap();
+        assert_eq!(refused.path, Path::Avx512Bf16);
+        assert_eq!(refused.notes.len(), 1);
+        assert!(
+            refused.notes[0].contains("did not permit") && refused.notes[0].contains("errno 22"),
+            "{refused:?}"
+        );
+        let no512 = Features { avx512bf16: false, ..ALL };
+        assert_eq!(select(no512, None, &mut || Err("no".into())).unwrap().path, Path::Avx2);
+        let up = select(AVX2, Some("amx"), &mut || panic!("the CPU has no AMX")).unwrap();
+        assert_eq!(up.path, Path::Avx2);
+        assert!(up.notes[0].contains("STAPO_CPU_PATH=amx: not supported"), "{up:?}");
+        let none = Features { avx2_fma: false, ..AVX2 };
+        assert_eq!(select(none, Some("avx2"), &mut || Ok(())).unwrap().path, Path::Portable);
+        assert_eq!(select(AVX2, Some(" "), &mut || Ok(())).unwrap().path, Path::Avx2);
+        let err = select(AVX2, Some("avx9"), &mut || Ok(())).unwrap_err();
+        assert!(
+            err.contains("STAPO_CPU_PATH=avx9") && err.contains("amx, avx512bf16, avx2, portable"),
+            "{err}"
+        );
+    }
+
+    /// This process's path is the selection on this CPU (no AMX path without
+    /// the CPU's AMX), and the real permission request fails on a CPU
+    /// without AMX rather than crashing.
+    #[test]
+    fn bf16_simd_selection_on_this_cpu() {
+        println!("{}", describe());
+        let p = cpu_path();
+        assert!(supported_paths().contains(&p), "{p:?}");
+        if !features().amx_bf16 {
+            assert_ne!(p, Path::Amx);
+            assert!(request_amx().is_err());
+            assert!(!amx_ready());
         }
     }
 }

@@ -3,16 +3,14 @@
 //! at sampling time, which is what the first update epoch sees), plus the
 //! objective presets and their override keys.
 
-use std::sync::Arc;
-
+use rhai::plugin::{export_module, exported_module};
 use rhai::{Array, Dynamic, Engine, Map};
 use serde::Deserialize;
 
 use super::{lock, RolloutHandle};
-use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind, PRESETS};
+use crate::algo::{AdvEstimator, ObjectiveConfig, S2tStats, S2tThresholds, StdKind};
 use crate::script::convert::{clean_f64, config_arg, options, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::shared_state::Host;
 
 /// `advantages(r, opts)`.
 #[derive(Deserialize, Default)]
@@ -60,117 +58,138 @@ fn objective(name: &str, overrides: &Map) -> RhaiResult<Dynamic> {
     to_dynamic(&o.overlay("objective", &over).map_err(|e| config_arg("objective", e))?)
 }
 
-pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func! { engine, "advantages", r#"
-        /// advantages(rollout) -> array of float
-        ///
-        /// GRPO group advantages (R - mean) / (std + 1e-6) of a scored rollout; stored for the token
-        /// table.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// score(r); let a = advantages(r);
-        /// ```
-    "#,
-        |r: RolloutHandle| advantages(&r, &Map::new())
+/// Registers the advantage, S2T and objective functions.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
+}
+
+/// The script-visible RL-math functions.
+#[export_module]
+mod fns {
+    use rhai::{Array, Dynamic, Map};
+
+    use super::RolloutHandle;
+    use crate::algo::{S2tThresholds, PRESETS};
+    use crate::script::convert::to_dynamic;
+    use crate::script::error::RhaiResult;
+
+    /// advantages(rollout) -> array of float
+    ///
+    /// GRPO group advantages (R - mean) / (std + 1e-6) of a scored rollout; stored for the token
+    /// table.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// score(r); let a = advantages(r);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn advantages(r: RolloutHandle) -> RhaiResult<Array> {
+        super::advantages(&r, &Map::new())
     }
-    func! { engine, "advantages", r#"
-        /// advantages(rollout, opts) -> array of float
-        ///
-        /// opts: #{adv: "grpo"|"dr_grpo", std: "sample"|"population"}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// advantages(r, #{adv: "dr_grpo"})
-        /// ```
-    "#,
-        |r: RolloutHandle, opts: Map| advantages(&r, &opts)
+
+    /// advantages(rollout, opts) -> array of float
+    ///
+    /// opts: #{adv: "grpo"|"dr_grpo", std: "sample"|"population"}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// advantages(r, #{adv: "dr_grpo"})
+    /// ```
+    #[rhai_fn(name = "advantages", volatile, return_raw)]
+    pub fn advantages_with(r: RolloutHandle, opts: Map) -> RhaiResult<Array> {
+        super::advantages(&r, &opts)
     }
-    func! { engine, "s2t", r#"
-        /// s2t(rollout) -> map
-        ///
-        /// STAPO's S2T mask with the paper's thresholds (§3, §4.1: tau_p 0.002, tau_h = the
-        /// 0.75-quantile of the candidates' entropies): silences tokens with A > 0, p < tau_p,
-        /// H < tau_h (strict).
-        /// Returns #{response_tokens, candidates, tau_h_population, silenced, silenced_ratio, tau_p,
-        /// tau_h}; the token table then marks them.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(s2t(r)); print(r.table(0));
-        /// ```
-    "#,
-        |r: RolloutHandle| s2t(&r, &Map::new())
+
+    /// s2t(rollout) -> map
+    ///
+    /// STAPO's S2T mask with the paper's thresholds (§3, §4.1: tau_p 0.002, tau_h = the
+    /// 0.75-quantile of the candidates' entropies): silences tokens with A > 0, p < tau_p,
+    /// H < tau_h (strict).
+    /// Returns #{response_tokens, candidates, tau_h_population, silenced, silenced_ratio, tau_p,
+    /// tau_h}; the token table then marks them.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(s2t(r)); print(r.table(0));
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn s2t(r: RolloutHandle) -> RhaiResult<Map> {
+        super::s2t(&r, &Map::new())
     }
-    func! { engine, "s2t", r#"
-        /// s2t(rollout, thresholds) -> map
-        ///
-        /// thresholds: #{tau_p, tau_h}, tau_h a number (absolute) or a quantile #{q, over} with over
-        /// "candidates" (the tokens with A > 0 and p < tau_p) or "response" (every response token);
-        /// what the map leaves out is the paper's. The same form as the thresholds hook's.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// s2t(r, #{tau_p: 0.05, tau_h: #{q: 0.5, over: "candidates"}})
-        /// ```
-    "#,
-        |r: RolloutHandle, opts: Map| s2t(&r, &opts)
+
+    /// s2t(rollout, thresholds) -> map
+    ///
+    /// thresholds: #{tau_p, tau_h}, tau_h a number (absolute) or a quantile #{q, over} with over
+    /// "candidates" (the tokens with A > 0 and p < tau_p) or "response" (every response token);
+    /// what the map leaves out is the paper's. The same form as the thresholds hook's.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// s2t(r, #{tau_p: 0.05, tau_h: #{q: 0.5, over: "candidates"}})
+    /// ```
+    #[rhai_fn(name = "s2t", volatile, return_raw)]
+    pub fn s2t_with(r: RolloutHandle, opts: Map) -> RhaiResult<Map> {
+        super::s2t(&r, &opts)
     }
-    func! { engine, "presets", r#"
-        /// presets() -> array of string
-        ///
-        /// The objective presets: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// for p in presets() { print(objective(p).loss.kind); }
-        /// ```
-    "#,
-        || -> Array { PRESETS.iter().map(|p| Dynamic::from(p.name.to_string())).collect() }
+
+    /// presets() -> array of string
+    ///
+    /// The objective presets: grpo, dapo, gspo, sapo, entropy20, justrl, stapo, drgrpo.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// for p in presets() { print(objective(p).loss.kind); }
+    /// ```
+    #[rhai_fn(volatile)]
+    pub fn presets() -> Array {
+        PRESETS.iter().map(|p| Dynamic::from(p.name.to_string())).collect()
     }
-    func! { engine, "default_thresholds", r#"
-        /// default_thresholds() -> map
-        ///
-        /// The paper's S2T thresholds in the form the thresholds hook returns: #{tau_p, tau_h: #{q, over}}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(default_thresholds().tau_h.q);
-        /// ```
-    "#,
-        || to_dynamic(&S2tThresholds::default())
+
+    /// default_thresholds() -> map
+    ///
+    /// The paper's S2T thresholds in the form the thresholds hook returns: #{tau_p, tau_h: #{q, over}}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(default_thresholds().tau_h.q);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn default_thresholds() -> RhaiResult<Dynamic> {
+        to_dynamic(&S2tThresholds::default())
     }
-    func! { engine, "objective", r#"
-        /// objective(preset) -> map
-        ///
-        /// The full objective settings of a preset.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// objective("stapo").mask
-        /// ```
-    "#,
-        |name: &str| objective(name, &Map::new())
+
+    /// objective(preset) -> map
+    ///
+    /// The full objective settings of a preset.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// objective("stapo").mask
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn objective(name: &str) -> RhaiResult<Dynamic> {
+        super::objective(name, &Map::new())
     }
-    func! { engine, "objective", r#"
-        /// objective(preset, overrides) -> map
-        ///
-        /// A preset with a partial objective laid on top (the form of a run's actor.objective),
-        /// validated; an unknown key is an error naming the nearest.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// objective("grpo", #{loss: #{eps_high: 0.28}})
-        /// ```
-    "#,
-        |name: &str, o: Map| objective(name, &o)
+
+    /// objective(preset, overrides) -> map
+    ///
+    /// A preset with a partial objective laid on top (the form of a run's actor.objective),
+    /// validated; an unknown key is an error naming the nearest.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// objective("grpo", #{loss: #{eps_high: 0.28}})
+    /// ```
+    #[rhai_fn(name = "objective", volatile, return_raw)]
+    pub fn objective_with(name: &str, overrides: Map) -> RhaiResult<Dynamic> {
+        super::objective(name, &overrides)
     }
 }

@@ -1,17 +1,16 @@
-//! Bindings for data: datasets, prompt sampling and templates, the arithmetic
-//! task generator, and building `models/tiny-qwen3`.
+//! Bindings for data: datasets, prompt sampling and templates, and the
+//! arithmetic task generator.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
+use rhai::plugin::{export_module, exported_module};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::DatasetHandle;
 use crate::data::{task, Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, TaskConfig};
-use crate::script::convert::{options, overlay, to_dynamic, to_json, u64_arg, usize_arg};
+use crate::script::convert::{overlay, to_dynamic, to_json, u64_arg, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::shared_state::Host;
-use crate::train::TinyConfig;
 
 /// An example as a script map: `#{id, problem, answer, source}`, plus
 /// `messages` (array of `#{role, content}`) when the dataset gave chat messages.
@@ -82,231 +81,208 @@ fn arith(n: i64, seed: i64, cfg: &Map) -> RhaiResult<Array> {
     probs.iter().map(to_dynamic).collect()
 }
 
-/// Builds the tiny model; smoke mode shrinks everything and writes under the run folder.
-fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
-    let mut c: TinyConfig = options("pretrain_tiny", cfg)?;
-    if h.opts.smoke {
-        c.max_steps = c.max_steps.min(2);
-        c.warmup_steps = c.warmup_steps.min(1);
-        c.eval_every = c.eval_every.min(1);
-        c.n_train = c.n_train.min(32);
-        c.n_test = c.n_test.min(8);
-        c.eval_problems = c.eval_problems.min(4);
-        c.eval_samples = c.eval_samples.min(2);
-        c.batch_size = c.batch_size.min(4);
-        c.final_eval = false;
-        // Never overwrite a real model folder from a smoke run.
-        let base =
-            h.claimed_run_dir().map_err(host)?.unwrap_or_else(|| std::env::temp_dir().join("stapo-smoke"));
-        c.model_dir = base.join("tiny-model");
-        c.data_dir = Some(base.join("tiny-data"));
-    }
-    let report = crate::train::pretrain_tiny(&c, &mut |line: &str| h.println(line)).map_err(host)?;
-    to_dynamic(&report)
+/// Registers the data functions.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
 }
 
-pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    let h = host_.clone();
-    func! { engine, "load_data", r#"
-        /// load_data(path) -> Dataset
-        ///
-        /// Loads a task dataset: a JSONL or Parquet file (verl's schema understood: `prompt` chat
-        /// messages, `reward_model.ground_truth`, `data_source`, `extra_info.index`), a folder of
-        /// Hugging Face shards, or a `*` pattern; bad records are skipped with a warning.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let ds = load_data("data/arith/train.jsonl");
-        /// ```
-    "#,
-        move |path: &str| load_data(&h, path, &Map::new())
+/// The script-visible data functions.
+#[export_module]
+mod fns {
+    use std::path::PathBuf;
+
+    use rhai::{Array, Dynamic, Map, NativeCallContext};
+
+    use super::{example_map, template, DatasetHandle};
+    use crate::script::bindings::{host_of, lock, ModelHandle};
+    use crate::script::convert::to_json;
+    use crate::script::error::{bad_arg, host, RhaiResult};
+
+    /// load_data(path) -> Dataset
+    ///
+    /// Loads a task dataset: a JSONL or Parquet file (verl's schema understood: `prompt` chat
+    /// messages, `reward_model.ground_truth`, `data_source`, `extra_info.index`), a folder of
+    /// Hugging Face shards, or a `*` pattern; bad records are skipped with a warning.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let ds = load_data("data/arith/train.jsonl");
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn load_data(ctx: NativeCallContext, path: &str) -> RhaiResult<DatasetHandle> {
+        super::load_data(&*host_of(&ctx)?, path, &Map::new())
     }
-    let h = host_.clone();
-    func! { engine, "load_data", r#"
-        /// load_data(path, options) -> Dataset
-        ///
-        /// options: #{problem_fields, answer_fields, id_fields, source_fields (a name or a list;
-        /// dotted names reach into structs), strip_instruction, dedupe, split, bad_lines:
-        /// "skip"|"reject"}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// load_data("my.parquet", #{problem_fields: "question", answer_fields: "meta.gold"})
-        /// ```
-    "#,
-        move |path: &str, opts: Map| load_data(&h, path, &opts)
+
+    /// load_data(path, options) -> Dataset
+    ///
+    /// options: #{problem_fields, answer_fields, id_fields, source_fields (a name or a list;
+    /// dotted names reach into structs), strip_instruction, dedupe, split, bad_lines:
+    /// "skip"|"reject"}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// load_data("my.parquet", #{problem_fields: "question", answer_fields: "meta.gold"})
+    /// ```
+    #[rhai_fn(name = "load_data", volatile, return_raw)]
+    pub fn load_data_with(ctx: NativeCallContext, path: &str, options: Map) -> RhaiResult<DatasetHandle> {
+        super::load_data(&*host_of(&ctx)?, path, &options)
     }
-    getter! { engine, "len", r#"
-        /// dataset.len -> int
-        ///
-        /// Number of examples.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let ds = load_data("data/arith/train.jsonl");
-        /// print(ds.len);
-        /// ```
-    "#,
-        |d: &mut DatasetHandle| d.0.len() as i64
+
+    /// dataset.len -> int
+    ///
+    /// Number of examples.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let ds = load_data("data/arith/train.jsonl");
+    /// print(ds.len);
+    /// ```
+    #[rhai_fn(get = "len", pure, volatile)]
+    pub fn len(d: &mut DatasetHandle) -> i64 {
+        d.0.len() as i64
     }
-    func! { engine, "get", r#"
-        /// dataset.get(i) -> map
-        ///
-        /// Example `i` as #{id, problem, answer, source}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// ds.get(0).answer
-        /// ```
-    "#,
-        |d: &mut DatasetHandle, i: i64| -> RhaiResult<Dynamic> {
-            let e = usize::try_from(i)
-                .ok()
-                .and_then(|i| d.0.get(i))
-                .ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
-            Ok(example_map(e))
+
+    /// dataset.get(i) -> map
+    ///
+    /// Example `i` as #{id, problem, answer, source}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// ds.get(0).answer
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn get(d: &mut DatasetHandle, i: i64) -> RhaiResult<Dynamic> {
+        let e = usize::try_from(i)
+            .ok()
+            .and_then(|i| d.0.get(i))
+            .ok_or_else(|| bad_arg("get", format!("index {i} is outside 0..{}", d.0.len())))?;
+        Ok(example_map(e))
+    }
+
+    /// sample_prompts(dataset, n, seed) -> array of map
+    ///
+    /// `n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let ps = sample_prompts(ds, 4, 0);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn sample_prompts(d: DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
+        super::sample(&d, n, seed)
+    }
+
+    /// dataset.sample(n, seed) -> array of map
+    ///
+    /// Same as `sample_prompts(dataset, n, seed)`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let ps = ds.sample(4, 0);
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn sample(d: &mut DatasetHandle, n: i64, seed: i64) -> RhaiResult<Array> {
+        super::sample(d, n, seed)
+    }
+
+    /// to_string(dataset) -> string
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(ds);
+    /// ```
+    #[rhai_fn(name = "to_string", pure, volatile)]
+    pub fn dataset_to_string(d: &mut DatasetHandle) -> String {
+        format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len())
+    }
+
+    /// render_prompt(problem, template) -> string
+    ///
+    /// The prompt text for a problem, for a model that declares nothing: template "none" |
+    /// "raw" | "chat" (the built-in Qwen3 chat template) | "chat-think" | a map #{kind, suffix,
+    /// system, enable_thinking}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// render_prompt("Compute 1+2.", "raw")
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn render_prompt(problem: &str, template: Dynamic) -> RhaiResult<String> {
+        let p = crate::data::Prompter::standalone(&super::template(&template)?).map_err(host)?;
+        p.render(&problem.into()).map_err(host)
+    }
+
+    /// render_prompt(model, problem, template) -> string
+    ///
+    /// The prompt text a model gets for a problem: template "model" (the folder's own format) |
+    /// "none" | "raw" | "chat" | "chat-think" | a map.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// render_prompt(m, "Compute 1+2.", "model")
+    /// ```
+    #[rhai_fn(name = "render_prompt", volatile, return_raw)]
+    pub fn render_prompt_for(m: ModelHandle, problem: &str, t: Dynamic) -> RhaiResult<String> {
+        let slot = lock(&m.0, "model")?;
+        let tok = slot.tokenizer.as_ref().ok_or_else(|| host("render_prompt: the model has no tokenizer"))?;
+        tok.prompter(&template(&t)?).map_err(host)?.render(&problem.into()).map_err(host)
+    }
+
+    /// arith_problems(n, seed) -> array of map
+    ///
+    /// `n` generated arithmetic problems #{id, problem, answer, source, solution}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let ps = arith_problems(8, 0);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn arith_problems(n: i64, seed: i64) -> RhaiResult<Array> {
+        super::arith(n, seed, &Map::new())
+    }
+
+    /// arith_problems(n, seed, task) -> array of map
+    ///
+    /// task: #{min_operands, max_operands, min_value, max_value, max_factor, ops: "+-*",
+    /// allow_negative}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// arith_problems(8, 0, #{ops: "+-*"})
+    /// ```
+    #[rhai_fn(name = "arith_problems", volatile, return_raw)]
+    pub fn arith_problems_with(n: i64, seed: i64, task: Map) -> RhaiResult<Array> {
+        super::arith(n, seed, &task)
+    }
+
+    /// write_jsonl(path, rows) -> int
+    ///
+    /// Writes an array of maps as JSON lines (atomically); returns the row count.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// write_jsonl("data/mine.jsonl", arith_problems(100, 1));
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn write_jsonl(path: &str, rows: Array) -> RhaiResult<i64> {
+        let mut text = String::new();
+        for r in &rows {
+            text.push_str(&to_json("rows", r)?.to_string());
+            text.push('\n');
         }
-    }
-    func! { engine, "sample_prompts", r#"
-        /// sample_prompts(dataset, n, seed) -> array of map
-        ///
-        /// `n` examples drawn without replacement (seeded), as #{id, problem, answer, source}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let ps = sample_prompts(ds, 4, 0);
-        /// ```
-    "#,
-        |d: DatasetHandle, n: i64, seed: i64| sample(&d, n, seed)
-    }
-    func! { engine, "sample", r#"
-        /// dataset.sample(n, seed) -> array of map
-        ///
-        /// Same as `sample_prompts(dataset, n, seed)`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let ps = ds.sample(4, 0);
-        /// ```
-    "#,
-        |d: &mut DatasetHandle, n: i64, seed: i64| sample(d, n, seed)
-    }
-    func! { engine, "to_string", r#"
-        /// to_string(dataset) -> string
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(ds);
-        /// ```
-    "#,
-        |d: &mut DatasetHandle| format!("Dataset({}, {} examples)", d.0.path().display(), d.0.len())
-    }
-    func! { engine, "render_prompt", r#"
-        /// render_prompt(problem, template) -> string
-        ///
-        /// The prompt text for a problem, for a model that declares nothing: template "none" |
-        /// "raw" | "chat" (the built-in Qwen3 chat template) | "chat-think" | a map #{kind, suffix,
-        /// system, enable_thinking}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// render_prompt("Compute 1+2.", "raw")
-        /// ```
-    "#,
-        |problem: &str, t: Dynamic| -> RhaiResult<String> {
-            let p = crate::data::Prompter::standalone(&template(&t)?).map_err(host)?;
-            p.render(&problem.into()).map_err(host)
-        }
-    }
-    func! { engine, "render_prompt", r#"
-        /// render_prompt(model, problem, template) -> string
-        ///
-        /// The prompt text a model gets for a problem: template "model" (the folder's own format) |
-        /// "none" | "raw" | "chat" | "chat-think" | a map.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// render_prompt(m, "Compute 1+2.", "model")
-        /// ```
-    "#,
-        |m: super::ModelHandle, problem: &str, t: Dynamic| -> RhaiResult<String> {
-            let slot = super::lock(&m.0, "model")?;
-            let tok =
-                slot.tokenizer.as_ref().ok_or_else(|| host("render_prompt: the model has no tokenizer"))?;
-            tok.prompter(&template(&t)?).map_err(host)?.render(&problem.into()).map_err(host)
-        }
-    }
-    func! { engine, "arith_problems", r#"
-        /// arith_problems(n, seed) -> array of map
-        ///
-        /// `n` generated arithmetic problems #{id, problem, answer, source, solution}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let ps = arith_problems(8, 0);
-        /// ```
-    "#,
-        |n: i64, seed: i64| arith(n, seed, &Map::new())
-    }
-    func! { engine, "arith_problems", r#"
-        /// arith_problems(n, seed, task) -> array of map
-        ///
-        /// task: #{min_operands, max_operands, min_value, max_value, max_factor, ops: "+-*",
-        /// allow_negative}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// arith_problems(8, 0, #{ops: "+-*"})
-        /// ```
-    "#,
-        |n: i64, seed: i64, cfg: Map| arith(n, seed, &cfg)
-    }
-    func! { engine, "write_jsonl", r#"
-        /// write_jsonl(path, rows) -> int
-        ///
-        /// Writes an array of maps as JSON lines (atomically); returns the row count.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// write_jsonl("data/mine.jsonl", arith_problems(100, 1));
-        /// ```
-    "#,
-        |path: &str, rows: Array| -> RhaiResult<i64> {
-            let mut text = String::new();
-            for r in &rows {
-                text.push_str(&to_json("rows", r)?.to_string());
-                text.push('\n');
-            }
-            crate::files::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
-            Ok(rows.len() as i64)
-        }
-    }
-    let h = host_.clone();
-    func! { engine, "pretrain_tiny", r#"
-        /// pretrain_tiny(cfg) -> map
-        ///
-        /// Builds a tiny model from scratch (task data, BPE tokenizer, SFT until the target accuracy);
-        /// cfg keys as TinyConfig (model_dir, data_dir, n_train, max_steps, target_accuracy, ...).
-        /// Returns the report.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// pretrain_tiny(#{model_dir: "models/tiny-qwen3", max_steps: 200})
-        /// ```
-    "#,
-        move |cfg: Map| pretrain_tiny(&h, &cfg)
+        crate::files::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
+        Ok(rows.len() as i64)
     }
 }

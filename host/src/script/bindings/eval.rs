@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use rhai::plugin::{export_module, exported_module};
 use rhai::{Dynamic, Engine, Map};
 use serde::Deserialize;
 
@@ -88,38 +89,55 @@ fn evaluate(host_: &Host, m: &ModelHandle, data: &Dynamic, opts: &Map) -> RhaiRe
     })))
 }
 
-pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    let h = host_.clone();
-    func! { engine, "evaluate", r#"
-        /// evaluate(model, data, opts) -> map
-        ///
-        /// avg@n and pass@n on a dataset (path or Dataset). opts: the sampling fields (n (4),
-        /// temperature (1.0), top_p (1.0), top_k, max_tokens (256), stop, seed, ...) and limit,
-        /// template ("model": the folder's own format; or "none", "raw", "chat", a map), extract
-        /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]), engine (the rollout
-        /// engine's #{kv_cache_gb, max_rows, block_size}, as a run's rollout.engine). Returns
-        /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// evaluate(m, "data/arith/test.jsonl", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k["4"]
-        /// ```
-    "#,
-        move |m: ModelHandle, data: Dynamic, opts: Map| evaluate(&h, &m, &data, &opts)
+/// Registers `evaluate(model, data[, opts])`.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
+}
+
+/// The script-visible evaluation functions.
+#[export_module]
+mod fns {
+    use rhai::{Dynamic, Map, NativeCallContext};
+
+    use super::ModelHandle;
+    use crate::script::bindings::host_of;
+    use crate::script::error::RhaiResult;
+
+    /// evaluate(model, data, opts) -> map
+    ///
+    /// avg@n and pass@n on a dataset (path or Dataset). opts: the sampling fields (n (4),
+    /// temperature (1.0), top_p (1.0), top_k, max_tokens (256), stop, seed, ...) and limit,
+    /// template ("model": the folder's own format; or "none", "raw", "chat", a map), extract
+    /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]), engine (the rollout
+    /// engine's #{kv_cache_gb, max_rows, block_size}, as a run's rollout.engine). Returns
+    /// #{avg, pass (pass@n), pass_at_k (#{"1": .., "4": ..}), mean_len, problems, n, by_source}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// evaluate(m, "data/arith/test.jsonl", #{n: 8, pass_k: [1, 4], limit: 50}).pass_at_k["4"]
+    /// ```
+    #[rhai_fn(name = "evaluate", volatile, return_raw)]
+    pub fn evaluate_with(
+        ctx: NativeCallContext,
+        m: ModelHandle,
+        data: Dynamic,
+        opts: Map,
+    ) -> RhaiResult<Dynamic> {
+        super::evaluate(&*host_of(&ctx)?, &m, &data, &opts)
     }
-    let h = host_.clone();
-    func! { engine, "evaluate", r#"
-        /// evaluate(model, data) -> map
-        ///
-        /// Same with the default options.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(evaluate(m, "data/arith/test.jsonl").avg);
-        /// ```
-    "#,
-        move |m: ModelHandle, data: Dynamic| evaluate(&h, &m, &data, &Map::new())
+
+    /// evaluate(model, data) -> map
+    ///
+    /// Same with the default options.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(evaluate(m, "data/arith/test.jsonl").avg);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn evaluate(ctx: NativeCallContext, m: ModelHandle, data: Dynamic) -> RhaiResult<Dynamic> {
+        super::evaluate(&*host_of(&ctx)?, &m, &data, &Map::new())
     }
 }

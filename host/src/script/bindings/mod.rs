@@ -9,132 +9,67 @@
 //! are raised with [`error::host`](super::error::host) as opaque host errors.
 //! Heavy state (model weights, optimizer moments, a trainer) lives in Rust
 //! behind the [`handles`](super::handles) that scripts hold; a hot reload
-//! swaps code, never handles. Every function is registered through `func!` /
-//! `getter!` with `///`-style doc text (usage, description, `# Example`), which
-//! the REPL's `:help` shows; a test checks that none lacks it.
+//! swaps code, never handles.
+//!
+//! Every script-visible function is one Rust function in a domain file's
+//! `#[export_module] mod fns` (rhai's plugin macros): its `///` doc comment
+//! (the usage line, what it does, `# Example` with a ```` ```rhai ```` block)
+//! is the one rustdoc renders and, through rhai's `metadata` feature, the one
+//! the REPL's `:help` shows. Each domain has one `register(engine)` of a few
+//! lines; bindings that print, read `--set` values or claim the run folder
+//! take a `NativeCallContext` and get the session's [`Host`] from
+//! [`host_of`]. Tests check that every function has a doc comment with an
+//! example, that every example compiles, and that no `fn register*` under
+//! `script/` exceeds 80 lines.
 
 use std::sync::Arc;
 
-use rhai::Engine;
+use rhai::{Dynamic, Engine, NativeCallContext};
 
-use super::error::HostError;
+use super::error::{HostError, RhaiResult};
 pub use super::handles::{
     lock, DatasetHandle, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle, TokenizerHandle,
 };
 use super::shared_state::Host;
 
-/// A binding's doc text as one Rhai doc comment. The text is written in the
-/// source as indented `///` lines, as rhai's own packages document their
-/// functions: the usage first, then what it does, then `# Example` with a
-/// ```` ```rhai ```` block; the indentation is dropped here.
-pub(crate) fn doc_comment(doc: &str) -> String {
-    doc.trim()
-        .lines()
-        .map(|l| {
-            let l = l.trim();
-            if l.starts_with("///") {
-                l.to_string()
-            } else {
-                format!("/// {l}")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// Registers a function `name` with its doc text (see [`doc_comment`]).
-/// Invoked with braces (`func! { engine, "name", r#"/// ..."#, closure }`),
-/// which rustfmt leaves as written: the doc block, then the closure.
-/// Functions are marked volatile: they touch models and files, so the
-/// optimizer must never fold them at compile time.
-macro_rules! func {
-    ($engine:expr, $name:expr, $doc:expr, $f:expr $(,)?) => {{
-        rhai::FuncRegistration::new($name)
-            .with_volatility(true)
-            .with_comments([$crate::script::bindings::doc_comment($doc)])
-            .register_into_engine($engine, $f);
-    }};
-}
-
-/// Registers a property getter `obj.name` with a doc comment.
-macro_rules! getter {
-    ($engine:expr, $name:expr, $doc:expr, $f:expr $(,)?) => {{
-        rhai::FuncRegistration::new_getter($name)
-            .with_comments([$crate::script::bindings::doc_comment($doc)])
-            .register_into_engine($engine, $f);
-    }};
-}
-
 pub mod algo;
 pub mod data;
 pub mod eval;
+pub mod host_error;
 pub mod model;
 pub mod reward;
 pub mod rollout;
+pub mod runs;
 pub mod train;
 
-/// The opaque host-error type scripts catch ([`HostError`]): printable, with its message.
-fn register_host_error(engine: &mut Engine) {
-    engine.register_type_with_name::<HostError>("HostError");
-    func! { engine, "to_string", r#"
-        /// to_string(host_error) -> string
-        ///
-        /// The message of a host failure caught by `try/catch`. Host failures (a missing file,
-        /// a bad option) are `HostError` values that only the host can raise; what a script
-        /// throws stays its own value.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// try { load_model("nowhere") } catch (e) { if type_of(e) == "HostError" { print(e) } }
-        /// ```
-    "#,
-        |e: &mut HostError| e.to_string()
-    }
-    func! { engine, "to_debug", r#"
-        /// to_debug(host_error) -> string
-        ///
-        /// The message, marked as a host error.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// try { load_model("nowhere") } catch (e) { debug(e) }
-        /// ```
-    "#,
-        |e: &mut HostError| format!("HostError({:?})", e.message())
-    }
-    getter! { engine, "message", r#"
-        /// host_error.message -> string
-        ///
-        /// The message of a caught host failure.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// try { load_model("nowhere") } catch (e) { print(e.message) }
-        /// ```
-    "#,
-        |e: &mut HostError| e.to_string()
-    }
+/// The [`Host`] of the engine a binding runs in: [`register_all`] keeps it as the
+/// engine's default tag, so a binding that prints, reads `--set` values or claims the
+/// run folder takes a `NativeCallContext` and asks for it here.
+pub fn host_of(ctx: &NativeCallContext) -> RhaiResult<Arc<Host>> {
+    ctx.engine().default_tag().clone().try_cast::<Arc<Host>>().ok_or_else(|| {
+        super::error::host("this engine has no stapo host (build it with script::build_engine)")
+    })
 }
 
-/// Registers every domain.
+/// Registers every domain, and keeps `host` as the engine's default tag for [`host_of`].
 pub fn register_all(engine: &mut Engine, host: &Arc<Host>) {
-    register_host_error(engine);
+    engine.set_default_tag(Dynamic::from(host.clone()));
     engine
+        .register_type_with_name::<HostError>("HostError")
         .register_type_with_name::<ModelHandle>("Model")
         .register_type_with_name::<TokenizerHandle>("Tokenizer")
         .register_type_with_name::<DatasetHandle>("Dataset")
         .register_type_with_name::<RolloutHandle>("Rollout")
         .register_type_with_name::<RunHandle>("Run");
-    model::register(engine, host);
-    data::register(engine, host);
-    rollout::register(engine, host);
-    reward::register(engine, host);
-    algo::register(engine, host);
-    train::register(engine, host);
-    eval::register(engine, host);
+    model::register(engine);
+    data::register(engine);
+    rollout::register(engine);
+    reward::register(engine);
+    algo::register(engine);
+    train::register(engine);
+    runs::register(engine);
+    eval::register(engine);
+    host_error::register(engine);
 }
 
 #[cfg(test)]
@@ -195,6 +130,55 @@ mod tests {
             undocumented.is_empty(),
             "functions without a doc comment with an example: {undocumented:#?}"
         );
+    }
+
+    /// The `fn register*` functions under `script/` (the domain files' `register`,
+    /// `register_all`) stay registration only: none runs over 80 lines, so a
+    /// binding's body and doc live in its own function, not in a long closure list.
+    #[test]
+    fn no_register_function_is_over_80_lines() {
+        let mut files = Vec::new();
+        let mut dirs = vec![std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/script")];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    files.push(p);
+                }
+            }
+        }
+        let (mut found, mut long) = (Vec::new(), Vec::new());
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, l) in lines.iter().enumerate() {
+                let t = l.trim_start();
+                let Some(at) = t.find("fn register") else { continue };
+                if !t[..at].split_whitespace().all(|w| w == "pub" || w.starts_with("pub("))
+                    || t.starts_with("//")
+                {
+                    continue;
+                }
+                let indent = &l[..l.len() - t.len()];
+                let close = format!("{indent}}}");
+                let end = lines[i..].iter().position(|x| *x == close).unwrap_or_else(|| {
+                    panic!("{}:{}: no closing brace at the indentation of `{t}`", f.display(), i + 1)
+                });
+                let name = t[at + 3..].split('(').next().unwrap_or_default().to_string();
+                found.push(name.clone());
+                if end + 1 > 80 {
+                    long.push(format!("{}:{}: {name} is {} lines", f.display(), i + 1, end + 1));
+                }
+            }
+        }
+        assert!(
+            found.iter().filter(|n| *n == "register").count() >= 9,
+            "register functions found: {found:?}"
+        );
+        assert!(found.contains(&"register_all".to_string()), "{found:?}");
+        assert!(long.is_empty(), "register functions over 80 lines:\n{}", long.join("\n"));
     }
 
     /// The ```` ```rhai ```` blocks of a doc comment, `///` stripped.

@@ -5,16 +5,16 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device};
-use rhai::{Array, Dynamic, Engine, Map};
+use rhai::plugin::{export_module, exported_module};
+use rhai::{Dynamic, Engine, Map};
 use serde::Deserialize;
 
 use super::{lock, ModelHandle, ModelSlot, TokenizerHandle};
 use crate::data::Tokenizer;
 use crate::model::{self, Config};
 use crate::overlay::merge as merge_json;
-use crate::script::convert::{from_json, options, to_json};
+use crate::script::convert::{options, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::shared_state::Host;
 
 /// `load_model(dir, opts)`.
 #[derive(Deserialize)]
@@ -147,252 +147,273 @@ fn tokenizer_of(m: &ModelHandle) -> RhaiResult<TokenizerHandle> {
         .ok_or_else(|| host("this model has no tokenizer (no tokenizer.json in its folder)"))
 }
 
-pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func! { engine, "load_model", r#"
-        /// load_model(dir) -> Model
-        ///
-        /// Loads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in
-        /// float32.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let m = load_model("models/tiny-qwen3");
-        /// ```
-    "#,
-        |dir: &str| load(dir, &Map::new())
-    }
-    func! { engine, "load_model", r#"
-        /// load_model(dir, opts) -> Model
-        ///
-        /// opts: #{dtype: "float32"|"bfloat16"|"float16", device: "cpu"|"cuda"|"cuda:N"}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let m = load_model("models/tiny-qwen3", #{dtype: "bfloat16"});
-        /// ```
-    "#,
-        |dir: &str, opts: Map| load(dir, &opts)
-    }
-    func! { engine, "init_model", r#"
-        /// init_model(config) -> Model
-        ///
-        /// A randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json
-        /// keys).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});
-        /// ```
-    "#,
-        |cfg: Map| init(&cfg, &Map::new())
-    }
-    func! { engine, "init_model", r#"
-        /// init_model(config, opts) -> Model
-        ///
-        /// opts: #{seed, std, dtype, device, tokenizer: "dir or tokenizer.json"} (vocab_size and eos
-        /// follow the tokenizer).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let m = init_model(#{}, #{tokenizer: "models/tiny-qwen3", seed: 1});
-        /// ```
-    "#,
-        |cfg: Map, opts: Map| init(&cfg, &opts)
-    }
-    func! { engine, "save_model", r#"
-        /// save_model(model, dir) -> string
-        ///
-        /// Writes the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// save_model(m, "models/my-run");
-        /// ```
-    "#,
-        |m: ModelHandle, dir: &str| save(&m, dir)
-    }
-    func! { engine, "save", r#"
-        /// model.save(dir) -> string
-        ///
-        /// Same as `save_model(model, dir)`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// m.save("models/copy");
-        /// ```
-    "#,
-        |m: &mut ModelHandle, dir: &str| save(m, dir)
-    }
-    getter! { engine, "config", r#"
-        /// model.config -> map
-        ///
-        /// The model's config.json as a map.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(m.config.hidden_size);
-        /// ```
-    "#,
-        |m: &mut ModelHandle| -> RhaiResult<Dynamic> {
-            let s = lock(&m.0, "model")?;
-            Ok(from_json(&s.model.config().to_hf_json()))
-        }
-    }
-    getter! { engine, "num_params", r#"
-        /// model.num_params -> int
-        ///
-        /// Number of parameters.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(m.num_params);
-        /// ```
-    "#,
-        |m: &mut ModelHandle| -> RhaiResult<i64> {
-            Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
-        }
-    }
-    getter! { engine, "tokenizer", r#"
-        /// model.tokenizer -> Tokenizer
-        ///
-        /// The model's tokenizer.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let t = m.tokenizer; print(t.encode("1+1"));
-        /// ```
-    "#,
-        |m: &mut ModelHandle| tokenizer_of(m)
-    }
-    func! { engine, "to_string", r#"
-        /// to_string(model) -> string
-        ///
-        /// A one-line description.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(m);
-        /// ```
-    "#,
-        |m: &mut ModelHandle| describe(m)
-    }
-    func! { engine, "to_debug", r#"
-        /// to_debug(model) -> string
-        ///
-        /// A one-line description.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// debug(m);
-        /// ```
-    "#,
-        |m: &mut ModelHandle| { describe(m) }
+/// Registers the model and tokenizer functions.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
+}
+
+/// The script-visible model and tokenizer functions.
+#[export_module]
+mod fns {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use rhai::{Array, Dynamic, Map};
+
+    use super::{lock, ModelHandle, TokenizerHandle};
+    use crate::data::Tokenizer;
+    use crate::script::convert::from_json;
+    use crate::script::error::{bad_arg, host, RhaiResult};
+
+    /// load_model(dir) -> Model
+    ///
+    /// Loads a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) on the CPU in
+    /// float32.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let m = load_model("models/tiny-qwen3");
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn load_model(dir: &str) -> RhaiResult<ModelHandle> {
+        super::load(dir, &Map::new())
     }
 
-    func! { engine, "load_tokenizer", r#"
-        /// load_tokenizer(path) -> Tokenizer
-        ///
-        /// Loads a tokenizer.json (or the one in a folder).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let t = load_tokenizer("models/qwen3-tokenizer");
-        /// ```
-    "#,
-        |p: &str| -> RhaiResult<TokenizerHandle> {
-            Ok(TokenizerHandle(Arc::new(Tokenizer::from_file(tokenizer_file(Path::new(p))).map_err(host)?)))
-        }
+    /// load_model(dir, opts) -> Model
+    ///
+    /// opts: #{dtype: "float32"|"bfloat16"|"float16", device: "cpu"|"cuda"|"cuda:N"}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let m = load_model("models/tiny-qwen3", #{dtype: "bfloat16"});
+    /// ```
+    #[rhai_fn(name = "load_model", volatile, return_raw)]
+    pub fn load_model_with(dir: &str, opts: Map) -> RhaiResult<ModelHandle> {
+        super::load(dir, &opts)
     }
-    func! { engine, "encode", r#"
-        /// tokenizer.encode(text) -> array of int
-        ///
-        /// Token ids of `text` (special-token strings become their ids).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// t.encode("12+7")
-        /// ```
-    "#,
-        |t: &mut TokenizerHandle, text: &str| -> RhaiResult<Array> {
-            Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
-        }
+
+    /// init_model(config) -> Model
+    ///
+    /// A randomly initialised Qwen3; `config` overrides a 2-layer, 64-wide default (HF config.json
+    /// keys).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let m = init_model(#{vocab_size: 300, num_hidden_layers: 1});
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn init_model(config: Map) -> RhaiResult<ModelHandle> {
+        super::init(&config, &Map::new())
     }
-    func! { engine, "decode", r#"
-        /// tokenizer.decode(ids) -> string
-        ///
-        /// Text of token ids (special tokens kept).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// t.decode([1, 2, 3])
-        /// ```
-    "#,
-        |t: &mut TokenizerHandle, ids: Array| -> RhaiResult<String> {
-            let ids: Vec<u32> = ids
-                .iter()
-                .map(|d| {
-                    d.as_int()
-                        .ok()
-                        .and_then(|i| u32::try_from(i).ok())
-                        .ok_or_else(|| bad_arg("decode", "expected an array of token ids"))
-                })
-                .collect::<RhaiResult<_>>()?;
-            t.0.decode(&ids, false).map_err(host)
-        }
+
+    /// init_model(config, opts) -> Model
+    ///
+    /// opts: #{seed, std, dtype, device, tokenizer: "dir or tokenizer.json"} (vocab_size and eos
+    /// follow the tokenizer).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let m = init_model(#{}, #{tokenizer: "models/tiny-qwen3", seed: 1});
+    /// ```
+    #[rhai_fn(name = "init_model", volatile, return_raw)]
+    pub fn init_model_with(config: Map, opts: Map) -> RhaiResult<ModelHandle> {
+        super::init(&config, &opts)
     }
-    func! { engine, "token", r#"
-        /// tokenizer.token(id) -> string
-        ///
-        /// A readable form of one token.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// t.token(42)
-        /// ```
-    "#,
-        |t: &mut TokenizerHandle, id: i64| -> RhaiResult<String> {
-            let id = u32::try_from(id)
-                .map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
-            Ok(t.0.token_str(id))
-        }
+
+    /// save_model(model, dir) -> string
+    ///
+    /// Writes the model (HF layout, with its tokenizer) atomically into `dir`; returns the folder.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// save_model(m, "models/my-run");
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn save_model(m: ModelHandle, dir: &str) -> RhaiResult<String> {
+        super::save(&m, dir)
     }
-    getter! { engine, "vocab_size", r#"
-        /// tokenizer.vocab_size -> int
-        ///
-        /// Number of tokens, special tokens included.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(m.tokenizer.vocab_size);
-        /// ```
-    "#,
-        |t: &mut TokenizerHandle| t.0.vocab_size() as i64
+
+    /// model.save(dir) -> string
+    ///
+    /// Same as `save_model(model, dir)`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// m.save("models/copy");
+    /// ```
+    #[rhai_fn(name = "save", pure, volatile, return_raw)]
+    pub fn save(m: &mut ModelHandle, dir: &str) -> RhaiResult<String> {
+        super::save(m, dir)
     }
-    func! { engine, "to_string", r#"
-        /// to_string(tokenizer) -> string
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(load_tokenizer("models/qwen3-tokenizer"));
-        /// ```
-    "#,
-        |t: &mut TokenizerHandle| format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size())
+
+    /// model.config -> map
+    ///
+    /// The model's config.json as a map.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(m.config.hidden_size);
+    /// ```
+    #[rhai_fn(get = "config", pure, volatile, return_raw)]
+    pub fn config(m: &mut ModelHandle) -> RhaiResult<Dynamic> {
+        let s = lock(&m.0, "model")?;
+        Ok(from_json(&s.model.config().to_hf_json()))
+    }
+
+    /// model.num_params -> int
+    ///
+    /// Number of parameters.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(m.num_params);
+    /// ```
+    #[rhai_fn(get = "num_params", pure, volatile, return_raw)]
+    pub fn num_params(m: &mut ModelHandle) -> RhaiResult<i64> {
+        Ok(lock(&m.0, "model")?.model.config().num_params() as i64)
+    }
+
+    /// model.tokenizer -> Tokenizer
+    ///
+    /// The model's tokenizer.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let t = m.tokenizer; print(t.encode("1+1"));
+    /// ```
+    #[rhai_fn(get = "tokenizer", pure, volatile, return_raw)]
+    pub fn tokenizer(m: &mut ModelHandle) -> RhaiResult<TokenizerHandle> {
+        super::tokenizer_of(m)
+    }
+
+    /// to_string(model) -> string
+    ///
+    /// A one-line description.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(m);
+    /// ```
+    #[rhai_fn(name = "to_string", pure, volatile)]
+    pub fn model_to_string(m: &mut ModelHandle) -> String {
+        super::describe(m)
+    }
+
+    /// to_debug(model) -> string
+    ///
+    /// A one-line description.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// debug(m);
+    /// ```
+    #[rhai_fn(name = "to_debug", pure, volatile)]
+    pub fn model_to_debug(m: &mut ModelHandle) -> String {
+        super::describe(m)
+    }
+
+    /// load_tokenizer(path) -> Tokenizer
+    ///
+    /// Loads a tokenizer.json (or the one in a folder).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let t = load_tokenizer("models/qwen3-tokenizer");
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn load_tokenizer(path: &str) -> RhaiResult<TokenizerHandle> {
+        let t = Tokenizer::from_file(super::tokenizer_file(Path::new(path))).map_err(host)?;
+        Ok(TokenizerHandle(Arc::new(t)))
+    }
+
+    /// tokenizer.encode(text) -> array of int
+    ///
+    /// Token ids of `text` (special-token strings become their ids).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// t.encode("12+7")
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn encode(t: &mut TokenizerHandle, text: &str) -> RhaiResult<Array> {
+        Ok(t.0.encode(text, false).map_err(host)?.into_iter().map(|i| Dynamic::from(i as i64)).collect())
+    }
+
+    /// tokenizer.decode(ids) -> string
+    ///
+    /// Text of token ids (special tokens kept).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// t.decode([1, 2, 3])
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn decode(t: &mut TokenizerHandle, ids: Array) -> RhaiResult<String> {
+        let ids: Vec<u32> = ids
+            .iter()
+            .map(|d| {
+                d.as_int()
+                    .ok()
+                    .and_then(|i| u32::try_from(i).ok())
+                    .ok_or_else(|| bad_arg("decode", "expected an array of token ids"))
+            })
+            .collect::<RhaiResult<_>>()?;
+        t.0.decode(&ids, false).map_err(host)
+    }
+
+    /// tokenizer.token(id) -> string
+    ///
+    /// A readable form of one token.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// t.token(42)
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn token(t: &mut TokenizerHandle, id: i64) -> RhaiResult<String> {
+        let id =
+            u32::try_from(id).map_err(|_| bad_arg("token", format!("expected a token id, found {id}")))?;
+        Ok(t.0.token_str(id))
+    }
+
+    /// tokenizer.vocab_size -> int
+    ///
+    /// Number of tokens, special tokens included.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(m.tokenizer.vocab_size);
+    /// ```
+    #[rhai_fn(get = "vocab_size", pure, volatile)]
+    pub fn vocab_size(t: &mut TokenizerHandle) -> i64 {
+        t.0.vocab_size() as i64
+    }
+
+    /// to_string(tokenizer) -> string
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(load_tokenizer("models/qwen3-tokenizer"));
+    /// ```
+    #[rhai_fn(name = "to_string", pure, volatile)]
+    pub fn tokenizer_to_string(t: &mut TokenizerHandle) -> String {
+        format!("Tokenizer({}, {} tokens)", t.0.path().display(), t.0.vocab_size())
     }
 }

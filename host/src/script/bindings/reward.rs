@@ -1,15 +1,13 @@
 //! Bindings for rewards: the built-in math checker, or a Rhai closure
 //! `|response, answer| -> bool or number` as the reward function.
 
-use std::sync::Arc;
-
+use rhai::plugin::{export_module, exported_module};
 use rhai::{Array, Dynamic, Engine, FnPtr, NativeCallContext};
 
 use super::{lock, RolloutHandle};
 use crate::reward::{self, ExtractMode};
 use crate::script::convert::num;
 use crate::script::error::{bad_arg, RhaiResult};
-use crate::script::shared_state::Host;
 
 fn score_builtin(r: &RolloutHandle) -> RhaiResult<Array> {
     let mut st = lock(&r.0, "rollout")?;
@@ -65,72 +63,88 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
     Ok(rewards.into_iter().map(|x| Dynamic::from(x as f64)).collect())
 }
 
-pub(super) fn register(engine: &mut Engine, _host: &Arc<Host>) {
-    func! { engine, "verify", r#"
-        /// verify(answer, response) -> bool
-        ///
-        /// True when the last \boxed{} of `response` is mathematically equivalent to `answer`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// verify("1/2", "so \\boxed{0.5}")
-        /// ```
-    "#,
-        |answer: &str, response: &str| reward::verify(answer, response, ExtractMode::Strict).correct
+/// Registers the reward functions.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
+}
+
+/// The script-visible reward functions.
+#[export_module]
+mod fns {
+    use rhai::{Array, Dynamic, FnPtr, NativeCallContext};
+
+    use super::RolloutHandle;
+    use crate::reward::{self, ExtractMode};
+    use crate::script::error::RhaiResult;
+
+    /// verify(answer, response) -> bool
+    ///
+    /// True when the last \boxed{} of `response` is mathematically equivalent to `answer`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// verify("1/2", "so \\boxed{0.5}")
+    /// ```
+    #[rhai_fn(volatile)]
+    pub fn verify(answer: &str, response: &str) -> bool {
+        reward::verify(answer, response, ExtractMode::Strict).correct
     }
-    func! { engine, "extract_answer", r#"
-        /// extract_answer(response) -> string or ()
-        ///
-        /// The content of the last \boxed{} of `response`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// extract_answer("x = \\boxed{7}")
-        /// ```
-    "#,
-        |response: &str| reward::extract_answer(response, ExtractMode::Strict)
-            .map_or(Dynamic::UNIT, Dynamic::from)
+
+    /// extract_answer(response) -> string or ()
+    ///
+    /// The content of the last \boxed{} of `response`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// extract_answer("x = \\boxed{7}")
+    /// ```
+    #[rhai_fn(volatile)]
+    pub fn extract_answer(response: &str) -> Dynamic {
+        reward::extract_answer(response, ExtractMode::Strict).map_or(Dynamic::UNIT, Dynamic::from)
     }
-    func! { engine, "is_equivalent", r#"
-        /// is_equivalent(a, b) -> bool
-        ///
-        /// Math equivalence of two answers (fractions, decimals, intervals, ...).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// is_equivalent("\\frac{1}{2}", "0.5")
-        /// ```
-    "#,
-        |a: &str, b: &str| reward::is_equivalent(a, b)
+
+    /// is_equivalent(a, b) -> bool
+    ///
+    /// Math equivalence of two answers (fractions, decimals, intervals, ...).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// is_equivalent("\\frac{1}{2}", "0.5")
+    /// ```
+    #[rhai_fn(volatile)]
+    pub fn is_equivalent(a: &str, b: &str) -> bool {
+        reward::is_equivalent(a, b)
     }
-    func! { engine, "score", r#"
-        /// score(rollout) -> array of float
-        ///
-        /// Scores every sample with the built-in checker (1 correct, 0 wrong) against its prompt's
-        /// answer; stores the rewards in the rollout.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let rs = score(r);
-        /// ```
-    "#,
-        |r: RolloutHandle| score_builtin(&r)
+
+    /// score(rollout) -> array of float
+    ///
+    /// Scores every sample with the built-in checker (1 correct, 0 wrong) against its prompt's
+    /// answer; stores the rewards in the rollout.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let rs = score(r);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn score(r: RolloutHandle) -> RhaiResult<Array> {
+        super::score_builtin(&r)
     }
-    func! { engine, "score", r#"
-        /// score(rollout, reward_fn) -> array of float
-        ///
-        /// Scores with a closure `|response, answer| -> bool or number`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// score(r, |resp, ans| resp.contains(ans))
-        /// ```
-    "#,
-        |ctx: NativeCallContext, r: RolloutHandle, f: FnPtr| score_with(&ctx, &r, &f)
+
+    /// score(rollout, reward_fn) -> array of float
+    ///
+    /// Scores with a closure `|response, answer| -> bool or number`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// score(r, |resp, ans| resp.contains(ans))
+    /// ```
+    #[rhai_fn(name = "score", volatile, return_raw)]
+    pub fn score_with(ctx: NativeCallContext, r: RolloutHandle, f: FnPtr) -> RhaiResult<Array> {
+        super::score_with(&ctx, &r, &f)
     }
 }

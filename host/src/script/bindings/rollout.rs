@@ -3,13 +3,14 @@
 
 use std::sync::{Arc, Mutex};
 
+use rhai::plugin::{export_module, exported_module};
 use rhai::{Array, Dynamic, Engine, Map};
 
 use super::{lock, ModelHandle, RolloutHandle, RolloutState};
 use crate::algo::{AdvEstimator, StdKind};
 use crate::data::Prompt;
 use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
-use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json, usize_arg};
+use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::shared_state::Host;
 use crate::script::table::{format_sample, token_rows, TokenRow};
@@ -193,237 +194,257 @@ fn sample_map(st: &RolloutState, i: usize) -> RhaiResult<Dynamic> {
     Ok(Dynamic::from_map(m))
 }
 
-pub(super) fn register(engine: &mut Engine, host_: &Arc<Host>) {
-    let h = host_.clone();
-    func! { engine, "rollout", r#"
-        /// rollout(model, prompts, opts) -> Rollout
-        ///
-        /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (a string
-        /// or a list of #{role, content} messages; and `answer`, used by `score`). opts: #{n,
-        /// temperature, top_p, top_k, max_tokens, stop, seed, template}; template: "model" (default:
-        /// what the model folder declares) | "none" | "raw" | "chat" | "chat-think" | #{kind, suffix,
-        /// system, enable_thinking}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});
-        /// ```
-    "#,
-        move |m: ModelHandle, prompts: Array, opts: Map| run_rollout(&h, &m, &prompts, &opts)
+/// Registers the rollout functions.
+pub(super) fn register(engine: &mut Engine) {
+    engine.register_global_module(exported_module!(fns).into());
+}
+
+/// The script-visible rollout functions.
+#[export_module]
+mod fns {
+    use rhai::{Array, Dynamic, Map, NativeCallContext};
+
+    use super::{lock, sample_map, ModelHandle, RolloutHandle};
+    use crate::script::bindings::host_of;
+    use crate::script::convert::usize_arg;
+    use crate::script::error::{host, RhaiResult};
+
+    /// rollout(model, prompts, opts) -> Rollout
+    ///
+    /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (a string
+    /// or a list of #{role, content} messages; and `answer`, used by `score`). opts: #{n,
+    /// temperature, top_p, top_k, max_tokens, stop, seed, template}; template: "model" (default:
+    /// what the model folder declares) | "none" | "raw" | "chat" | "chat-think" | #{kind, suffix,
+    /// system, enable_thinking}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let r = rollout(m, sample_prompts(ds, 2, 0), #{n: 4, max_tokens: 32});
+    /// ```
+    #[rhai_fn(name = "rollout", volatile, return_raw)]
+    pub fn rollout_with(
+        ctx: NativeCallContext,
+        m: ModelHandle,
+        prompts: Array,
+        opts: Map,
+    ) -> RhaiResult<RolloutHandle> {
+        super::run_rollout(&*host_of(&ctx)?, &m, &prompts, &opts)
     }
-    let h = host_.clone();
-    func! { engine, "rollout", r#"
-        /// rollout(model, prompts) -> Rollout
-        ///
-        /// Same with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let r = rollout(m, ["Compute 2+3."]);
-        /// ```
-    "#,
-        move |m: ModelHandle, prompts: Array| run_rollout(&h, &m, &prompts, &Map::new())
+
+    /// rollout(model, prompts) -> Rollout
+    ///
+    /// Same with the default sampling (n 8, temperature 1, top-p 1, 256 tokens).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let r = rollout(m, ["Compute 2+3."]);
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn rollout(ctx: NativeCallContext, m: ModelHandle, prompts: Array) -> RhaiResult<RolloutHandle> {
+        super::run_rollout(&*host_of(&ctx)?, &m, &prompts, &Map::new())
     }
-    getter! { engine, "len", r#"
-        /// rollout.len -> int
-        ///
-        /// Number of samples.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(r.len);
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| -> RhaiResult<i64> { Ok(lock(&r.0, "rollout")?.batch.len() as i64) }
+
+    /// rollout.len -> int
+    ///
+    /// Number of samples.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(r.len);
+    /// ```
+    #[rhai_fn(get = "len", pure, volatile, return_raw)]
+    pub fn len(r: &mut RolloutHandle) -> RhaiResult<i64> {
+        Ok(lock(&r.0, "rollout")?.batch.len() as i64)
     }
-    getter! { engine, "texts", r#"
-        /// rollout.texts -> array of string
-        ///
-        /// The response texts.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// for t in r.texts { print(t); }
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| -> RhaiResult<Array> {
-            Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
-        }
+
+    /// rollout.texts -> array of string
+    ///
+    /// The response texts.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// for t in r.texts { print(t); }
+    /// ```
+    #[rhai_fn(get = "texts", pure, volatile, return_raw)]
+    pub fn texts(r: &mut RolloutHandle) -> RhaiResult<Array> {
+        Ok(lock(&r.0, "rollout")?.batch.samples.iter().map(|s| Dynamic::from(s.text.clone())).collect())
     }
-    getter! { engine, "rewards", r#"
-        /// rollout.rewards -> array
-        ///
-        /// Rewards per sample (() before `score`).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// score(r);
-        /// print(r.rewards);
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| -> RhaiResult<Array> {
-            Ok(lock(&r.0, "rollout")?
-                .batch
-                .samples
-                .iter()
-                .map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64)))
-                .collect())
-        }
+
+    /// rollout.rewards -> array
+    ///
+    /// Rewards per sample (() before `score`).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// score(r);
+    /// print(r.rewards);
+    /// ```
+    #[rhai_fn(get = "rewards", pure, volatile, return_raw)]
+    pub fn rewards(r: &mut RolloutHandle) -> RhaiResult<Array> {
+        let st = lock(&r.0, "rollout")?;
+        Ok(st
+            .batch
+            .samples
+            .iter()
+            .map(|s| s.reward.map_or(Dynamic::UNIT, |x| Dynamic::from(x as f64)))
+            .collect())
     }
-    getter! { engine, "mean_reward", r#"
-        /// rollout.mean_reward -> float or ()
-        ///
-        /// Mean reward over the samples.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// score(r);
-        /// print(r.mean_reward);
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| -> RhaiResult<Dynamic> {
-            Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
-        }
+
+    /// rollout.mean_reward -> float or ()
+    ///
+    /// Mean reward over the samples.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// score(r);
+    /// print(r.mean_reward);
+    /// ```
+    #[rhai_fn(get = "mean_reward", pure, volatile, return_raw)]
+    pub fn mean_reward(r: &mut RolloutHandle) -> RhaiResult<Dynamic> {
+        Ok(lock(&r.0, "rollout")?.batch.mean_reward().map_or(Dynamic::UNIT, Dynamic::from))
     }
-    func! { engine, "sample", r#"
-        /// rollout.sample(i) -> map
-        ///
-        /// Sample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer,
-        /// advantage, ...}.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// r.sample(0).text
-        /// ```
-    "#,
-        |r: &mut RolloutHandle, i: i64| -> RhaiResult<Dynamic> {
-            let st = lock(&r.0, "rollout")?;
-            sample_map(&st, usize_arg("i", i)?)
-        }
+
+    /// rollout.sample(i) -> map
+    ///
+    /// Sample i: #{text, response_ids, old_logprobs, entropies, reward, group, prompt, answer,
+    /// advantage, ...}.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// r.sample(0).text
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn sample(r: &mut RolloutHandle, i: i64) -> RhaiResult<Dynamic> {
+        let st = lock(&r.0, "rollout")?;
+        sample_map(&st, usize_arg("i", i)?)
     }
-    getter! { engine, "samples", r#"
-        /// rollout.samples -> array of map
-        ///
-        /// Every sample as in `rollout.sample(i)`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let lens = r.samples.map(|s| s.response_ids.len());
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| -> RhaiResult<Array> {
-            let st = lock(&r.0, "rollout")?;
-            (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
-        }
+
+    /// rollout.samples -> array of map
+    ///
+    /// Every sample as in `rollout.sample(i)`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let lens = r.samples.map(|s| s.response_ids.len());
+    /// ```
+    #[rhai_fn(get = "samples", pure, volatile, return_raw)]
+    pub fn samples(r: &mut RolloutHandle) -> RhaiResult<Array> {
+        let st = lock(&r.0, "rollout")?;
+        (0..st.batch.len()).map(|i| sample_map(&st, i)).collect()
     }
-    func! { engine, "table", r#"
-        /// rollout.table(i) -> string
-        ///
-        /// The token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T;
-        /// then each silenced token in its context (a few tokens either side).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(r.table(0));
-        /// ```
-    "#,
-        |r: &mut RolloutHandle, i: i64| table(r, usize_arg("i", i)?)
+
+    /// rollout.table(i) -> string
+    ///
+    /// The token table of sample i: token, p (pi_old), H (entropy), advantage, silenced by S2T;
+    /// then each silenced token in its context (a few tokens either side).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(r.table(0));
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn table(r: &mut RolloutHandle, i: i64) -> RhaiResult<String> {
+        super::table(r, usize_arg("i", i)?)
     }
-    func! { engine, "tokens", r#"
-        /// rollout.tokens(i) -> array of map
-        ///
-        /// The token table of sample i as data: #{pos, id, token, p, H, advantage, silenced,
-        /// context} (context: for a silenced token, `…left⟦token⟧right…`).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// r.tokens(0).filter(|t| t.silenced)
-        /// ```
-    "#,
-        |r: &mut RolloutHandle, i: i64| tokens(r, usize_arg("i", i)?)
+
+    /// rollout.tokens(i) -> array of map
+    ///
+    /// The token table of sample i as data: #{pos, id, token, p, H, advantage, silenced,
+    /// context} (context: for a silenced token, `…left⟦token⟧right…`).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// r.tokens(0).filter(|t| t.silenced)
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn tokens(r: &mut RolloutHandle, i: i64) -> RhaiResult<Array> {
+        super::tokens(r, usize_arg("i", i)?)
     }
-    func! { engine, "spurious_plot", r#"
-        /// spurious_plot(rollout, path) -> map
-        ///
-        /// STAPO's token scatter of a run's rollout (`run.rollout`): every token of a positive-advantage
-        /// response placed by p (log axis) and entropy H as the update saw them, coloured by its
-        /// logit-gradient norm |A|·sqrt((1 - p)² + Σ_{j≠y} p_j²), the S2T region (p < tau_p, H < tau_h)
-        /// shaded, silenced tokens ringed. Writes `path` + `.png` and `.svg`; returns #{png, svg,
-        /// points, silenced}. For any other rollout use spurious_plot(model, rollout, path).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let t = trainer(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl"}); t.step();
-        /// spurious_plot(t.rollout, t.run_dir + "/spurious-last");
-        /// ```
-    "#,
-        |r: RolloutHandle, path: &str| spurious_plot(&r, None, path)
+
+    /// spurious_plot(rollout, path) -> map
+    ///
+    /// STAPO's token scatter of a run's rollout (`run.rollout`): every token of a positive-advantage
+    /// response placed by p (log axis) and entropy H as the update saw them, coloured by its
+    /// logit-gradient norm |A|·sqrt((1 - p)² + Σ_{j≠y} p_j²), the S2T region (p < tau_p, H < tau_h)
+    /// shaded, silenced tokens ringed. Writes `path` + `.png` and `.svg`; returns #{png, svg,
+    /// points, silenced}. For any other rollout use spurious_plot(model, rollout, path).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let t = trainer(#{model: "models/tiny-qwen3", data: "data/arith/train.jsonl"}); t.step();
+    /// spurious_plot(t.rollout, t.run_dir + "/spurious-last");
+    /// ```
+    #[rhai_fn(volatile, return_raw)]
+    pub fn spurious_plot(r: RolloutHandle, path: &str) -> RhaiResult<Map> {
+        super::spurious_plot(&r, None, path)
     }
-    func! { engine, "spurious_plot", r#"
-        /// spurious_plot(model, rollout, path) -> map
-        ///
-        /// The same scatter for any scored rollout, with p, H and the collision probability from a
-        /// forward pass of `model` (temperature 1) and the rollout's advantages (GRPO's if none were
-        /// computed); the S2T region and silenced tokens are those of the last `s2t(r, ..)`.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// let r = rollout(m, sample_prompts(ds, 8, 0), #{n: 8, max_tokens: 64});
-        /// score(r); s2t(r, #{tau_p: 0.01});
-        /// print(spurious_plot(m, r, "spurious"));
-        /// ```
-    "#,
-        |m: ModelHandle, r: RolloutHandle, path: &str| spurious_plot(&r, Some(&m), path)
+
+    /// spurious_plot(model, rollout, path) -> map
+    ///
+    /// The same scatter for any scored rollout, with p, H and the collision probability from a
+    /// forward pass of `model` (temperature 1) and the rollout's advantages (GRPO's if none were
+    /// computed); the S2T region and silenced tokens are those of the last `s2t(r, ..)`.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// let r = rollout(m, sample_prompts(ds, 8, 0), #{n: 8, max_tokens: 64});
+    /// score(r); s2t(r, #{tau_p: 0.01});
+    /// print(spurious_plot(m, r, "spurious"));
+    /// ```
+    #[rhai_fn(name = "spurious_plot", volatile, return_raw)]
+    pub fn spurious_plot_with(m: ModelHandle, r: RolloutHandle, path: &str) -> RhaiResult<Map> {
+        super::spurious_plot(&r, Some(&m), path)
     }
-    func! { engine, "save", r#"
-        /// rollout.save(path)
-        ///
-        /// Writes the batch as JSONL (replayable with `stapo update`).
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// r.save("rollouts.jsonl");
-        /// ```
-    "#,
-        |r: &mut RolloutHandle, path: &str| -> RhaiResult<()> {
-            lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
-        }
+
+    /// rollout.save(path)
+    ///
+    /// Writes the batch as JSONL (replayable with `stapo update`).
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// r.save("rollouts.jsonl");
+    /// ```
+    #[rhai_fn(pure, volatile, return_raw)]
+    pub fn save(r: &mut RolloutHandle, path: &str) -> RhaiResult<()> {
+        lock(&r.0, "rollout")?.batch.save_jsonl(std::path::Path::new(path)).map_err(host)
     }
-    func! { engine, "to_string", r#"
-        /// to_string(rollout) -> string
-        ///
-        /// A summary and the token tables of the first samples.
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// print(r);
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| describe(r)
+
+    /// to_string(rollout) -> string
+    ///
+    /// A summary and the token tables of the first samples.
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// print(r);
+    /// ```
+    #[rhai_fn(name = "to_string", pure, volatile)]
+    pub fn rollout_to_string(r: &mut RolloutHandle) -> String {
+        super::describe(r)
     }
-    func! { engine, "to_debug", r#"
-        /// to_debug(rollout) -> string
-        ///
-        /// # Example
-        ///
-        /// ```rhai
-        /// debug(r);
-        /// ```
-    "#,
-        |r: &mut RolloutHandle| describe(r)
+
+    /// to_debug(rollout) -> string
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// debug(r);
+    /// ```
+    #[rhai_fn(name = "to_debug", pure, volatile)]
+    pub fn rollout_to_debug(r: &mut RolloutHandle) -> String {
+        super::describe(r)
     }
 }
