@@ -129,9 +129,21 @@ impl ShardedAdamW {
 /// An optimizer checkpoint read by flat ranges.
 pub enum FlatState {
     /// Files written by the ranks of a sharded run, and their index.
-    Shards { dir: PathBuf, index: ShardIndex },
+    Shards {
+        /// The folder of the shard files.
+        dir: PathBuf,
+        /// Which file holds which flat range.
+        index: ShardIndex,
+    },
     /// The unsharded optimizer's per-parameter tensors (`{name}.exp_avg`, ...).
-    PerParam { file: String, tensors: HashMap<String, Tensor>, step: u64 },
+    PerParam {
+        /// The safetensors file.
+        file: String,
+        /// Its tensors by name.
+        tensors: HashMap<String, Tensor>,
+        /// Optimizer steps taken.
+        step: u64,
+    },
 }
 
 impl FlatState {

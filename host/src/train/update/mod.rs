@@ -72,9 +72,11 @@ use score::{global_order, run_setting_warnings};
 /// The model side of an update: the policy, its optimizer, and the frozen reference
 /// policy of a KL penalty.
 pub struct Policy<'a> {
+    /// The policy the update trains.
     pub model: &'a Qwen3,
     /// [`AdamW`], or its sharded form (ZeRO-1/2) under several ranks.
     pub opt: &'a mut dyn Optimizer,
+    /// The frozen reference policy of a KL penalty (`None` without KL).
     pub reference: Option<&'a Qwen3>,
 }
 
