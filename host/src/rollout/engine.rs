@@ -699,7 +699,7 @@ impl Engine<'_> {
         self.stats.model_calls += 1;
         self.stats.rows_fed += sched.len();
         let t0 = Instant::now();
-        let logits = model::decode_paged(&self.model, &tokens, &seqs, &self.cache)?;
+        let logits = model::decode_paged(self.model, &tokens, &seqs, &self.cache)?;
         let t1 = Instant::now();
         let step = StepLogits::new(&logits, &self.sampler)?;
         self.stats.phases.model += (t1 - t0).as_secs_f64();
