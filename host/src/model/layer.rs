@@ -2,7 +2,7 @@
 //! (`LayerCtx`), and its two halves (attention, MLP) as functions over any
 //! range of positions. `qwen3.rs` stacks layers; `recompute.rs` reruns them in
 //! the backward pass; both depend on this file, which depends on neither: it imports
-//! `config.rs`, `ops.rs` (the ops, [`Grad`]) and `lora.rs`, whose [`LinearLike`] runs
+//! `config.rs`, `ops.rs` (the ops, [`Grad`]) and `lora.rs`, whose `LinearLike` runs
 //! each projection with or without its adapter.
 //!
 //! Follows `transformers/models/qwen3/modeling_qwen3.py` (`Qwen3DecoderLayer`).

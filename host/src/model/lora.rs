@@ -9,10 +9,10 @@
 //! adapter term is computed in the adapters' dtype and cast to the output's.
 //!
 //! A leaf below layer.rs and qwen3.rs (it imports only `ops` and `frozen`): it knows
-//! adapters and the projection trait [`LinearLike`] (mistral.rs's `LinearLayerLike`),
+//! adapters and the projection trait `LinearLike` (mistral.rs's `LinearLayerLike`),
 //! not layers. `layer.rs` implements the trait for each projection of a layer (its base
 //! weight and adapter slot) and calls it for every projection; `qwen3.rs` puts adapters
-//! on a model and merges them ([`LinearLike::merged_weight`]).
+//! on a model and merges them (`LinearLike::merged_weight`).
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::Rng;

@@ -5,7 +5,7 @@
 //! (one registration file per domain under [`bindings`], modelled on
 //! apollographql/router's rhai plugin), limits (operations, call depth,
 //! string/array/map sizes), a cancellation check in `on_progress` (Ctrl-C)
-//! with the wall-clock limits of hooks and scripts ([`host::TimeLimits`]),
+//! with the wall-clock limits of hooks and scripts ([`shared_state::TimeLimits`]),
 //! `print` routed to the session's console, and the [`resolver::Resolver`]
 //! for `import "schedules" as s;`.
 //!
