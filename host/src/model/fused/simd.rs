@@ -13,7 +13,8 @@
 //!
 //! Paths, chosen once at run time ([`selection`]): AMX, then AVX-512 BF16,
 //! AVX2, portable (best first), capped by [`ENV`]; AMX only with the kernel's permission
-//! ([`request_amx`]). The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
+//! ([`request_amx`]). AMX and AVX-512 BF16 are opt-in ([`UNVERIFIED`]) until their
+//! kernels have run on a CPU that has them. The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
 //! rows of `x` × 2 weight rows per register tile) where the CPU has both
 //! ([`path`]), else a portable loop of the same arithmetic shape. The f32
 //! weights of [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
@@ -56,12 +57,19 @@ impl Path {
     }
 }
 
-/// The environment variable that forces a lower CPU path than the best one
-/// (`amx`, `avx512bf16`, `avx2` or `portable`), to compare paths on one machine.
+/// The environment variable that forces a CPU path (`amx`, `avx512bf16`,
+/// `avx2` or `portable`): a lower one than the default to compare paths on one
+/// machine, or one of [`UNVERIFIED`] to opt into it.
 pub const ENV: &str = "STAPO_CPU_PATH";
 
 /// The paths [`ENV`] may name, best first.
 const CHOICES: [Path; 4] = [Path::Amx, Path::Avx512Bf16, Path::Avx2, Path::Portable];
+
+/// Paths whose kernels compile and pass their tests' logic but have not yet run
+/// on a CPU that has them (no machine with AMX or AVX-512 BF16 was at hand when
+/// they were written, 2026-12-04): never chosen unless [`ENV`] names them. Once
+/// `stapo bench kernels` passes on such a CPU, remove them from this list.
+pub const UNVERIFIED: [Path; 2] = [Path::Amx, Path::Avx512Bf16];
 
 /// What the CPU offers, checked once.
 #[derive(Clone, Copy, Debug)]
@@ -128,8 +136,9 @@ pub struct Selection {
 }
 
 /// Chooses the CPU path: the best of AMX > AVX-512 BF16 > AVX2 > portable
-/// that the CPU supports, at or below `forced` (the value of [`ENV`]), with
-/// AMX only if `amx_permission` (asked only when AMX would be chosen) succeeds.
+/// that the CPU supports, at or below `forced` (the value of [`ENV`]; unset,
+/// the best path not in [`UNVERIFIED`]), with AMX only if `amx_permission`
+/// (asked only when AMX would be chosen) succeeds.
 ///
 /// # Errors
 /// `forced` names no path.
@@ -138,14 +147,25 @@ pub fn select(
     forced: Option<&str>,
     amx_permission: &mut dyn FnMut() -> Result<(), String>,
 ) -> Result<Selection, String> {
+    let mut notes = Vec::new();
     let cap = match forced.map(str::trim).filter(|s| !s.is_empty()) {
-        None => 0,
+        None => {
+            let first = CHOICES.iter().position(|p| !UNVERIFIED.contains(p)).unwrap_or(0);
+            if let Some(p) = CHOICES[..first].iter().find(|&&p| supports(f, p)) {
+                notes.push(format!(
+                    "{}: this CPU has it, but its kernels have not yet been verified on such a CPU; \
+                     {ENV}={} opts in (run `stapo bench kernels` first)",
+                    p.name(),
+                    p.name()
+                ));
+            }
+            first
+        }
         Some(name) => CHOICES.iter().position(|p| p.name() == name).ok_or_else(|| {
             let names: Vec<_> = CHOICES.iter().map(|p| p.name()).collect();
             format!("{ENV}={name}: expected one of {}", names.join(", "))
         })?,
     };
-    let mut notes = Vec::new();
     for &p in &CHOICES[cap..] {
         if !supports(f, p) {
             if forced.is_some() && p == CHOICES[cap] {
@@ -637,7 +657,19 @@ mod tests {
             asked += 1;
             Ok(())
         };
-        assert_eq!(select(ALL, None, &mut grant).unwrap(), Selection { path: Path::Amx, notes: vec![] });
+        // Unset: the best verified path, with a note on what the CPU has beyond it.
+        let unset =
+            select(ALL, None, &mut || panic!("no AMX permission asked when AMX is not chosen")).unwrap();
+        assert_eq!(unset.path, Path::Avx2);
+        assert!(unset.notes.len() == 1 && unset.notes[0].contains("STAPO_CPU_PATH=amx opts in"), "{unset:?}");
+        assert_eq!(
+            select(AVX2, None, &mut || Ok(())).unwrap(),
+            Selection { path: Path::Avx2, notes: vec![] }
+        );
+        assert_eq!(
+            select(ALL, Some("amx"), &mut grant).unwrap(),
+            Selection { path: Path::Amx, notes: vec![] }
+        );
         assert_eq!(asked, 1);
         for (name, want) in
             [("avx512bf16", Path::Avx512Bf16), ("avx2", Path::Avx2), ("portable", Path::Portable)]
@@ -645,7 +677,7 @@ mod tests {
             let s = select(ALL, Some(name), &mut || panic!("no AMX permission asked below amx")).unwrap();
             assert_eq!(s, Selection { path: want, notes: vec![] }, "{name}");
         }
-        let refused = select(ALL, None, &mut || Err("errno 22".into())).unwrap();
+        let refused = select(ALL, Some("amx"), &mut || Err("errno 22".into())).unwrap();
         assert_eq!(refused.path, Path::Avx512Bf16);
         assert_eq!(refused.notes.len(), 1);
         assert!(
@@ -653,7 +685,7 @@ mod tests {
             "{refused:?}"
         );
         let no512 = Features { avx512bf16: false, ..ALL };
-        assert_eq!(select(no512, None, &mut || Err("no".into())).unwrap().path, Path::Avx2);
+        assert_eq!(select(no512, Some("amx"), &mut || Err("no".into())).unwrap().path, Path::Avx2);
         let up = select(AVX2, Some("amx"), &mut || panic!("the CPU has no AMX")).unwrap();
         assert_eq!(up.path, Path::Avx2);
         assert!(up.notes[0].contains("STAPO_CPU_PATH=amx: not supported"), "{up:?}");
