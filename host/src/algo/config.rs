@@ -208,25 +208,32 @@ pub enum PolicyLoss {
     /// optionally dual-clipped at `c > 1` for `A < 0` (verl's default is 3.0, the papers use
     /// none). Defaults 0.2/0.2, no dual clip.
     Ppo {
+        /// The ratio's lower clip: `1 - eps_low`.
         #[serde(default = "defaults::ppo_eps")]
         eps_low: f32,
+        /// The ratio's upper clip: `1 + eps_high` (DAPO's clip-higher raises it).
         #[serde(default = "defaults::ppo_eps")]
         eps_high: f32,
+        /// The dual-clip bound `c > 1` on the loss of `A < 0` tokens (`None`: off).
         #[serde(default)]
         dual_clip: Option<f32>,
     },
     /// GSPO: the sequence-level ratio, clipped at tiny eps (defaults 3e-4/4e-4).
     Gspo {
+        /// The sequence ratio's lower clip: `1 - eps_low`.
         #[serde(default = "defaults::gspo_eps_low")]
         eps_low: f32,
+        /// The sequence ratio's upper clip: `1 + eps_high`.
         #[serde(default = "defaults::gspo_eps_high")]
         eps_high: f32,
     },
     /// SAPO: the soft-gated ratio, no hard clip; gate temperature `tau_pos` for `A > 0`,
     /// `tau_neg` otherwise (defaults 1.0/1.05).
     Sapo {
+        /// Gate temperature for tokens with `A > 0`.
         #[serde(default = "defaults::sapo_tau_pos")]
         tau_pos: f32,
+        /// Gate temperature for tokens with `A <= 0`.
         #[serde(default = "defaults::sapo_tau_neg")]
         tau_neg: f32,
     },

@@ -230,6 +230,7 @@ pub struct PolicyInputs<'a> {
     /// Response tokens, 0/1 f32 (a superset of `mask`), and `logp - old_logp` on them
     /// (0 elsewhere): what sequence-level ratios average over.
     pub response: &'a Tensor,
+    /// `logp - old_logp` on response tokens, 0 elsewhere.
     pub response_log_ratio: &'a Tensor,
 }
 

@@ -283,7 +283,7 @@ fn paged_attention_check(check: &mut Check, m: &Qwen3, dtype: DType) -> anyhow::
             let cache = model::PagedKvCache::new(m, 8, 16)?;
             let mut out = Vec::new();
             for (tokens, seqs) in &calls {
-                let l = m.decode_paged(tokens, seqs, &cache)?;
+                let l = model::decode_paged(m, tokens, seqs, &cache)?;
                 out.push(l.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
             }
             Ok(out)

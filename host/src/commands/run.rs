@@ -110,11 +110,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let cancel = script::signal::install();
     let mut outcomes = Vec::new();
     for path in &scripts {
-        let run_dir = a
-            .resume
-            .clone()
-            .or_else(|| a.out.clone())
-            .or_else(|| Some(script::host::default_run_dir(Some(path), std::path::Path::new("runs"))));
+        let run_dir = a.resume.clone().or_else(|| a.out.clone()).or_else(|| {
+            Some(script::shared_state::default_run_dir(Some(path), std::path::Path::new("runs")))
+        });
         let run_dir = stapo::dist::broadcast_json(&*world, 0, &run_dir)?;
         let opts = HostOptions {
             smoke,

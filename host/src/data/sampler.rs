@@ -68,7 +68,7 @@ fn epoch_order(seed: u64, epoch: u64, len: usize, shuffle: bool) -> Vec<usize> {
     let mut order: Vec<usize> = (0..len).collect();
     if shuffle {
         let z =
-            crate::util::splitmix64(seed ^ epoch.wrapping_add(1).wrapping_mul(crate::util::SPLITMIX64_GAMMA));
+            crate::seed::splitmix64(seed ^ epoch.wrapping_add(1).wrapping_mul(crate::seed::SPLITMIX64_GAMMA));
         order.shuffle(&mut StdRng::seed_from_u64(z));
     }
     order

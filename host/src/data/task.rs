@@ -130,6 +130,7 @@ impl TaskConfig {
 /// One generated problem, in the dataset schema plus its worked solution.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Problem {
+    /// The problem's id.
     pub id: String,
     /// The question, e.g. `Compute 17+25-9.` (no instruction suffix).
     pub problem: String,
@@ -263,7 +264,7 @@ pub fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
 
 /// Reads problems written by [`write_jsonl`] (all five fields required).
 pub fn read_jsonl(path: &Path) -> Result<Vec<Problem>> {
-    crate::util::read_jsonl(path)
+    crate::files::read_jsonl(path)
 }
 
 /// How the tokenizer is trained.

@@ -725,7 +725,7 @@ pub fn declare(dir: &Path, template: &PromptTemplate) -> Result<()> {
     };
     cfg.insert(DECLARATION_FIELD.into(), template.to_json());
     let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::invalid(e.to_string()))?;
-    crate::util::write_file_atomically(&path, text.as_bytes())
+    crate::files::write_file_atomically(&path, text.as_bytes())
 }
 
 // ---------------------------------------------------------------------------

@@ -20,21 +20,32 @@ use crate::{Error, Result};
 /// One graded sample.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GradedSample {
+    /// The problem's id.
     pub id: String,
+    /// The benchmark or dataset the problem comes from.
     pub source: String,
+    /// Index of the sample among the problem's samples.
     pub sample_index: usize,
+    /// The reference answer.
     pub answer: String,
+    /// The decoded response.
     pub response: String,
+    /// The answer extracted from the response (`None`: none found).
     pub extracted: Option<String>,
+    /// True when the extracted answer equals the reference.
     pub correct: bool,
+    /// Response length in tokens.
     pub response_len: usize,
+    /// True when the response hit `max_new_tokens` without stopping.
     pub truncated: bool,
 }
 
 /// Scores of a set of problems.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Scores {
+    /// Problems scored.
     pub problems: usize,
+    /// Samples drawn per problem (n of avg@n).
     pub samples_per_problem: usize,
     /// Mean accuracy over all samples (avg@n), in [0, 1].
     pub avg: f64,
@@ -50,8 +61,11 @@ pub struct Scores {
 /// An evaluation: overall and per-source scores, and every graded sample.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct EvalReport {
+    /// Scores over every problem.
     pub overall: Scores,
+    /// Scores per source (benchmark).
     pub by_source: BTreeMap<String, Scores>,
+    /// Every graded sample (not serialised into the report).
     #[serde(skip)]
     pub samples: Vec<GradedSample>,
 }
@@ -194,7 +208,7 @@ pub fn write_samples(path: &Path, samples: &[GradedSample]) -> Result<()> {
         text.push_str(&serde_json::to_string(s).map_err(|e| Error::invalid(e.to_string()))?);
         text.push('\n');
     }
-    crate::util::write_file_atomically(path, text.as_bytes())
+    crate::files::write_file_atomically(path, text.as_bytes())
 }
 
 #[cfg(test)]

@@ -80,7 +80,7 @@ pub fn claim_new_run_folder(dir: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let text = format!("{{\"made_by\": \"stapo {}\"}}\n", env!("CARGO_PKG_VERSION"));
-    crate::util::write_file_atomically(&dir.join(RUN_MARKER), text.as_bytes())
+    crate::files::write_file_atomically(&dir.join(RUN_MARKER), text.as_bytes())
 }
 
 /// Makes `dir` a stapo run folder unless it is one already (a script writing into its run

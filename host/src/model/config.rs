@@ -19,19 +19,33 @@ use crate::{Error, Result};
 /// The architecture hyper-parameters of a Qwen3 causal language model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Config {
+    /// Rows of the embedding and of the LM head.
     pub vocab_size: usize,
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the SwiGLU MLP.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention).
     pub num_key_value_heads: usize,
+    /// Dimension of one attention head.
     pub head_dim: usize,
+    /// Base of the rotary embedding's frequencies.
     pub rope_theta: f64,
+    /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f64,
+    /// Longest sequence the rotary tables cover.
     pub max_position_embeddings: usize,
+    /// True when the LM head shares the embedding's weights.
     pub tie_word_embeddings: bool,
+    /// True when q, k, v and o projections have biases.
     pub attention_bias: bool,
+    /// Beginning-of-sequence id, when the model has one.
     pub bos_token_id: Option<u32>,
+    /// End-of-sequence id, when the model has one.
     pub eos_token_id: Option<u32>,
     /// The dtype the weights were saved in (`"float32"`, `"bfloat16"`, `"float16"`).
     pub torch_dtype: String,

@@ -6,12 +6,12 @@
 //! `(out, in)` gradient per projection and per micro-batch (and the time of
 //! its gemm). This op is what peft gets from `requires_grad = False`: the
 //! forward is the ordinary projection, run without a graph and handed to
-//! candle through `model::held`; the backward is one matmul.
+//! candle through `model::precomputed`; the backward is one matmul.
 
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Tensor};
 
-use super::held::Held;
 use super::ops;
+use super::precomputed::Held;
 use crate::Result;
 
 /// `x W^T + b` for `x (.., in)`, `w (out, in)`, differentiable in `x` only

@@ -17,7 +17,7 @@
 
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, MetalStorage, Shape, Tensor, Var, D};
 
-use super::held::Held;
+use super::precomputed::Held;
 use super::{fused, ops};
 use crate::{Error, Result};
 

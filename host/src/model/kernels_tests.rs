@@ -23,7 +23,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::fused::test_util::{randn, rel_err};
 use super::fused::Kernels;
 use super::head::{token_stats_composed, token_stats_tiled};
-use super::layer::{layer_forward, Grad};
+use super::layer::layer_forward;
+use super::ops::Grad;
 use super::{ops, Config, KvCache, Qwen3, Recompute, RolloutCopy, TokenBatch};
 
 /// A random model with 2 layers, hidden 64, 4 query heads over 2 key/value

@@ -1,26 +1,18 @@
 //! One Qwen3 decoder layer: its weights (`Layer`), what it reads besides them
 //! (`LayerCtx`), and its two halves (attention, MLP) as functions over any
 //! range of positions. `qwen3.rs` stacks layers; `recompute.rs` reruns them in
-//! the backward pass; both depend on this file, which depends on neither.
+//! the backward pass; both depend on this file, which depends on neither: it imports
+//! `config.rs`, `ops.rs` (the ops, [`Grad`]) and `lora.rs`, whose `LinearLike` runs
+//! each projection with or without its adapter.
 //!
 //! Follows `transformers/models/qwen3/modeling_qwen3.py` (`Qwen3DecoderLayer`).
 
 use candle_core::{Tensor, Var};
 
 use super::config::Config;
-use super::frozen::frozen_linear;
-use super::lora::{LayerLora, Target};
-use super::ops;
+use super::lora::{Adapter, LayerLora, LinearLike, Target};
+use super::ops::{self, weight, Grad};
 use crate::Result;
-
-/// Whether a forward pass records the autograd graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Grad {
-    /// Record operations so that `loss.backward()` reaches the parameters.
-    Track,
-    /// Inference: compute on detached views of the weights.
-    Off,
-}
 
 /// The weights of one decoder layer.
 #[derive(Clone)]
@@ -80,14 +72,6 @@ pub(super) struct LayerCtx {
     pub mask: ops::AttnMask,
 }
 
-/// The weight `v` as the forward uses it: tracked, or a detached view.
-pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
-    match grad {
-        Grad::Track => v.as_tensor().clone(),
-        Grad::Off => v.as_tensor().detach(),
-    }
-}
-
 impl Layer {
     /// The base weight `(out, in)` of projection `t`.
     pub(super) fn base(&self, t: Target) -> &Var {
@@ -102,14 +86,15 @@ impl Layer {
         }
     }
 
+    /// Projection `t` of this layer as the forward calls it ([`LinearLike`]).
+    pub(super) fn proj(&self, t: Target) -> Proj<'_> {
+        Proj { layer: self, t }
+    }
+
     /// `W + scale * B A` in the base weight's dtype (the merged weight of
     /// projection `t`; the base weight itself without an adapter).
     pub(super) fn merged_weight(&self, t: Target) -> Result<Tensor> {
-        let w = self.base(t).as_tensor().detach();
-        match self.lora.get(t) {
-            Some(ad) => ad.merged(&w),
-            None => Ok(w),
-        }
+        self.proj(t).merged_weight()
     }
 
     /// How the forward reads the base weights (projections, norms, biases):
@@ -123,19 +108,31 @@ impl Layer {
     }
 }
 
+/// Projection `t` of a decoder layer: its base weight and the layer's adapter slot for
+/// `t`, seen through [`LinearLike`] (which adds the adapter's term).
+pub(super) struct Proj<'a> {
+    layer: &'a Layer,
+    t: Target,
+}
+
+impl LinearLike for Proj<'_> {
+    fn base_weight(&self) -> &Var {
+        self.layer.base(self.t)
+    }
+
+    fn adapter(&self) -> Option<&Adapter> {
+        self.layer.lora.get(self.t)
+    }
+
+    fn frozen_base(&self) -> bool {
+        self.layer.lora.frozen()
+    }
+}
+
 /// `x W^T + bias` of projection `t` of `layer`, plus its adapter's term when
 /// it has one. Every projection of a decoder layer goes through here.
 fn linear(x: &Tensor, layer: &Layer, t: Target, bias: Option<&Tensor>, grad: Grad) -> Result<Tensor> {
-    let base = layer.base(t);
-    let y = if layer.lora.frozen() && grad == Grad::Track {
-        // dx only: no gradient (and no gemm) for the frozen base weight.
-        frozen_linear(x, base.as_tensor(), bias)?
-    } else {
-        ops::linear(x, &weight(base, grad), bias)?
-    };
-    let Some(ad) = layer.lora.get(t) else { return Ok(y) };
-    let delta = ad.delta(x, &weight(&ad.a, grad), &weight(&ad.b, grad), y.dtype())?;
-    Ok((y + delta)?)
+    layer.proj(t).forward(x, bias, grad)
 }
 
 /// One decoder layer, `(B, L, hidden)` -> `(B, L, hidden)`. `offset` is the

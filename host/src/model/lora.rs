@@ -8,15 +8,18 @@
 //! [`super::Qwen3::lora_params`]) and may be bf16 while the adapters are f32: the
 //! adapter term is computed in the adapters' dtype and cast to the output's.
 //!
-//! Below layer.rs and qwen3.rs (it imports only `ops`): it knows adapters, not layers. `layer.rs` routes every
-//! projection through its adapter (`Adapter::delta`), `qwen3.rs` puts adapters
-//! on a model and merges them (`Adapter::merged`).
+//! A leaf below layer.rs and qwen3.rs (it imports only `ops` and `frozen`): it knows
+//! adapters and the projection trait `LinearLike` (mistral.rs's `LinearLayerLike`),
+//! not layers. `layer.rs` implements the trait for each projection of a layer (its base
+//! weight and adapter slot) and calls it for every projection; `qwen3.rs` puts adapters
+//! on a model and merges them (`LinearLike::merged_weight`).
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::ops;
+use super::frozen::frozen_linear;
+use super::ops::{self, weight, Grad};
 use crate::{Error, Result};
 
 /// A linear layer of a Qwen3 block that may carry an adapter (peft's
@@ -24,12 +27,19 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Target {
+    /// Attention's query projection.
     QProj,
+    /// Attention's key projection.
     KProj,
+    /// Attention's value projection.
     VProj,
+    /// Attention's output projection.
     OProj,
+    /// The MLP's gate projection.
     GateProj,
+    /// The MLP's up projection.
     UpProj,
+    /// The MLP's down projection.
     DownProj,
 }
 
@@ -118,11 +128,54 @@ impl LoraConfig {
     }
 }
 
+/// A linear projection `y = x W^T + b` that may carry a LoRA adapter, as a decoder
+/// layer calls it (mistral.rs's `LinearLayerLike`): the implementor says where its base
+/// weight and adapter are; the forward with the adapter's term and the merged weight
+/// follow from that, so the layer never looks at an adapter itself.
+pub(super) trait LinearLike {
+    /// The base weight `(out, in)`.
+    fn base_weight(&self) -> &Var;
+
+    /// The adapter on this projection, if it has one.
+    fn adapter(&self) -> Option<&Adapter>;
+
+    /// True when the base weight takes no gradient (only the adapters train).
+    fn frozen_base(&self) -> bool;
+
+    /// `x W^T + bias`, plus the adapter's term `scale * (x A^T) B^T` when there is one.
+    /// With a frozen base and `Grad::Track` the base product records only `dx`.
+    fn forward(&self, x: &Tensor, bias: Option<&Tensor>, grad: Grad) -> Result<Tensor> {
+        let base = self.base_weight();
+        let y = if self.frozen_base() && grad == Grad::Track {
+            // dx only: no gradient (and no gemm) for the frozen base weight.
+            frozen_linear(x, base.as_tensor(), bias)?
+        } else {
+            ops::linear(x, &weight(base, grad), bias)?
+        };
+        let Some(ad) = self.adapter() else { return Ok(y) };
+        let delta = ad.delta(x, &weight(&ad.a, grad), &weight(&ad.b, grad), y.dtype())?;
+        Ok((y + delta)?)
+    }
+
+    /// `W + scale * B A` in the base weight's dtype: the merged weight (the base weight
+    /// itself without an adapter).
+    fn merged_weight(&self) -> Result<Tensor> {
+        let w = self.base_weight().as_tensor().detach();
+        match self.adapter() {
+            Some(ad) => ad.merged(&w),
+            None => Ok(w),
+        }
+    }
+}
+
 /// One adapter: `A` `(r, in)`, `B` `(out, r)` and the scale of `B A`.
 #[derive(Clone)]
 pub struct Adapter {
+    /// `A` `(r, in)`: the input side, kaiming-uniform at the start.
     pub a: Var,
+    /// `B` `(out, r)`: the output side, zero at the start.
     pub b: Var,
+    /// The factor of `B A` (`alpha / r`, or `alpha / sqrt(r)` with rsLoRA).
     pub scale: f64,
 }
 

@@ -6,12 +6,10 @@ pub mod config;
 pub mod frozen;
 pub mod fused;
 pub mod head;
-mod held;
 #[cfg(test)]
 mod kernels_tests;
 pub mod layer;
 pub mod lora;
-pub mod mixed;
 pub mod ops;
 pub mod options;
 pub mod paged;
@@ -19,19 +17,21 @@ pub mod paged_attention;
 #[cfg(feature = "cuda")]
 pub mod paged_cuda;
 pub mod peft;
+mod precomputed;
 pub mod qwen3;
 pub mod recompute;
+pub mod rollout_copy;
 
 pub use checkpoint::{init, save};
 pub use config::{dtype_name, parse_device, parse_dtype, Config};
 pub use fused::Kernels;
 pub use head::{token_stats, TokenStats};
 pub use lora::{LoraConfig, Target as LoraTarget};
-pub use mixed::RolloutCopy;
 pub use options::ModelOptions;
-pub use paged::{PagedKvCache, PagedSeq};
+pub use paged::{decode_paged, PagedKvCache, PagedSeq};
 pub use qwen3::{logprob_entropy, Grad, KvCache, Qwen3, TokenBatch, WeightSource};
 pub use recompute::Recompute;
+pub use rollout_copy::RolloutCopy;
 
 /// Loads the model in `dir` with weights converted to `dtype` on `device`: a
 /// Hugging Face folder ([`checkpoint::load`]), or a peft adapter folder

@@ -27,6 +27,23 @@ pub fn compute_dtype(dtype: DType) -> DType {
     }
 }
 
+/// Whether a forward pass records the autograd graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grad {
+    /// Record operations so that `loss.backward()` reaches the parameters.
+    Track,
+    /// Inference: compute on detached views of the weights.
+    Off,
+}
+
+/// The weight `v` as the forward uses it: tracked, or a detached view.
+pub(super) fn weight(v: &Var, grad: Grad) -> Tensor {
+    match grad {
+        Grad::Track => v.as_tensor().clone(),
+        Grad::Off => v.as_tensor().detach(),
+    }
+}
+
 /// `x @ w^T + b` over the last dimension; `x` is `(.., in)`, `w` is `(out, in)`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if fused::supported(x) {
@@ -317,7 +334,7 @@ pub fn attention_blocks(
         offset,
         n_kv,
         blocks,
-        held: super::held::Held::new(y, "blockwise attention"),
+        held: super::precomputed::Held::new(y, "blockwise attention"),
     };
     Ok(q.apply_op3(k, v, op)?)
 }
@@ -328,7 +345,7 @@ struct AttentionBlocks {
     offset: usize,
     n_kv: usize,
     blocks: Vec<(usize, usize)>,
-    held: super::held::Held,
+    held: super::precomputed::Held,
 }
 
 impl candle_core::CustomOp3 for AttentionBlocks {

@@ -3,7 +3,7 @@
 //! block table (vLLM's PagedAttention, Kwon et al. 2023; mistral.rs's
 //! `paged_attention` module is the candle-based example this follows).
 //!
-//! One call ([`Qwen3::decode_paged`]) runs any mix of sequences, each with
+//! One call ([`decode_paged`]) runs any mix of sequences, each with
 //! any number of new tokens (a decode step adds one, a prefill chunk many):
 //! the new tokens of all sequences are laid end to end as one row of `T`
 //! positions, so the projections and the MLP run on exactly `T` positions
@@ -26,7 +26,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Config;
-use super::layer::{mlp_block, o_proj, qkv, Grad, Layer};
+use super::layer::{mlp_block, o_proj, qkv, Layer};
+use super::ops::Grad;
 pub use super::paged_attention::PagedSeq;
 use super::qwen3::Qwen3;
 use super::{fused, ops};
@@ -157,34 +158,37 @@ impl Layout {
     }
 }
 
-impl Qwen3 {
-    /// Runs the new tokens of `seqs` (`tokens`: each sequence's new tokens, in
-    /// order, end to end) through the model, writing their keys and values
-    /// into `cache`, and returns the logits at each sequence's last new
-    /// token, `(seqs, vocab)`. The slots of the new tokens must be free for
-    /// them (the caller's block tables say which).
-    pub fn decode_paged(&self, tokens: &[u32], seqs: &[PagedSeq], cache: &PagedKvCache) -> Result<Tensor> {
-        let layout = Layout::new(seqs, cache.block_size, cache.num_blocks * cache.block_size)?;
-        if tokens.len() != layout.row.len() {
-            return Err(Error::invalid(format!(
-                "decode_paged: {} tokens given for {} new positions",
-                tokens.len(),
-                layout.row.len()
-            )));
-        }
-        let (t, dev) = (tokens.len(), self.device());
-        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), dev)?;
-        let positions = Tensor::from_vec(layout.pos.clone(), (1, t), dev)?;
-        let (cos, sin) = self.rotary(&positions)?;
-        let attn = PagedAttn::new(seqs, &layout, cache, self.activation_dtype(), dev)?;
-        let mut x = self.embed(&ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = paged_layer(layer, self.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;
-        }
-        let h = self.final_norm(&x)?.squeeze(0)?;
-        let last = Tensor::from_vec(layout.last.clone(), seqs.len(), dev)?;
-        self.lm_head(&h.index_select(&last, 0)?, Grad::Off)
+/// Runs the new tokens of `seqs` (`tokens`: each sequence's new tokens, in
+/// order, end to end) through `model`, writing their keys and values
+/// into `cache`, and returns the logits at each sequence's last new
+/// token, `(seqs, vocab)`. The slots of the new tokens must be free for
+/// them (the caller's block tables say which).
+pub fn decode_paged(
+    model: &Qwen3,
+    tokens: &[u32],
+    seqs: &[PagedSeq],
+    cache: &PagedKvCache,
+) -> Result<Tensor> {
+    let layout = Layout::new(seqs, cache.block_size, cache.num_blocks * cache.block_size)?;
+    if tokens.len() != layout.row.len() {
+        return Err(Error::invalid(format!(
+            "decode_paged: {} tokens given for {} new positions",
+            tokens.len(),
+            layout.row.len()
+        )));
     }
+    let (t, dev) = (tokens.len(), model.device());
+    let ids = Tensor::from_vec(tokens.to_vec(), (1, t), dev)?;
+    let positions = Tensor::from_vec(layout.pos.clone(), (1, t), dev)?;
+    let (cos, sin) = model.rotary(&positions)?;
+    let attn = PagedAttn::new(seqs, &layout, cache, model.activation_dtype(), dev)?;
+    let mut x = model.embed(&ids)?;
+    for (i, layer) in model.layers.iter().enumerate() {
+        x = paged_layer(layer, model.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;
+    }
+    let h = model.final_norm(&x)?.squeeze(0)?;
+    let last = Tensor::from_vec(layout.last.clone(), seqs.len(), dev)?;
+    model.lm_head(&h.index_select(&last, 0)?, Grad::Off)
 }
 
 /// One decoder layer over the `(1, T, hidden)` new tokens of a paged call.
@@ -433,7 +437,7 @@ mod tests {
             tokens.extend(add);
             paged.push(PagedSeq { blocks: s.table.blocks().to_vec(), len: s.ids.len(), new: add.len() });
         }
-        let logits = m.decode_paged(&tokens, &paged, cache).expect("decode_paged");
+        let logits = decode_paged(m, &tokens, &paged, cache).expect("decode_paged");
         for (r, s) in seqs.iter().enumerate() {
             let got = logits.narrow(0, r, 1).expect("row");
             let want = reference(m, &s.ids);
@@ -527,7 +531,7 @@ mod tests {
                             new: add.len(),
                         });
                     }
-                    let logits = m.decode_paged(&tokens, &paged, &cache).expect("decode_paged");
+                    let logits = decode_paged(&m, &tokens, &paged, &cache).expect("decode_paged");
                     for (r, s) in seqs.iter().enumerate() {
                         let got = logits.narrow(0, r, 1).expect("row");
                         out.push((got, reference(&m, &s.ids)));
@@ -558,17 +562,17 @@ mod tests {
         let m = tiny(4);
         let cache = PagedKvCache::new(&m, 2, 4).expect("cache");
         let seq = |blocks: Vec<u32>, len, new| PagedSeq { blocks, len, new };
-        let ok = m.decode_paged(&[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
+        let ok = decode_paged(&m, &[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
         assert_eq!(ok.dims(), &[1, 97]);
         for (s, what) in [
             (seq(vec![0], 5, 2), "1 blocks of 4"),
             (seq(vec![0], 2, 0), "adds 0 tokens"),
             (seq(vec![7], 2, 2), "past the pool"),
         ] {
-            let err = m.decode_paged(&[1, 2], &[s], &cache).expect_err(what).to_string();
+            let err = decode_paged(&m, &[1, 2], &[s], &cache).expect_err(what).to_string();
             assert!(err.contains(what), "{err}");
         }
-        let err = m.decode_paged(&[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
+        let err = decode_paged(&m, &[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
         assert!(err.contains("1 tokens given for 2"), "{err}");
     }
 }

@@ -15,23 +15,28 @@ use rayon::prelude::*;
 use super::fused::Real;
 use crate::{Error, Result};
 
-/// One sequence of a [`super::Qwen3::decode_paged`] call: its block table, its
+/// One sequence of a [`super::paged::decode_paged`] call: its block table, its
 /// length after the call (cached tokens plus `new`), and how many tokens the
 /// call adds (their slots must already be in `blocks`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagedSeq {
+    /// The sequence's block table: block ids in order of position.
     pub blocks: Vec<u32>,
+    /// Length after the call: cached tokens plus `new`.
     pub len: usize,
+    /// Tokens the call adds.
     pub new: usize,
 }
 
 /// The block tables of a call and where each new token sits.
 pub struct Tables<'a> {
+    /// The sequences of the call.
     pub seqs: &'a [PagedSeq],
     /// Per token: its sequence.
     pub row: &'a [u32],
     /// Per token: its position (it sees keys `0..=pos` of its sequence).
     pub pos: &'a [u32],
+    /// Tokens per cache block.
     pub block_size: usize,
 }
 

@@ -36,6 +36,7 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 /// What `adapter_config.json` says: the LoRA settings and the base model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterConfig {
+    /// The LoRA settings (rank, alpha, targets, rsLoRA).
     pub lora: LoraConfig,
     /// `base_model_name_or_path` as written (may be a hub id or a path).
     pub base: Option<String>,
@@ -246,45 +247,40 @@ pub fn base_name(base: &Path) -> String {
     std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf()).display().to_string()
 }
 
-impl Qwen3 {
-    /// Puts the adapters of the peft folder `dir` on this (base) model:
-    /// fresh adapters as its config says, then every `lora_A` / `lora_B`
-    /// from `adapter_model.safetensors` (each must be there, with the shape
-    /// the base implies; a tensor the model has no place for is an error).
-    pub fn load_adapter(&mut self, dir: &Path) -> Result<LoraConfig> {
-        let cfg = read_config(dir)?;
-        self.add_lora(&cfg.lora, 0)?;
-        let path = dir.join(ADAPTER_WEIGHTS);
-        let mut file = candle_core::safetensors::load(&path, &Device::Cpu)
-            .map_err(|e| field_err(&path, "<safetensors>", format!("unreadable adapter weights: {e}")))?;
-        for (name, var) in self.lora_params() {
-            // peft <= 0.6 and some tools keep the adapter name in the key.
-            let t = file
-                .remove(&name)
-                .or_else(|| file.remove(&name.replace(".weight", ".default.weight")))
-                .ok_or_else(|| Error::MissingTensor {
+/// Puts the adapters of the peft folder `dir` on the base model `model`:
+/// fresh adapters as its config says, then every `lora_A` / `lora_B`
+/// from `adapter_model.safetensors` (each must be there, with the shape
+/// the base implies; a tensor the model has no place for is an error).
+pub fn load_adapter(model: &mut Qwen3, dir: &Path) -> Result<LoraConfig> {
+    let cfg = read_config(dir)?;
+    model.add_lora(&cfg.lora, 0)?;
+    let path = dir.join(ADAPTER_WEIGHTS);
+    let mut file = candle_core::safetensors::load(&path, &Device::Cpu)
+        .map_err(|e| field_err(&path, "<safetensors>", format!("unreadable adapter weights: {e}")))?;
+    for (name, var) in model.lora_params() {
+        // peft <= 0.6 and some tools keep the adapter name in the key.
+        let t = file
+            .remove(&name)
+            .or_else(|| file.remove(&name.replace(".weight", ".default.weight")))
+            .ok_or_else(|| Error::MissingTensor { file: path.display().to_string(), name: name.clone() })?;
+        if t.dims() != var.dims() {
+            return Err(Error::Shape {
                 file: path.display().to_string(),
-                name: name.clone(),
-            })?;
-            if t.dims() != var.dims() {
-                return Err(Error::Shape {
-                    file: path.display().to_string(),
-                    name,
-                    expected: var.dims().to_vec(),
-                    found: t.dims().to_vec(),
-                });
-            }
-            var.set(&t.to_dtype(var.dtype())?.to_device(self.device())?)?;
+                name,
+                expected: var.dims().to_vec(),
+                found: t.dims().to_vec(),
+            });
         }
-        if let Some(extra) = file.keys().min() {
-            return Err(field_err(
-                &path,
-                extra,
-                format!("{} tensor(s) the adapter config does not place (first: {extra})", file.len()),
-            ));
-        }
-        Ok(cfg.lora)
+        var.set(&t.to_dtype(var.dtype())?.to_device(model.device())?)?;
     }
+    if let Some(extra) = file.keys().min() {
+        return Err(field_err(
+            &path,
+            extra,
+            format!("{} tensor(s) the adapter config does not place (first: {extra})", file.len()),
+        ));
+    }
+    Ok(cfg.lora)
 }
 
 /// Loads the base model of the adapter folder `dir` (`base`, or its
@@ -300,7 +296,7 @@ pub fn load_with_adapter(
         None => read_config(dir)?.base_dir(dir)?,
     };
     let mut m = checkpoint::load(&base, dtype, device)?;
-    let lora = m.load_adapter(dir)?;
+    let lora = load_adapter(&mut m, dir)?;
     Ok((m, lora))
 }
 

@@ -20,10 +20,10 @@ use rand::SeedableRng;
 
 use super::config::Config;
 use super::head::TokenStats;
-pub use super::layer::Grad;
-use super::layer::{layer_forward, weight, Layer, LayerCtx};
+use super::layer::{layer_forward, Layer, LayerCtx};
 use super::lora::{Adapter, LayerLora, LoraConfig, Target};
-use super::ops;
+pub use super::ops::Grad;
+use super::ops::{self, weight};
 use super::options::ModelOptions;
 use super::recompute::{Recompute, RecomputeCell};
 use crate::{Error, Result};

@@ -14,7 +14,7 @@
 //! shared stash. The recomputation repeats the same kernels on the same
 //! inputs, so the gradients equal those of the plain graph.
 //!
-//! The ops' forwards hand candle a precomputed output (`held.rs`) on
+//! The ops' forwards hand candle a precomputed output (`precomputed.rs`) on
 //! whichever backend the inputs live, so this serves every device and dtype.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -24,8 +24,9 @@ use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, Device, Layout, MetalStorage, Shape, Tensor, Var,
 };
 
-use super::held::{zero_like, Held};
-use super::layer::{attention_out, layer_forward, mlp_block, qkv, Grad, Layer, LayerCtx};
+use super::layer::{attention_out, layer_forward, mlp_block, qkv, Layer, LayerCtx};
+use super::ops::Grad;
+use super::precomputed::{zero_like, Held};
 use crate::{Error, Result};
 
 /// When decoder layers are recomputed in the backward pass.

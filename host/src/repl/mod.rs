@@ -40,6 +40,7 @@ use crate::Result;
 
 /// The prompt, and the prompt of a continued line.
 pub const PROMPT: &str = "stapo> ";
+/// The prompt of a continued line.
 pub const CONTINUE: &str = "  ...> ";
 
 /// What feeding one line did.

@@ -47,6 +47,7 @@ pub struct Sample {
     pub prompt_index: usize,
     /// Index of this sample within its group, `0..n`.
     pub sample_index: usize,
+    /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
     /// The sampled tokens, stop token included.
     pub response_ids: Vec<u32>,
@@ -60,6 +61,7 @@ pub struct Sample {
     pub entropies: Vec<f32>,
     /// The decoded response (stop token or stop string included).
     pub text: String,
+    /// Why generation stopped.
     pub finish: Finish,
     /// True when the response hit `max_new_tokens` without stopping.
     pub truncated: bool,
@@ -88,6 +90,7 @@ pub struct PromptInfo {
 /// The samples of one rollout phase and the prompts they answer.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct RolloutBatch {
+    /// The samples, ordered by prompt, then sample index.
     pub samples: Vec<Sample>,
     /// Indexed by [`Sample::prompt_index`]; may be empty when unknown.
     pub prompts: Vec<PromptInfo>,

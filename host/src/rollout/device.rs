@@ -34,7 +34,12 @@ const PAD: f32 = -1e30;
 /// The logits of one decode step, `(B, V)`, ready to draw from.
 pub enum StepLogits {
     /// Copied to the host whole (CPU tensors, top-k/top-p sampling).
-    Host { data: Vec<f32>, vocab: usize },
+    Host {
+        /// The logits, row-major `(B, V)`.
+        data: Vec<f32>,
+        /// `V`, the vocabulary size.
+        vocab: usize,
+    },
     /// Kept on the device; only per-row and per-block numbers were copied.
     Device(Blocked),
 }

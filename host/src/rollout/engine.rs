@@ -10,7 +10,7 @@
 //! sequence is preempted: its blocks are returned and it waits, at the front
 //! of the queue, to be recomputed (prefilled again with the tokens it has
 //! drawn, which it keeps). All of a step's tokens, prefill and decode, go
-//! through the model in one call ([`Qwen3::decode_paged`]).
+//! through the model in one call ([`model::decode_paged`]).
 //!
 //! A GRPO group is prefilled once, as one unit; when its prompt is in the
 //! cache it forks into its `n` samples, which share the prompt's blocks
@@ -38,7 +38,7 @@ use super::device::StepLogits;
 use super::row::{Row, StopRules};
 use super::sampler::{row_seed, Sampler};
 use super::{Finish, Sample, SamplingParams};
-use crate::model::{PagedKvCache, PagedSeq, Qwen3};
+use crate::model::{self, PagedKvCache, PagedSeq, Qwen3};
 use crate::{Error, Result};
 
 /// Optional controls of a generation ([`super::generate_with`] and this module's `run`).
@@ -206,6 +206,7 @@ pub enum Policy {
 pub struct EngineStats {
     /// Tokens sampled.
     pub tokens: usize,
+    /// Wall-clock seconds of the rollout.
     pub secs: f64,
     /// Model calls (steps).
     pub model_calls: usize,
@@ -213,10 +214,13 @@ pub struct EngineStats {
     pub rows_fed: usize,
     /// Prompt (and recomputed) tokens prefilled.
     pub prefill_tokens: usize,
+    /// Sequences preempted (their blocks freed, recomputed later).
     pub preemptions: usize,
+    /// Tokens per cache block.
     pub block_size: usize,
     /// Blocks in the pool and the most held at once.
     pub pool_blocks: usize,
+    /// The most blocks held at once.
     pub peak_blocks: usize,
     /// The static policy's most blocks reserved at once (0 under continuous batching).
     pub peak_reserved_blocks: usize,
@@ -239,7 +243,7 @@ pub struct EngineStats {
 pub struct Phases {
     /// Choosing the step's work: block tables, admission, preemption.
     pub schedule: f64,
-    /// `Qwen3::decode_paged` (on a GPU mostly launching its kernels).
+    /// `model::decode_paged` (on a GPU mostly launching its kernels).
     pub model: f64,
     /// The step's logits to sampling statistics (on a GPU, where the host waits).
     pub logits: f64,
@@ -287,10 +291,13 @@ impl EngineStats {
 pub struct RolloutFigures {
     /// Sequences per model call (decode rows and prefill chunks).
     pub rows_per_step: f64,
+    /// Model calls over the step's generation batches.
     pub model_calls: usize,
     /// The most cache blocks held at once, and their size in GB.
     pub peak_blocks: usize,
+    /// Size of those blocks in GB.
     pub peak_cache_gb: f64,
+    /// Sequences preempted over the step.
     pub preemptions: usize,
 }
 
@@ -692,7 +699,7 @@ impl Engine<'_> {
         self.stats.model_calls += 1;
         self.stats.rows_fed += sched.len();
         let t0 = Instant::now();
-        let logits = self.model.decode_paged(&tokens, &seqs, &self.cache)?;
+        let logits = model::decode_paged(self.model, &tokens, &seqs, &self.cache)?;
         let t1 = Instant::now();
         let step = StepLogits::new(&logits, &self.sampler)?;
         self.stats.phases.model += (t1 - t0).as_secs_f64();

@@ -19,7 +19,9 @@ use super::SamplingParams;
 /// sample index; `prompt_index` indexes `prompt_texts`) and the rendered prompts.
 #[derive(Debug, Clone)]
 pub struct Generation {
+    /// The samples, ordered by prompt, then sample index.
     pub samples: Vec<Sample>,
+    /// The rendered prompts, indexed by `Sample::prompt_index`.
     pub prompt_texts: Vec<String>,
     /// What the engine did (tokens/s, rows per step, cache blocks, preemptions).
     pub stats: EngineStats,

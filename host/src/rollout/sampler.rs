@@ -19,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::SamplingParams;
-use crate::util::splitmix64;
+use crate::seed::splitmix64;
 use crate::{Error, Result};
 
 /// One sampled token and the statistics recorded for it.

@@ -26,7 +26,9 @@ pub struct ModelHandle(pub Arc<Mutex<ModelSlot>>);
 
 /// What a [`ModelHandle`] holds.
 pub struct ModelSlot {
+    /// The model.
     pub model: Qwen3,
+    /// Its tokenizer, when the folder had one.
     pub tokenizer: Option<Tokenizer>,
     /// The folder it was loaded from (its tokenizer files are copied on save).
     pub dir: Option<PathBuf>,
@@ -48,7 +50,9 @@ pub struct RolloutHandle(pub Arc<Mutex<RolloutState>>);
 
 /// What a [`RolloutHandle`] holds.
 pub struct RolloutState {
+    /// The samples and their prompts.
     pub batch: RolloutBatch,
+    /// The tokenizer that decodes the samples' tokens.
     pub tokenizer: Option<Tokenizer>,
     /// One advantage per sample (`advantages(r)`).
     pub advantages: Option<Vec<f32>>,

@@ -23,7 +23,9 @@ use crate::{Error, Result};
 /// One hook the training loop calls: its name, parameters and what it returns.
 #[derive(Debug)]
 pub struct HookSpec {
+    /// The hook's function name in a script.
     pub name: &'static str,
+    /// Its parameters' names.
     pub params: &'static [&'static str],
     /// What the hook returns (a type and its meaning).
     pub returns: &'static str,

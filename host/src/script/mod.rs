@@ -5,7 +5,7 @@
 //! (one registration file per domain under [`bindings`], modelled on
 //! apollographql/router's rhai plugin), limits (operations, call depth,
 //! string/array/map sizes), a cancellation check in `on_progress` (Ctrl-C)
-//! with the wall-clock limits of hooks and scripts ([`host::TimeLimits`]),
+//! with the wall-clock limits of hooks and scripts ([`shared_state::TimeLimits`]),
 //! `print` routed to the session's console, and the [`resolver::Resolver`]
 //! for `import "schedules" as s;`.
 //!
@@ -23,10 +23,10 @@ pub mod convert;
 pub mod error;
 pub mod handles;
 pub mod hooks;
-pub mod host;
 pub mod resolver;
 pub mod runner;
 pub mod session;
+pub mod shared_state;
 pub mod signal;
 pub mod table;
 pub mod train_loop;
@@ -38,8 +38,8 @@ use rhai::{Dynamic, Engine, Scope};
 
 pub use error::{from_eval, from_parse, is_host_error, HostError};
 pub use hooks::HookSet;
-pub use host::{Console, Host, HostOptions, TimeLimits};
 pub use runner::{run_file, RunOutcome};
+pub use shared_state::{Console, Host, HostOptions, TimeLimits};
 
 /// Most operations one evaluation may run (a runaway loop stops here).
 pub const MAX_OPERATIONS: u64 = 500_000_000;
@@ -47,7 +47,9 @@ pub const MAX_OPERATIONS: u64 = 500_000_000;
 pub const MAX_CALL_LEVELS: usize = 64;
 /// Longest string, array and map a script may build.
 pub const MAX_STRING: usize = 16 << 20;
+/// Longest array a script may build.
 pub const MAX_ARRAY: usize = 1 << 22;
+/// Largest map a script may build.
 pub const MAX_MAP: usize = 1 << 16;
 
 /// Operations between two checks of the time limits.

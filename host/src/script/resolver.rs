@@ -19,7 +19,7 @@ use rhai::{Engine, EvalAltResult, Module, ModuleResolver, Position, Scope};
 type SharedModule = Arc<Module>;
 
 use super::error::host_at;
-use super::host::Host;
+use super::shared_state::Host;
 
 /// A cached module: the file's modification time when compiled, the module, and the
 /// newest modification time of what it imports.

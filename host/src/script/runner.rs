@@ -12,27 +12,35 @@ use rhai::Map;
 use super::convert::num;
 use super::error::{from_eval, from_parse};
 use super::hooks::HookSet;
-use super::host::Host;
+use super::shared_state::Host;
 use super::{build_engine, new_scope, resolver, watch};
 use crate::{Error, Result};
 
 /// What one `train` call of a script did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TrainSummary {
+    /// The run folder.
     pub run_dir: String,
+    /// Steps run.
     pub steps: u64,
+    /// Mean reward of the last step.
     pub reward: Option<f64>,
+    /// Held-out avg@n of the last evaluation.
     pub accuracy: Option<f64>,
+    /// True when `should_stop` ended the run.
     pub stopped_early: bool,
 }
 
 /// What running a script did.
 #[derive(Debug)]
 pub struct RunOutcome {
+    /// The script's path.
     pub script: PathBuf,
     /// `None` when the script ran to the end.
     pub error: Option<Error>,
+    /// One summary per `train` call.
     pub trains: Vec<TrainSummary>,
+    /// Wall-clock seconds of the run.
     pub seconds: f64,
 }
 

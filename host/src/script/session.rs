@@ -12,15 +12,18 @@ use serde_json::Value;
 
 use super::error::{from_eval, from_parse};
 use super::hooks::{lint, top_level_imports, HookSet};
-use super::host::Host;
+use super::shared_state::Host;
 use super::{build_engine, new_scope};
 use crate::{Error, Result};
 
 /// One function's documentation, from the engine's metadata.
 #[derive(Debug, Clone)]
 pub struct FnDoc {
+    /// The function's name.
     pub name: String,
+    /// Its signature, as the first doc line gives it.
     pub signature: String,
+    /// Its doc text.
     pub doc: String,
 }
 

@@ -29,6 +29,7 @@ mod imp {
         }
     }
 
+    /// Registers `on_sigint` for SIGINT.
     pub fn install() {
         // SAFETY: installs a handler that only uses atomics and `_exit`.
         unsafe {

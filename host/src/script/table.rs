@@ -12,14 +12,19 @@ use crate::train::spurious::token_context;
 /// One row of a token table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenRow {
+    /// Position of the token in the response.
     pub pos: usize,
+    /// The token's id.
     pub id: u32,
+    /// The token as text.
     pub token: String,
     /// Probability of the sampled token under the untempered policy at sampling time.
     pub p: f32,
     /// Full-vocabulary entropy (nats) at this position.
     pub h: f32,
+    /// The response's advantage, once computed.
     pub advantage: Option<f32>,
+    /// Whether S2T silenced the token, once a mask was computed.
     pub silenced: Option<bool>,
     /// For a silenced token: the token between its neighbours (`…12+7=1⟦9⟧\n\boxed…`).
     pub context: Option<String>,

@@ -63,12 +63,12 @@ use super::convert::{
 use super::error::{bad_arg, host as host_err, into_error, RhaiResult};
 use super::handles::{lock, RolloutHandle, RolloutState, RunHandle};
 use super::hooks::{hook_type_error, HookSet, HookSpec, LR, ON_STEP, SAMPLING, SHOULD_STOP, THRESHOLDS};
-use super::host::{timestamp, Host};
+use super::shared_state::{timestamp, Host};
 use crate::algo::MaskConfig;
+use crate::files::append_line;
 use crate::overlay;
 use crate::train::trainer::RunFolder;
 use crate::train::{config::moved_to, RunConfig, StepMetrics, StepPlan, Trainer};
-use crate::util::append_line;
 use crate::{Error, Result};
 
 /// Keys of a config map that belong to the host, not to `RunConfig`.
@@ -343,7 +343,7 @@ pub fn maybe_reload(engine: &Engine, host: &Host, run_dir: Option<&Path>, step: 
             let warnings = h.lint();
             host.reload_hooks(h);
             if let Some(d) = run_dir {
-                let _ = crate::util::write_file_atomically(
+                let _ = crate::files::write_file_atomically(
                     &d.join("reloads").join(format!("step-{step:06}.rhai")),
                     text.as_bytes(),
                 );
@@ -473,7 +473,7 @@ fn save_script(host: &Host, run_dir: &Path) {
         Ok(_) => run_dir.join(format!("script-{}.rhai", timestamp())),
         Err(_) => dst,
     };
-    if let Err(e) = crate::util::write_file_atomically(&dst, text.as_bytes()) {
+    if let Err(e) = crate::files::write_file_atomically(&dst, text.as_bytes()) {
         host.notice(&format!("warning: cannot save the script into the run folder: {e}"));
     }
 }

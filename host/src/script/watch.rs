@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use notify::{EventKind, RecursiveMode, Watcher as _};
 
-use super::host::Host;
+use super::shared_state::Host;
 use crate::{Error, Result};
 
 /// Quiet time after the last change before a reload is requested.

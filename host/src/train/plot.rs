@@ -13,8 +13,8 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use crate::files::read_jsonl;
 use crate::train::spurious::{Region, TokenPoint};
-use crate::util::read_jsonl;
 use crate::{Error, Result};
 
 /// DejaVu Sans (Bitstream Vera license), embedded so plots render without system fonts.
@@ -23,14 +23,18 @@ const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 /// One line of a panel.
 #[derive(Debug, Clone)]
 pub struct Series {
+    /// The legend's name of the line.
     pub label: String,
+    /// `(x, y)` points in order of x.
     pub points: Vec<(f64, f64)>,
 }
 
 /// One small chart.
 #[derive(Debug, Clone)]
 pub struct Panel {
+    /// The panel's title.
     pub title: String,
+    /// The lines drawn.
     pub series: Vec<Series>,
     /// A log-10 y axis: points `y <= 0` are left out (a step that silenced nothing).
     pub log_y: bool,
@@ -39,6 +43,7 @@ pub struct Panel {
 /// The metrics files of one run.
 #[derive(Debug, Clone)]
 pub struct RunCurves {
+    /// The run's name in legends.
     pub label: String,
     /// `metrics.jsonl` (one JSON object per step).
     pub metrics: PathBuf,
@@ -311,13 +316,16 @@ fn tick(y: f64) -> String {
 /// One group of runs that differ only in their seed, drawn as one band.
 #[derive(Debug, Clone)]
 pub struct SeedGroup {
+    /// The group's name in legends.
     pub label: String,
+    /// The runs, one per seed.
     pub runs: Vec<RunCurves>,
 }
 
 /// One band of a panel: per x, the mean over the group's runs and the spread (min, max).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Band {
+    /// The band's name in legends.
     pub label: String,
     /// `(x, mean, min, max)` at every x that all runs of the group have.
     pub points: Vec<(f64, f64, f64, f64)>,
@@ -328,7 +336,9 @@ pub struct Band {
 /// One small chart of bands.
 #[derive(Debug, Clone)]
 pub struct BandPanel {
+    /// The panel's title.
     pub title: String,
+    /// The bands drawn.
     pub bands: Vec<Band>,
 }
 

@@ -28,6 +28,7 @@ pub const RESERVOIR: usize = 4_000;
 pub const CONTEXT_TOKENS: usize = 4;
 /// Contexts kept per silenced token string, and distinct token strings with contexts.
 pub const CONTEXTS_PER_TOKEN: usize = 3;
+/// Distinct token strings whose contexts are kept (see `CONTEXTS_PER_TOKEN`).
 pub const MAX_CONTEXT_TOKENS: usize = 2_000;
 /// Silenced tokens reported per step in their context.
 pub const STEP_EXAMPLES: usize = 8;
@@ -120,16 +121,20 @@ impl SpuriousLog {
 pub struct TokenPoint {
     /// Probability of the sampled token and entropy (nats) at its position.
     pub p: f32,
+    /// Full-vocabulary entropy (nats) at the token's position.
     pub h: f32,
     /// Logit-gradient norm `|A|·sqrt((1 - p_y)² + Σ_{j≠y} p_j²)`.
     pub grad: f32,
+    /// True when the S2T mask silenced the token.
     pub silenced: bool,
 }
 
 /// The S2T region `p < tau_p, H < tau_h` to draw.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Region {
+    /// The probability threshold.
     pub tau_p: f32,
+    /// The entropy threshold.
     pub tau_h: f32,
 }
 
@@ -175,6 +180,7 @@ pub struct SpuriousPoints {
     /// Unmarked points offered to the reservoir so far.
     seen: u64,
     rng: u64,
+    /// The latest S2T region seen (`None` without S2T).
     pub region: Option<Region>,
     /// Steps added.
     pub steps: usize,
@@ -208,7 +214,7 @@ impl SpuriousPoints {
             if self.reservoir.len() < RESERVOIR {
                 self.reservoir.push(q);
             } else {
-                self.rng = crate::util::splitmix64(self.rng);
+                self.rng = crate::seed::splitmix64(self.rng);
                 let j = self.rng % self.seen;
                 if (j as usize) < RESERVOIR {
                     self.reservoir[j as usize] = q;
@@ -222,6 +228,7 @@ impl SpuriousPoints {
         self.marked.iter().chain(&self.reservoir).copied().collect()
     }
 
+    /// True when no point was added.
     pub fn is_empty(&self) -> bool {
         self.marked.is_empty() && self.reservoir.is_empty()
     }
@@ -269,6 +276,7 @@ impl SilencedContexts {
         }
     }
 
+    /// The contexts kept for `token` (empty when it was never silenced).
     pub fn get(&self, token: &str) -> &[String] {
         self.0.get(token).map_or(&[], |v| v.as_slice())
     }

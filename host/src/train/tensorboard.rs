@@ -293,7 +293,7 @@ impl Board {
                 .filter(|p| !(scalar_of(p).is_some_and(|(tag, s)| s >= step && is_step_row(&tag))))
                 .collect();
             if kept.len() < records.len() || !whole {
-                crate::util::write_file_atomically(
+                crate::files::write_file_atomically(
                     &path,
                     &kept.iter().flat_map(|p| record(p)).collect::<Vec<_>>(),
                 )?;

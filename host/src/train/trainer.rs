@@ -13,22 +13,35 @@
 //! [`Trainer::plot`]) and writes `silenced_tokens.tsv` (token, count, contexts). Every random choice is seeded from
 //! `(seed, step)`, so a resumed run reproduces the uninterrupted one.
 //!
-//! The trainer is composed of parts, one file each: [`PolicyState`] (model, optimizer,
-//! rollout copy, reference; the update runs there), [`PromptSource`] (data, epoch
-//! sampler, tokenizer, template), [`RunFolder`] (every file of the run folder and
-//! TensorBoard) and the spurious-token log ([`SpuriousLog`]). This file holds the step
-//! that drives them; the configuration tree is [`RunConfig`] (`train/config.rs`).
+//! The trainer is composed of parts, one file each under `train/trainer/`:
+//!
+//! - `policy.rs`: [`PolicyState`] (model, optimizer, rollout copy, reference; the update
+//!   runs there);
+//! - `prompts.rs`: [`PromptSource`] (data, epoch sampler, tokenizer, template);
+//! - `folder.rs`: [`RunFolder`] (every file of the run folder and TensorBoard);
+//! - `plan.rs`: the step plan ([`StepPlan`]) and the per-step seeds;
+//! - `dynamic.rs`: dynamic sampling (the groups with mixed rewards gathered over
+//!   generation batches);
+//! - `metrics.rs`: what a step reports ([`StepMetrics`]) and the warnings on their way;
+//! - `setup.rs`: configuration glue (device and model of a rank, checks of the config);
+//!
+//! and the spurious-token log ([`SpuriousLog`], `train/spurious.rs`). This file holds the
+//! [`Trainer`] itself: building or resuming it, the step that drives the parts, evaluation
+//! and checkpoints. It depends on every part, on `rollout`, `eval`, `reward`, `guard`,
+//! `dist` and `train::update`; the configuration tree is [`RunConfig`] (`train/config.rs`).
 
+mod dynamic;
 mod folder;
+mod metrics;
+mod plan;
 mod policy;
 mod prompts;
+mod setup;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-
-use serde::{Deserialize, Serialize};
 
 use crate::algo::{ObjectiveConfig, S2tThresholds};
 use crate::data::{Example, Prompt, Tokenizer};
@@ -36,56 +49,23 @@ use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
 use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
 use crate::guard::{check_folder_finite, NonFiniteStreak, RunLock};
-use crate::model::{self, Qwen3};
+use crate::model::Qwen3;
 use crate::reward;
-use crate::rollout::{
-    EngineStats, GenerateHooks, PromptInfo, RolloutBatch, RolloutFigures, Sample, SamplingParams,
-};
+use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
 use crate::{Error, Result};
+use dynamic::{Gathered, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
+use metrics::Notes;
+pub use metrics::StepMetrics;
+use plan::mix;
+pub use plan::StepPlan;
 pub use policy::PolicyState;
 pub use prompts::PromptSource;
-
-/// What a step may change relative to the configuration (hooks decide it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StepPlan {
-    pub sampling: SamplingParams,
-    pub lr: f64,
-    pub objective: ObjectiveConfig,
-}
-
-/// Per-step metrics: the update's, plus rollout and timing figures.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct StepMetrics {
-    pub step: u64,
-    pub lr: f64,
-    #[serde(flatten)]
-    pub update: UpdateMetrics,
-    /// Most frequently silenced tokens this step, as text.
-    pub silenced_tokens_text: Vec<(String, usize)>,
-    /// A few silenced tokens of this step in their response (`…12+7=1⟦9⟧\n\boxed…`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub silenced_examples: Vec<String>,
-    pub rollout_secs: f64,
-    pub update_secs: f64,
-    pub rollout_tokens_per_sec: f64,
-    /// The rollout engine's rows per step, cache blocks and preemptions (this rank's).
-    #[serde(default)]
-    pub rollout_engine: RolloutFigures,
-    /// Prompt batches generated this step (more than 1 when dynamic sampling refilled).
-    #[serde(default)]
-    pub gen_batches: usize,
-    /// Groups dynamic sampling dropped before the update (all rewards equal).
-    #[serde(default)]
-    pub groups_dropped: usize,
-    /// Held-out avg@n when this step evaluated.
-    pub eval_avg: Option<f64>,
-    pub eval_pass: Option<f64>,
-}
+use setup::{check_eval_sampling, check_ranks, load_model};
 
 /// A training run in progress, composed of its parts: the policy (model, optimizer,
 /// rollout copy, reference), the prompt source (data, sampler, tokenizer, template), the
@@ -116,40 +96,6 @@ struct LastStep {
     /// What the last update used, one entry per sample of `rollout`.
     update: Option<UpdateRecord>,
     eval: Option<EvalReport>,
-}
-
-/// Warnings on their way to the next step's metrics (the library prints nothing).
-#[derive(Default)]
-struct Notes {
-    /// Not yet reported (data lines skipped at load, ...).
-    pending: Vec<String>,
-    /// Reported once already (settings that cannot take effect).
-    warned: HashSet<String>,
-}
-
-impl Notes {
-    /// Adds `note` to `out` unless it was reported before.
-    fn once(&mut self, note: String, out: &mut Vec<String>) {
-        if self.warned.insert(note.clone()) {
-            out.push(note);
-        }
-    }
-}
-
-/// The device of this rank: under several ranks a bare `cuda` means the GPU
-/// numbered by the rank's index on its host.
-fn rank_device(name: &str, comm: &dyn Comm) -> Result<candle_core::Device> {
-    if comm.size() > 1 && name.trim() == "cuda" {
-        return model::parse_device(&format!("cuda:{}", dist::local_rank()));
-    }
-    model::parse_device(name)
-}
-
-/// The model of `dir` in the dtype and on the device `cfg` names, for this rank.
-fn load_model(cfg: &RunConfig, dir: &Path, comm: &dyn Comm) -> Result<Qwen3> {
-    let device = rank_device(&cfg.model.device, comm)?;
-    let dtype = model::parse_dtype(&cfg.model.dtype)?;
-    model::load(dir, dtype, &device)
 }
 
 impl Trainer {
@@ -233,17 +179,7 @@ impl Trainer {
     ) -> Result<Self> {
         cfg.validate()?;
         let objective = cfg.actor.objective.clone();
-        if cfg.data.prompts_per_step < comm.size() {
-            return Err(Error::Config {
-                file: "run config".into(),
-                field: "data.prompts_per_step".into(),
-                msg: format!(
-                    "{} prompts per step cannot be shared by {} ranks (each needs at least one)",
-                    cfg.data.prompts_per_step,
-                    comm.size()
-                ),
-            });
-        }
+        check_ranks(&cfg, &*comm)?;
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
         let (prompts, mut pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
@@ -274,9 +210,11 @@ impl Trainer {
         &self.comm
     }
 
+    /// The run's configuration (eval sampling as last set).
     pub fn config(&self) -> &RunConfig {
         &self.cfg
     }
+    /// The policy being trained (the master weights).
     pub fn model(&self) -> &Qwen3 {
         self.policy.model()
     }
@@ -285,6 +223,7 @@ impl Trainer {
     pub fn sampling_model(&self) -> &Qwen3 {
         self.policy.sampling_model()
     }
+    /// The run's tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         self.prompts.tokenizer()
     }
@@ -292,9 +231,11 @@ impl Trainer {
     pub fn step_count(&self) -> u64 {
         self.step
     }
+    /// The run folder.
     pub fn run_dir(&self) -> &Path {
         self.folder.path()
     }
+    /// The scored samples of the last step (`None` before the first).
     pub fn last_rollout(&self) -> Option<&RolloutBatch> {
         self.last.rollout.as_ref()
     }
@@ -307,6 +248,7 @@ impl Trainer {
     pub fn eval_history(&self) -> &[(u64, f64, f64)] {
         self.folder.evals()
     }
+    /// The report of the last evaluation (`None` before the first).
     pub fn last_eval(&self) -> Option<&EvalReport> {
         self.last.eval.as_ref()
     }
@@ -327,12 +269,7 @@ impl Trainer {
 
     /// The configuration's plan for the next step (schedules applied).
     pub fn default_plan(&self) -> StepPlan {
-        let optim = &self.cfg.actor.optim;
-        StepPlan {
-            sampling: self.cfg.rollout.sampling.clone(),
-            lr: optim.schedule.lr_at(optim.lr, self.step),
-            objective: self.objective.clone(),
-        }
+        StepPlan::from_config(&self.cfg, &self.objective, self.step)
     }
 
     /// Sets the S2T thresholds of the objective used by later default plans; an error when
@@ -698,148 +635,5 @@ impl Trainer {
     /// mini-batches).
     pub fn plot(&self) -> Result<(PathBuf, PathBuf)> {
         self.folder.plot(&self.cfg.actor.preset, &self.spurious)
-    }
-}
-
-/// What [`Trainer::gather`] collected: the samples the update trains on, everything
-/// sampled (for the batch metrics) and the rollout figures.
-#[derive(Debug, Default)]
-struct StepBatch {
-    kept: Gathered,
-    all_seqs: Vec<Sequence>,
-    rollout_secs: f64,
-    local_tokens: usize,
-    gen_batches: usize,
-    groups_dropped: usize,
-    engine: RolloutFigures,
-}
-
-/// The prompts and scored samples of a step, gathered over one or more generation
-/// batches; sample `prompt_index` and `group` index `examples`.
-#[derive(Debug, Default)]
-struct Gathered {
-    examples: Vec<Example>,
-    texts: Vec<String>,
-    samples: Vec<Sample>,
-    /// The engine's figures of the generation call.
-    stats: EngineStats,
-}
-
-impl Gathered {
-    /// Appends the groups of `round` whose rewards are mixed (DAPO dynamic sampling;
-    /// a single-sample group is all-equal), renumbered, until `target` groups are held
-    /// over all ranks of `comm` (`held` before this round; the groups of a round are
-    /// numbered rank by rank, as one process would meet them). Returns how many
-    /// all-equal groups this rank dropped and the groups now held over all ranks.
-    fn add_mixed(
-        &mut self,
-        comm: &dyn Comm,
-        round: &Gathered,
-        target: usize,
-        held: usize,
-    ) -> Result<(usize, usize)> {
-        let mut dropped = 0;
-        let mut mixed = Vec::new();
-        for (p, (ex, text)) in round.examples.iter().zip(&round.texts).enumerate() {
-            let members: Vec<&Sample> = round.samples.iter().filter(|s| s.prompt_index == p).collect();
-            if !members.windows(2).any(|w| w[0].reward != w[1].reward) {
-                dropped += 1;
-                continue;
-            }
-            mixed.push((ex, text, members));
-        }
-        let (first, total) = dist::offset_and_total(comm, mixed.len())?;
-        for (j, (ex, text, members)) in mixed.into_iter().enumerate() {
-            if held + first + j >= target {
-                break;
-            }
-            let new = self.examples.len();
-            for s in members {
-                let mut s = s.clone();
-                s.prompt_index = new;
-                // The group's global index (its position over all ranks' kept groups).
-                s.group = held + first + j;
-                self.samples.push(s);
-            }
-            self.examples.push(ex.clone());
-            self.texts.push(text.clone());
-        }
-        Ok((dropped, (held + total).min(target)))
-    }
-}
-
-/// The per-step seed: output `step` of the SplitMix64 stream seeded with `seed`.
-fn mix(seed: u64, step: u64) -> u64 {
-    crate::util::splitmix64(seed.wrapping_add(step.wrapping_mul(crate::util::SPLITMIX64_GAMMA)))
-}
-
-/// Checks an evaluation's sampling: temperature finite and >= 0, top_p in (0, 1].
-fn check_eval_sampling(temperature: f64, top_p: f64) -> Result<()> {
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(Error::invalid(format!(
-            "evaluate: `temperature`: expected a finite value >= 0, found {temperature}"
-        )));
-    }
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(Error::invalid(format!("evaluate: `top_p`: expected a value in (0, 1], found {top_p}")));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::rollout::Finish;
-
-    fn round(rewards: &[&[f32]]) -> Gathered {
-        let mut g = Gathered::default();
-        for (p, rs) in rewards.iter().enumerate() {
-            g.examples.push(Example {
-                id: format!("q{p}"),
-                problem: String::new(),
-                answer: String::new(),
-                source: String::new(),
-                messages: None,
-            });
-            g.texts.push(format!("prompt {p}"));
-            for (i, &r) in rs.iter().enumerate() {
-                g.samples.push(Sample {
-                    group: p,
-                    prompt_index: p,
-                    sample_index: i,
-                    prompt_ids: vec![1],
-                    response_ids: vec![2, p as u32],
-                    logprobs: vec![0.; 2],
-                    old_logprobs: vec![0.; 2],
-                    entropies: vec![0.; 2],
-                    text: String::new(),
-                    finish: Finish::Eos,
-                    truncated: false,
-                    reward: Some(r),
-                });
-            }
-        }
-        g
-    }
-
-    #[test]
-    fn dynamic_sampling_refills_to_the_target() {
-        // Target 3 groups. Batch 1: q0 mixed, q1 all wrong, q2 mixed → 2 kept, 1 dropped.
-        // Batch 2: q0 all right, q1 mixed, q2 mixed → q1 fills the third place; q2 is surplus.
-        let mut kept = Gathered::default();
-        let local = crate::dist::Local;
-        assert_eq!(kept.add_mixed(&local, &round(&[&[1., 0.], &[0., 0.], &[0., 1.]]), 3, 0).unwrap(), (1, 2));
-        assert_eq!(kept.examples.len(), 2);
-        assert_eq!(kept.add_mixed(&local, &round(&[&[1., 1.], &[1., 0.], &[0., 1.]]), 3, 2).unwrap(), (1, 3));
-        let ids: Vec<&str> = kept.examples.iter().map(|e| e.id.as_str()).collect();
-        assert_eq!(ids, ["q0", "q2", "q1"]);
-        assert_eq!(kept.texts, ["prompt 0", "prompt 2", "prompt 1"]);
-        // Renumbered: group and prompt index follow the kept order; the samples are the
-        // originals (their response's second token is the original prompt index).
-        let seen: Vec<(usize, usize, u32)> =
-            kept.samples.iter().map(|s| (s.group, s.prompt_index, s.response_ids[1])).collect();
-        assert_eq!(seen, [(0, 0, 0), (0, 0, 0), (1, 1, 2), (1, 1, 2), (2, 2, 1), (2, 2, 1)]);
-        // A single sample per prompt is never mixed.
-        assert_eq!(Gathered::default().add_mixed(&local, &round(&[&[1.], &[0.]]), 3, 0).unwrap(), (2, 0));
     }
 }

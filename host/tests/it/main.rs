@@ -1,6 +1,7 @@
 //! The integration test binary: one process, one module per concern.
 
 mod acyclic;
+mod architecture;
 mod common;
 mod dataset;
 mod dist;

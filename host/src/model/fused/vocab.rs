@@ -25,8 +25,11 @@ pub const STATS: usize = 4;
 /// rows × vocabulary columns per backward tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tiles {
+    /// Rows per forward chunk.
     pub fwd_rows: usize,
+    /// Rows per backward tile.
     pub bwd_rows: usize,
+    /// Vocabulary columns per backward tile.
     pub bwd_cols: usize,
 }
 

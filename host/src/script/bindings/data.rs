@@ -10,7 +10,7 @@ use super::DatasetHandle;
 use crate::data::{task, Dataset, DatasetOptions, EpochSampler, Example, PromptTemplate, TaskConfig};
 use crate::script::convert::{overlay, to_dynamic, to_json, u64_arg, usize_arg};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 
 /// An example as a script map: `#{id, problem, answer, source}`, plus
 /// `messages` (array of `#{role, content}`) when the dataset gave chat messages.
@@ -282,7 +282,7 @@ mod fns {
             text.push_str(&to_json("rows", r)?.to_string());
             text.push('\n');
         }
-        crate::util::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
+        crate::files::write_file_atomically(&PathBuf::from(path), text.as_bytes()).map_err(host)?;
         Ok(rows.len() as i64)
     }
 }

@@ -14,7 +14,7 @@ use crate::reward::ExtractMode;
 use crate::rollout::{EngineConfig, Generator, SamplingParams};
 use crate::script::convert::{from_json, options, overlay, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 
 /// `evaluate(model, data, opts)`: the keys that are not sampling fields; the rest of the map
 /// is a [`SamplingParams`] (n 4 by default), so every sampling option reaches evaluation.

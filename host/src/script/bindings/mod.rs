@@ -30,7 +30,7 @@ use super::error::{HostError, RhaiResult};
 pub use super::handles::{
     lock, DatasetHandle, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle, TokenizerHandle,
 };
-use super::host::Host;
+use super::shared_state::Host;
 
 pub mod algo;
 pub mod data;

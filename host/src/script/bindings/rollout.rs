@@ -12,7 +12,7 @@ use crate::data::Prompt;
 use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 use crate::script::table::{format_sample, token_rows, TokenRow};
 use crate::train::spurious::TokenPoint;
 use crate::train::update::logit_grad_norm;

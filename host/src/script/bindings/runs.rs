@@ -69,7 +69,7 @@ fn read_run(dir: &str) -> RhaiResult<Map> {
         if !p.is_file() {
             return Ok(Array::new());
         }
-        let rows: Vec<serde_json::Value> = crate::util::read_jsonl(&p).map_err(host)?;
+        let rows: Vec<serde_json::Value> = crate::files::read_jsonl(&p).map_err(host)?;
         Ok(rows.iter().map(from_json).collect())
     };
     if !dir.join("metrics.jsonl").is_file() {

@@ -9,7 +9,7 @@ use rhai::{Dynamic, Engine, Map, NativeCallContext};
 use super::{lock, ModelHandle, RolloutHandle, RunHandle};
 use crate::script::convert::{config_arg, from_json, get_num, options, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
-use crate::script::host::Host;
+use crate::script::shared_state::Host;
 use crate::script::train_loop;
 use crate::train::{self, AdamW, Sequence, TinyConfig, UpdateOptions};
 

@@ -36,6 +36,7 @@ pub const PLAIN_FILE: &str = "optimizer.safetensors";
 pub struct ShardIndex {
     /// Ranks that wrote the checkpoint.
     pub world_size: usize,
+    /// What was sharded (moments, or moments and gradients).
     pub mode: ShardMode,
     /// Optimizer steps taken.
     pub step: u64,
@@ -51,7 +52,9 @@ pub struct ShardIndex {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IndexParam {
+    /// The parameter's name.
     pub name: String,
+    /// Elements in the parameter.
     pub numel: usize,
     /// Steps in which it had a gradient.
     pub steps: u64,
@@ -61,8 +64,11 @@ pub struct IndexParam {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IndexShard {
+    /// The file's name, relative to the checkpoint folder.
     pub file: String,
+    /// First flat element in the file.
     pub start: usize,
+    /// One past the last flat element in the file.
     pub end: usize,
 }
 
@@ -123,9 +129,21 @@ impl ShardedAdamW {
 /// An optimizer checkpoint read by flat ranges.
 pub enum FlatState {
     /// Files written by the ranks of a sharded run, and their index.
-    Shards { dir: PathBuf, index: ShardIndex },
+    Shards {
+        /// The folder of the shard files.
+        dir: PathBuf,
+        /// Which file holds which flat range.
+        index: ShardIndex,
+    },
     /// The unsharded optimizer's per-parameter tensors (`{name}.exp_avg`, ...).
-    PerParam { file: String, tensors: HashMap<String, Tensor>, step: u64 },
+    PerParam {
+        /// The safetensors file.
+        file: String,
+        /// Its tensors by name.
+        tensors: HashMap<String, Tensor>,
+        /// Optimizer steps taken.
+        step: u64,
+    },
 }
 
 impl FlatState {

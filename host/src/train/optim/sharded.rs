@@ -54,9 +54,13 @@ pub struct FlatLayout {
 /// parameter (flattened), at flat position `flat`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
+    /// Index of the parameter.
     pub param: usize,
+    /// First element of the piece within the flattened parameter.
     pub at: usize,
+    /// Elements in the piece.
     pub len: usize,
+    /// Position of the piece's first element in the flat range.
     pub flat: usize,
 }
 

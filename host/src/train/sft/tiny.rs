@@ -49,13 +49,19 @@ pub struct TinyConfig {
     pub tokenizer: TokenizerConfig,
     /// Architecture (see `config.json`).
     pub hidden_size: usize,
+    /// Width of the MLP.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention).
     pub num_key_value_heads: usize,
+    /// Dimension of one attention head.
     pub head_dim: usize,
     /// Random init: seed and standard deviation.
     pub init_seed: u64,
+    /// Standard deviation of the normal initialisation.
     pub init_std: f64,
     /// Seed of the SFT problems (drawn fresh, disjoint from train and test).
     pub sft_seed: u64,
@@ -65,13 +71,18 @@ pub struct TinyConfig {
     pub max_steps: usize,
     /// Peak learning rate, linear warm-up, then cosine to 10% at `max_steps`.
     pub lr: f64,
+    /// Steps of linear warm-up.
     pub warmup_steps: u64,
+    /// AdamW weight decay (not applied to norms and biases).
     pub weight_decay: f64,
+    /// Global gradient-norm clip.
     pub max_grad_norm: f64,
     /// Measure accuracy every this many steps on the first `eval_problems` of
     /// the training set, `eval_samples` samples each at temperature 1.0.
     pub eval_every: usize,
+    /// Problems of the periodic accuracy check.
     pub eval_problems: usize,
+    /// Samples per problem of the periodic accuracy check.
     pub eval_samples: usize,
     /// Response budget when sampling (a worked 4-operand solution is ~35 tokens).
     pub max_new_tokens: usize,
@@ -136,6 +147,7 @@ impl Default for TinyConfig {
 /// Accuracy of a model on a set of problems.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EvalReport {
+    /// Problems evaluated.
     pub problems: usize,
     /// Samples per problem.
     pub samples: usize,
@@ -146,6 +158,7 @@ pub struct EvalReport {
     /// Fraction of problems whose samples are neither all right nor all wrong
     /// (the groups that give GRPO a learning signal).
     pub mixed_groups: f32,
+    /// Mean response length in tokens.
     pub mean_response_tokens: f32,
     /// Fraction of samples that hit `max_new_tokens` without an end-of-sequence id.
     pub truncation_rate: f32,
@@ -154,10 +167,15 @@ pub struct EvalReport {
 /// What [`pretrain_tiny`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TinyReport {
+    /// Parameters of the model.
     pub params: usize,
+    /// Size of the trained tokenizer's vocabulary.
     pub vocab_size: usize,
+    /// SFT steps taken.
     pub steps: usize,
+    /// Wall-clock seconds of training.
     pub train_seconds: f64,
+    /// Loss of the last step.
     pub final_loss: f32,
     /// `(step, loss, periodic avg@k)` at every evaluation.
     pub evals: Vec<(usize, f32, f32)>,

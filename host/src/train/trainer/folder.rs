@@ -4,28 +4,37 @@
 //! `silenced_tokens.tsv`. Every file a crash could leave half-written is written
 //! atomically; rank 0 alone writes (the callers run these under [`dist::on_root`]).
 //!
+//! Depends on `data` (the sampler's state), `eval` (reports), `rollout` (the saved
+//! rollouts), `train::plot`, `train::spurious`, `train::tensorboard`, `files` and the
+//! step's metrics (`metrics.rs`).
+//!
 //! [`dist::on_root`]: crate::dist::on_root
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{RunConfig, StepMetrics};
+use super::metrics::StepMetrics;
 use crate::data::SamplerState;
 use crate::eval::{self, EvalReport};
+use crate::files::{append_line, write_file_atomically};
 use crate::rollout::RolloutBatch;
 use crate::train::plot::{self, RunCurves};
 use crate::train::spurious::{SilencedContexts, SpuriousLog};
 use crate::train::tensorboard::Board;
-use crate::util::{append_line, write_file_atomically};
+use crate::train::RunConfig;
 use crate::{Error, Result};
 
 /// Saved with each checkpoint: where the run stood.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct TrainerState {
+    /// Steps completed when the checkpoint was written.
     pub step: u64,
+    /// Where the epoch sampler stands in the training set.
     pub sampler: SamplerState,
+    /// Times each token was silenced over the run, most frequent first.
     pub silenced_totals: Vec<(String, usize)>,
+    /// A few contexts of each silenced token.
     #[serde(default)]
     pub silenced_contexts: SilencedContexts,
 }
@@ -101,6 +110,7 @@ impl RunFolder {
         Self { dir: dir.to_path_buf(), tb: Board::new(dir), evals }
     }
 
+    /// The run folder's path.
     pub fn path(&self) -> &Path {
         &self.dir
     }

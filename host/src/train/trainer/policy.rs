@@ -1,19 +1,21 @@
 //! The policy side of a run: the master weights, their optimizer, the copy rollouts
 //! sample from (`rollout_dtype`), and the frozen reference of a KL penalty. The
 //! update runs here ([`update::optimize_on`]), and the rollout copy is refreshed right
-//! after it, so that rollouts always sample the policy just trained.
+//! after it, so that rollouts always sample the policy just trained. Depends on `model`
+//! (the policy, its checkpoints and adapters), `train::optim`, `train::update`, `algo`
+//! and `dist`.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Tensor};
 
-use super::RunConfig;
 use crate::algo::ObjectiveConfig;
 use crate::dist::{self, Comm};
 use crate::model::{self, checkpoint, peft, LoraConfig, Qwen3, RolloutCopy};
 use crate::train::optim::{AdamW, FlatState, Optimizer, ShardMode, ShardedAdamW, INDEX_FILE, PLAIN_FILE};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateOutcome};
+use crate::train::RunConfig;
 use crate::{Error, Result};
 
 /// The optimizer of one rank: whole, or sharded over the ranks (`shard`).

@@ -1,14 +1,15 @@
 //! Where a run's prompts come from: the training set in epoch order (the sampler's
 //! position is part of every checkpoint), the held-out set, the tokenizer and the
-//! prompt template resolved against the model folder.
+//! prompt template resolved against the model folder. Depends on `data`, `rollout` (the
+//! generator it hands out), `model` and `dist` (each rank's share of the prompts).
 
 use std::ops::Range;
 
-use super::RunConfig;
 use crate::data::{Dataset, EpochSampler, Example, Prompter, SamplerState, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::model::Qwen3;
 use crate::rollout::Generator;
+use crate::train::RunConfig;
 use crate::{Error, Result};
 
 /// Training and held-out problems, their order, and how they become prompts.
@@ -41,6 +42,7 @@ impl PromptSource {
         Ok((Self { tokenizer, prompter, train, test, sampler }, notes))
     }
 
+    /// The tokenizer prompts are encoded with.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

@@ -19,8 +19,11 @@ pub fn logit_grad_norm(advantage: f32, p: f32, collision: f32) -> f32 {
 /// token, the entropy and the collision probability `Σ_j p_j²` at its position.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenAnalysis {
+    /// Probability of the sampled token at each response position.
     pub p: Vec<f32>,
+    /// Full-vocabulary entropy (nats) at each response position.
     pub entropy: Vec<f32>,
+    /// Collision probability `Σ_j p_j²` at each response position.
     pub collision: Vec<f32>,
 }
 
@@ -61,10 +64,15 @@ pub fn token_analysis(
 /// All 0 when `Σ g = 0`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GradShares {
+    /// Share carried by the silenced tokens.
     pub silenced: f32,
+    /// Share carried by the S2T candidates.
     pub candidates: f32,
+    /// Share carried by the top 0.01% of tokens.
     pub top_frac: f32,
+    /// Share carried by the top 1% of tokens.
     pub top_1pct: f32,
+    /// Share carried by the 10 largest tokens.
     pub top_10: f32,
 }
 
@@ -98,4 +106,5 @@ pub const TOP_GRAD_FRAC: f64 = 1e-4;
 /// The fixed top 1% of tokens by logit-gradient norm, and the top 10: shares that do not
 /// collapse to one token on a batch of a few thousand tokens.
 pub const TOP_1PCT: f64 = 0.01;
+/// How many of the largest tokens `top_10` counts.
 pub const TOP_K: usize = 10;

@@ -1,5 +1,5 @@
-//! What an update consumes and how it runs: the scored [`Sequence`]s, where the old
-//! log-probs come from ([`OldLogp`]), the run configuration's `actor` section
+//! How an update runs: where the old log-probs come from ([`OldLogp`]), the run
+//! configuration's `actor` section
 //! ([`ActorConfig`]: objective, epochs, mini/micro batches, token budget, optimizer, rollout
 //! correction, LoRA), which the update reads as it is, wrapped with what a single update
 //! adds ([`UpdateConfig`]: seed, temperature), and the options of a lone update
@@ -12,40 +12,8 @@ use serde_json::Value;
 use crate::algo::ObjectiveConfig;
 use crate::model::LoraConfig;
 use crate::overlay;
-use crate::rollout::Sample;
 use crate::train::optim::{AdamWConfig, LrSchedule, ShardMode};
 use crate::{Error, Result};
-
-/// One sampled response with its prompt and reward, as the update consumes it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Sequence {
-    pub prompt_ids: Vec<u32>,
-    pub response_ids: Vec<u32>,
-    /// Log-probs of the response tokens under the sampling policy at T = 1
-    /// (used when old log-probs come from the rollout).
-    pub rollout_logprobs: Option<Vec<f32>>,
-    /// Raw reward (1 correct, 0 wrong) before the objective's reward scale.
-    pub reward: f32,
-    /// GRPO group (responses to the same prompt share it).
-    pub group: usize,
-    /// True when generation hit the token limit.
-    pub truncated: bool,
-}
-
-impl Sequence {
-    /// A sampled response with its `reward` (the sample's own reward field is
-    /// the caller's to check); the rollout's T = 1 log-probs come along.
-    pub fn from_sample(s: &Sample, reward: f32) -> Self {
-        Sequence {
-            prompt_ids: s.prompt_ids.clone(),
-            response_ids: s.response_ids.clone(),
-            rollout_logprobs: Some(s.old_logprobs.clone()),
-            reward,
-            group: s.group,
-            truncated: s.truncated,
-        }
-    }
-}
 
 /// Where the old-policy log-probs (the PPO ratio's denominator) come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -295,8 +263,11 @@ pub enum RolloutCorrMode {
     /// weights (at temperature 1, old log-probs recomputed), else `off`.
     #[default]
     Auto,
+    /// No correction: every token and sequence weighs 1.
     Off,
+    /// Token-level truncated importance sampling: each token's loss weighted by `min(exp(old - rollout), cap)`.
     TokenTis,
+    /// Sequence-level masked importance sampling: sequences whose weight falls outside `[seq_lower, seq_upper]` are rejected.
     SeqMis,
 }
 
@@ -304,12 +275,14 @@ pub enum RolloutCorrMode {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RolloutCorrection {
+    /// Which correction applies (`auto` resolves per run).
     pub mode: RolloutCorrMode,
     /// token-TIS: the cap of the token weight (verl's `rollout_is_threshold`, 2); also the
     /// threshold of the `fraction_high` metric.
     pub cap: f32,
     /// seq-MIS: the bounds of the sequence weight outside which a sequence is rejected.
     pub seq_lower: f32,
+    /// seq-MIS: the upper bound of the sequence weight.
     pub seq_upper: f32,
 }
 

@@ -20,31 +20,47 @@ use crate::Result;
 /// What one update did: the per-step metrics researchers expect from verl/TRL.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct UpdateMetrics {
+    /// The objective's loss of each optimizer step taken (its mini-batch's), averaged over those steps.
     pub loss: f32,
+    /// Mean raw reward of the batch's responses.
     pub reward_mean: f32,
+    /// Standard deviation of the raw rewards over the batch.
     pub reward_std: f32,
     /// Fraction of responses with raw reward > 0.5.
     pub accuracy: f32,
     /// Mean full-vocabulary entropy over response tokens (current policy).
     pub entropy: f32,
+    /// Share of kept tokens whose ratio was clipped below `1 - eps_low` (negative advantage).
     pub clip_frac_low: f32,
+    /// Share of kept tokens whose ratio was clipped above `1 + eps_high` (positive advantage).
     pub clip_frac_high: f32,
+    /// KL(old‖new) by the k3 estimator, mean over kept tokens.
     pub approx_kl: f32,
+    /// Global gradient norm before clipping, averaged over the optimizer steps taken.
     pub grad_norm: f32,
+    /// Mean response length in tokens.
     pub response_len_mean: f32,
+    /// Longest response in tokens.
     pub response_len_max: usize,
+    /// Share of responses that hit the token limit without stopping.
     pub truncation_rate: f32,
+    /// Share of groups whose rewards are all equal (no learning signal under GRPO).
     pub zero_var_group_frac: f32,
     /// Sequences dropped by dynamic sampling.
     pub dropped_seqs: usize,
+    /// Response tokens of the sequences that reached the loss.
     pub response_tokens: usize,
+    /// Response tokens the token mask kept in the loss.
     pub kept_tokens: usize,
+    /// Response tokens the S2T mask silenced.
     pub silenced_tokens: usize,
+    /// `silenced_tokens / response_tokens` (0 without response tokens).
     pub silenced_ratio: f32,
     /// The S2T entropy threshold, averaged over the mini-batches that had candidates.
     pub tau_h: Option<f32>,
     /// Optimizer steps taken and skipped (non-finite loss or gradient).
     pub optimizer_steps: usize,
+    /// Optimizer steps skipped for a non-finite loss or gradient.
     pub skipped_steps: usize,
     /// Why each skipped optimizer step was skipped, naming the quantity that was not
     /// finite (`loss is NaN`, `gradient norm is inf`, `updated weights of <param>`).
@@ -83,8 +99,10 @@ pub struct UpdateMetrics {
     /// Candidates per S2T mini-batch, over the global mini-batch (S2T on; 0 otherwise).
     #[serde(default)]
     pub candidates_per_mini_batch: f32,
+    /// Share of response tokens with `p < tau_p` and `A > 0` (S2T on).
     #[serde(default)]
     pub low_p_positive_share: f32,
+    /// Share of response tokens with `p < tau_p` and `A < 0` (S2T on).
     #[serde(default)]
     pub low_p_negative_share: f32,
     /// The size of the population the quantile `tau_h` was taken over (response tokens
@@ -96,6 +114,7 @@ pub struct UpdateMetrics {
     /// and by the top 0.01% of tokens (first epoch; with `token_grad_norms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub silenced_grad_share: Option<f32>,
+    /// Share carried by the top 0.01% of tokens by logit-gradient norm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_grad_share: Option<f32>,
     /// The mismatch between the rollout's log-probs (the sampling copy's) and the old
@@ -106,8 +125,10 @@ pub struct UpdateMetrics {
     /// the S2T candidates (`A > 0 && p < tau_p`, with S2T on), on the same terms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_1pct_grad_share: Option<f32>,
+    /// Share carried by the 10 tokens of largest logit-gradient norm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_10_grad_share: Option<f32>,
+    /// Share carried by the S2T candidates (`A > 0 && p < tau_p`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidate_grad_share: Option<f32>,
     /// The 0.99-quantile of the response tokens' entropies (current policy, first epoch,
@@ -125,7 +146,9 @@ pub struct UpdateMetrics {
 pub struct AppliedThresholds {
     /// Epoch and mini-batch index within it.
     pub epoch: usize,
+    /// Index of the mini-batch within its epoch.
     pub mini_batch: usize,
+    /// The probability threshold used.
     pub tau_p: f32,
     /// The entropy threshold used (`None`: a quantile over an empty population).
     pub tau_h: Option<f32>,
@@ -135,6 +158,7 @@ pub struct AppliedThresholds {
     pub population: Option<usize>,
     /// Tokens with `A > 0 && p < tau_p`, and those silenced.
     pub candidates: usize,
+    /// Candidates the mask silenced (entropy below `tau_h`).
     pub silenced: usize,
 }
 
@@ -158,10 +182,12 @@ pub struct UpdateRecord {
     /// Per response token: probability and entropy of the current policy at the first
     /// epoch's training forward (empty for inactive sequences).
     pub p: Vec<Vec<f32>>,
+    /// Per response token: the current policy's entropy (nats) at the same forward.
     pub entropy: Vec<Vec<f32>>,
     /// Per response token, with `token_grad_norms`: the collision probability `Σ_j p_j²` and
     /// the logit-gradient norm `|A|·sqrt((1 - p_y)² + Σ_{j≠y} p_j²)` (see [`logit_grad_norm`]).
     pub collision: Vec<Vec<f32>>,
+    /// Per response token: the logit-gradient norm (with `token_grad_norms`).
     pub grad_norm: Vec<Vec<f32>>,
     /// The S2T thresholds of every mini-batch (empty without S2T).
     pub thresholds: Vec<AppliedThresholds>,
@@ -170,7 +196,9 @@ pub struct UpdateRecord {
 /// What [`update`](super::update) returns.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UpdateOutcome {
+    /// The update's metrics.
     pub metrics: UpdateMetrics,
+    /// What the update used, per input sequence.
     pub record: UpdateRecord,
 }
 

@@ -36,6 +36,7 @@ mod old_logp;
 mod optimizer;
 mod rollout_corr;
 mod score;
+mod sequence;
 #[cfg(test)]
 mod tests;
 
@@ -47,12 +48,13 @@ use rand::SeedableRng;
 pub use analysis::{
     grad_shares, logit_grad_norm, token_analysis, GradShares, TokenAnalysis, TOP_1PCT, TOP_GRAD_FRAC, TOP_K,
 };
-pub use config::{under, ActorConfig, OldLogp, Sequence, UpdateConfig, UpdateOptions};
+pub use config::{under, ActorConfig, OldLogp, UpdateConfig, UpdateOptions};
 pub use config::{RolloutCorrMode, RolloutCorrection};
 pub use mask::{token_mask, token_mask_on};
 pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
 pub use rollout_corr::RolloutCorrMetrics;
 pub use score::{active_sequences, score, Scored};
+pub use sequence::Sequence;
 
 use crate::algo::{MaskConfig, S2tStats, S2tThresholds};
 use crate::dist::{self, Comm, Local};
@@ -70,9 +72,11 @@ use score::{global_order, run_setting_warnings};
 /// The model side of an update: the policy, its optimizer, and the frozen reference
 /// policy of a KL penalty.
 pub struct Policy<'a> {
+    /// The policy the update trains.
     pub model: &'a Qwen3,
     /// [`AdamW`], or its sharded form (ZeRO-1/2) under several ranks.
     pub opt: &'a mut dyn Optimizer,
+    /// The frozen reference policy of a KL penalty (`None` without KL).
     pub reference: Option<&'a Qwen3>,
 }
 

@@ -39,6 +39,7 @@ pub struct RolloutCorrMetrics {
     pub k3_kl: f32,
     /// Mean and max of `|old - rollout|`.
     pub log_ratio_abs_mean: f32,
+    /// Largest `|old - rollout|` over the tokens.
     pub log_ratio_abs_max: f32,
     /// Mean token weight `exp(old - rollout)` before the cap (verl `rollout_is_mean`).
     pub rollout_is_mean: f32,

@@ -142,6 +142,7 @@ impl Drop for HookDeadline<'_> {
 
 /// Shared state of one script session; cheap to clone through `Arc`.
 pub struct Host {
+    /// The session's options (smoke mode, `--set` values, limits).
     pub opts: HostOptions,
     console: Console,
     cancel: &'static AtomicBool,
