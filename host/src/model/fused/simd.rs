@@ -276,7 +276,7 @@ pub fn describe() -> String {
     let f = features();
     let yes = |b: bool| if b { "yes" } else { "no" };
     format!(
-        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a lower path)",
+        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a path; amx and avx512bf16 are opt-in)",
         cpu_path().name(),
         path().name(),
         yes(f.amx_bf16),
