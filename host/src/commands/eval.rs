@@ -35,6 +35,9 @@ pub struct EvalArgs {
     pub temperature: f64,
     #[arg(long, default_value_t = 0.9)]
     pub top_p: f64,
+    /// Min-p: keep tokens with probability >= min_p x the top token's (0 = off).
+    #[arg(long = "min-p", default_value_t = 0.0)]
+    pub min_p: f64,
     #[arg(long, default_value_t = 1024)]
     pub max_tokens: usize,
     /// Only the first N problems of each file.
@@ -84,6 +87,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         n: a.n,
         temperature: a.temperature,
         top_p: a.top_p,
+        min_p: a.min_p,
         max_new_tokens: a.max_tokens,
         seed: a.seed,
         ..SamplingParams::default()

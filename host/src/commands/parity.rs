@@ -153,7 +153,7 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
     };
     let v = cfg.vocab_size;
     for (name, temperature) in [("sampling T=1.0", 1.0), ("sampling T=0.7", 0.7), ("sampling greedy", 0.0)] {
-        let s = Sampler { temperature, top_p: 1.0, top_k: None };
+        let s = Sampler { temperature, top_p: 1.0, top_k: None, min_p: 0.0 };
         let blocked = Blocked::new(&logits, &s)?;
         let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
             (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();

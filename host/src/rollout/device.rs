@@ -12,8 +12,9 @@
 //! inverse-CDF walk as [`Sampler::draw`] (one uniform per token, same token
 //! order), so it picks the same token up to float rounding of the sums.
 //!
-//! Top-k/top-p need a sort of the vocabulary that candle does not offer on
-//! the device for rows this long; those rows are copied to the host whole and
+//! Top-k/top-p/min-p (every filter `Sampler::filters` lists) need a sort of
+//! the vocabulary that candle does not offer on the device for rows this long;
+//! those rows are copied to the host whole and
 //! drawn by [`Sampler::draw`], as are all rows of CPU tensors (where there is
 //! no copy to save).
 
@@ -100,7 +101,7 @@ impl Blocked {
         let (b, v) = logits.dims2()?;
         if filters(sampler, v) {
             return Err(Error::invalid(
-                "device sampling: rows with a top-k/top-p filter must be drawn on the host",
+                "device sampling: rows with a top-k/top-p/min-p filter must be drawn on the host",
             ));
         }
         let blocks = v.div_ceil(BLOCK);
@@ -323,6 +324,29 @@ mod tests {
         assert!(Blocked::new(&t, &s).is_err());
         assert!(matches!(StepLogits::new(&t, &s).expect("step"), StepLogits::Host { .. }));
         assert!(matches!(StepLogits::new(&t, &sampler(1.0)).expect("step"), StepLogits::Host { .. }));
+    }
+
+    /// Min-p goes through the filter path: not on the device, and the host rows of
+    /// [`StepLogits`] draw only the hand-computed kept set (probabilities 0.5, 0.3,
+    /// 0.15, 0.05 with min_p 0.2: the first three).
+    #[test]
+    fn min_p_rows_draw_the_kept_set_on_the_host() {
+        let row: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let t = tensor(&[row.clone(), row]);
+        let s = Sampler::new(&SamplingParams { min_p: 0.2, ..SamplingParams::default() });
+        assert!(Blocked::new(&t, &s).is_err());
+        let step = StepLogits::new(&t, &s).expect("step");
+        assert!(matches!(step, StepLogits::Host { .. }));
+        let (mut a, mut b) = (StdRng::seed_from_u64(1), StdRng::seed_from_u64(2));
+        let mut seen = [0usize; 4];
+        for _ in 0..2000 {
+            for d in step.draw(&s, vec![(0, &mut a), (1, &mut b)]).expect("draw") {
+                seen[d.id as usize] += 1;
+                let want = [0.5f64, 0.3, 0.15][d.id as usize] / 0.95;
+                assert!((d.logprob as f64 - want.ln()).abs() < 1e-5, "{d:?}");
+            }
+        }
+        assert!(seen[..3].iter().all(|&c| c > 0) && seen[3] == 0, "{seen:?}");
     }
 
     #[test]

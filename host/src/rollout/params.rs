@@ -19,6 +19,10 @@ pub struct SamplingParams {
     pub top_p: f64,
     /// Keep only the `k` most likely tokens (None = off).
     pub top_k: Option<usize>,
+    /// Min-p sampling (HF's `MinPLogitsWarper`, vLLM's `min_p`): after temperature,
+    /// top-k and top-p, keep the tokens whose probability is at least `min_p` times
+    /// the most likely token's (0 = off).
+    pub min_p: f64,
     /// Longest response (serde name `max_tokens`, as vLLM); a response that reaches it is
     /// marked truncated.
     #[serde(rename = "max_tokens")]
@@ -45,6 +49,7 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: None,
+            min_p: 0.0,
             max_new_tokens: 256,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
@@ -67,8 +72,10 @@ impl SamplingParams {
 
     /// Checks every field against what sampling accepts for a vocabulary of `vocab` tokens.
     pub fn validate(&self, vocab: usize) -> Result<()> {
-        let bad =
-            |field: &str, msg: String| Err(Error::invalid(format!("sampling params: `{field}`: {msg}")));
+        // A config error naming the field, which a section prefixes (`rollout.sampling.min_p`).
+        let bad = |field: &str, msg: String| {
+            Err(Error::Config { file: "sampling params".into(), field: field.into(), msg })
+        };
         if self.n == 0 {
             return bad("n", "expected at least 1 sample per prompt, found 0".into());
         }
@@ -77,6 +84,9 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("expected a value in (0, 1], found {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", format!("expected a value in [0, 1], found {}", self.min_p));
         }
         if self.top_k == Some(0) {
             return bad("top_k", "expected at least 1 (or none), found 0".into());
@@ -117,6 +127,9 @@ mod tests {
             (SamplingParams { temperature: -1.0, ..Default::default() }, "`temperature`"),
             (SamplingParams { top_p: 0.0, ..Default::default() }, "`top_p`"),
             (SamplingParams { top_k: Some(0), ..Default::default() }, "`top_k`"),
+            (SamplingParams { min_p: -0.1, ..Default::default() }, "`min_p`"),
+            (SamplingParams { min_p: 1.5, ..Default::default() }, "`min_p`"),
+            (SamplingParams { min_p: f64::NAN, ..Default::default() }, "`min_p`"),
             (SamplingParams { max_new_tokens: 0, ..Default::default() }, "`max_new_tokens`"),
             (SamplingParams { stop_token_ids: vec![100], ..Default::default() }, "`stop_token_ids`"),
             (SamplingParams { stop_strings: vec![String::new()], ..Default::default() }, "`stop_strings`"),

@@ -1,11 +1,13 @@
 //! Per-row token sampling on the host: temperature, top-k, top-p (nucleus),
-//! greedy, and the statistics RL needs at each position.
+//! min-p, greedy, and the statistics RL needs at each position.
 //!
 //! Works on one row of logits as a `&[f32]` (the decode step copies the
 //! `(B, vocab)` logits to the host once). Order of the transforms follows
-//! Hugging Face's `generate` warpers: temperature, then top-k, then top-p, the
-//! survivors renormalised. Top-p keeps the smallest prefix of the tokens sorted
-//! by probability whose cumulative mass is `>= top_p` (at least one token).
+//! Hugging Face's `generate` warpers: temperature, then top-k, then top-p, then
+//! min-p, the survivors renormalised. Top-p keeps the smallest prefix of the
+//! tokens sorted by probability whose cumulative mass is `>= top_p` (at least
+//! one token); min-p keeps the tokens with probability `>= min_p` times the
+//! most likely one's (HF's `MinPLogitsWarper`).
 //!
 //! When neither filter is on, no sort happens: one pass finds the max, one
 //! accumulates the softmax sums, and sampling walks the cumulative mass in
@@ -48,6 +50,8 @@ pub struct Sampler {
     pub top_p: f64,
     /// None = off.
     pub top_k: Option<usize>,
+    /// 0.0 = off.
+    pub min_p: f64,
 }
 
 /// Tokens selected and sorted before top-p first checks the mass it has.
@@ -126,13 +130,18 @@ impl RawStats {
 impl Sampler {
     /// The transform of `params` (its temperature, top-p and top-k).
     pub fn new(params: &SamplingParams) -> Self {
-        Self { temperature: params.temperature, top_p: params.top_p, top_k: params.top_k }
+        Self {
+            temperature: params.temperature,
+            top_p: params.top_p,
+            top_k: params.top_k,
+            min_p: params.min_p,
+        }
     }
 
-    /// True when a filter (top-k, top-p) removes tokens: the one list of the
-    /// filters, which the device path (`device.rs`) asks too.
+    /// True when a filter (top-k, top-p, min-p) removes tokens: the one list of
+    /// the filters, which the device path (`device.rs`) asks too.
     pub(super) fn filters(&self, vocab: usize) -> bool {
-        self.top_p < 1.0 || self.top_k.is_some_and(|k| k < vocab)
+        self.top_p < 1.0 || self.top_k.is_some_and(|k| k < vocab) || self.min_p > 0.0
     }
 
     /// `1 / T` in f32 (the per-token math runs in f32, sums in f64).
@@ -151,8 +160,8 @@ impl Sampler {
         self.log_weight(l, max).exp() as f64
     }
 
-    /// The surviving candidates of top-k/top-p, most likely first, and their
-    /// total tempered weight. Only called when [`Self::filters`].
+    /// The surviving candidates of top-k/top-p/min-p, most likely first, and
+    /// their total tempered weight. Only called when [`Self::filters`].
     fn candidates(&self, logits: &[f32], max: f32) -> (Vec<u32>, f64) {
         let v = logits.len();
         let cmp = by_logit_desc(logits);
@@ -163,11 +172,19 @@ impl Sampler {
             pool.truncate(k);
         }
         let total: f64 = pool.iter().map(|&i| self.weight(logits[i as usize], max)).sum();
+        // Top-p's target is a share of the top-k survivors' mass, taken before min-p cuts.
+        let target = self.top_p * total;
+        if self.min_p > 0.0 {
+            // Min-p: tempered probability >= min_p x the most likely token's, whose weight
+            // is exactly 1, so weight >= min_p. The kept set is a prefix of the sorted
+            // order, so cutting it first and top-p's prefix after keeps HF's set.
+            pool.retain(|&i| self.weight(logits[i as usize], max) >= self.min_p);
+        }
         if self.top_p >= 1.0 {
             pool.sort_unstable_by(&cmp);
+            let total = pool.iter().map(|&i| self.weight(logits[i as usize], max)).sum();
             return (pool, total);
         }
-        let target = self.top_p * total;
         let mut s = TOP_P_FIRST.min(pool.len());
         loop {
             if s < pool.len() {
@@ -183,7 +200,7 @@ impl Sampler {
                 }
             }
             if s == pool.len() {
-                // Rounding left the full pool a hair short of the target: keep it all.
+                // Min-p cut first, or rounding left the pool a hair short of the target: keep it all.
                 return (pool, cum);
             }
             s = (s * 4).min(pool.len());
@@ -271,7 +288,7 @@ mod tests {
     use super::*;
 
     fn sampler(temperature: f64, top_p: f64, top_k: Option<usize>) -> Sampler {
-        Sampler { temperature, top_p, top_k }
+        Sampler { temperature, top_p, top_k, min_p: 0.0 }
     }
 
     fn softmax(x: &[f64]) -> Vec<f64> {
@@ -364,6 +381,36 @@ mod tests {
         // top-p 0.5 keeps exactly the first (cumulative 0.5 >= 0.5).
         let found = frequencies(&sampler(1.0, 0.5, None), &logits, &[1.0, 1.0, 1.0], 1000);
         assert_close(&found, &[1.0, 0.0, 0.0], 1e-12);
+    }
+
+    /// Min-p on a hand-computed distribution: probabilities 0.5, 0.3, 0.15, 0.05 with
+    /// min_p 0.2 keep the tokens with p >= 0.2 x 0.5 = 0.1, the first three, renormalised
+    /// over 0.95; after top-p 0.7 (first two) min-p 0.5 (p >= 0.25) keeps the same two.
+    #[test]
+    fn min_p_keeps_tokens_above_its_share_of_the_top() {
+        let probs = [0.5f64, 0.3, 0.15, 0.05];
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
+        let s = Sampler { min_p: 0.2, ..sampler(1.0, 1.0, None) };
+        let want = [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95];
+        let got = s.distribution(&logits).expect("distribution");
+        assert_eq!(got.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![0, 1, 2]);
+        for (&(_, q), w) in got.iter().zip(want) {
+            assert!((q - w).abs() < 1e-6, "{got:?}");
+        }
+        let found = frequencies(&s, &logits, &[want[0], want[1], want[2], 1.0], 20_000);
+        assert_close(&found, &[want[0], want[1], want[2], 0.0], 0.015);
+        // At temperature 0.5 the probabilities are 25:9:2.25:0.25 / 36.5, and min_p 0.2
+        // (>= 5/36.5) keeps the first two.
+        let s = Sampler { min_p: 0.2, ..sampler(0.5, 1.0, None) };
+        let ids: Vec<u32> = s.distribution(&logits).expect("distribution").iter().map(|d| d.0).collect();
+        assert_eq!(ids, vec![0, 1]);
+        let s = Sampler { min_p: 0.5, ..sampler(1.0, 0.7, None) };
+        let got = s.distribution(&logits).expect("distribution");
+        assert_eq!(got.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![0, 1]);
+        // min_p 0 is off (no filter); 1 keeps only the top.
+        assert!(!Sampler { min_p: 0.0, ..sampler(1.0, 1.0, None) }.filters(4));
+        let top = Sampler { min_p: 1.0, ..sampler(1.0, 1.0, None) }.distribution(&logits).expect("d");
+        assert_eq!(top, vec![(0, 1.0)]);
     }
 
     #[test]

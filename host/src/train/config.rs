@@ -446,7 +446,11 @@ mod tests {
         let e = err(json!({"rollout": {"sampling": {"n": -2}}}));
         assert!(e.contains("`rollout.sampling.n`") && e.contains("-2"), "{e}");
         let e = err(json!({"rollout": {"sampling": {"n": 0}}}));
-        assert!(e.contains("rollout.sampling") && e.contains("`n`"), "{e}");
+        assert!(e.contains("`rollout.sampling.n`"), "{e}");
+        let e = err(json!({"rollout": {"sampling": {"min_p": 1.5}}}));
+        assert!(e.contains("`rollout.sampling.min_p`") && e.contains("1.5"), "{e}");
+        let e = err(json!({"evaluation": {"sampling": {"min_p": -1}}}));
+        assert!(e.contains("`evaluation.sampling.min_p`"), "{e}");
         let e = err(json!({"lr": 1e-3}));
         assert!(e.contains("`lr` moved to `actor.optim.lr`"), "{e}");
         let e = err(json!({"tau_p": 0.01}));

@@ -1013,7 +1013,9 @@ fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint()
     let f = fixture();
     let path = f.root.join("set.rhai");
     std::fs::write(&path, format!("train({}, 2);\n", tiny_cfg(&f, "grpo"))).unwrap();
-    for (key, val) in [("actor.optim.lr", "fast"), ("rollout.sampling.n", "-2")] {
+    for (key, val) in
+        [("actor.optim.lr", "fast"), ("rollout.sampling.n", "-2"), ("rollout.sampling.min_p", "1.5")]
+    {
         let mut o = opts(&f, &f.root.join(format!("run-{key}")), false);
         o.args.insert(key.into(), val.into());
         let (host, _) = buffered(o);

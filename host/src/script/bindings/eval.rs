@@ -106,7 +106,7 @@ mod fns {
     /// evaluate(model, data, opts) -> map
     ///
     /// avg@n and pass@n on a dataset (path or Dataset). opts: the sampling fields (n (4),
-    /// temperature (1.0), top_p (1.0), top_k, max_tokens (256), stop, seed, ...) and limit,
+    /// temperature (1.0), top_p (1.0), top_k, min_p, max_tokens (256), stop, seed, ...) and limit,
     /// template ("model": the folder's own format; or "none", "raw", "chat", a map), extract
     /// (strict | flexible | answer_line), pass_k ([]; e.g. [1, 4, 16]), engine (the rollout
     /// engine's #{kv_cache_gb, max_rows, block_size}, as a run's rollout.engine). Returns

@@ -213,7 +213,7 @@ mod fns {
     ///
     /// Samples `opts.n` responses per prompt. prompts: strings or maps with `problem` (a string
     /// or a list of #{role, content} messages; and `answer`, used by `score`). opts: #{n,
-    /// temperature, top_p, top_k, max_tokens, stop, seed, template}; template: "model" (default:
+    /// temperature, top_p, top_k, min_p, max_tokens, stop, seed, template}; template: "model" (default:
     /// what the model folder declares) | "none" | "raw" | "chat" | "chat-think" | #{kind, suffix,
     /// system, enable_thinking}.
     ///
