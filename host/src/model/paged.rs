@@ -423,9 +423,15 @@ mod tests {
         table: BlockTable,
     }
 
-    /// One call adding `new[i]` to `seqs[i]`; checks every row's logits
-    /// against the dense reference of the sequence so far.
-    fn call(m: &Qwen3, cache: &PagedKvCache, pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]) {
+    /// One call adding `new[i]` to `seqs[i]` (blocks taken, a shared partial
+    /// block copied on write); returns the logits `(seqs, vocab)`.
+    fn feed(
+        m: &Qwen3,
+        cache: &PagedKvCache,
+        pool: &mut BlockPool,
+        seqs: &mut [&mut Seq],
+        new: &[Vec<u32>],
+    ) -> Tensor {
         let mut paged = Vec::new();
         let mut tokens = Vec::new();
         for (s, add) in seqs.iter_mut().zip(new) {
@@ -437,7 +443,13 @@ mod tests {
             tokens.extend(add);
             paged.push(PagedSeq { blocks: s.table.blocks().to_vec(), len: s.ids.len(), new: add.len() });
         }
-        let logits = decode_paged(m, &tokens, &paged, cache).expect("decode_paged");
+        decode_paged(m, &tokens, &paged, cache).expect("decode_paged")
+    }
+
+    /// [`feed`], then checks every row's logits against the dense reference
+    /// of the sequence so far.
+    fn call(m: &Qwen3, cache: &PagedKvCache, pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]) {
+        let logits = feed(m, cache, pool, seqs, new);
         for (r, s) in seqs.iter().enumerate() {
             let got = logits.narrow(0, r, 1).expect("row");
             let want = reference(m, &s.ids);
@@ -512,36 +524,17 @@ mod tests {
                 let mut pool = BlockPool::new(16, 4).expect("pool");
                 let (mut a, mut b) = (Seq::default(), Seq::default());
                 let mut out = Vec::new();
-                let step = |pool: &mut BlockPool,
-                            out: &mut Vec<(Tensor, Tensor)>,
-                            seqs: &mut [&mut Seq],
-                            new: &[Vec<u32>]| {
-                    let mut paged = Vec::new();
-                    let mut tokens = Vec::new();
-                    for (s, add) in seqs.iter_mut().zip(new) {
-                        let got = s.table.append(pool, add.len()).expect("room");
-                        if let Some((from, to)) = got.copy {
-                            cache.copy_block(from, to).expect("copy");
-                        }
-                        s.ids.extend(add);
-                        tokens.extend(add);
-                        paged.push(PagedSeq {
-                            blocks: s.table.blocks().to_vec(),
-                            len: s.ids.len(),
-                            new: add.len(),
-                        });
-                    }
-                    let logits = decode_paged(&m, &tokens, &paged, &cache).expect("decode_paged");
+                let mut step = |pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]| {
+                    let logits = feed(&m, &cache, pool, seqs, new);
                     for (r, s) in seqs.iter().enumerate() {
-                        let got = logits.narrow(0, r, 1).expect("row");
-                        out.push((got, reference(&m, &s.ids)));
+                        out.push((logits.narrow(0, r, 1).expect("row"), reference(&m, &s.ids)));
                     }
                 };
-                step(&mut pool, &mut out, &mut [&mut a, &mut b], &[toks(1, 9), toks(2, 6)]);
+                step(&mut pool, &mut [&mut a, &mut b], &[toks(1, 9), toks(2, 6)]);
                 let mut a2 = Seq { ids: a.ids.clone(), table: a.table.fork(&mut pool) };
                 for t in 0..5u32 {
                     let new = [vec![t + 10], vec![t + 20], vec![t + 30]];
-                    step(&mut pool, &mut out, &mut [&mut a, &mut a2, &mut b], &new);
+                    step(&mut pool, &mut [&mut a, &mut a2, &mut b], &new);
                 }
                 out
             })
