@@ -101,6 +101,63 @@ fn resume_equals_uninterrupted_run() {
     }
 }
 
+/// A bf16 run trains in mixed precision (issue 36): its checkpoint keeps the f32 master
+/// weights in `optimizer.safetensors` beside the bf16 model files, and a run resumed
+/// from it continues bit for bit as the uninterrupted run (the master weights come back
+/// exactly; rounding them again would not give back what the bf16 files lost).
+#[test]
+fn a_bf16_run_resumes_exactly_from_its_master_weights() {
+    let dir = tempdir();
+    let (model, train, test) = arith_fixture(dir.path());
+    let mut cfg = config(model, train, test);
+    cfg.model.dtype = "bfloat16".into();
+    cfg.evaluation.every = 0;
+    let bits = |t: &Trainer| -> Vec<u32> {
+        t.model()
+            .params()
+            .iter()
+            .flat_map(|(_, v)| {
+                assert_eq!(v.dtype(), candle_core::DType::BF16);
+                let w = v.as_tensor().flatten_all().unwrap().to_dtype(candle_core::DType::F32).unwrap();
+                w.to_vec1::<f32>().unwrap()
+            })
+            .map(f32::to_bits)
+            .collect()
+    };
+    let mut a = Trainer::new(cfg.clone(), &dir.path().join("run-a")).unwrap();
+    for _ in 0..3 {
+        a.step(&a.default_plan(), None, None).unwrap();
+    }
+    let b_dir = dir.path().join("run-b");
+    let mut b = Trainer::new(cfg, &b_dir).unwrap();
+    for _ in 0..3 {
+        b.step(&b.default_plan(), None, None).unwrap();
+    }
+    drop(b);
+    let opt = b_dir.join("checkpoints/step-000002/optimizer.safetensors");
+    let saved = candle_core::safetensors::load(&opt, &candle_core::Device::Cpu).unwrap();
+    let masters: Vec<_> = saved.iter().filter(|(n, _)| n.ends_with(".master")).collect();
+    assert!(!masters.is_empty(), "no master weights in {}", opt.display());
+    assert!(masters.iter().all(|(_, t)| t.dtype() == candle_core::DType::F32));
+    // The master weights hold what the bf16 model files cannot: a resume that started
+    // them from the files would continue from other weights.
+    let files = candle_core::safetensors::load(
+        b_dir.join("checkpoints/step-000002/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let finer = masters.iter().any(|(n, m)| {
+        let w = &files[n.trim_end_matches(".master")];
+        let w = w.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        m.flatten_all().unwrap().to_vec1::<f32>().unwrap() != w
+    });
+    assert!(finer, "every master weight equals its bf16 rounding");
+    let mut b = Trainer::resume(&b_dir).unwrap();
+    assert_eq!(b.step_count(), 2);
+    b.step(&b.default_plan(), None, None).unwrap();
+    assert_eq!(bits(&a), bits(&b), "bf16 weights differ after resume");
+}
+
 #[test]
 fn a_new_run_refuses_an_existing_run_folder() {
     let dir = tempdir();

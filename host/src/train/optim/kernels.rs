@@ -304,9 +304,10 @@ fn range_of_mut<'a, T>(x: &'a mut [T], l: &Layout, what: &str) -> candle_core::R
     }
 }
 
-/// The fused in-place update of one CPU parameter. See the module docs for why it is sound.
+/// The fused in-place update of one CPU parameter (of its f32 master weights when it
+/// has them). See the module docs for why it is sound.
 pub(super) fn update_fused(p: &ParamState, g: &Tensor, h: &Hyper) -> Result<()> {
-    update_fused_tensors(&p.var, g, &p.m, &p.v, h)
+    update_fused_tensors(p.trained(), g, &p.m, &p.v, h)
 }
 
 /// The fused in-place update of `p` (any float dtype) with its f32 moments `m`, `v`:

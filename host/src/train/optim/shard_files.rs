@@ -236,7 +236,8 @@ impl FlatState {
 
     /// Flat elements `lo..hi` of `key` (`exp_avg`, `exp_avg_sq`, `master`) over the
     /// parameters `names`, as an f32 CPU tensor; `None` when the checkpoint has no
-    /// such state (`master` of an f32 run or of the unsharded optimizer).
+    /// such state (`master` of an f32 run, or of an unsharded file without
+    /// `{name}.master` for every parameter).
     pub fn read(&self, key: &str, names: &[(String, usize)], lo: usize, hi: usize) -> Result<Option<Tensor>> {
         self.check_params(names)?;
         let parts = match self {
@@ -247,7 +248,8 @@ impl FlatState {
                 read_shards(dir, index, key, lo, hi)?
             }
             Self::PerParam { tensors, file, .. } => {
-                if key == "master" {
+                if key == "master" && !names.iter().all(|(n, _)| tensors.contains_key(&format!("{n}.master")))
+                {
                     return Ok(None);
                 }
                 let layout = FlatLayout::new(names.iter().map(|(_, k)| *k), 1);
@@ -277,7 +279,8 @@ impl FlatState {
     }
 
     /// The unsharded optimizer's tensors for parameters `params` (name, shape):
-    /// `{name}.exp_avg`, `{name}.exp_avg_sq`, `{name}.step`.
+    /// `{name}.exp_avg`, `{name}.exp_avg_sq`, `{name}.step`, and `{name}.master` when
+    /// the state has master weights.
     pub fn per_param(&self, params: &[(String, Vec<usize>)]) -> Result<HashMap<String, Tensor>> {
         if let Self::PerParam { tensors, .. } = self {
             return Ok(tensors.clone());
@@ -292,6 +295,9 @@ impl FlatState {
             for key in ["exp_avg", "exp_avg_sq"] {
                 let t = self.read(key, &names, r.start, r.end)?.ok_or_else(|| self.missing(key))?;
                 out.insert(format!("{name}.{key}"), t.reshape(shape.as_slice())?);
+            }
+            if let Some(t) = self.read("master", &names, r.start, r.end)? {
+                out.insert(format!("{name}.master"), t.reshape(shape.as_slice())?);
             }
             out.insert(format!("{name}.step"), Tensor::new(steps[i] as i64, &Device::Cpu)?);
         }

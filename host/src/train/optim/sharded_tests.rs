@@ -210,6 +210,59 @@ fn bf16_weights_with_master_shards_track_f32() {
     }
 }
 
+/// Master weights move between the sharded and the unsharded optimizer: a one-rank
+/// ZeRO-1 run of bf16 weights saves after two steps, and the unsharded AdamW resumed
+/// from it (its master weights read from the shards) takes the third step as the
+/// uninterrupted run did; the unsharded state saved then resumes the sharded one again.
+#[test]
+fn bf16_master_weights_cross_between_sharded_and_unsharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let shapes: Vec<(String, Vec<usize>)> =
+        names().into_iter().zip(SHAPES.iter().map(|s| s.to_vec())).collect();
+    let (saved, uninterrupted) = on_ranks(1, |c| {
+        let vars = make_vars(DType::BF16, &initial());
+        let mut opt = sharded(c, &vars, ShardMode::Optimizer, 40);
+        let mut saved = Vec::new();
+        for s in 0..STEPS {
+            if s == 2 {
+                opt.save_shard(dir.path()).unwrap();
+                std::fs::write(dir.path().join(INDEX_FILE), serde_json::to_string(&opt.index()).unwrap())
+                    .unwrap();
+                saved = vars.iter().map(|v| v.as_tensor().copy().unwrap()).collect::<Vec<_>>();
+            }
+            opt.step(c, &mut store(&vars, DType::BF16, |i| grad(s, 0, i)), 1e-2).unwrap();
+        }
+        (saved, flat(&vars))
+    })
+    .remove(0);
+    let state = FlatState::open(dir.path(), 0).unwrap();
+    let tensors: HashMap<String, Tensor> = state.per_param(&shapes).unwrap();
+    assert!(names().iter().all(|n| tensors.contains_key(&format!("{n}.master"))), "master weights read");
+    let vars: Vec<Var> = saved.iter().map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap()).collect();
+    let named = names().into_iter().zip(vars.iter().cloned()).collect();
+    let mut one = AdamW::new(named, cfg()).unwrap().with_no_decay(is_norm_or_bias);
+    one.load_state(&tensors, state.step(), "index").unwrap();
+    one.step(&store(&vars, DType::BF16, |i| grad(2, 0, i)), 1e-2).unwrap();
+    assert_eq!(max_diff(&flat(&vars), &uninterrupted), 0.0, "unsharded resume of a sharded bf16 run");
+
+    // Back: the unsharded state (with `.master`) resumes a sharded run.
+    let plain = tempfile::tempdir().unwrap();
+    let back: Vec<Var> = saved.iter().map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap()).collect();
+    let named = names().into_iter().zip(back.iter().cloned()).collect();
+    let mut one = AdamW::new(named, cfg()).unwrap().with_no_decay(is_norm_or_bias);
+    one.load_state(&tensors, state.step(), "index").unwrap();
+    let st: HashMap<String, Tensor> = one.state_tensors().unwrap().into_iter().collect();
+    crate::model::checkpoint::save_safetensors(&st, &plain.path().join(PLAIN_FILE)).unwrap();
+    let again = on_ranks(1, |c| {
+        let vars: Vec<Var> = saved.iter().map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap()).collect();
+        let mut opt = sharded(c, &vars, ShardMode::Optimizer, 40);
+        opt.load_from(&FlatState::open(plain.path(), 2).unwrap()).unwrap();
+        opt.step(c, &mut store(&vars, DType::BF16, |i| grad(2, 0, i)), 1e-2).unwrap();
+        flat(&vars)
+    });
+    assert_eq!(max_diff(&again[0], &uninterrupted), 0.0, "sharded resume of the unsharded state");
+}
+
 /// Two ranks (ZeRO-2) save after two steps; the state resumes on two ranks exactly,
 /// and re-cut for three ranks (sharded) and one (the unsharded AdamW) gives the
 /// third step of the uninterrupted run.

@@ -10,6 +10,9 @@ use super::config::AdamWConfig;
 pub(super) struct ParamState {
     pub(super) name: String,
     pub(super) var: Var,
+    /// f32 master weights of a parameter that is not f32 (mixed precision): the update
+    /// runs on them and `var` is their rounding, written after every step. `None` for f32.
+    pub(super) master: Option<Var>,
     /// First moment (`exp_avg` in PyTorch), f32, same shape, own storage.
     pub(super) m: Var,
     /// Second moment (`exp_avg_sq`), f32, same shape, own storage.
@@ -18,6 +21,22 @@ pub(super) struct ParamState {
     pub(super) steps: u64,
     /// Whether weight decay applies.
     pub(super) decay: bool,
+}
+
+impl ParamState {
+    /// What the update writes: the f32 master weights when there are, else the parameter.
+    pub(super) fn trained(&self) -> &Var {
+        self.master.as_ref().unwrap_or(&self.var)
+    }
+
+    /// After an update of the master weights, rounds them into the parameter the model
+    /// reads (in place: the model's tensors share `var`'s storage).
+    pub(super) fn write_back(&self) -> crate::Result<()> {
+        if let Some(w) = &self.master {
+            self.var.set(&w.to_dtype(self.var.dtype())?)?;
+        }
+        Ok(())
+    }
 }
 
 /// Per-parameter scalars of one fused update, in f32 as the kernel uses them.
