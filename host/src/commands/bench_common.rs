@@ -139,6 +139,16 @@ pub struct BenchArgs {
     /// model's.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
+    /// `rollout`: the paged engine's prefix caching (`rollout.engine.enable_prefix_caching`),
+    /// `on` or `off`; a list (`off,on`) runs the paged engine once per setting (and per
+    /// `--kv-cache-dtype`) at the same budget in each round, and counts the responses and
+    /// log-probs that differ between them.
+    #[arg(long, default_value = "on")]
+    pub prefix_caching: String,
+    /// `rollout`: the same this many tokens (a synthetic system prompt) before every
+    /// prompt's `--rollout-prompt` own tokens, so that prefix caching has something to find.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,

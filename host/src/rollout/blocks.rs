@@ -1,5 +1,5 @@
 //! The bookkeeping of a paged KV cache: a pool of fixed-size blocks with
-//! reference counts, and a block table per sequence.
+//! reference counts, a block table per sequence, and automatic prefix caching.
 //!
 //! Follows vLLM's block manager (`BlockPool` / `BlockSpaceManager`, Kwon et
 //! al. 2023, "Efficient Memory Management for Large Language Model Serving
@@ -10,22 +10,146 @@
 //! sample that writes into it gets a private copy (copy on write), and the
 //! last sample left holding it writes in place.
 //!
+//! **Prefix caching** (vLLM v1's automatic prefix caching: `kv_cache_utils.py`
+//! `hash_block_tokens`, `block_pool.py` `cached_block_hash_to_block` and its
+//! LRU `free_block_queue`): a full block is named by a hash of its tokens
+//! chained on the hash of the block before it ([`hash_block`]), so equal
+//! hashes mean equal tokens at every position up to the block's end, hence
+//! equal keys and values under one model. The pool maps hashes to blocks
+//! ([`BlockTable::register_full`]); a new sequence whose leading blocks' hashes
+//! are in the map shares those blocks ([`BlockPool::longest_cached`],
+//! [`BlockTable::from_cached`]) instead of computing them. A hashed block
+//! whose last holder lets go is not wiped: it stays in the map, *free but
+//! cached*, on a least-recently-used list. Taking a block for new tokens takes
+//! a never-hashed free block first, then evicts the least recently freed
+//! cached one (dropping its hash), so the pool never holds more than its
+//! blocks. A table returns its blocks last to first, so a sequence's tail is
+//! evicted before its head (a longer prefix survives), as in vLLM.
+//!
 //! Nothing here touches tensors: [`BlockTable::append`] says which slots the
 //! new tokens go to and which block to copy first; the model side
 //! (`model::paged`) does the copying and writing.
 
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
 use crate::{Error, Result};
 
-/// Blocks of `block_size` token slots, each with a reference count. Block `b`
-/// holds slots `b * block_size .. (b + 1) * block_size` of the cache tensors.
+/// The name of a full block's contents: a 128-bit hash of its tokens chained
+/// on the hash of the block before it (vLLM's `BlockHash`). Two blocks with the
+/// same hash hold the same tokens after the same prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockHash(u128);
+
+/// The hash of a block of `tokens` after the block whose hash is `parent`
+/// (`None` for a sequence's first block). Deterministic: two SipHash-1-3
+/// passes with fixed keys (std's `DefaultHasher::new`) and different salts,
+/// 128 bits together, so that a collision (which would silently share the
+/// wrong keys and values) is out of reach. The model and the cache's dtype
+/// are fixed for a pool's life (one rollout), so the tokens are all a block's
+/// keys and values depend on.
+pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+    let half = |salt: u8| {
+        let mut h = DefaultHasher::new();
+        salt.hash(&mut h);
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
+    };
+    BlockHash((u128::from(half(0)) << 64) | u128::from(half(1)))
+}
+
+/// The hashes of the full blocks of `tokens`, in order, each chained on the
+/// one before (the first on `parent`).
+pub fn hash_blocks(parent: Option<BlockHash>, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    let mut out: Vec<BlockHash> = Vec::with_capacity(tokens.len() / block_size.max(1));
+    for chunk in tokens.chunks_exact(block_size.max(1)) {
+        out.push(hash_block(out.last().copied().or(parent), chunk));
+    }
+    out
+}
+
+/// No block (the end of the LRU list).
+const NIL: u32 = u32::MAX;
+
+/// The free but cached blocks, least recently freed first: a doubly linked
+/// list threaded through block ids (vLLM's `FreeKVCacheBlockQueue`), so a hit
+/// takes a block out of the middle in O(1).
+#[derive(Debug, Clone)]
+struct Lru {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl Lru {
+    fn new(num_blocks: usize) -> Self {
+        Self { prev: vec![NIL; num_blocks], next: vec![NIL; num_blocks], head: NIL, tail: NIL, len: 0 }
+    }
+
+    fn push_back(&mut self, b: u32) {
+        let i = b as usize;
+        (self.prev[i], self.next[i]) = (self.tail, NIL);
+        match self.tail {
+            NIL => self.head = b,
+            t => self.next[t as usize] = b,
+        }
+        self.tail = b;
+        self.len += 1;
+    }
+
+    fn remove(&mut self, b: u32) {
+        let i = b as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        match p {
+            NIL => self.head = n,
+            p => self.next[p as usize] = n,
+        }
+        match n {
+            NIL => self.tail = p,
+            n => self.prev[n as usize] = p,
+        }
+        (self.prev[i], self.next[i]) = (NIL, NIL);
+        self.len -= 1;
+    }
+
+    fn pop_front(&mut self) -> Option<u32> {
+        let b = self.head;
+        (b != NIL).then(|| {
+            self.remove(b);
+            b
+        })
+    }
+}
+
+/// Blocks of `block_size` token slots, each with a reference count, and the
+/// prefix cache's map from block hashes to blocks. Block `b` holds slots
+/// `b * block_size .. (b + 1) * block_size` of the cache tensors.
+///
+/// A block is *used* while some sequence holds it (reference count above 0)
+/// and *free* otherwise; a free block is either empty (never hashed, or its
+/// hash dropped) or *cached* (its hash still maps to it, on the LRU list, and
+/// a later sequence may share it again). [`free_blocks`](Self::free_blocks)
+/// counts both kinds: a cached free block is evicted when a new token needs
+/// it. [`used_blocks`](Self::used_blocks) and [`peak_used`](Self::peak_used)
+/// count held blocks only, so a pool never reports more than it holds.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
     refs: Vec<u32>,
-    /// Free block ids; taken from the end (the most recently freed first, still
-    /// warm in the CPU caches).
+    /// Empty free block ids; taken from the end (the most recently freed first,
+    /// still warm in the CPU caches).
     free: Vec<u32>,
+    /// Cached free blocks, least recently freed first (evicted in that order).
+    lru: Lru,
+    /// Each block's hash while the map names it.
+    hash_of: Vec<Option<BlockHash>>,
+    /// The prefix cache: hash to block, for held and cached free blocks alike.
+    cached: HashMap<BlockHash, u32>,
     peak_used: usize,
+    evictions: usize,
 }
 
 impl BlockPool {
@@ -34,14 +158,18 @@ impl BlockPool {
         if block_size == 0 {
             return Err(Error::invalid("KV cache: block_size must be at least 1"));
         }
-        if num_blocks > u32::MAX as usize {
+        if num_blocks >= u32::MAX as usize {
             return Err(Error::invalid(format!("KV cache: {num_blocks} blocks are more than u32 ids hold")));
         }
         Ok(Self {
             block_size,
             refs: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
+            lru: Lru::new(num_blocks),
+            hash_of: vec![None; num_blocks],
+            cached: HashMap::new(),
             peak_used: 0,
+            evictions: 0,
         })
     }
 
@@ -55,14 +183,29 @@ impl BlockPool {
         self.refs.len()
     }
 
-    /// Blocks no sequence holds.
+    /// Blocks no sequence holds: empty ones and cached ones (evicted on demand).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.lru.len
+    }
+
+    /// Free blocks that are cached (their hash still maps to them).
+    pub fn cached_free_blocks(&self) -> usize {
+        self.lru.len
+    }
+
+    /// Blocks the prefix cache names, held or free.
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Cached free blocks taken for new tokens (their hash dropped) so far.
+    pub fn evictions(&self) -> usize {
+        self.evictions
     }
 
     /// Blocks some sequence holds.
     pub fn used_blocks(&self) -> usize {
-        self.refs.len() - self.free.len()
+        self.refs.len() - self.free_blocks()
     }
 
     /// The most blocks held at once since the pool was made.
@@ -75,16 +218,67 @@ impl BlockPool {
         self.refs[b as usize]
     }
 
-    /// A free block with one reference, or `None` when the pool is exhausted.
-    fn take(&mut self) -> Option<u32> {
-        let b = self.free.pop()?;
-        self.refs[b as usize] = 1;
+    /// The block the prefix cache names `h`, if any.
+    pub fn lookup(&self, h: BlockHash) -> Option<u32> {
+        self.cached.get(&h).copied()
+    }
+
+    /// The blocks of the longest run of `hashes`, from the first, that the
+    /// prefix cache holds (vLLM's `find_longest_cache_hit`). Changes nothing.
+    pub fn longest_cached(&self, hashes: &[BlockHash]) -> Vec<u32> {
+        hashes.iter().map_while(|&h| self.lookup(h)).collect()
+    }
+
+    /// How many of `blocks` are free (cached): sharing them takes them off the
+    /// free count, as new blocks would.
+    pub fn free_among(&self, blocks: &[u32]) -> usize {
+        blocks.iter().filter(|&&b| self.refs[b as usize] == 0).count()
+    }
+
+    /// Names block `b` (full, its keys and values written or being written in
+    /// this step) by `h` in the prefix cache. False, with nothing changed, when
+    /// another block already has that name (`b` then stays unnamed and is
+    /// emptied when freed) or `b` has a name.
+    fn register(&mut self, b: u32, h: BlockHash) -> bool {
+        if self.hash_of[b as usize].is_some() || self.cached.contains_key(&h) {
+            return false;
+        }
+        self.cached.insert(h, b);
+        self.hash_of[b as usize] = Some(h);
+        true
+    }
+
+    fn note_peak(&mut self) {
         self.peak_used = self.peak_used.max(self.used_blocks());
+    }
+
+    /// A free block with one reference: an empty one first, else the least
+    /// recently freed cached one, whose hash is dropped. `None` when every
+    /// block is held.
+    fn take(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let b = self.lru.pop_front()?;
+                if let Some(h) = self.hash_of[b as usize].take() {
+                    self.cached.remove(&h);
+                }
+                self.evictions += 1;
+                b
+            }
+        };
+        self.refs[b as usize] = 1;
+        self.note_peak();
         Some(b)
     }
 
+    /// One more reference to `b`; a cached free block leaves the LRU list.
     fn share(&mut self, b: u32) {
+        if self.refs[b as usize] == 0 {
+            self.lru.remove(b);
+        }
         self.refs[b as usize] += 1;
+        self.note_peak();
     }
 
     fn release(&mut self, b: u32) {
@@ -92,7 +286,11 @@ impl BlockPool {
         debug_assert!(*r > 0, "block {b} released more often than taken");
         *r -= 1;
         if *r == 0 {
-            self.free.push(b);
+            if self.hash_of[b as usize].is_some() {
+                self.lru.push_back(b);
+            } else {
+                self.free.push(b);
+            }
         }
     }
 }
@@ -107,14 +305,27 @@ pub struct Appended {
     pub copy: Option<(u32, u32)>,
 }
 
-/// The blocks of one sequence, in order, and how many of its tokens have slots.
+/// The blocks of one sequence, in order, how many of its tokens have slots,
+/// and the hashes of its leading full blocks (for the prefix cache).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockTable {
     blocks: Vec<u32>,
     len: usize,
+    hashes: Vec<BlockHash>,
 }
 
 impl BlockTable {
+    /// A table over `blocks`, full blocks from the prefix cache whose hashes
+    /// are `hashes` (each gains a reference): the sequence's first
+    /// `blocks.len() * block_size` tokens need no computing.
+    pub fn from_cached(pool: &mut BlockPool, blocks: &[u32], hashes: &[BlockHash]) -> BlockTable {
+        debug_assert_eq!(blocks.len(), hashes.len());
+        for &b in blocks {
+            pool.share(b);
+        }
+        BlockTable { blocks: blocks.to_vec(), len: blocks.len() * pool.block_size, hashes: hashes.to_vec() }
+    }
+
     /// Tokens with a slot.
     pub fn len(&self) -> usize {
         self.len
@@ -128,6 +339,30 @@ impl BlockTable {
     /// The block ids, in token order.
     pub fn blocks(&self) -> &[u32] {
         &self.blocks
+    }
+
+    /// The hashes of the leading full blocks named so far.
+    pub fn hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    /// Positions of the tokens in full blocks not yet named: the tokens
+    /// [`register_full`](Self::register_full) wants.
+    pub fn unnamed_full(&self, block_size: usize) -> std::ops::Range<usize> {
+        self.hashes.len() * block_size..self.len / block_size * block_size
+    }
+
+    /// Names the full blocks not yet named, given their `tokens` (the
+    /// positions [`unnamed_full`](Self::unnamed_full) gives, in order), and
+    /// enters each in `pool`'s prefix cache unless an equal block is there.
+    pub fn register_full(&mut self, pool: &mut BlockPool, tokens: &[u32]) {
+        let bs = pool.block_size;
+        debug_assert_eq!(tokens.len(), self.unnamed_full(bs).len());
+        for chunk in tokens.chunks_exact(bs) {
+            let h = hash_block(self.hashes.last().copied(), chunk);
+            pool.register(self.blocks[self.hashes.len()], h);
+            self.hashes.push(h);
+        }
     }
 
     /// Blocks [`append`](Self::append) takes from `pool` for `n` more tokens:
@@ -179,13 +414,16 @@ impl BlockTable {
         self.clone()
     }
 
-    /// Returns every block to `pool` (a block goes back to the free list when
-    /// its last holder releases it) and empties the table.
+    /// Returns every block to `pool`, last first (a block goes back to the
+    /// free list when its last holder releases it; a cached one joins the LRU
+    /// list, so the sequence's tail is evicted before its head), and empties
+    /// the table.
     pub fn release(&mut self, pool: &mut BlockPool) {
-        for &b in &self.blocks {
+        for &b in self.blocks.iter().rev() {
             pool.release(b);
         }
         self.blocks.clear();
+        self.hashes.clear();
         self.len = 0;
     }
 }
@@ -271,6 +509,106 @@ mod tests {
         }
         assert_eq!(pool.used_blocks(), 0);
         assert_eq!(pool.peak_used(), 7);
+    }
+
+    /// A table of `tokens`, its full blocks named in `pool`'s prefix cache.
+    fn filled(pool: &mut BlockPool, tokens: &[u32]) -> BlockTable {
+        let mut t = BlockTable::default();
+        t.append(pool, tokens.len()).expect("room");
+        let toks = tokens[t.unnamed_full(pool.block_size())].to_vec();
+        t.register_full(pool, &toks);
+        t
+    }
+
+    /// A block's hash is chained on its parent's: the same tokens after a
+    /// different prefix get another hash; the same sequence always the same.
+    #[test]
+    fn block_hashes_chain_on_the_prefix() {
+        let a = [1u32, 2, 3, 4, 5, 6, 7, 8];
+        let b = [9u32, 2, 3, 4, 5, 6, 7, 8];
+        let (ha, hb) = (hash_blocks(None, &a, 4), hash_blocks(None, &b, 4));
+        assert_eq!(ha.len(), 2);
+        assert_eq!(ha, hash_blocks(None, &a, 4), "deterministic");
+        assert_eq!(ha[0], hash_block(None, &a[..4]));
+        assert_eq!(ha[1], hash_block(Some(ha[0]), &a[4..]));
+        assert_ne!(ha[0], hb[0]);
+        assert_ne!(ha[1], hb[1], "the same tokens after another block");
+        assert_ne!(hash_block(None, &a[4..]), ha[1], "the same tokens at the start");
+        assert_eq!(hash_blocks(None, &a[..7], 4).len(), 1, "partial blocks have no hash");
+        let mut pool = BlockPool::new(8, 4).expect("pool");
+        let t = filled(&mut pool, &a);
+        assert_eq!(t.hashes(), &ha[..]);
+        assert_eq!(pool.longest_cached(&ha), t.blocks());
+        assert_eq!(pool.longest_cached(&hb), Vec::<u32>::new());
+        assert_eq!(pool.longest_cached(&[ha[0], hb[1]]), t.blocks()[..1]);
+    }
+
+    /// Freed named blocks stay cached and free; a new table shares them;
+    /// new tokens take empty blocks first, then evict the least recently
+    /// freed cached block (a table's tail before its head); the pool never
+    /// hands out more blocks than it has.
+    #[test]
+    fn cached_free_blocks_are_shared_again_then_evicted_least_recent_first() {
+        let mut pool = BlockPool::new(5, 2).expect("pool");
+        let toks = [1u32, 2, 3, 4, 5, 6, 7];
+        let mut a = filled(&mut pool, &toks); // 3 full blocks and one with 1 token
+        let (blocks, hashes) = (a.blocks().to_vec(), a.hashes().to_vec());
+        assert_eq!((hashes.len(), pool.cached_blocks(), pool.used_blocks()), (3, 3, 4));
+        a.release(&mut pool);
+        // The 3 named blocks are cached and free; the partial one is empty.
+        assert_eq!((pool.used_blocks(), pool.free_blocks(), pool.cached_free_blocks()), (0, 5, 3));
+        assert_eq!(pool.longest_cached(&hashes), blocks[..3]);
+        // Shared again: they leave the free count.
+        let mut b = BlockTable::from_cached(&mut pool, &blocks[..2], &hashes[..2]);
+        assert_eq!(
+            (b.len(), pool.used_blocks(), pool.free_blocks(), pool.cached_free_blocks()),
+            (4, 2, 3, 1)
+        );
+        assert_eq!(pool.refs(blocks[0]), 1);
+        b.release(&mut pool);
+        assert_eq!((pool.free_blocks(), pool.cached_free_blocks(), pool.evictions()), (5, 3, 0));
+        // Cached free, least recent first: blocks[2] (freed with a), then b's
+        // blocks[1] and blocks[0] (its tail first). 2 empty blocks go first.
+        let mut c = BlockTable::default();
+        c.append(&mut pool, 4).expect("room");
+        assert_eq!((pool.evictions(), pool.cached_blocks()), (0, 3));
+        c.append(&mut pool, 2).expect("room");
+        assert_eq!(pool.evictions(), 1);
+        assert_eq!(pool.lookup(hashes[2]), None, "the least recently freed block went first");
+        assert_eq!(pool.longest_cached(&hashes), blocks[..2]);
+        c.append(&mut pool, 2).expect("room");
+        assert_eq!(pool.longest_cached(&hashes), blocks[..1], "the tail before the head");
+        c.append(&mut pool, 2).expect("room");
+        assert_eq!((pool.evictions(), pool.cached_blocks(), pool.free_blocks()), (3, 0, 0));
+        assert!(c.append(&mut pool, 1).is_none(), "5 blocks are all the pool has");
+        assert_eq!((pool.used_blocks(), pool.peak_used()), (5, 5));
+    }
+
+    /// A block some table holds is never evicted: a pool whose free blocks
+    /// are used up refuses rather than take a held cached block.
+    #[test]
+    fn a_held_cached_block_is_never_evicted() {
+        let mut pool = BlockPool::new(4, 2).expect("pool");
+        let a = filled(&mut pool, &[1, 2, 3, 4]);
+        let mut b = BlockTable::default();
+        b.append(&mut pool, 4).expect("room");
+        assert_eq!(b.blocks_needed(&pool, 1), 1);
+        assert!(b.append(&mut pool, 1).is_none());
+        assert_eq!(pool.longest_cached(a.hashes()), a.blocks());
+        assert_eq!((pool.evictions(), pool.refs(a.blocks()[0])), (0, 1));
+    }
+
+    /// A second block with the tokens of a cached one is not named (the cache
+    /// keeps the first): freed, it is empty, not cached.
+    #[test]
+    fn an_equal_block_computed_twice_is_cached_once() {
+        let mut pool = BlockPool::new(4, 2).expect("pool");
+        let a = filled(&mut pool, &[1, 2]);
+        let mut b = filled(&mut pool, &[1, 2]);
+        assert_eq!(a.hashes(), b.hashes());
+        assert_eq!((pool.cached_blocks(), pool.lookup(a.hashes()[0])), (1, Some(a.blocks()[0])));
+        b.release(&mut pool);
+        assert_eq!((pool.free_blocks(), pool.cached_free_blocks()), (3, 0));
     }
 
     #[test]
