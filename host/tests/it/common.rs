@@ -107,12 +107,14 @@ pub fn arith_fixture(dir: &std::path::Path) -> (std::path::PathBuf, std::path::P
 }
 
 /// Every master weight of a trainer's model as f32 bits (for "unchanged" checks that
-/// must see a flipped bit or a NaN).
+/// must see a flipped bit or a NaN); bf16 weights are widened, which is exact.
 pub fn weight_bits(t: &stapo::train::Trainer) -> Vec<u32> {
     t.model()
         .params()
         .iter()
-        .flat_map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .flat_map(|(_, v)| {
+            v.as_tensor().flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+        })
         .map(f32::to_bits)
         .collect()
 }
