@@ -5,9 +5,10 @@
 //! prefill); decoding a few rows stays on the f32-activation gemv of
 //! [`super::simd`], which is bound by reading the weights.
 //!
-//! Error bound: rounding `x` costs at most `2^-9 |x|` per element, so
-//! `|y - x w^T| <= (2^-9 + k 2^-24) Σ|x_c w_c|` per output (the second term
-//! the f32 accumulation); [`tolerance`] states it and the tests and the
+//! Error bound: bf16 keeps 8 significant bits, so rounding `x` to nearest
+//! costs at most half an ulp, `2^-8 |x|`, per element (at `x = 1 + 2^-8`),
+//! and `|y - x w^T| <= (2^-8 + k 2^-23) Σ|x_c w_c|` per output (the second
+//! term the f32 accumulation); [`tolerance`] states it and the tests and the
 //! self-check (`stapo bench kernels`) hold every path to it.
 //!
 //! AMX layout (Intel SDM, `TDPBF16PS`): a tile is at most 16 rows of 64
@@ -33,7 +34,7 @@ use super::SendPtr;
 pub fn tolerance(k: usize, round_x: bool) -> f64 {
     let acc = k as f64 * 2f64.powi(-23);
     if round_x {
-        2f64.powi(-9) + acc
+        2f64.powi(-8) + acc
     } else {
         acc
     }
@@ -79,18 +80,21 @@ const K32: usize = 32;
 /// zero-padded.
 fn pack_a(x: &[f32], n: usize, k: usize, rbs: usize, kbs: usize) -> Vec<bf16> {
     let mut a = vec![bf16::ZERO; rbs * kbs * TILE];
-    a.par_chunks_mut(kbs * TILE).enumerate().for_each(|(rb, blk)| {
-        for r in 0..T16 {
-            let i = rb * T16 + r;
-            if i >= n {
-                break;
-            }
-            for (c, v) in x[i * k..(i + 1) * k].iter().enumerate() {
-                blk[(c / K32) * TILE + r * K32 + c % K32] = bf16::from_f32(*v);
-            }
-        }
-    });
+    a.par_chunks_mut(kbs * TILE).enumerate().for_each(|(rb, blk)| pack_a_block(x, n, k, rb, blk));
     a
+}
+
+/// Row block `rb` of [`pack_a`] into `blk` (its `kbs` tiles, zeroed before).
+fn pack_a_block(x: &[f32], n: usize, k: usize, rb: usize, blk: &mut [bf16]) {
+    for r in 0..T16 {
+        let i = rb * T16 + r;
+        if i >= n {
+            break;
+        }
+        for (c, v) in x[i * k..(i + 1) * k].iter().enumerate() {
+            blk[(c / K32) * TILE + r * K32 + c % K32] = bf16::from_f32(*v);
+        }
+    }
 }
 
 /// `w` (o×k) as bf16 B tiles in the VNNI layout: column block `cb` (16 rows
@@ -99,19 +103,22 @@ fn pack_a(x: &[f32], n: usize, k: usize, rbs: usize, kbs: usize) -> Vec<bf16> {
 /// `r * 32 + 2 j + p` is `w[cb*16 + j][kb*32 + 2r + p]`, zero-padded.
 fn pack_b<W: Weight>(w: &[W], o: usize, k: usize, cbs: usize, kbs: usize) -> Vec<bf16> {
     let mut b = vec![bf16::ZERO; cbs * kbs * TILE];
-    b.par_chunks_mut(kbs * TILE).enumerate().for_each(|(cb, blk)| {
-        for j in 0..T16 {
-            let row = cb * T16 + j;
-            if row >= o {
-                break;
-            }
-            for (c, v) in w[row * k..(row + 1) * k].iter().enumerate() {
-                let (kb, cc) = (c / K32, c % K32);
-                blk[kb * TILE + (cc / 2) * K32 + 2 * j + cc % 2] = v.bf16();
-            }
-        }
-    });
+    b.par_chunks_mut(kbs * TILE).enumerate().for_each(|(cb, blk)| pack_b_block(w, o, k, cb, blk));
     b
+}
+
+/// Column block `cb` of [`pack_b`] into `blk` (its `kbs` tiles, zeroed before).
+fn pack_b_block<W: Weight>(w: &[W], o: usize, k: usize, cb: usize, blk: &mut [bf16]) {
+    for j in 0..T16 {
+        let row = cb * T16 + j;
+        if row >= o {
+            break;
+        }
+        for (c, v) in w[row * k..(row + 1) * k].iter().enumerate() {
+            let (kb, cc) = (c / K32, c % K32);
+            blk[kb * TILE + (cc / 2) * K32 + 2 * j + cc % 2] = v.bf16();
+        }
+    }
 }
 
 /// The tile unit the AMX driver runs on: the hardware ([`amx::Hw`]) or the
@@ -139,47 +146,94 @@ trait Tiles: Default {
 /// C blocks (32 columns of `y`) per rayon task.
 const CBLOCKS_PER_TASK: usize = 4;
 
+/// The blocking of an `(n, o, k)` product on the tile unit.
+#[derive(Clone, Copy)]
+struct Blocks {
+    /// Row blocks of 16 rows of `x` (even).
+    rbs: usize,
+    /// Column blocks of 16 rows of `w` (even).
+    cbs: usize,
+    /// Blocks of 32 columns of `k`.
+    kbs: usize,
+    /// Tasks per pair of row blocks.
+    col_tasks: usize,
+}
+
+impl Blocks {
+    fn new(n: usize, o: usize, k: usize) -> Blocks {
+        let cbs = o.div_ceil(T16).next_multiple_of(2);
+        Blocks {
+            rbs: n.div_ceil(T16).next_multiple_of(2),
+            cbs,
+            kbs: k.div_ceil(K32),
+            col_tasks: (cbs / 2).div_ceil(CBLOCKS_PER_TASK),
+        }
+    }
+
+    /// Tasks of 32 rows × up to `32 × CBLOCKS_PER_TASK` columns of `y`.
+    fn tasks(&self) -> usize {
+        self.rbs / 2 * self.col_tasks
+    }
+}
+
 /// The AMX product over packed tiles, in tasks of 32 rows × up to
 /// `32 × CBLOCKS_PER_TASK` columns of `y`.
 fn amx_driver<U: Tiles, W: Weight>(x: &[f32], w: &[W], y: &mut [f32], (n, o, k): (usize, usize, usize)) {
-    let rbs = n.div_ceil(T16).next_multiple_of(2);
-    let cbs = o.div_ceil(T16).next_multiple_of(2);
-    let kbs = k.div_ceil(K32);
-    let (a, b) = rayon::join(|| pack_a(x, n, k, rbs, kbs), || pack_b(w, o, k, cbs, kbs));
-    let (rows2, cols2) = (rbs / 2, cbs / 2);
-    let col_tasks = cols2.div_ceil(CBLOCKS_PER_TASK);
+    let bl = Blocks::new(n, o, k);
+    if bl.kbs == 0 {
+        // An empty sum (and no tiles to pack: chunks of zero length).
+        y[..n * o].fill(0.0);
+        return;
+    }
+    let (a, b) = rayon::join(|| pack_a(x, n, k, bl.rbs, bl.kbs), || pack_b(w, o, k, bl.cbs, bl.kbs));
     let yp = SendPtr(y.as_mut_ptr());
-    (0..rows2 * col_tasks).into_par_iter().for_each(|t| {
+    (0..bl.tasks()).into_par_iter().for_each(|t| {
         let y = yp;
-        let (r2, ct) = (t / col_tasks, t % col_tasks);
-        let mut unit = U::default();
-        let mut c = [0f32; 1024];
-        // SAFETY: the caller checked that the unit exists; the tile pointers
-        // address whole packed tiles (rbs, cbs even; kbs blocks each); each task
-        // writes rows 32 r2.. and columns of its own column blocks of y only.
-        unsafe {
-            unit.begin();
-            for c2 in ct * CBLOCKS_PER_TASK..((ct + 1) * CBLOCKS_PER_TASK).min(cols2) {
-                unit.zero();
-                let at = |blk: usize, kb: usize| (blk * kbs + kb) * TILE;
-                for kb in 0..kbs {
-                    unit.dot(
-                        a.as_ptr().add(at(2 * r2, kb)),
-                        a.as_ptr().add(at(2 * r2 + 1, kb)),
-                        b.as_ptr().add(at(2 * c2, kb)),
-                        b.as_ptr().add(at(2 * c2 + 1, kb)),
-                    );
-                }
-                unit.store(&mut c);
-                let (i0, j0) = (r2 * 2 * T16, c2 * 2 * T16);
-                for r in 0..(2 * T16).min(n.saturating_sub(i0)) {
-                    let cols = (2 * T16).min(o - j0);
-                    std::ptr::copy_nonoverlapping(c[r * 32..].as_ptr(), y.0.add((i0 + r) * o + j0), cols);
-                }
-            }
-            unit.end();
-        }
+        // SAFETY: the caller checked that the unit exists; a and b are packed
+        // for bl; y holds n × o; tasks write disjoint blocks of y.
+        unsafe { amx_task::<U>(&a, &b, y.0, (n, o, k), bl, t) }
     });
+}
+
+/// Task `t` of [`amx_driver`]: rows `32 r2..` and the columns of its C blocks.
+///
+/// # Safety
+/// The unit exists; `a` and `b` are packed for `bl`; `y` holds `n × o` floats
+/// and no other task writes this task's block.
+unsafe fn amx_task<U: Tiles>(
+    a: &[bf16],
+    b: &[bf16],
+    y: *mut f32,
+    (n, o, _): (usize, usize, usize),
+    bl: Blocks,
+    t: usize,
+) {
+    let (r2, ct) = (t / bl.col_tasks, t % bl.col_tasks);
+    let kbs = bl.kbs;
+    let mut unit = U::default();
+    let mut c = [0f32; 1024];
+    // The tile pointers address whole packed tiles (rbs, cbs even; kbs blocks
+    // each); this task writes rows 32 r2.. and columns of its own blocks only.
+    unit.begin();
+    for c2 in ct * CBLOCKS_PER_TASK..((ct + 1) * CBLOCKS_PER_TASK).min(bl.cbs / 2) {
+        unit.zero();
+        let at = |blk: usize, kb: usize| (blk * kbs + kb) * TILE;
+        for kb in 0..kbs {
+            unit.dot(
+                a.as_ptr().add(at(2 * r2, kb)),
+                a.as_ptr().add(at(2 * r2 + 1, kb)),
+                b.as_ptr().add(at(2 * c2, kb)),
+                b.as_ptr().add(at(2 * c2 + 1, kb)),
+            );
+        }
+        unit.store(&mut c);
+        let (i0, j0) = (r2 * 2 * T16, c2 * 2 * T16);
+        for r in 0..(2 * T16).min(n.saturating_sub(i0)) {
+            let cols = (2 * T16).min(o - j0);
+            std::ptr::copy_nonoverlapping(c[r * 32..].as_ptr(), y.add((i0 + r) * o + j0), cols);
+        }
+    }
+    unit.end();
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -340,16 +394,36 @@ mod avx512 {
             Some(s) => std::borrow::Cow::Borrowed(s),
             None => w[..o * k].par_iter().map(|v| v.bf16()).collect::<Vec<_>>().into(),
         };
-        let (nb, ob) = (n.div_ceil(BLOCK), o.div_ceil(BLOCK));
         let yp = SendPtr(y.as_mut_ptr());
-        (0..nb * ob).into_par_iter().for_each(|t| {
+        (0..tasks(n, o)).into_par_iter().for_each(|t| {
             let y = yp;
-            let (i0, j0) = ((t / ob) * BLOCK, (t % ob) * BLOCK);
-            let (i1, j1) = ((i0 + BLOCK).min(n), (j0 + BLOCK).min(o));
             // SAFETY: the caller checked avx512bf16 (with avx512bw, f); the
-            // task writes y's rows i0..i1 × columns j0..j1 only.
-            unsafe { block(&xb, &wb, y.0, (o, k), (i0, i1), (j0, j1)) }
+            // task writes its own block of y only.
+            unsafe { task(&xb, &wb, y.0, (n, o, k), t) }
         });
+    }
+
+    /// Tasks of [`run`]: blocks of `BLOCK × BLOCK` of `y`.
+    pub(super) fn tasks(n: usize, o: usize) -> usize {
+        n.div_ceil(BLOCK) * o.div_ceil(BLOCK)
+    }
+
+    /// Task `t` of [`run`] on bf16 `x` (n×k) and `w` (o×k).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 BF16, BW and F; `x`, `w` hold `n k`, `o k` values,
+    /// `y` holds `n o` floats and no other task writes this task's block.
+    pub(super) unsafe fn task(
+        x: &[bf16],
+        w: &[bf16],
+        y: *mut f32,
+        (n, o, k): (usize, usize, usize),
+        t: usize,
+    ) {
+        let ob = o.div_ceil(BLOCK);
+        let (i0, j0) = ((t / ob) * BLOCK, (t % ob) * BLOCK);
+        let (i1, j1) = ((i0 + BLOCK).min(n), (j0 + BLOCK).min(o));
+        block(x, w, y, (o, k), (i0, i1), (j0, j1))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
@@ -445,6 +519,132 @@ mod avx512 {
     }
 }
 
+/// Entry points that run whole products on the kernels' machine code in an
+/// x86 emulator (`docs/bench/emu_bf16_kernels.sh`): the packing, the task
+/// loops and the AMX or AVX-512 BF16 instructions of `xwt`, single-threaded
+/// on caller-provided buffers, with no allocation, no system call and no
+/// thread, so that each call is a leaf an emulator runs without an operating
+/// system. Built only with the `emu-entry` feature, as a `cdylib`.
+#[cfg(all(feature = "emu-entry", target_arch = "x86_64"))]
+pub mod emu_entry {
+    use half::bf16;
+
+    use super::{amx, amx_task, avx512, pack_a_block, pack_b_block, Blocks, Weight, TILE};
+
+    /// The arguments of an entry, by one pointer (row-major buffers).
+    #[repr(C)]
+    pub struct Args {
+        /// `x`, n × k.
+        pub x: *const f32,
+        /// `w`, o × k: bf16, or f32 where `w_f32` is not 0.
+        pub w: *const u8,
+        /// Whether `w` holds f32.
+        pub w_f32: usize,
+        /// `y`, n × o, written.
+        pub y: *mut f32,
+        /// Rows of `x` and `y`.
+        pub n: usize,
+        /// Rows of `w`, columns of `y`.
+        pub o: usize,
+        /// Columns of `x` and `w`.
+        pub k: usize,
+        /// Scratch space for the packed or rounded operands.
+        pub scratch: *mut bf16,
+        /// Length of `scratch` in bf16: `(32 ⌈n/32⌉ + 32 ⌈o/32⌉) · 32 ⌈k/32⌉`
+        /// serves both entries.
+        pub scratch_len: usize,
+    }
+
+    /// `y = x w^T` on the AMX tile unit (`amx::Hw`); 0, or 1 when the
+    /// scratch space is too small.
+    ///
+    /// # Safety
+    /// The CPU has AMX (and the OS permits it); `args` and its buffers are
+    /// valid for their lengths.
+    #[no_mangle]
+    #[inline(never)]
+    pub unsafe extern "C" fn stapo_emu_amx(args: *const Args) -> usize {
+        let a = &*args;
+        if a.w_f32 != 0 {
+            amx_xwt(a, a.w as *const f32)
+        } else {
+            amx_xwt(a, a.w as *const bf16)
+        }
+    }
+
+    unsafe fn amx_xwt<W: Weight>(a: &Args, w: *const W) -> usize {
+        let (n, o, k) = (a.n, a.o, a.k);
+        let bl = Blocks::new(n, o, k);
+        let (la, lb) = (bl.rbs * bl.kbs * TILE, bl.cbs * bl.kbs * TILE);
+        if a.scratch_len < la + lb {
+            return 1;
+        }
+        if n == 0 || o == 0 || k == 0 {
+            std::slice::from_raw_parts_mut(a.y, n * o).fill(0.0);
+            return 0;
+        }
+        let x = std::slice::from_raw_parts(a.x, n * k);
+        let w = std::slice::from_raw_parts(w, o * k);
+        let s = std::slice::from_raw_parts_mut(a.scratch, la + lb);
+        s.fill(bf16::ZERO);
+        let (pa, pb) = s.split_at_mut(la);
+        for (rb, blk) in pa.chunks_mut(bl.kbs * TILE).enumerate() {
+            pack_a_block(x, n, k, rb, blk);
+        }
+        for (cb, blk) in pb.chunks_mut(bl.kbs * TILE).enumerate() {
+            pack_b_block(w, o, k, cb, blk);
+        }
+        for t in 0..bl.tasks() {
+            amx_task::<amx::Hw>(pa, pb, a.y, (n, o, k), bl, t);
+        }
+        0
+    }
+
+    /// `y = x w^T` on AVX-512 BF16 (`vdpbf16ps`); 0, or 1 when the scratch
+    /// space is too small.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and BF16; `args` and its buffers are valid
+    /// for their lengths.
+    #[no_mangle]
+    #[inline(never)]
+    pub unsafe extern "C" fn stapo_emu_avx512bf16(args: *const Args) -> usize {
+        let a = &*args;
+        if a.w_f32 != 0 {
+            avx512_xwt(a, a.w as *const f32)
+        } else {
+            avx512_xwt(a, a.w as *const bf16)
+        }
+    }
+
+    unsafe fn avx512_xwt<W: Weight>(a: &Args, w: *const W) -> usize {
+        let (n, o, k) = (a.n, a.o, a.k);
+        if a.scratch_len < (n + o) * k {
+            return 1;
+        }
+        let x = std::slice::from_raw_parts(a.x, n * k);
+        let w = std::slice::from_raw_parts(w, o * k);
+        let (xb, rest) = std::slice::from_raw_parts_mut(a.scratch, (n + o) * k).split_at_mut(n * k);
+        // As avx512::run rounds them, on one thread.
+        for (d, v) in xb.iter_mut().zip(x) {
+            *d = bf16::from_f32(*v);
+        }
+        let wb: &[bf16] = match W::as_bf16(w) {
+            Some(s) => s,
+            None => {
+                for (d, v) in rest.iter_mut().zip(w) {
+                    *d = v.bf16();
+                }
+                rest
+            }
+        };
+        for t in 0..avx512::tasks(n, o) {
+            avx512::task(xb, wb, a.y, (n, o, k), t);
+        }
+        0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -527,7 +727,8 @@ mod tests {
     #[test]
     fn bf16_amx_driver_emulated_matches_f64() {
         let mut seed = 11u64;
-        for &(n, o, k) in &[(1, 1, 1), (16, 16, 32), (17, 33, 33), (5, 130, 64), (40, 70, 100), (33, 31, 95)]
+        for &(n, o, k) in
+            &[(1, 1, 1), (16, 16, 32), (17, 33, 33), (5, 130, 64), (40, 70, 100), (33, 31, 95), (3, 5, 0)]
         {
             let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
             let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
@@ -548,6 +749,21 @@ mod tests {
                     assert!(e <= tolerance(k, true), "{} ({n},{o},{k}): {e}", p.name());
                 }
             }
+        }
+    }
+
+    /// The bound covers the worst rounding of `x`: just past `1 + 2^-8`, half
+    /// an ulp of bf16 (relative error just under `2^-8`, twice what a bound of
+    /// `2^-9` allowed; a single product shows it whole). Found by running the
+    /// kernels' machine code in an emulator (docs/bench/emu_bf16_kernels.sh).
+    #[test]
+    fn bf16_bound_covers_half_an_ulp() {
+        for x in [1.0 + 2f32.powi(-8) + 2f32.powi(-20), 1.0 + 2f32.powi(-8) - 2f32.powi(-20)] {
+            let w = [bf16::ONE];
+            let mut y = [f32::NAN];
+            amx_driver::<Emulated, bf16>(&[x], &w, &mut y, (1, 1, 1));
+            let e = worst(&[x], &w, &y, (1, 1, 1));
+            assert!(e > 2f64.powi(-9) && e <= tolerance(1, true), "{x}: {e}");
         }
     }
 
