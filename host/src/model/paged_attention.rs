@@ -245,7 +245,6 @@ const MAX_HEADS: usize = 64;
 
 /// Lanes of the dot products' partial sums (one AVX2 register of f32).
 const LANES: usize = 8;
-const _: () = assert!(LANES == 8, "dot's lane tree is written for 8 lanes");
 
 /// Outputs of a head that the value pass keeps in registers at once (four
 /// AVX2 registers of f32).
@@ -354,11 +353,7 @@ fn dot<T: Real, K: Elem<T>>(a: &[T], b: &[K]) -> T {
             acc[i] += x[i] * y[i].get();
         }
     }
-    // A tree over the lanes (halves, then quarters): three vector adds
-    // where a left-to-right sum takes seven dependent scalar ones.
-    let h4 = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
-    let h2 = [h4[0] + h4[2], h4[1] + h4[3]];
-    let mut s = h2[0] + h2[1];
+    let mut s = acc.iter().fold(T::from_f64(0.0), |s, &x| s + x);
     for (&x, &y) in ar.iter().zip(br) {
         s += x * y.get();
     }
