@@ -176,7 +176,7 @@ if [[ "${HOST_CPU:-0}" == 1 ]]; then
     fi
     run cpu-train-float32 60 bench train --device cpu --dtype float32
     run cpu-generate-float32 60 bench generate --device cpu --dtype float32
-    # bf16 on each path: AMX and AVX-512 BF16 are opt-in until this check has passed on such a CPU.
+    # bf16 on each path: AMX and AVX-512 BF16 are chosen only after their self-check passes (mm_bf16::verify); this is the full check.
     for p in amx avx512bf16 avx2; do
         STAPO_CPU_PATH=$p run "cpu-train-bfloat16-$p" 60 bench train --device cpu --dtype bfloat16
         STAPO_CPU_PATH=$p run "cpu-generate-bfloat16-$p" 60 bench generate --device cpu --dtype bfloat16

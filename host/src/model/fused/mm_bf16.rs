@@ -26,7 +26,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::simd::{Path, Weight};
+use super::cpu::{Path, Weight};
 use super::SendPtr;
 
 /// The error bound of a bf16-input path relative to `Σ|x_c w_c|` (see the
@@ -55,17 +55,115 @@ pub(crate) fn xwt<W: Weight>(path: Path, x: &[f32], w: &[W], (n, o, k): (usize, 
     match path {
         #[cfg(target_arch = "x86_64")]
         Path::Amx => {
-            assert!(super::simd::amx_ready(), "mm_bf16: AMX is not available (CPU or kernel permission)");
+            assert!(super::cpu::amx_ready(), "mm_bf16: AMX is not available (CPU or kernel permission)");
             amx_driver::<amx::Hw, W>(x, w, &mut y, (n, o, k));
         }
         #[cfg(target_arch = "x86_64")]
         Path::Avx512Bf16 => {
-            assert!(super::simd::features().avx512bf16, "mm_bf16: this CPU has no AVX-512 BF16");
+            assert!(super::cpu::features().avx512bf16, "mm_bf16: this CPU has no AVX-512 BF16");
             avx512::run(x, w, &mut y, (n, o, k));
         }
         p => panic!("mm_bf16: {} is not a bf16 dot-product path", p.name()),
     }
     y
+}
+
+/// The products [`verify`] checks, `(n, o, k)`: ragged against every tile
+/// (AMX's 16 × 16 × 32, AVX-512 BF16's 4 × 4 register tiles of 32 lanes),
+/// whole tiles, a long depth and an empty one.
+pub const VERIFY_SHAPES: [(usize, usize, usize); 6] =
+    [(1, 1, 1), (3, 17, 33), (32, 32, 64), (37, 45, 1030), (97, 130, 95), (5, 7, 0)];
+
+/// A product `y (n×o) = x (n×k) · w (o×k)^T` under check, for bf16 and for
+/// f32 weights.
+pub(crate) type Product<'a, W> = &'a dyn Fn(&[f32], &[W], (usize, usize, usize)) -> Vec<f32>;
+
+/// The self-check a path of [`super::simd::UNVERIFIED`] passes on this CPU before
+/// [`super::simd::selection`] chooses it by default: its bf16 products
+/// (`xwt`) on [`VERIFY_SHAPES`], with bf16 weights and with f32
+/// weights, against f64 within [`tolerance`] (the checks of `stapo
+/// bench kernels`, [`super::selfcheck`], on small shapes: a few milliseconds). Ok: a summary for
+/// the log; Err: the first product out of its bound.
+///
+/// It runs on a one-thread pool of its own: it runs while the process's path
+/// is being chosen, which threads of the global pool may be waiting for.
+///
+/// # Errors
+/// A product out of its bound (or not finite), or `path` is not a bf16
+/// dot-product path this CPU supports (and, for AMX, permits).
+pub fn verify(path: Path) -> Result<String, String> {
+    let ready = match path {
+        Path::Amx => super::cpu::amx_ready(),
+        Path::Avx512Bf16 => super::cpu::features().avx512bf16,
+        _ => false,
+    };
+    if !ready {
+        return Err(format!("{}: no bf16 dot products to check on this CPU", path.name()));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .map_err(|e| format!("{}: no thread for the self-check ({e})", path.name()))?;
+    pool.install(|| check(&|x, w: &[bf16], s| xwt(path, x, w, s), &|x, w: &[f32], s| xwt(path, x, w, s)))
+}
+
+/// [`verify`]'s checks of a product, for bf16 weights (`bf`) and f32 weights
+/// (`wide`: the same values, widened, so the reference is the same).
+pub(crate) fn check(bf: Product<'_, bf16>, wide: Product<'_, f32>) -> Result<String, String> {
+    let mut seed = 0x5e1f_u64;
+    let mut worst = 0f64;
+    for (n, o, k) in VERIFY_SHAPES {
+        let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
+        let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
+        let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        let tol = tolerance(k, true);
+        let refs: Vec<(Vec<f64>, Vec<f64>)> = (0..n).map(|i| reference(&x, &w, i, o, k)).collect();
+        for (weights, y) in [("bf16", bf(&x, &w, (n, o, k))), ("f32", wide(&x, &wf, (n, o, k)))] {
+            if y.len() != n * o {
+                return Err(format!(
+                    "{weights} weights, {n} x {o} x {k}: {} outputs, not {}",
+                    y.len(),
+                    n * o
+                ));
+            }
+            let mut err = 0f64;
+            for (i, (s, a)) in refs.iter().enumerate() {
+                for j in 0..o {
+                    let e = (y[i * o + j] as f64 - s[j]).abs() / a[j].max(f64::MIN_POSITIVE);
+                    err = if err.is_nan() || e.is_nan() { f64::NAN } else { err.max(e) };
+                }
+            }
+            if err.is_nan() || err > tol {
+                return Err(format!(
+                    "{weights} weights, {n} x {o} x {k}: relative error {err:.3e} beyond the bound {tol:.3e}"
+                ));
+            }
+            worst = worst.max(err / tol);
+        }
+    }
+    Ok(format!("{} products against f64, the worst at {worst:.2} of its bound", 2 * VERIFY_SHAPES.len()))
+}
+
+/// Row `i` of `x w^T` in f64, and `Σ|x_c w_c|` per output.
+pub(crate) fn reference(x: &[f32], w: &[bf16], i: usize, o: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let xr = &x[i * k..(i + 1) * k];
+    (0..o)
+        .map(|j| {
+            let (mut s, mut a) = (0f64, 0f64);
+            for (xv, wv) in xr.iter().zip(&w[j * k..(j + 1) * k]) {
+                let p = *xv as f64 * wv.to_f64();
+                s += p;
+                a += p.abs();
+            }
+            (s, a)
+        })
+        .unzip()
+}
+
+/// Uniform in [-0.5, 0.5) from a 64-bit LCG.
+pub(crate) fn rnd(seed: &mut u64) -> f64 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    ((*seed >> 33) as f64 / (1u64 << 31) as f64) - 0.5
 }
 
 /// Elements of one packed tile: 16 rows of 32 bf16.
@@ -348,7 +446,7 @@ pub const AVX512BF16_FLOPS_PER_OP: f64 = 16.0 * 2.0 * 2.0;
 /// where AMX is not available.
 pub fn amx_spin(rounds: u64) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if super::simd::amx_ready() {
+    if super::cpu::amx_ready() {
         let data = [bf16::from_f32(1e-3); 512];
         // SAFETY: amx_ready: the CPU has AMX and the kernel permits it.
         unsafe { amx::spin(&data, rounds) };
@@ -362,7 +460,7 @@ pub fn amx_spin(rounds: u64) -> bool {
 /// probe); false where AVX-512 BF16 is absent.
 pub fn avx512bf16_spin(rounds: u64) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if super::simd::features().avx512bf16 {
+    if super::cpu::features().avx512bf16 {
         // SAFETY: the CPU has AVX-512 BF16, BW and F.
         unsafe { avx512::spin(rounds) };
         return true;
@@ -378,7 +476,7 @@ mod avx512 {
     use half::bf16;
     use rayon::prelude::*;
 
-    use super::super::simd::Weight;
+    use super::super::cpu::Weight;
     use super::super::SendPtr;
 
     /// Rows of `x` and of `w` per register tile (16 accumulators).
@@ -647,6 +745,72 @@ pub mod emu_entry {
 
 #[cfg(test)]
 mod tests {
+    /// `x w^T` as the bf16 dot-product paths compute it: `x` and `w` rounded
+    /// to bf16, products summed in f32 (plus `shift` columns of `w`, and
+    /// only the first `depth(k)` terms, to make it wrong).
+    fn product(
+        x: &[f32],
+        w: &[f32],
+        (n, o, k): (usize, usize, usize),
+        shift: usize,
+        depth: fn(usize) -> usize,
+    ) -> Vec<f32> {
+        let r = |v: f32| bf16::from_f32(v).to_f32();
+        (0..n * o)
+            .map(|ij| {
+                let (i, j) = (ij / o, (ij % o + shift) % o);
+                (0..depth(k)).map(|c| r(x[i * k + c]) * r(w[j * k + c])).sum()
+            })
+            .collect()
+    }
+
+    fn widen(w: &[bf16]) -> Vec<f32> {
+        w.iter().map(|v| v.to_f32()).collect()
+    }
+
+    /// The self-check passes a right product and names the first product
+    /// a wrong one gets wrong: a dropped tail of the depth, a shifted
+    /// column, a NaN, a wrong output count; only for f32 weights when only
+    /// those are wrong. On a path this CPU lacks it refuses to run.
+    #[test]
+    fn the_self_check_passes_a_right_product_and_fails_wrong_ones() {
+        let all = |k: usize| k;
+        let right =
+            super::check(&|x, w, s| product(x, &widen(w), s, 0, all), &|x, w, s| product(x, w, s, 0, all));
+        let summary = right.unwrap();
+        assert!(summary.starts_with("12 products against f64"), "{summary}");
+
+        let tail = |k: usize| k / 32 * 32;
+        let e =
+            super::check(&|x, w, s| product(x, &widen(w), s, 0, tail), &|x, w, s| product(x, w, s, 0, tail))
+                .unwrap_err();
+        assert!(e.starts_with("bf16 weights, 1 x 1 x 1: relative error 1.000e0"), "{e}");
+
+        let e =
+            super::check(&|x, w, s| product(x, &widen(w), s, 0, all), &|x, w, s| product(x, w, s, 1, all))
+                .unwrap_err();
+        assert!(e.starts_with("f32 weights, 3 x 17 x 33"), "{e}");
+
+        let nan = |x: &[f32], w: &[bf16], s: (usize, usize, usize)| {
+            let mut y = product(x, &widen(w), s, 0, all);
+            if s == (32, 32, 64) {
+                y[5] = f32::NAN;
+            }
+            y
+        };
+        let e = super::check(&nan, &|x, w, s| product(x, w, s, 0, all)).unwrap_err();
+        assert!(e.starts_with("bf16 weights, 32 x 32 x 64: relative error NaN"), "{e}");
+
+        let short = super::check(&|_, _, _| Vec::new(), &|x, w, s| product(x, w, s, 0, all)).unwrap_err();
+        assert_eq!(short, "bf16 weights, 1 x 1 x 1: 0 outputs, not 1");
+
+        if !super::super::cpu::features().avx512bf16 {
+            let e = super::verify(Path::Avx512Bf16).unwrap_err();
+            assert!(e.contains("no bf16 dot products to check on this CPU"), "{e}");
+        }
+        assert!(super::verify(Path::Avx2).is_err());
+    }
+
     use super::*;
 
     /// The AMX tile unit in plain Rust, per the SDM's pseudo-code of

@@ -262,6 +262,7 @@ fn split_like<const N: usize>(flat: &Tensor, like: [&Tensor; N]) -> Grads<N> {
 }
 
 pub mod attention;
+pub mod cpu;
 pub mod gemv;
 pub mod head;
 mod kernels;

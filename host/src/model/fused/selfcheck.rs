@@ -12,7 +12,7 @@ use std::time::Instant;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::mm_bf16;
+use super::mm_bf16::{self, reference, rnd};
 use super::simd::{self, Path};
 
 /// One checked kernel on one path and shape.
@@ -136,8 +136,8 @@ pub fn run(quick: bool, reps: usize) -> Vec<Row> {
             for (&i, (s, a)) in check.iter().zip(&refs) {
                 for j in 0..o {
                     let e = (y[i * o + j] as f64 - s[j]).abs() / a[j].max(f64::MIN_POSITIVE);
-                    // NaN propagates as a failure.
-                    err = if e.is_nan() { f64::NAN } else { err.max(e) };
+                    // NaN propagates as a failure (`f64::max` would drop it).
+                    err = if err.is_nan() || e.is_nan() { f64::NAN } else { err.max(e) };
                 }
             }
             rows.push(Row {
@@ -187,28 +187,6 @@ fn sample_rows(n: usize, seed: &mut u64) -> Vec<usize> {
     r.sort_unstable();
     r.dedup();
     r
-}
-
-/// Row `i` of `x w^T` in f64, and `Σ|x_c w_c|` per output.
-fn reference(x: &[f32], w: &[bf16], i: usize, o: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
-    let xr = &x[i * k..(i + 1) * k];
-    (0..o)
-        .map(|j| {
-            let (mut s, mut a) = (0f64, 0f64);
-            for (xv, wv) in xr.iter().zip(&w[j * k..(j + 1) * k]) {
-                let p = *xv as f64 * wv.to_f64();
-                s += p;
-                a += p.abs();
-            }
-            (s, a)
-        })
-        .unzip()
-}
-
-/// Uniform in [-0.5, 0.5) from a 64-bit LCG.
-fn rnd(seed: &mut u64) -> f64 {
-    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    ((*seed >> 33) as f64 / (1u64 << 31) as f64) - 0.5
 }
 
 #[cfg(test)]

@@ -13,8 +13,9 @@
 //!
 //! Paths, chosen once at run time ([`selection`]): AMX, then AVX-512 BF16,
 //! AVX2, portable (best first), capped by [`ENV`]; AMX only with the kernel's permission
-//! ([`request_amx`]). AMX and AVX-512 BF16 are opt-in ([`UNVERIFIED`]) until their
-//! kernels have run on a CPU that has them. The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
+//! ([`request_amx`]). AMX and AVX-512 BF16 ([`UNVERIFIED`]: the project has not
+//! yet run them on a CPU that has them) are chosen only after their self-check
+//! ([`super::mm_bf16::verify`]) passes on this CPU. The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
 //! rows of `x` × 2 weight rows per register tile) where the CPU has both
 //! ([`path`]), else a portable loop of the same arithmetic shape. The f32
 //! weights of [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
@@ -23,107 +24,34 @@ use std::sync::OnceLock;
 
 use half::bf16;
 
-/// A SIMD path of the CPU, best first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Path {
-    /// AMX tiles (`amx_bf16`, `tdpbf16ps`): the bf16 products of [`super::mm_bf16`].
-    Amx,
-    /// AVX-512 BF16 (`vdpbf16ps`): the same products where AMX is absent.
-    Avx512Bf16,
-    /// AVX-512F: the f32 gemv's register tiles ([`super::gemv`]).
-    Avx512,
-    /// AVX2 + FMA: 8-lane f32 FMA; bf16 widened by a shift in registers.
-    Avx2,
-    /// Plain Rust, for any CPU.
-    Portable,
-}
-
-impl Path {
-    /// The name the benchmarks print (and [`ENV`] takes).
-    pub fn name(self) -> &'static str {
-        match self {
-            Path::Amx => "amx",
-            Path::Avx512Bf16 => "avx512bf16",
-            Path::Avx512 => "avx512",
-            Path::Avx2 => "avx2",
-            Path::Portable => "portable",
-        }
-    }
-
-    /// True for the paths that round activations to bf16 and use the CPU's
-    /// bf16 dot products ([`super::mm_bf16`]).
-    pub fn bf16_dot(self) -> bool {
-        matches!(self, Path::Amx | Path::Avx512Bf16)
-    }
-}
+use super::cpu::supports;
+pub(crate) use super::cpu::Weight;
+pub use super::cpu::{amx_ready, features, permit_amx, request_amx, Features, Path};
 
 /// The environment variable that forces a CPU path (`amx`, `avx512bf16`,
 /// `avx2` or `portable`): a lower one than the default to compare paths on one
-/// machine, or one of [`UNVERIFIED`] to opt into it.
+/// machine, or one of [`UNVERIFIED`] to choose it without its self-check.
 pub const ENV: &str = "STAPO_CPU_PATH";
 
 /// The paths [`ENV`] may name, best first.
 const CHOICES: [Path; 4] = [Path::Amx, Path::Avx512Bf16, Path::Avx2, Path::Portable];
 
-/// Paths whose kernels compile and pass their tests' logic but have not yet run
-/// on a CPU that has them (no machine with AMX or AVX-512 BF16 was at hand when
-/// they were written, 2026-12-04): never chosen unless [`ENV`] names them. Once
-/// `stapo bench kernels` passes on such a CPU, remove them from this list.
+/// Paths whose kernels compile and pass their tests' logic but that the project
+/// has not yet run on a CPU that has them (no machine with AMX or AVX-512 BF16
+/// was at hand when they were written, 2026-12-04; the AVX-512 BF16 machine
+/// code has run in the Bochs emulator, `docs/bench/emu_bf16_kernels.sh`). By
+/// default such a path is chosen only once its self-check
+/// ([`super::mm_bf16::verify`]: its products against f64, the checks of
+/// `stapo bench kernels`) has passed on this CPU, in this process; a failed
+/// check falls back to the next path with a note. Once `stapo bench kernels`
+/// passes on such a CPU, remove it from this list.
 pub const UNVERIFIED: [Path; 2] = [Path::Amx, Path::Avx512Bf16];
-
-/// What the CPU offers, checked once.
-#[derive(Clone, Copy, Debug)]
-pub struct Features {
-    /// CPUID's `amx_bf16` and `amx_tile` (the kernel's permission is separate).
-    pub amx_bf16: bool,
-    /// AVX-512 BF16 with AVX-512F and BW (the kernel's masked loads).
-    pub avx512bf16: bool,
-    /// AVX-512F.
-    pub avx512f: bool,
-    /// AVX2 and FMA.
-    pub avx2_fma: bool,
-}
-
-/// The CPU's features (all false off x86-64).
-pub fn features() -> Features {
-    static F: OnceLock<Features> = OnceLock::new();
-    *F.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // `is_x86_feature_detected!("amx-bf16")` is unstable in rustc 1.95:
-            // CPUID leaf 7, EDX bits 22 (amx_bf16) and 24 (amx_tile).
-            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
-            Features {
-                amx_bf16: edx & (1 << 22) != 0 && edx & (1 << 24) != 0,
-                avx512bf16: std::is_x86_feature_detected!("avx512bf16")
-                    && std::is_x86_feature_detected!("avx512bw")
-                    && std::is_x86_feature_detected!("avx512f"),
-                avx512f: std::is_x86_feature_detected!("avx512f"),
-                avx2_fma: std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            Features { amx_bf16: false, avx512bf16: false, avx512f: false, avx2_fma: false }
-        }
-    })
-}
 
 /// The paths this CPU's instructions support (AMX without asking the kernel
 /// for permission), best first.
 pub fn supported_paths() -> Vec<Path> {
     let f = features();
     CHOICES.into_iter().filter(|p| supports(f, *p)).collect()
-}
-
-fn supports(f: Features, p: Path) -> bool {
-    match p {
-        Path::Amx => f.amx_bf16,
-        Path::Avx512Bf16 => f.avx512bf16,
-        Path::Avx512 => f.avx512f,
-        Path::Avx2 => f.avx2_fma,
-        Path::Portable => true,
-    }
 }
 
 /// The chosen path and what the choice had to say (a fallback, a refusal).
@@ -136,9 +64,11 @@ pub struct Selection {
 }
 
 /// Chooses the CPU path: the best of AMX > AVX-512 BF16 > AVX2 > portable
-/// that the CPU supports, at or below `forced` (the value of [`ENV`]; unset,
-/// the best path not in [`UNVERIFIED`]), with AMX only if `amx_permission`
-/// (asked only when AMX would be chosen) succeeds.
+/// that the CPU supports, at or below `forced` (the value of [`ENV`]), with
+/// AMX only if `amx_permission` (asked only when AMX would be chosen)
+/// succeeds. Unforced, a path in [`UNVERIFIED`] is chosen only if `verify`
+/// (its self-check on this CPU, asked only when it would be chosen) passes;
+/// a forced path is not checked.
 ///
 /// # Errors
 /// `forced` names no path.
@@ -146,21 +76,12 @@ pub fn select(
     f: Features,
     forced: Option<&str>,
     amx_permission: &mut dyn FnMut() -> Result<(), String>,
+    verify: &mut dyn FnMut(Path) -> Result<String, String>,
 ) -> Result<Selection, String> {
     let mut notes = Vec::new();
-    let cap = match forced.map(str::trim).filter(|s| !s.is_empty()) {
-        None => {
-            let first = CHOICES.iter().position(|p| !UNVERIFIED.contains(p)).unwrap_or(0);
-            if let Some(p) = CHOICES[..first].iter().find(|&&p| supports(f, p)) {
-                notes.push(format!(
-                    "{}: this CPU has it, but its kernels have not yet been verified on such a CPU; \
-                     {ENV}={} opts in (run `stapo bench kernels` first)",
-                    p.name(),
-                    p.name()
-                ));
-            }
-            first
-        }
+    let forced = forced.map(str::trim).filter(|s| !s.is_empty());
+    let cap = match forced {
+        None => 0,
         Some(name) => CHOICES.iter().position(|p| p.name() == name).ok_or_else(|| {
             let names: Vec<_> = CHOICES.iter().map(|p| p.name()).collect();
             format!("{ENV}={name}: expected one of {}", names.join(", "))
@@ -179,47 +100,26 @@ pub fn select(
                 continue;
             }
         }
+        if forced.is_none() && UNVERIFIED.contains(&p) {
+            match verify(p) {
+                Ok(passed) => notes.push(format!(
+                    "{}: chosen after its self-check passed on this CPU ({passed}); stapo's authors have not \
+                     yet run this path on such a CPU themselves, {ENV}=avx2 opts out",
+                    p.name()
+                )),
+                Err(e) => {
+                    notes.push(format!(
+                        "{}: its self-check FAILED on this CPU ({e}); falling back to the next path \
+                         (please report this with the output of `stapo bench kernels`)",
+                        p.name()
+                    ));
+                    continue;
+                }
+            }
+        }
         return Ok(Selection { path: p, notes });
     }
     unreachable!("the portable path is always supported")
-}
-
-/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
-/// XFEATURE_XTILEDATA)`), process-wide; without it the first tile
-/// instruction raises SIGILL.
-///
-/// # Errors
-/// The kernel's refusal (its errno), or not Linux on x86-64.
-pub fn request_amx() -> Result<(), String> {
-    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    {
-        const SYS_ARCH_PRCTL: usize = 158;
-        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-        const XFEATURE_XTILEDATA: usize = 18;
-        let ret: isize;
-        // SAFETY: the arch_prctl system call with two integer arguments; it
-        // reads and writes no user memory; rcx and r11 are clobbered by `syscall`.
-        unsafe {
-            std::arch::asm!(
-                "syscall",
-                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
-                in("rdi") ARCH_REQ_XCOMP_PERM,
-                in("rsi") XFEATURE_XTILEDATA,
-                lateout("rcx") _,
-                lateout("r11") _,
-                options(nostack)
-            );
-        }
-        if ret == 0 {
-            Ok(())
-        } else {
-            Err(format!("arch_prctl(ARCH_REQ_XCOMP_PERM) failed with errno {}", -ret))
-        }
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-    {
-        Err("AMX permission is requested only on Linux x86-64".into())
-    }
 }
 
 /// The process's selection: [`select`] on this CPU and [`ENV`], made once;
@@ -229,9 +129,10 @@ pub fn selection() -> &'static Selection {
     static S: OnceLock<Selection> = OnceLock::new();
     S.get_or_init(|| {
         let forced = std::env::var(ENV).ok();
-        let s = select(features(), forced.as_deref(), &mut request_amx).unwrap_or_else(|e| {
+        let mut verify = super::mm_bf16::verify;
+        let s = select(features(), forced.as_deref(), &mut permit_amx, &mut verify).unwrap_or_else(|e| {
             eprintln!("stapo: {e}; ignored");
-            select(features(), None, &mut request_amx).expect("no forced path")
+            select(features(), None, &mut permit_amx, &mut verify).expect("no forced path")
         });
         for n in &s.notes {
             eprintln!("stapo: {n}");
@@ -245,20 +146,13 @@ pub fn cpu_path() -> Path {
     selection().path
 }
 
-/// True when AMX may run: the selection chose it (so the kernel permitted it).
-/// A forced lower path asks no permission; `stapo bench kernels` asks itself.
-pub fn amx_ready() -> bool {
-    static READY: OnceLock<bool> = OnceLock::new();
-    cpu_path() == Path::Amx || *READY.get_or_init(|| features().amx_bf16 && request_amx().is_ok())
-}
-
 /// Checks [`ENV`]: an error names the variable and the values it takes.
 ///
 /// # Errors
 /// [`ENV`] is set to no path's name.
 pub fn check_env() -> Result<(), String> {
     let forced = std::env::var(ENV).ok();
-    select(features(), forced.as_deref(), &mut || Ok(())).map(|_| ())
+    select(features(), forced.as_deref(), &mut || Ok(()), &mut |_| Ok(String::new())).map(|_| ())
 }
 
 /// The path the f32-activation kernels (bf16-weight gemv, roofline) run:
@@ -276,7 +170,7 @@ pub fn describe() -> String {
     let f = features();
     let yes = |b: bool| if b { "yes" } else { "no" };
     format!(
-        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a path; amx and avx512bf16 are opt-in)",
+        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a path; amx and avx512bf16 only after their self-check)",
         cpu_path().name(),
         path().name(),
         yes(f.amx_bf16),
@@ -284,74 +178,6 @@ pub fn describe() -> String {
         yes(f.avx512f),
         yes(f.avx2_fma)
     )
-}
-
-/// A weight element type the kernels read: f32 or bf16, widened to f32.
-pub(crate) trait Weight: Copy + Send + Sync + 'static {
-    /// The value as f32 (exact for both types).
-    fn f32(self) -> f32;
-
-    /// The value as bf16 (round to nearest even for f32).
-    fn bf16(self) -> bf16;
-
-    /// The slice as bf16 when it already is.
-    fn as_bf16(s: &[Self]) -> Option<&[bf16]>;
-
-    /// Eight consecutive weights from `p`, widened to f32.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; `p..p+8` is readable.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
-}
-
-impl Weight for f32 {
-    #[inline]
-    fn f32(self) -> f32 {
-        self
-    }
-
-    #[inline]
-    fn bf16(self) -> bf16 {
-        bf16::from_f32(self)
-    }
-
-    fn as_bf16(_: &[f32]) -> Option<&[bf16]> {
-        None
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
-        std::arch::x86_64::_mm256_loadu_ps(p)
-    }
-}
-
-impl Weight for bf16 {
-    #[inline]
-    fn f32(self) -> f32 {
-        // bf16 is the top half of an f32: widening is exact.
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-
-    #[inline]
-    fn bf16(self) -> bf16 {
-        self
-    }
-
-    fn as_bf16(s: &[bf16]) -> Option<&[bf16]> {
-        Some(s)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-    }
 }
 
 /// Weight rows per rayon task.
@@ -646,10 +472,15 @@ mod tests {
     const ALL: Features = Features { amx_bf16: true, avx512bf16: true, avx512f: true, avx2_fma: true };
     const AVX2: Features = Features { amx_bf16: false, avx512bf16: false, avx512f: false, avx2_fma: true };
 
+    /// A `verify` that must not be called.
+    fn no_check(p: Path) -> Result<String, String> {
+        panic!("no self-check asked for {}", p.name())
+    }
+
     /// The dispatch: best first; a forced path caps it (and asks no AMX
-    /// permission below AMX); a refused permission falls back with a note;
-    /// a forced path the CPU lacks falls to the next one with a note; an
-    /// unknown name is an error naming the variable.
+    /// permission below AMX, and no self-check); a refused permission falls
+    /// back with a note; a forced path the CPU lacks falls to the next one
+    /// with a note; an unknown name is an error naming the variable.
     #[test]
     fn bf16_simd_select_paths() {
         let mut asked = 0;
@@ -657,27 +488,24 @@ mod tests {
             asked += 1;
             Ok(())
         };
-        // Unset: the best verified path, with a note on what the CPU has beyond it.
-        let unset =
-            select(ALL, None, &mut || panic!("no AMX permission asked when AMX is not chosen")).unwrap();
-        assert_eq!(unset.path, Path::Avx2);
-        assert!(unset.notes.len() == 1 && unset.notes[0].contains("STAPO_CPU_PATH=amx opts in"), "{unset:?}");
         assert_eq!(
-            select(AVX2, None, &mut || Ok(())).unwrap(),
+            select(AVX2, None, &mut || Ok(()), &mut no_check).unwrap(),
             Selection { path: Path::Avx2, notes: vec![] }
         );
         assert_eq!(
-            select(ALL, Some("amx"), &mut grant).unwrap(),
+            select(ALL, Some("amx"), &mut grant, &mut no_check).unwrap(),
             Selection { path: Path::Amx, notes: vec![] }
         );
         assert_eq!(asked, 1);
         for (name, want) in
             [("avx512bf16", Path::Avx512Bf16), ("avx2", Path::Avx2), ("portable", Path::Portable)]
         {
-            let s = select(ALL, Some(name), &mut || panic!("no AMX permission asked below amx")).unwrap();
+            let s =
+                select(ALL, Some(name), &mut || panic!("no AMX permission asked below amx"), &mut no_check)
+                    .unwrap();
             assert_eq!(s, Selection { path: want, notes: vec![] }, "{name}");
         }
-        let refused = select(ALL, Some("amx"), &mut || Err("errno 22".into())).unwrap();
+        let refused = select(ALL, Some("amx"), &mut || Err("errno 22".into()), &mut no_check).unwrap();
         assert_eq!(refused.path, Path::Avx512Bf16);
         assert_eq!(refused.notes.len(), 1);
         assert!(
@@ -685,18 +513,70 @@ mod tests {
             "{refused:?}"
         );
         let no512 = Features { avx512bf16: false, ..ALL };
-        assert_eq!(select(no512, Some("amx"), &mut || Err("no".into())).unwrap().path, Path::Avx2);
-        let up = select(AVX2, Some("amx"), &mut || panic!("the CPU has no AMX")).unwrap();
+        assert_eq!(
+            select(no512, Some("amx"), &mut || Err("no".into()), &mut no_check).unwrap().path,
+            Path::Avx2
+        );
+        let up = select(AVX2, Some("amx"), &mut || panic!("the CPU has no AMX"), &mut no_check).unwrap();
         assert_eq!(up.path, Path::Avx2);
         assert!(up.notes[0].contains("STAPO_CPU_PATH=amx: not supported"), "{up:?}");
         let none = Features { avx2_fma: false, ..AVX2 };
-        assert_eq!(select(none, Some("avx2"), &mut || Ok(())).unwrap().path, Path::Portable);
-        assert_eq!(select(AVX2, Some(" "), &mut || Ok(())).unwrap().path, Path::Avx2);
-        let err = select(AVX2, Some("avx9"), &mut || Ok(())).unwrap_err();
+        assert_eq!(select(none, Some("avx2"), &mut || Ok(()), &mut no_check).unwrap().path, Path::Portable);
+        assert_eq!(select(AVX2, Some(" "), &mut || Ok(()), &mut no_check).unwrap().path, Path::Avx2);
+        let err = select(AVX2, Some("avx9"), &mut || Ok(()), &mut no_check).unwrap_err();
         assert!(
             err.contains("STAPO_CPU_PATH=avx9") && err.contains("amx, avx512bf16, avx2, portable"),
             "{err}"
         );
+    }
+
+    /// Unforced, an unverified path is chosen only after its self-check
+    /// passes, asked once and only when it would be chosen (AMX after its
+    /// permission); a failed check falls back to the next path with a note
+    /// that names the failure.
+    #[test]
+    fn bf16_simd_unverified_paths_need_their_self_check() {
+        let mut checked = Vec::new();
+        let mut pass = |p: Path| -> Result<String, String> {
+            checked.push(p);
+            Ok("5 products".into())
+        };
+        let s = select(ALL, None, &mut || Ok(()), &mut pass).unwrap();
+        assert_eq!(s.path, Path::Amx);
+        assert_eq!(checked, [Path::Amx]);
+        assert!(
+            s.notes.len() == 1 && s.notes[0].contains("amx: chosen after its self-check passed"),
+            "{s:?}"
+        );
+        assert!(
+            s.notes[0].contains("5 products") && s.notes[0].contains("STAPO_CPU_PATH=avx2 opts out"),
+            "{s:?}"
+        );
+
+        // AMX refused: its check is not run; AVX-512 BF16's is.
+        checked.clear();
+        let mut pass = |p: Path| -> Result<String, String> {
+            checked.push(p);
+            Ok("ok".into())
+        };
+        let s = select(ALL, None, &mut || Err("errno 1".into()), &mut pass).unwrap();
+        assert_eq!(s.path, Path::Avx512Bf16);
+        assert_eq!(checked, [Path::Avx512Bf16]);
+        assert_eq!(s.notes.len(), 2, "{s:?}");
+
+        // Both fail their checks: avx2, with a note per failure.
+        let mut fail = |p: Path| -> Result<String, String> { Err(format!("{} off by 0.5", p.name())) };
+        let s = select(ALL, None, &mut || Ok(()), &mut fail).unwrap();
+        assert_eq!(s.path, Path::Avx2);
+        assert_eq!(s.notes.len(), 2, "{s:?}");
+        assert!(
+            s.notes[0].contains("amx: its self-check FAILED") && s.notes[0].contains("amx off by 0.5"),
+            "{s:?}"
+        );
+        assert!(s.notes[1].contains("avx512bf16: its self-check FAILED"), "{s:?}");
+
+        // A CPU without them asks nothing.
+        assert_eq!(select(AVX2, None, &mut || panic!("no AMX"), &mut no_check).unwrap().path, Path::Avx2);
     }
 
     /// This process's path is the selection on this CPU (no AMX path without
