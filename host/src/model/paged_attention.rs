@@ -252,8 +252,10 @@ const CHUNK: usize = 32;
 
 /// Token `tok`'s query heads of kv heads `heads`: `acc` `(heads, g, D)` gets
 /// their attention over the token's sequence up to its position, one block
-/// of keys at a time with an online softmax. Within a block the slots are
-/// read in memory order: slot by slot, and in a slot kv head by kv head.
+/// of keys at a time with an online softmax. The key pass reads a block in
+/// memory order (slot by slot, and in a slot kv head by kv head), which
+/// brings the block in from memory; the value pass then goes kv head by kv
+/// head, each head's outputs held in registers over the block's slots.
 #[inline(always)]
 fn task<T: Real, K: Elem<T>>(io: &Io<'_, T, K>, tok: usize, heads: Range<usize>, acc: &mut [T]) {
     let Io { q, k, v, tb, t, nq, nkv, d } = *io;

@@ -132,7 +132,13 @@ pub fn request_amx() -> Result<(), String> {
 /// True when AMX may run: the CPU has it and the kernel permits it (asked
 /// once per process, [`permit_amx`]).
 pub fn amx_ready() -> bool {
-    features().amx_bf16 && permit_amx().is_ok()
+    ready(Path::Amx)
+}
+
+/// True when `p` may run here: the CPU supports it and, for AMX, the kernel
+/// permits it.
+pub fn ready(p: Path) -> bool {
+    supports(features(), p) && (p != Path::Amx || permit_amx().is_ok())
 }
 
 /// [`request_amx`], asked once per process (the permission is the
@@ -211,4 +217,17 @@ impl Weight for bf16 {
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
+}
+
+/// `w (bf16)` widened to f32, in parallel (the prefill and training products,
+/// which go to gemm once per call).
+pub fn widen(w: &[bf16]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0f32; w.len()];
+    out.par_chunks_mut(1 << 16).zip(w.par_chunks(1 << 16)).for_each(|(o, i)| {
+        for (d, s) in o.iter_mut().zip(i) {
+            *d = s.f32();
+        }
+    });
+    out
 }

@@ -92,12 +92,7 @@ pub(crate) type Product<'a, W> = &'a dyn Fn(&[f32], &[W], (usize, usize, usize))
 /// A product out of its bound (or not finite), or `path` is not a bf16
 /// dot-product path this CPU supports (and, for AMX, permits).
 pub fn verify(path: Path) -> Result<String, String> {
-    let ready = match path {
-        Path::Amx => super::cpu::amx_ready(),
-        Path::Avx512Bf16 => super::cpu::features().avx512bf16,
-        _ => false,
-    };
-    if !ready {
+    if !(path.bf16_dot() && super::cpu::ready(path)) {
         return Err(format!("{}: no bf16 dot products to check on this CPU", path.name()));
     }
     let pool = rayon::ThreadPoolBuilder::new()
@@ -115,7 +110,7 @@ pub(crate) fn check(bf: Product<'_, bf16>, wide: Product<'_, f32>) -> Result<Str
     for (n, o, k) in VERIFY_SHAPES {
         let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
         let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
-        let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        let wf = super::cpu::widen(&w);
         let tol = tolerance(k, true);
         let refs: Vec<(Vec<f64>, Vec<f64>)> = (0..n).map(|i| reference(&x, &w, i, o, k)).collect();
         for (weights, y) in [("bf16", bf(&x, &w, (n, o, k))), ("f32", wide(&x, &wf, (n, o, k)))] {
@@ -745,6 +740,9 @@ pub mod emu_entry {
 
 #[cfg(test)]
 mod tests {
+    use super::super::cpu::widen;
+    use super::*;
+
     /// `x w^T` as the bf16 dot-product paths compute it: `x` and `w` rounded
     /// to bf16, products summed in f32 (plus `shift` columns of `w`, and
     /// only the first `depth(k)` terms, to make it wrong).
@@ -762,10 +760,6 @@ mod tests {
                 (0..depth(k)).map(|c| r(x[i * k + c]) * r(w[j * k + c])).sum()
             })
             .collect()
-    }
-
-    fn widen(w: &[bf16]) -> Vec<f32> {
-        w.iter().map(|v| v.to_f32()).collect()
     }
 
     /// The self-check passes a right product and names the first product
@@ -810,8 +804,6 @@ mod tests {
         }
         assert!(super::verify(Path::Avx2).is_err());
     }
-
-    use super::*;
 
     /// The AMX tile unit in plain Rust, per the SDM's pseudo-code of
     /// `TDPBF16PS` (f32 products of bf16 pairs, added to C in f32).
@@ -861,11 +853,6 @@ mod tests {
         unsafe fn end(&mut self) {
             self.begun = false;
         }
-    }
-
-    fn rnd(seed: &mut u64) -> f64 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f64 / (1u64 << 31) as f64) - 0.5
     }
 
     /// Worst `|y - x w^T| / Σ|x_c w_c|` against f64 over every output.

@@ -92,7 +92,7 @@ pub fn skipped() -> Vec<String> {
 
 /// The paths checked here: those this CPU supports (AMX only if permitted).
 pub fn paths() -> Vec<Path> {
-    simd::supported_paths().into_iter().filter(|p| *p != Path::Amx || simd::amx_ready()).collect()
+    simd::supported_paths().into_iter().filter(|p| simd::ready(*p)).collect()
 }
 
 /// Runs every kernel of every path in [`paths`] on [`shapes`]`(quick)`;

@@ -22,11 +22,9 @@
 
 use std::sync::OnceLock;
 
-use half::bf16;
-
 use super::cpu::supports;
 pub(crate) use super::cpu::Weight;
-pub use super::cpu::{amx_ready, features, permit_amx, request_amx, Features, Path};
+pub use super::cpu::{amx_ready, features, permit_amx, ready, request_amx, widen, Features, Path};
 
 /// The environment variable that forces a CPU path (`amx`, `avx512bf16`,
 /// `avx2` or `portable`): a lower one than the default to compare paths on one
@@ -286,19 +284,6 @@ fn reduce8(a: [f32; 8]) -> f32 {
     p[0] + p[1]
 }
 
-/// `w (bf16)` widened to f32, in parallel (the prefill and training products,
-/// which go to gemm once per call).
-pub fn widen(w: &[bf16]) -> Vec<f32> {
-    use rayon::prelude::*;
-    let mut out = vec![0f32; w.len()];
-    out.par_chunks_mut(1 << 16).zip(w.par_chunks(1 << 16)).for_each(|(o, i)| {
-        for (d, s) in o.iter_mut().zip(i) {
-            *d = s.f32();
-        }
-    });
-    out
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -400,6 +385,8 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
 
     fn rnd(seed: &mut u64) -> f64 {
