@@ -167,8 +167,8 @@ impl Kernel<3> for LinearBwdBf16 {
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let (o, k) = ins[1].layout.shape().dims2()?;
-        let n = ins[0].layout.shape().elem_count() / k.max(1);
         let (x, w, dy) = (ins[0].data::<f32>()?, ins[1].data::<bf16>()?, ins[2].data::<f32>()?);
+        let n = if k > 0 { x.len() / k } else { dy.len() / o.max(1) };
         if x.len() != n * k || dy.len() != n * o {
             bail!("fused linear backward: x ({}) and dy ({}) do not match ({n}, {o}, {k})", x.len(), dy.len())
         }
@@ -210,7 +210,7 @@ const DW_ROWS: usize = 4096;
 /// unit roundoff, half an ulp): `dx` rounds one factor (`w` is bf16
 /// already), so `|dx - dy w| <= (u + o 2^-23) Σ|dy w|`, [`mm_bf16::tolerance`]`(o,
 /// true)`; `dw` rounds both factors, `(1 + e_1)(1 + e_2) - 1 <= 2u + u²`, so
-/// `|dw - dy^T x| <= (2u + u² + n 2^-23) Σ|dy x|` ([`dw_tolerance`]), and
+/// `|dw - dy^T x| <= (2u + u² + n 2^-23) Σ|dy x|` (the tests' `dw_tolerance`), and
 /// within `tolerance(n, true)` of the product of `dy` with bf16-rounded `x`.
 /// The sum over the blocks adds one f32 rounding per block, inside the
 /// accumulation term (`n 2^-23` is twice the first-order `n 2^-24`).
@@ -242,14 +242,6 @@ pub(crate) fn bwd_bf16(
         }
     }
     (dx, dw.unwrap_or_else(|| vec![0f32; o * k]))
-}
-
-/// [`bwd_bf16`]'s bound on `dw` relative to `Σ|dy_i x_i|`, for depth `n`:
-/// both factors rounded to bf16 (`2u + u²`, `u = 2^-8`) and the f32
-/// accumulation.
-pub(crate) fn dw_tolerance(n: usize) -> f64 {
-    let u = 2f64.powi(-8);
-    2.0 * u + u * u + n as f64 * 2f64.powi(-23)
 }
 
 /// Side of the square tiles [`transpose`] copies: 32 × 32 elements touch 32
@@ -296,6 +288,14 @@ mod tests {
     use crate::model::fused::mm_bf16::{rnd, tolerance, xwt_emulated};
     use crate::model::fused::test_util::*;
     use candle_core::{DType, Device};
+
+    /// [`bwd_bf16`]'s bound on `dw` relative to `Σ|dy_i x_i|`, for depth `n`:
+    /// both factors rounded to bf16 (`2u + u²`, `u = 2^-8`) and the f32
+    /// accumulation.
+    fn dw_tolerance(n: usize) -> f64 {
+        let u = 2f64.powi(-8);
+        2.0 * u + u * u + n as f64 * 2f64.powi(-23)
+    }
 
     /// Worst `|dx - dy w| / Σ|dy w|` and `|dw - dy^T x| / Σ|dy x|` over every
     /// output, against f64 (`x` as given: pass it rounded to bf16 to
