@@ -26,6 +26,18 @@ use super::{zero, Real, SendPtr};
 /// Largest row count of `x` served here; larger products go to gemm.
 pub const MAX_ROWS: usize = 32;
 
+/// Largest row count of `x` that a bf16 weight under f32 `x` serves from its
+/// decoding kernel (`simd::gemv_w`); a larger product widens the
+/// weight to f32 (a pass that writes twice the weight's bytes) for gemm,
+/// or takes the CPU's bf16 dot products ([`super::mm_bf16`]). Twice
+/// [`MAX_ROWS`], because that widening costs more than gemm saves over the
+/// streaming kernel up to the engine's default 64 decoding rows
+/// (`rollout::engine::CPU_MAX_ROWS`): at the 0.6B shape in bf16 a rollout
+/// of up to 64 rows ran at 57 tok/s with this cap, 37 with a cap of 32
+/// (`stapo bench rollout --lengths lognormal:30:300 --prompts 6 --max-new 300
+/// --paged-only --dtype bfloat16`, 2-core AVX2 machine, 2026-12-05).
+pub const MAX_ROWS_BF16: usize = 64;
+
 /// Weight rows per rayon task.
 const ROWS_PER_TASK: usize = 64;
 

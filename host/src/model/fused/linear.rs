@@ -34,7 +34,7 @@ impl Kernel<2> for Linear {
         // values do not depend on how many sequences share its batch.
         let one_position = dims.len() < 3 || dims[dims.len() - 2] == 1;
         if let CpuStorage::BF16(_) = ins[1].storage {
-            let y = bf16_weights(ins, (n, o, k), one_position && n <= gemv::MAX_ROWS)?;
+            let y = bf16_weights(ins, (n, o, k), one_position && n <= gemv::MAX_ROWS_BF16)?;
             return Ok((T::cpu_storage_data(f32::to_cpu_storage_owned(y))?, Shape::from(out_dims)));
         }
         let [x, w] = data::<T, 2>(&ins)?;
@@ -448,6 +448,30 @@ mod tests {
                 tol(dtype),
                 "linear",
             );
+        }
+    }
+
+    /// bf16 weights under f32 rows of one position, up to
+    /// [`gemv::MAX_ROWS_BF16`] of them (the paged engine's 64 decoding rows):
+    /// the decoding kernel serves them, so each row's outputs are the same
+    /// bits as that row alone, and within f32 rounding of the f64 product
+    /// of the same bf16 weights.
+    #[test]
+    fn bf16_decoding_rows_are_independent_up_to_their_cap() {
+        let (o, k) = (24, 40);
+        let w = randn(&[o, k], DType::BF16, 21);
+        let w64 = w.as_tensor().to_dtype(DType::F64).unwrap();
+        for n in [1, 33, gemv::MAX_ROWS_BF16] {
+            let x = randn(&[n, 1, k], DType::F32, 22);
+            let y = linear(x.as_tensor(), w.as_tensor()).unwrap();
+            let last = x.as_tensor().narrow(0, n - 1, 1).unwrap();
+            let alone = linear(&last, w.as_tensor()).unwrap();
+            let row = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(row(&y.narrow(0, n - 1, 1).unwrap()), row(&alone), "{n} rows");
+            let want =
+                x.as_tensor().to_dtype(DType::F64).unwrap().broadcast_matmul(&w64.t().unwrap()).unwrap();
+            let e = (y.to_dtype(DType::F64).unwrap() - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(e.to_scalar::<f64>().unwrap() < 1e-5, "{n} rows: {e}");
         }
     }
 }

@@ -110,7 +110,7 @@ pub fn run(quick: bool, reps: usize) -> Vec<Row> {
             // decoding rows take the gemv, larger products the bf16 dot
             // products or, on avx2, the widened weight and f32 gemm. The
             // portable loop is slow and checked on the small shapes only.
-            let decode = n <= super::gemv::MAX_ROWS;
+            let decode = n <= super::gemv::MAX_ROWS_BF16;
             let (kernel, round_x) = match path {
                 p if p.bf16_dot() => ("xwt", true),
                 Path::Avx2 if !decode => ("wgemm", false),
