@@ -168,7 +168,7 @@ impl Kernel<3> for LinearBwdBf16 {
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let (o, k) = ins[1].layout.shape().dims2()?;
         let (x, w, dy) = (ins[0].data::<f32>()?, ins[1].data::<bf16>()?, ins[2].data::<f32>()?);
-        let n = if k > 0 { x.len() / k } else { dy.len() / o.max(1) };
+        let n = x.len().checked_div(k).unwrap_or(dy.len() / o.max(1));
         if x.len() != n * k || dy.len() != n * o {
             bail!("fused linear backward: x ({}) and dy ({}) do not match ({n}, {o}, {k})", x.len(), dy.len())
         }
