@@ -1,8 +1,9 @@
 //! Fused `y = x w^T` (the projections) with its backward; `w` may be bf16
 //! under f32 `x` (bf16 weights, f32 activations: see [`super::simd`]).
 
-use candle_core::{bail, CpuStorage, Shape, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, DType, Shape, Tensor, WithDType};
 use half::bf16;
+use rayon::prelude::*;
 
 use super::{
     all_threads, data, gemv, mm_bf16, mm_par, simd, split_like, zero, Grads, Input, Kernel, Op, Out, Real,
@@ -47,8 +48,16 @@ impl Kernel<2> for Linear {
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
         if w.dtype() != x.dtype() {
-            // bf16 weights under f32 activations: the backward in f32 on the
-            // widened weights, the weight gradient rounded to the weight's dtype.
+            let path = simd::cpu_path();
+            if path.bf16_dot() && w.dtype() == DType::BF16 && x.dtype() == DType::F32 {
+                // bf16 weights under f32 activations on the CPU's bf16 dot
+                // products ([`LinearBwdBf16`]), the weight gradient rounded to bf16.
+                let flat = x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(LinearBwdBf16(path)))?;
+                let [dx, dw] = split_like(&flat, [x, w])?;
+                return Ok([dx, dw.map(|d| d.to_dtype(w.dtype())).transpose()?]);
+            }
+            // Elsewhere: the backward in f32 on the widened weights, the
+            // weight gradient rounded to the weight's dtype.
             let wx = w.to_dtype(x.dtype())?;
             let flat = x.apply_op3_no_bwd(&wx, &dy.contiguous()?, &Op(LinearBwd))?;
             let [dx, dw] = split_like(&flat, [x, &wx])?;
@@ -148,6 +157,125 @@ impl Kernel<3> for LinearBwd {
     }
 }
 
+/// Backward of [`Linear`] for f32 `x` (n×k) and bf16 `w` (o×k) on a bf16
+/// dot-product path ([`mm_bf16::xwt`]): `[dx = dy w | dw = dy^T x]` in f32,
+/// as [`bwd_bf16`] composes it.
+struct LinearBwdBf16(simd::Path);
+
+impl Kernel<3> for LinearBwdBf16 {
+    const NAME: &'static str = "fused-linear-bwd-bf16";
+
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let (o, k) = ins[1].layout.shape().dims2()?;
+        let (x, w, dy) = (ins[0].data::<f32>()?, ins[1].data::<bf16>()?, ins[2].data::<f32>()?);
+        let n = x.len().checked_div(k).unwrap_or(dy.len() / o.max(1));
+        if x.len() != n * k || dy.len() != n * o {
+            bail!("fused linear backward: x ({}) and dy ({}) do not match ({n}, {o}, {k})", x.len(), dy.len())
+        }
+        let path = self.0;
+        let (mut out, dw) = bwd_bf16(&|a, b, s| mm_bf16::xwt(path, a, b, s), x, w, dy, (n, o, k), DW_ROWS);
+        out.extend_from_slice(&dw);
+        let len = out.len();
+        Ok((T::cpu_storage_data(f32::to_cpu_storage_owned(out))?, Shape::from(len)))
+    }
+}
+
+/// Rows of `x` and `dy` (the depth of `dw = dy^T x`) per product in
+/// [`bwd_bf16`]: the transposed operands of one product take
+/// `DW_ROWS · (4 o + 2 k)` bytes (and about half as much again packed inside
+/// the product): 4096 · (4 · 9728 + 2 · 2560) B = 180 MB for Qwen3-4B's MLP
+/// (o = 9728, k = 2560), instead of 720 MB for 16K rows at once.
+const DW_ROWS: usize = 4096;
+
+/// The backward of `y = x w^T` with bf16 `w`, `[dx (n×k), dw (o×k)]` in
+/// f32, composed of two bf16 products `product(a, b, (m, p, q)) = a (m×q) ·
+/// b (p×q)^T` (for the model, [`mm_bf16::xwt`]: `a` rounded to bf16, f32
+/// accumulation):
+/// - `dx = dy · w = product(dy, w^T, (n, k, o))`, `w^T` (k×o) a bf16
+///   transpose of the weights (no f32 copy of them);
+/// - `dw = dy^T · x`, over blocks `b` of `rows` rows of `x` and `dy` (the
+///   last one shorter), the sum in f32 of `product(dy_b^T, x_b^T, (o, k,
+///   rows))`, with `dy_b^T` (o×rows) transposed in f32 and `x_b^T` (k×rows)
+///   in bf16 (the value the product would round an f32 `x^T` to: round to
+///   nearest even either way, at half the memory).
+///
+/// As PyTorch's autocast: its `linear` casts `x` and `w` to bf16, so its
+/// backward multiplies bf16 `dy` (the gradient of a bf16 output) by bf16 `w`
+/// and bf16 `x`, accumulating in f32 (oneDNN, cuBLAS) and rounding both
+/// gradients to bf16. Here the inputs round the same way, `dy` (the product's
+/// `a`) and `x` to bf16, but `dx` stays f32 and only `dw` is rounded to the
+/// weight's dtype, by the caller.
+///
+/// Error bound, relative to `Σ|a_c b_c|` per output, `u = 2^-8` (bf16's
+/// unit roundoff, half an ulp): `dx` rounds one factor (`w` is bf16
+/// already), so `|dx - dy w| <= (u + o 2^-23) Σ|dy w|`, [`mm_bf16::tolerance`]`(o,
+/// true)`; `dw` rounds both factors, `(1 + e_1)(1 + e_2) - 1 <= 2u + u²`, so
+/// `|dw - dy^T x| <= (2u + u² + n 2^-23) Σ|dy x|` (the tests' `dw_tolerance`), and
+/// within `tolerance(n, true)` of the product of `dy` with bf16-rounded `x`.
+/// The sum over the blocks adds one f32 rounding per block, inside the
+/// accumulation term (`n 2^-23` is twice the first-order `n 2^-24`).
+///
+/// Memory beyond the outputs: `w^T` (as large as `w`), and per block of
+/// `rows` the two transposes, plus what the products pack.
+pub(crate) fn bwd_bf16(
+    product: mm_bf16::Product<'_, bf16>,
+    x: &[f32],
+    w: &[bf16],
+    dy: &[f32],
+    (n, o, k): (usize, usize, usize),
+    rows: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let dx = product(dy, &transpose(w, o, k, |v| v), (n, k, o));
+    let mut dw: Option<Vec<f32>> = None;
+    for r0 in (0..n).step_by(rows.max(1)) {
+        let m = rows.max(1).min(n - r0);
+        let dyt = transpose(&dy[r0 * o..(r0 + m) * o], m, o, |v| v);
+        let xt = transpose(&x[r0 * k..(r0 + m) * k], m, k, bf16::from_f32);
+        let part = product(&dyt, &xt, (o, k, m));
+        match dw.as_mut() {
+            None => dw = Some(part),
+            Some(dw) => dw.par_chunks_mut(1 << 16).zip(part.par_chunks(1 << 16)).for_each(|(d, p)| {
+                for (d, p) in d.iter_mut().zip(p) {
+                    *d += p;
+                }
+            }),
+        }
+    }
+    (dx, dw.unwrap_or_else(|| vec![0f32; o * k]))
+}
+
+/// Side of the square tiles [`transpose`] copies: 32 × 32 elements touch 32
+/// cache lines of the source and 32 of the destination.
+const TILE_T: usize = 32;
+
+/// `src` (rows×cols) transposed into a cols×rows matrix of `f(src)`: in
+/// parallel over blocks of [`TILE_T`] destination rows, each copied in
+/// square tiles.
+fn transpose<S: Copy + Sync, D: Copy + Default + Send>(
+    src: &[S],
+    rows: usize,
+    cols: usize,
+    f: impl Fn(S) -> D + Sync,
+) -> Vec<D> {
+    let mut dst = vec![D::default(); rows * cols];
+    if dst.is_empty() {
+        return dst;
+    }
+    dst.par_chunks_mut(TILE_T * rows).enumerate().for_each(|(b, blk)| {
+        let c0 = b * TILE_T;
+        let cs = blk.len() / rows;
+        for r0 in (0..rows).step_by(TILE_T) {
+            for r in r0..(r0 + TILE_T).min(rows) {
+                let line = &src[r * cols + c0..r * cols + c0 + cs];
+                for (c, v) in line.iter().enumerate() {
+                    blk[c * rows + r] = f(*v);
+                }
+            }
+        }
+    });
+    dst
+}
+
 /// Fused `x @ w^T` for `x (.., in)`, `w (out, in)`; returns `(.., out)` with no
 /// reshape nodes in the graph.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -157,8 +285,149 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::fused::mm_bf16::{rnd, tolerance, xwt_emulated};
     use crate::model::fused::test_util::*;
-    use candle_core::DType;
+    use candle_core::{DType, Device};
+
+    /// [`bwd_bf16`]'s bound on `dw` relative to `Σ|dy_i x_i|`, for depth `n`:
+    /// both factors rounded to bf16 (`2u + u²`, `u = 2^-8`) and the f32
+    /// accumulation.
+    fn dw_tolerance(n: usize) -> f64 {
+        let u = 2f64.powi(-8);
+        2.0 * u + u * u + n as f64 * 2f64.powi(-23)
+    }
+
+    /// Worst `|dx - dy w| / Σ|dy w|` and `|dw - dy^T x| / Σ|dy x|` over every
+    /// output, against f64 (`x` as given: pass it rounded to bf16 to
+    /// measure the products alone).
+    fn worst(
+        x: &[f32],
+        w: &[bf16],
+        dy: &[f32],
+        dx: &[f32],
+        dw: &[f32],
+        (n, o, k): (usize, usize, usize),
+    ) -> [f64; 2] {
+        let rel = |got: f32, s: f64, a: f64| (got as f64 - s).abs() / a.max(f64::MIN_POSITIVE);
+        let (mut ex, mut ew) = (0f64, 0f64);
+        for i in 0..n {
+            for c in 0..k {
+                let (mut s, mut a) = (0f64, 0f64);
+                for j in 0..o {
+                    let p = dy[i * o + j] as f64 * w[j * k + c].to_f64();
+                    s += p;
+                    a += p.abs();
+                }
+                ex = ex.max(rel(dx[i * k + c], s, a));
+            }
+        }
+        for j in 0..o {
+            for c in 0..k {
+                let (mut s, mut a) = (0f64, 0f64);
+                for i in 0..n {
+                    let p = dy[i * o + j] as f64 * x[i * k + c] as f64;
+                    s += p;
+                    a += p.abs();
+                }
+                ew = ew.max(rel(dw[j * k + c], s, a));
+            }
+        }
+        [ex, ew]
+    }
+
+    /// The bf16 backward's composition (transposes, blocks of rows, the two
+    /// products) on the emulated AMX tile unit against f64: `dx` within
+    /// [`tolerance`] of its depth `o`; `dw` within [`dw_tolerance`] of the
+    /// exact product and within [`tolerance`] of the product with
+    /// bf16-rounded `x`. Ragged shapes against the 16 × 16 × 32 tiles and the
+    /// 32 × 32 transpose tiles, depth 1, depths over 1000 for each product,
+    /// and blocks of rows that do not divide `n`.
+    #[test]
+    fn bf16_backward_emulated_matches_f64() {
+        let mut seed = 36u64;
+        for &(n, o, k, rows) in &[
+            (1, 1, 1, DW_ROWS),
+            (3, 17, 33, DW_ROWS),
+            (37, 45, 1, 16),
+            (40, 70, 100, DW_ROWS),
+            (33, 1, 95, 7),
+            (1030, 20, 37, DW_ROWS),
+            (1030, 20, 37, 300),
+            (7, 1030, 33, DW_ROWS),
+            (5, 6, 0, DW_ROWS),
+            (0, 6, 5, DW_ROWS),
+        ] {
+            let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
+            let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
+            let dy: Vec<f32> = (0..n * o).map(|_| rnd(&mut seed) as f32).collect();
+            let (dx, dw) = bwd_bf16(&|a, b, s| xwt_emulated(a, b, s), &x, &w, &dy, (n, o, k), rows);
+            assert_eq!((dx.len(), dw.len()), (n * k, o * k), "({n},{o},{k})");
+            let [ex, ew] = worst(&x, &w, &dy, &dx, &dw, (n, o, k));
+            assert!(ex <= tolerance(o, true), "dx ({n},{o},{k}) rows {rows}: {ex:e}");
+            assert!(ew <= dw_tolerance(n), "dw ({n},{o},{k}) rows {rows}: {ew:e}");
+            let xr: Vec<f32> = x.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+            let [_, er] = worst(&xr, &w, &dy, &dx, &dw, (n, o, k));
+            assert!(er <= tolerance(n, true), "dw, rounded x ({n},{o},{k}) rows {rows}: {er:e}");
+        }
+    }
+
+    /// `dw` rounds both of its factors, so its bound is about twice the
+    /// one-sided [`tolerance`]: `dy = x = 1 + 2^-8 + 2^-20` each round down
+    /// by just under half an ulp, and the single product lands beyond
+    /// `tolerance(1, true)` but within [`dw_tolerance`].
+    #[test]
+    fn bf16_backward_dw_bound_covers_both_roundings() {
+        let v = 1.0 + 2f32.powi(-8) + 2f32.powi(-20);
+        let (dx, dw) =
+            bwd_bf16(&|a, b, s| xwt_emulated(a, b, s), &[v], &[bf16::ONE], &[v], (1, 1, 1), DW_ROWS);
+        let [ex, ew] = worst(&[v], &[bf16::ONE], &[v], &dx, &dw, (1, 1, 1));
+        assert!(ex <= tolerance(1, true), "{ex:e}");
+        assert!(ew > tolerance(1, true) && ew <= dw_tolerance(1), "{ew:e}");
+    }
+
+    /// `Linear`'s backward with bf16 weights under f32 activations: where
+    /// the CPU has no bf16 dot products (this machine: AVX2), bit for bit
+    /// the f32 backward on the widened weights with `dw` rounded to bf16;
+    /// on a bf16 dot-product path, within the bounds of [`bwd_bf16`] (plus
+    /// the rounding of `dw` to bf16) against f64.
+    #[test]
+    fn bf16_weight_backward_by_path() {
+        let (n, o, k) = (2 * 37, 45, 70);
+        let mut seed = 7u64;
+        let xs: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
+        let ws: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
+        let dys: Vec<f32> = (0..n * o).map(|_| rnd(&mut seed) as f32).collect();
+        let x = Tensor::from_vec(xs.clone(), (2, 37, k), &Device::Cpu).unwrap();
+        let w = Tensor::from_vec(ws.clone(), (o, k), &Device::Cpu).unwrap();
+        let dy = Tensor::from_vec(dys.clone(), (2, 37, o), &Device::Cpu).unwrap();
+        let y = linear(&x, &w).unwrap();
+        let [dx, dw] = Linear.bwd([&x, &w], &y, &dy).unwrap().map(Option::unwrap);
+        assert_eq!((dx.dims(), dw.dims(), dw.dtype()), (x.dims(), w.dims(), DType::BF16));
+        let dxv: Vec<f32> = dx.flatten_all().unwrap().to_vec1().unwrap();
+        let dwv: Vec<bf16> = dw.flatten_all().unwrap().to_vec1().unwrap();
+        if simd::cpu_path().bf16_dot() {
+            let dwf: Vec<f32> = dwv.iter().map(|v| v.to_f32()).collect();
+            let [ex, ew] = worst(&xs, &ws, &dys, &dxv, &dwf, (n, o, k));
+            assert!(ex <= tolerance(o, true), "dx: {ex:e}");
+            assert!(ew <= dw_tolerance(n) + 2f64.powi(-8), "dw: {ew:e}");
+            return;
+        }
+        let wx = w.to_dtype(DType::F32).unwrap();
+        let flat = x.apply_op3_no_bwd(&wx, &dy, &Op(LinearBwd)).unwrap();
+        let [rx, rw] = split_like(&flat, [&x, &wx]).unwrap().map(Option::unwrap);
+        let rxv: Vec<f32> = rx.flatten_all().unwrap().to_vec1().unwrap();
+        let rwv: Vec<bf16> = rw.to_dtype(DType::BF16).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&dxv), bits(&rxv));
+        assert_eq!(
+            dwv.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
+            rwv.iter().map(|b| b.to_bits()).collect::<Vec<_>>()
+        );
+        // And that backward is the gradient, to f32's accuracy.
+        let [ex, ew] =
+            worst(&xs, &ws, &dys, &dxv, &rw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), (n, o, k));
+        assert!(ex <= tolerance(o, false) && ew <= tolerance(n, false), "{ex:e} {ew:e}");
+    }
 
     #[test]
     fn linear_matches_composed() {

@@ -288,6 +288,18 @@ fn amx_driver<U: Tiles, W: Weight>(x: &[f32], w: &[W], y: &mut [f32], (n, o, k):
     });
 }
 
+/// [`xwt`] on the tests' emulated tile unit (plain Rust, any CPU): the AMX
+/// driver's packing, blocking and copy-out, for other modules' tests.
+#[cfg(test)]
+pub(crate) fn xwt_emulated<W: Weight>(x: &[f32], w: &[W], (n, o, k): (usize, usize, usize)) -> Vec<f32> {
+    assert!(x.len() >= n * k && w.len() >= o * k, "mm_bf16: buffers smaller than ({n}, {o}, {k})");
+    let mut y = vec![0f32; n * o];
+    if n > 0 && o > 0 {
+        amx_driver::<tests::Emulated, W>(x, w, &mut y, (n, o, k));
+    }
+    y
+}
+
 /// Task `t` of [`amx_driver`]: rows `32 r2..` and the columns of its C blocks.
 ///
 /// # Safety
@@ -807,7 +819,7 @@ mod tests {
 
     /// The AMX tile unit in plain Rust, per the SDM's pseudo-code of
     /// `TDPBF16PS` (f32 products of bf16 pairs, added to C in f32).
-    struct Emulated {
+    pub(super) struct Emulated {
         c: [[f32; 256]; 4],
         begun: bool,
     }
