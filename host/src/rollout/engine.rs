@@ -98,11 +98,14 @@ pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
 /// `enable_prefix_caching`'s default, on as in vLLM: prompts' shared
 /// prefixes are computed once, and caching changes no draw where checked. On
-/// the CPU a cached block's keys and values equal recomputed ones bit for bit
-/// (a call of 2 or more tokens takes one gemm kernel whatever its size, at
-/// the widths of real models: `bench rollout --prefix-caching off,on` counts
-/// the differences, none at the 16.8M shape); the tiny test model agrees
-/// within 1e-5 with the same draws (`prefix_caching_changes_no_draw`).
+/// the CPU a cached prompt block's keys and values equal recomputed ones bit
+/// for bit (a prefill call takes one gemm kernel whatever its size, at the
+/// widths of real models: `bench rollout --prefix-caching off,on` counts the
+/// differences, none at the 16.8M shape); the tiny test model agrees within
+/// 1e-5 with the same draws (`prefix_caching_changes_no_draw`). A block that
+/// decoding steps filled (a preempted sequence's answer) holds the decoding
+/// kernel's values, which a recompute by gemm would round differently:
+/// reusing it keeps the values the sequence had before it was preempted.
 pub const PREFIX_CACHING_DEFAULT: bool = true;
 
 /// The engine's settings, as a run's config gives them (`rollout.engine`).
