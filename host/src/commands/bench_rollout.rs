@@ -240,9 +240,11 @@ fn variants(a: &BenchArgs) -> anyhow::Result<Vec<Variant>> {
 /// (none where a cached block's keys and values equal recomputed ones bit for bit).
 fn print_caching_diffs(plan: &Plan, runs: &[(Variant, Vec<Sample>, EngineStats)]) {
     for (v, _, s) in runs.iter().filter(|(v, _, _)| v.prefix_caching) {
+        // The only variant has no name: no empty parentheses.
+        let name = plan.name(*v);
+        let of = if name.is_empty() { String::new() } else { format!(" ({name})") };
         println!(
-            "prefix cache ({}): hit rate {:.1}% ({} of {} tokens looked up), {} prefill tokens, {} evictions",
-            plan.name(*v),
+            "prefix cache{of}: hit rate {:.1}% ({} of {} tokens looked up), {} prefill tokens, {} evictions",
             100.0 * s.prefix_cache_hit_rate(),
             s.prefix_cache_hit_tokens,
             s.prefix_cache_queried_tokens,

@@ -49,18 +49,18 @@ impl Kernel<2> for Linear {
     fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
         if w.dtype() != x.dtype() {
             let path = simd::cpu_path();
-            if path.bf16_dot() && w.dtype() == DType::BF16 && x.dtype() == DType::F32 {
+            let [dx, dw] = if path.bf16_dot() && w.dtype() == DType::BF16 && x.dtype() == DType::F32 {
                 // bf16 weights under f32 activations on the CPU's bf16 dot
-                // products ([`LinearBwdBf16`]), the weight gradient rounded to bf16.
+                // products ([`LinearBwdBf16`]).
                 let flat = x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(LinearBwdBf16(path)))?;
-                let [dx, dw] = split_like(&flat, [x, w])?;
-                return Ok([dx, dw.map(|d| d.to_dtype(w.dtype())).transpose()?]);
-            }
-            // Elsewhere: the backward in f32 on the widened weights, the
-            // weight gradient rounded to the weight's dtype.
-            let wx = w.to_dtype(x.dtype())?;
-            let flat = x.apply_op3_no_bwd(&wx, &dy.contiguous()?, &Op(LinearBwd))?;
-            let [dx, dw] = split_like(&flat, [x, &wx])?;
+                split_like(&flat, [x, w])?
+            } else {
+                // Elsewhere: the backward in f32 on the widened weights.
+                let wx = w.to_dtype(x.dtype())?;
+                let flat = x.apply_op3_no_bwd(&wx, &dy.contiguous()?, &Op(LinearBwd))?;
+                split_like(&flat, [x, &wx])?
+            };
+            // Either way the weight gradient is rounded to the weight's dtype.
             return Ok([dx, dw.map(|d| d.to_dtype(w.dtype())).transpose()?]);
         }
         split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(LinearBwd))?, [x, w])

@@ -16,7 +16,7 @@
 //! ([`request_amx`]). AMX and AVX-512 BF16 ([`UNVERIFIED`]: the project has not
 //! yet run them on a CPU that has them) are chosen only after their self-check
 //! ([`super::mm_bf16::verify`]) passes on this CPU. The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
-//! rows of `x` × 2 weight rows per register tile) where the CPU has both
+//! rows of `x` × 2 or 3 weight rows per register tile) where the CPU has both
 //! ([`path`]), else a portable loop of the same arithmetic shape. The f32
 //! weights of [`super::gemv`] take the same AVX2 tile where AVX-512F is absent.
 
@@ -292,11 +292,24 @@ mod x86 {
 
     /// Rows of `x` per register tile.
     const R: usize = 4;
-    /// Weight rows per register tile (R × C = 8 accumulators + C weights + 1 x).
-    const C: usize = 2;
 
-    /// Columns `o0..o1` of `y`, [`C`] weight rows at a time, each dotted with
-    /// every row of `x` while it sits in L1.
+    /// Up to this many rows of `x`, register tiles hold 2 weight rows
+    /// (R × 2 = 8 accumulators); above it, 3 (12 accumulators + 3 weights +
+    /// 1 x fill the 16 `ymm` registers), which cuts the loads of `x` (from L2
+    /// at 24-64 rows) per FMA by a third. Measured on the 2-core AVX2 EPYC,
+    /// 2026-12-05, quiet, alternating with 2-row tiles: the 0.6B-shape bf16
+    /// rollout (17.6 rows per call) went from 47 / 47 to 55 / 53 tok/s in one
+    /// run and from 50 / 49 to 54 / 52 in another (1.07-1.15x). At 8 rows
+    /// (`stapo bench generate --dtype bfloat16`, 16.8M) 3 weight rows measured
+    /// 0.88x (means of 3 × 10 reps; identical code differs by up to 8% there),
+    /// so 8 rows and fewer keep 2. A throw-away timing loop gave 4 × 3 about
+    /// 10% over 4 × 2 at 24 and 48 rows of weights streamed from memory;
+    /// 6 × 2 and 3 × 4 were not faster. The tile's shape does not change any
+    /// output's arithmetic.
+    pub const NARROW_ROWS: usize = 8;
+
+    /// Columns `o0..o1` of `y`, a few weight rows at a time (see
+    /// [`NARROW_ROWS`]), each dotted with every row of `x` while it sits in L1.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; as for [`super::portable`].
@@ -308,14 +321,40 @@ mod x86 {
         (n, o, k): (usize, usize, usize),
         (o0, o1): (usize, usize),
     ) {
+        if n <= NARROW_ROWS {
+            tiles::<W, 2>(x, w, y, (n, o, k), (o0, o1))
+        } else {
+            tiles::<W, 3>(x, w, y, (n, o, k), (o0, o1))
+        }
+    }
+
+    /// [`block`] with register tiles of up to `C` weight rows.
+    ///
+    /// # Safety
+    /// As for [`block`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tiles<W: Weight, const C: usize>(
+        x: &[f32],
+        w: &[W],
+        y: *mut f32,
+        (n, o, k): (usize, usize, usize),
+        (o0, o1): (usize, usize),
+    ) {
         let mut j = o0;
         while j < o1 {
-            let c = (o1 - j).min(C);
+            // Four rows left go as two pairs, not three and a single
+            // (a task's 64 rows are 20 tiles of three and two of two).
+            let c = if C == 3 && o1 - j == 4 { 2 } else { (o1 - j).min(C) };
             let mut i = 0;
             while i < n {
                 let r = (n - i).min(R);
                 let t = Tile { x: x.as_ptr(), w: w.as_ptr(), y, o, k, i0: i, j0: j };
                 match (r, c) {
+                    (4, 3) => t.run::<4, 3>(),
+                    (3, 3) => t.run::<3, 3>(),
+                    (2, 3) => t.run::<2, 3>(),
+                    (1, 3) => t.run::<1, 3>(),
                     (4, 2) => t.run::<4, 2>(),
                     (3, 2) => t.run::<3, 2>(),
                     (2, 2) => t.run::<2, 2>(),
@@ -402,7 +441,19 @@ mod tests {
     fn bf16_simd_gemv_matches_f64() {
         println!("{}", describe());
         let mut seed = 3u64;
-        for &(n, o, k) in &[(1, 1, 1), (3, 7, 17), (5, 130, 64), (8, 67, 33), (32, 9, 100), (13, 200, 515)] {
+        // Up to `NARROW_ROWS` rows the tiles take 2 weight rows, above it 3
+        // (and 2 + 2 for the last 4, 1 for a last single row: (9, 65, 40)).
+        let shapes = [
+            (1, 1, 1),
+            (3, 7, 17),
+            (5, 130, 64),
+            (8, 67, 33),
+            (32, 9, 100),
+            (13, 200, 515),
+            (9, 65, 40),
+            (11, 7, 24),
+        ];
+        for &(n, o, k) in &shapes {
             let x: Vec<f32> = (0..n * k).map(|_| rnd(&mut seed) as f32).collect();
             let w: Vec<bf16> = (0..o * k).map(|_| bf16::from_f64(rnd(&mut seed))).collect();
             let want: Vec<f64> = (0..n * o)
