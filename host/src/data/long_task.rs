@@ -84,7 +84,10 @@ impl LongTaskConfig {
         if self.min_digits < 1 || self.max_digits < self.min_digits || self.max_digits > 9 {
             return bad(
                 "max_digits",
-                format!("expected 1 <= min_digits <= max_digits <= 9, found {}..={}", self.min_digits, self.max_digits),
+                format!(
+                    "expected 1 <= min_digits <= max_digits <= 9, found {}..={}",
+                    self.min_digits, self.max_digits
+                ),
             );
         }
         if !(2..=6).contains(&self.max_multiplier_digits) {
@@ -272,10 +275,22 @@ fn draw_gcd(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) {
 /// Word-problem templates: (story with `{a}`, `{b}`, `{c}`, question, whether `c` is taken away).
 const STORIES: &[(&str, &str, bool)] = &[
     ("A farm packs {a} crates of {b} eggs each. Then {c} eggs break.", "How many eggs are left?", true),
-    ("A library has {a} shelves with {b} books on each. It gives away {c} books.", "How many books remain?", true),
-    ("A factory makes {a} boxes of {b} bolts. It then makes {c} loose bolts.", "How many bolts in all?", false),
+    (
+        "A library has {a} shelves with {b} books on each. It gives away {c} books.",
+        "How many books remain?",
+        true,
+    ),
+    (
+        "A factory makes {a} boxes of {b} bolts. It then makes {c} loose bolts.",
+        "How many bolts in all?",
+        false,
+    ),
     ("A train has {a} rows of {b} seats. {c} seats are taken.", "How many seats are free?", true),
-    ("A school buys {a} packs of {b} pencils and already has {c} pencils.", "How many pencils does it have?", false),
+    (
+        "A school buys {a} packs of {b} pencils and already has {c} pencils.",
+        "How many pencils does it have?",
+        false,
+    ),
 ];
 
 fn draw_word(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) {
@@ -422,7 +437,8 @@ mod tests {
                 assert!(v.correct, "{kind}: the checker rejects the worked solution of {:?}", p.problem);
                 let want: u64 = match *kind {
                     "mul" => {
-                        let (a, b) = p.problem["Compute ".len()..p.problem.len() - 1].split_once('*').unwrap();
+                        let (a, b) =
+                            p.problem["Compute ".len()..p.problem.len() - 1].split_once('*').unwrap();
                         a.parse::<u64>().unwrap() * b.parse::<u64>().unwrap()
                     }
                     "div" => {
@@ -450,7 +466,10 @@ mod tests {
                             .filter_map(|w| w.parse().ok())
                             .collect();
                         let m = nums[0] * nums[1];
-                        if p.problem.contains("left") || p.problem.contains("remain") || p.problem.contains("free") {
+                        if p.problem.contains("left")
+                            || p.problem.contains("remain")
+                            || p.problem.contains("free")
+                        {
                             m - nums[2]
                         } else {
                             m + nums[2]
@@ -489,12 +508,17 @@ mod tests {
     #[test]
     fn default_solutions_take_150_to_600_tokens() {
         let root = crate::data::test_support::repo_root();
-        let tok = crate::data::Tokenizer::from_file(root.join("models/qwen3-tokenizer/tokenizer.json")).unwrap();
+        let tok =
+            crate::data::Tokenizer::from_file(root.join("models/qwen3-tokenizer/tokenizer.json")).unwrap();
         let probs = generate_long(400, 5, &LongTaskConfig::default(), "t", &HashSet::new(), false).unwrap();
-        let mut lens: Vec<usize> = probs.iter().map(|p| tok.encode(&p.solution, false).unwrap().len()).collect();
+        let mut lens: Vec<usize> =
+            probs.iter().map(|p| tok.encode(&p.solution, false).unwrap().len()).collect();
         lens.sort_unstable();
         let (p5, p50, p95) = (lens[lens.len() / 20], lens[lens.len() / 2], lens[lens.len() * 19 / 20]);
-        eprintln!("long task solution tokens: p5 {p5}, median {p50}, p95 {p95}, max {}", lens[lens.len() - 1]);
+        eprintln!(
+            "long task solution tokens: p5 {p5}, median {p50}, p95 {p95}, max {}",
+            lens[lens.len() - 1]
+        );
         assert!(p5 >= 120 && p50 >= 150 && p95 <= 600, "p5 {p5}, median {p50}, p95 {p95}");
     }
 }

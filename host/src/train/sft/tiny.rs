@@ -277,10 +277,11 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let device = Device::Cpu;
 
     // 1. Data: RL train / held-out test files, and a fresh stream of SFT problems.
-    let draw = |n: usize, seed: u64, prefix: &str, exclude: &HashSet<String>, unique: bool| match &cfg.long_task {
-        Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
-        None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
-    };
+    let draw =
+        |n: usize, seed: u64, prefix: &str, exclude: &HashSet<String>, unique: bool| match &cfg.long_task {
+            Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
+            None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
+        };
     let train = draw(cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
     let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
     let test = draw(cfg.n_test, cfg.data_seed.wrapping_add(1), "test", &seen, true)?;
