@@ -1,0 +1,43 @@
+//! The CUDA C sources of the project's own kernels and how each is launched.
+//!
+//! Each kernel lives in its own `.cu` file of this folder, with
+//! `common.cuh` (bf16 helpers) prepended. A `--features cuda` build compiles
+//! them at run time with NVRTC (`model::paged_cuda` and the other custom ops);
+//! every build, the CPU one included, holds them as text together with their
+//! launch geometry, so that the CPU harness (the `cuda-cpu` crate of the
+//! workspace, see docs/cuda.md) compiles the very same sources with g++ and
+//! launches them exactly as the CUDA build does, then checks them against the
+//! CPU path.
+
+/// Source of the paged-attention kernel (`paged_attention_f32`,
+/// `paged_attention_f32_bf16kv`, `paged_attention_bf16`), with `common.cuh`.
+pub const PAGED_ATTENTION: &str = concat!(include_str!("common.cuh"), include_str!("paged_attention.cu"));
+
+/// Paged attention: threads per block (four warps share one query's keys).
+pub const PAGED_ATTENTION_THREADS: u32 = 128;
+
+/// Paged attention: the largest head dimension the kernel holds in
+/// registers (8 per lane).
+pub const PAGED_ATTENTION_MAX_HEAD_DIM: usize = 256;
+
+/// Paged attention: the grid of a call of `tokens` new tokens over `hq`
+/// query heads (one block per (token, head)).
+pub fn paged_attention_grid(tokens: usize, hq: usize) -> (u32, u32, u32) {
+    (tokens as u32, hq as u32, 1)
+}
+
+/// The block tables of a paged-attention call as the kernel reads them:
+/// `row[T] | pos[T] | tables[R * max_blocks]`, each sequence's table padded
+/// to the longest with block 0 (never read past a sequence's length); and
+/// `max_blocks`.
+pub fn paged_attention_meta(row: &[u32], pos: &[u32], tables: &[&[u32]]) -> (Vec<u32>, usize) {
+    let max_blocks = tables.iter().map(|t| t.len()).max().unwrap_or(1).max(1);
+    let mut meta = Vec::with_capacity(2 * row.len() + tables.len() * max_blocks);
+    meta.extend_from_slice(row);
+    meta.extend_from_slice(pos);
+    for t in tables {
+        meta.extend_from_slice(t);
+        meta.resize(meta.len() + max_blocks - t.len(), 0);
+    }
+    (meta, max_blocks)
+}
