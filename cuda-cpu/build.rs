@@ -3,7 +3,7 @@
 //! source and C entry points that launch it.
 
 fn main() {
-    let kernels = ["paged_attention"];
+    let kernels = ["paged_attention", "rms_norm", "swiglu", "norm_rope", "logp_entropy", "sample"];
     let mut b = cc::Build::new();
     b.cpp(true).std("c++17").include(".").flag("-Wno-unknown-pragmas").flag("-Wno-unused-parameter");
     for k in kernels {

@@ -6,7 +6,7 @@
 
 #define CPU_UNPAREN(...) __VA_ARGS__
 #define CPU_LAUNCHER(name, params, args)                                                            \
-    extern "C" void cpu_##name(const unsigned int* g, const unsigned int* b, CPU_UNPAREN params) { \
-        cuda_cpu::launch(#name, dim3(g[0], g[1], g[2]), dim3(b[0], b[1], b[2]),                    \
+    extern "C" void cpu_##name(const unsigned int* cpu_grid, const unsigned int* cpu_block, CPU_UNPAREN params) { \
+        cuda_cpu::launch(#name, dim3(cpu_grid[0], cpu_grid[1], cpu_grid[2]), dim3(cpu_block[0], cpu_block[1], cpu_block[2]),                    \
                          [&] { name(CPU_UNPAREN args); });                                         \
     }
