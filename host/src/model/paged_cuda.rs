@@ -226,7 +226,7 @@ impl CustomOp3 for Op<'_> {
 #[cfg(test)]
 mod tests {
     /// NVRTC compiles the kernel without a GPU: a syntax or type error in the
-    /// source fails here, not on a lent device.
+    /// source fails here, not first on a GPU machine.
     #[test]
     fn the_kernel_compiles() {
         let ptx = super::ptx().expect("NVRTC compiles the paged attention kernel");
