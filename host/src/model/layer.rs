@@ -230,5 +230,6 @@ pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Re
     let gate = linear(&h, layer, Target::GateProj, None, grad)?;
     let up = linear(&h, layer, Target::UpProj, None, grad)?;
     let mlp = linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
+    super::budget::launch(1); // the residual add
     Ok((x + mlp)?)
 }

@@ -2,6 +2,7 @@
 //! Hugging Face checkpoints.
 
 pub mod checkpoint;
+pub mod budget;
 pub mod config;
 pub mod cuda;
 pub mod frozen;

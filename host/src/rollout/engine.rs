@@ -50,7 +50,7 @@ use super::device::StepLogits;
 use super::row::{Row, StopRules};
 use super::sampler::{row_seed, Sampler};
 use super::{Finish, Sample, SamplingParams};
-use crate::model::{self, PagedKvCache, PagedSeq, Qwen3};
+use crate::model::{self, budget, PagedKvCache, PagedSeq, Qwen3};
 use crate::{Error, Result};
 
 /// Optional controls of a generation ([`super::generate_with`] and this module's `run`).
@@ -280,6 +280,20 @@ pub struct EngineStats {
     /// where the host first waits for the device), and the draws.
     #[serde(default)]
     pub phases: Phases,
+    /// Decode steps: model calls in which every row added one token.
+    #[serde(default)]
+    pub decode_steps: usize,
+    /// Seconds of the decode steps (model call, logits and draws).
+    #[serde(default)]
+    pub decode_secs: f64,
+    /// Bytes the decode steps had to read at the least: weights and live
+    /// keys and values ([`budget::decode_step_bytes`]), summed over the steps.
+    #[serde(default)]
+    pub decode_bytes: u64,
+    /// Device work of the decode steps ([`budget::Counts`]): kernel launches
+    /// (per decoder layer among them) and copies to the host.
+    #[serde(default)]
+    pub decode_counts: budget::Counts,
 }
 
 /// Seconds of a rollout spent in each phase of a step (see
@@ -312,6 +326,22 @@ impl Phases {
 }
 
 impl EngineStats {
+    /// Mean bytes a decode step had to read ([`EngineStats::decode_bytes`]).
+    pub fn bytes_per_decode_step(&self) -> f64 {
+        self.decode_bytes as f64 / self.decode_steps.max(1) as f64
+    }
+
+    /// Copies to the host per decode step.
+    pub fn host_copies_per_step(&self) -> f64 {
+        self.decode_counts.host_copies as f64 / self.decode_steps.max(1) as f64
+    }
+
+    /// The decode steps' share of a device's memory bandwidth `bytes_per_sec`:
+    /// the bytes they had to read over their time, over the bandwidth.
+    pub fn bandwidth_fraction(&self, bytes_per_sec: f64) -> f64 {
+        self.decode_bytes as f64 / self.decode_secs.max(1e-9) / bytes_per_sec
+    }
+
     /// Tokens sampled per second.
     pub fn tokens_per_sec(&self) -> f64 {
         self.tokens as f64 / self.secs.max(1e-9)
@@ -634,10 +664,26 @@ impl Engine<'_> {
         let live: usize = self.running.iter().map(|u| u.table.len()).sum();
         self.stats.peak_live_tokens = self.stats.peak_live_tokens.max(live);
         self.stats.phases.schedule += t0.elapsed().as_secs_f64();
+        let decode = sched.iter().all(|&(_, n)| n == 1);
+        let context: usize = sched.iter().map(|&(i, _)| self.running[i].table.len()).sum();
+        let (start, counts) = (Instant::now(), budget::snapshot());
         let logits = self.forward(&sched)?;
         let t0 = Instant::now();
         self.draw(&sched, &logits)?;
         self.stats.phases.draw += t0.elapsed().as_secs_f64();
+        if decode {
+            let s = &mut self.stats;
+            s.decode_steps += 1;
+            s.decode_secs += start.elapsed().as_secs_f64();
+            s.decode_counts.add(&budget::snapshot().since(&counts));
+            s.decode_bytes += budget::decode_step_bytes(
+                self.model.config(),
+                self.model.dtype(),
+                self.cache.dtype(),
+                sched.len(),
+                context,
+            );
+        }
         Ok(())
     }
 
