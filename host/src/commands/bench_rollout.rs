@@ -77,7 +77,10 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     let plan = plan(m, a)?;
     if m.device().is_cuda() {
         let bw = copy_bandwidth(m.device())?;
-        println!("device memory bandwidth: {:.0} GB/s (a device-to-device copy of 1 GiB, read + write)", bw / 1e9);
+        println!(
+            "device memory bandwidth: {:.0} GB/s (a device-to-device copy of 1 GiB, read + write)",
+            bw / 1e9
+        );
         let _ = BANDWIDTH.set(bw);
     }
     println!(

@@ -1,8 +1,8 @@
 //! The Qwen3 model: configuration, differentiable forward, KV-cache decode and
 //! Hugging Face checkpoints.
 
-pub mod checkpoint;
 pub mod budget;
+pub mod checkpoint;
 pub mod config;
 pub mod cuda;
 pub mod frozen;

@@ -375,7 +375,8 @@ impl<'a> PagedAttn<'a> {
         };
         let qt = q.squeeze(0)?.transpose(0, 1)?; // (T, Hq, D)
         budget::launch(budget::copy_of(&qt) + 1); // its copy, the queries' gather
-        let qp = qt.contiguous()?.index_select(&g.query_tokens, 0)?.reshape((r, g.l, nq, d))?.transpose(1, 2)?;
+        let qp =
+            qt.contiguous()?.index_select(&g.query_tokens, 0)?.reshape((r, g.l, nq, d))?.transpose(1, 2)?;
         budget::launch(budget::copy_of(&qp));
         let o =
             ops::attention_composed(&qp.contiguous()?, &gather(pool_k)?, &gather(pool_v)?, &g.mask, n_kv)?;
@@ -632,7 +633,8 @@ mod tests {
             let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
             feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[toks(1, 6), toks(2, 9), toks(3, 3)]);
             let before = budget::snapshot();
-            let logits = feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[vec![5], vec![6], vec![7]]);
+            let logits =
+                feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[vec![5], vec![6], vec![7]]);
             let sampler = Sampler { temperature: 1.0, top_p: 1.0, top_k: None, min_p: 0.0 };
             let blocked = Blocked::new(&logits, &sampler).expect("device pass");
             let mut rngs: Vec<rand::rngs::StdRng> = (0..3).map(rand::rngs::StdRng::seed_from_u64).collect();
