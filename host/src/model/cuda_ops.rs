@@ -25,6 +25,7 @@ use candle_core::{
 use half::bf16;
 
 use super::cuda as src;
+pub use super::cuda::SampleParams;
 use crate::{Error, Result};
 
 /// One kernel source: its module name in candle's device and its PTX,
@@ -64,6 +65,8 @@ impl Module {
     }
 }
 
+/// Paged attention (`paged_attention.cu`, launched by [`super::paged_cuda`]).
+pub static PAGED_ATTENTION: Module = Module::new("stapo_paged_attention", src::PAGED_ATTENTION);
 /// RMSNorm (`rms_norm.cu`).
 pub static RMS_NORM: Module = Module::new("stapo_rms_norm", src::RMS_NORM);
 /// SwiGLU (`swiglu.cu`).
@@ -76,7 +79,8 @@ pub static LOGP_ENTROPY: Module = Module::new("stapo_logp_entropy", src::LOGP_EN
 pub static SAMPLE: Module = Module::new("stapo_sample", src::SAMPLE);
 
 /// Every module of this file with its kernels (the NVRTC test checks each).
-pub const MODULES: [(&Module, &[&str]); 5] = [
+pub const MODULES: [(&Module, &[&str]); 6] = [
+    (&PAGED_ATTENTION, &["paged_attention_f32", "paged_attention_f32_bf16kv", "paged_attention_bf16"]),
     (&RMS_NORM, &["rms_norm_f32", "rms_norm_bf16", "add_rms_norm_f32", "add_rms_norm_bf16"]),
     (&SWIGLU, &["swiglu_f32", "swiglu_bf16"]),
     (
@@ -151,8 +155,37 @@ fn as_cuda(s: &Storage) -> &CudaStorage {
     }
 }
 
-fn cpu_refused(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    candle_core::bail!("{name}: a CUDA kernel called on the CPU (the CPU has model::fused)")
+/// The `cpu_fwd` of a custom op of `$n` inputs that runs only on CUDA: an error.
+macro_rules! cuda_only {
+    (1) => {
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("{}: a CUDA kernel called on the CPU (the CPU has model::fused)", self.name())
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("{}: a CUDA kernel called on the CPU (the CPU has model::fused)", self.name())
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            candle_core::bail!("{}: a CUDA kernel called on the CPU (the CPU has model::fused)", self.name())
+        }
+    };
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
@@ -217,15 +250,7 @@ impl CustomOp2 for RmsNorm {
         "cuda-rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -301,17 +326,7 @@ impl CustomOp3 for AddRmsNorm {
         "cuda-add-rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -390,15 +405,7 @@ impl CustomOp2 for Swiglu {
         "cuda-swiglu"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -485,17 +492,7 @@ impl CustomOp3 for NormRope {
         "cuda-norm-rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -740,9 +737,7 @@ impl CustomOp1 for LogpEntropy {
         "cuda-logp-entropy"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(1);
 
     fn cuda_fwd(&self, x: &CudaStorage, lx: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = x.device();
@@ -810,17 +805,7 @@ impl CustomOp3 for LogpEntropyBwd {
         "cuda-logp-entropy-bwd"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -868,19 +853,6 @@ pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Ten
 
 // ---------------------------------------------------------------- sampling
 
-/// The filters of one [`sample`] call.
-#[derive(Debug, Clone, Copy)]
-pub struct SampleParams {
-    /// 1 / temperature; 0 for greedy.
-    pub inv_t: f32,
-    /// Top-k; 0 for off.
-    pub top_k: usize,
-    /// Top-p; 1 for off.
-    pub top_p: f64,
-    /// Min-p; 0 for off.
-    pub min_p: f64,
-}
-
 struct Sample {
     params: SampleParams,
 }
@@ -890,15 +862,7 @@ impl CustomOp2 for Sample {
         "cuda-sample"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_refused(self.name())
-    }
+    cuda_only!(2);
 
     fn cuda_fwd(
         &self,
