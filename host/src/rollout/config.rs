@@ -1,6 +1,6 @@
-//! The engine's settings (`rollout.engine` of a run's config: vLLM's
-//! `CacheConfig` and `SchedulerConfig` fields under their vLLM names) and the
-//! defaults they fall back on.
+//! The engine's settings (`rollout.engine` of a run's config: the fields of
+//! vLLM's `CacheConfig` and `SchedulerConfig` it has, under vLLM's names where
+//! they exist, `max_rows` for `max_num_seqs`) and the defaults they fall back on.
 
 use serde::{Deserialize, Serialize};
 
