@@ -21,11 +21,12 @@ use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::sft_step;
+use crate::data::long_task::{generate_long, LongTaskConfig};
 use crate::data::task::{self, Problem, TaskConfig, TokenizerConfig};
 use crate::data::{template, Prompt, PromptTemplate, Tokenizer};
 use crate::model::{self, Config, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, SamplingParams};
+use crate::rollout::{self, GenerateOptions, SamplingParams};
 use crate::train::optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 
@@ -39,6 +40,13 @@ pub struct TinyConfig {
     pub data_dir: Option<PathBuf>,
     /// The task's difficulty.
     pub task: TaskConfig,
+    /// When set, the long-answer task ([`crate::data::long_task`]) replaces the
+    /// arithmetic one (`task` is then unused).
+    pub long_task: Option<LongTaskConfig>,
+    /// The model's positions (prompt + response); long answers need more than 512.
+    pub max_positions: usize,
+    /// Write the task files into `data_dir` and stop: no tokenizer, no model.
+    pub data_only: bool,
     /// Seed of the RL training set; the test set uses `data_seed + 1`.
     pub data_seed: u64,
     /// Problems in `train.jsonl` (the RL prompts).
@@ -111,6 +119,9 @@ impl Default for TinyConfig {
             model_dir: PathBuf::from("models/tiny-qwen3"),
             data_dir: Some(PathBuf::from("data/arith")),
             task: TaskConfig::default(),
+            long_task: None,
+            max_positions: 512,
+            data_only: false,
             data_seed: 2024,
             n_train: 20_000,
             n_test: 500,
@@ -216,8 +227,8 @@ pub fn evaluate(
         ..SamplingParams::default()
     };
     let engine = rollout::EngineConfig { max_rows: Some(512), ..Default::default() };
-    let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-    let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &hooks)?.samples;
+    let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+    let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &opts)?.samples;
     let mut correct = vec![0usize; problems.len()];
     for s in &out {
         correct[s.prompt_index] += usize::from(is_correct(&s.text, &problems[s.prompt_index].answer));
@@ -252,6 +263,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         ("eval_every", cfg.eval_every),
         ("eval_samples", cfg.eval_samples),
         ("max_new_tokens", cfg.max_new_tokens),
+        ("max_positions", cfg.max_positions),
     ] {
         if v == 0 {
             return Err(Error::Config {
@@ -265,16 +277,33 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     let device = Device::Cpu;
 
     // 1. Data: RL train / held-out test files, and a fresh stream of SFT problems.
-    let (train, test) = task::generate_split(cfg.n_train, cfg.n_test, cfg.data_seed, &cfg.task)?;
+    let draw =
+        |n: usize, seed: u64, prefix: &str, exclude: &HashSet<String>, unique: bool| match &cfg.long_task {
+            Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
+            None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
+        };
+    let train = draw(cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
+    let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
+    let test = draw(cfg.n_test, cfg.data_seed.wrapping_add(1), "test", &seen, true)?;
     if let Some(dir) = &cfg.data_dir {
         task::write_jsonl(&dir.join("train.jsonl"), &train)?;
         task::write_jsonl(&dir.join("test.jsonl"), &test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
         log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
     }
+    if cfg.data_only {
+        if cfg.data_dir.is_none() {
+            return Err(Error::Config {
+                file: "tiny config".into(),
+                field: "data_only".into(),
+                msg: "needs data_dir: where the task files go".into(),
+            });
+        }
+        return Ok(TinyReport::default());
+    }
     let seen: HashSet<String> = train.iter().chain(&test).map(|p| p.problem.clone()).collect();
     let n_sft = cfg.max_steps * cfg.batch_size;
-    let sft = task::generate_excluding(n_sft, cfg.sft_seed, &cfg.task, "sft", &seen, false)?;
+    let sft = draw(n_sft, cfg.sft_seed, "sft", &seen, false)?;
 
     // 2. Tokenizer, trained on the RL training prompts and solutions.
     let tok = match &cfg.init_from {
@@ -303,7 +332,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         head_dim: cfg.head_dim,
         rope_theta: 10_000.0,
         rms_norm_eps: 1e-6,
-        max_position_embeddings: 512,
+        max_position_embeddings: cfg.max_positions,
         tie_word_embeddings: true,
         attention_bias: false,
         bos_token_id: None,
@@ -457,6 +486,9 @@ fn json(v: &impl Serialize) -> Result<String> {
 }
 
 fn data_readme(cfg: &TinyConfig) -> Result<String> {
+    if let Some(long) = &cfg.long_task {
+        return long_data_readme(cfg, long);
+    }
     Ok(format!(
         r#"# arith: multi-step integer arithmetic with worked solutions
 
@@ -485,6 +517,38 @@ solution, ending in `\boxed{{answer}}`. Task config (`stapo::data::TaskConfig`):
         n_test = cfg.n_test,
         seed = cfg.data_seed,
         task = json(&cfg.task)?,
+    ))
+}
+
+fn long_data_readme(cfg: &TinyConfig, long: &LongTaskConfig) -> Result<String> {
+    Ok(format!(
+        r#"# long: integer problems with long worked solutions
+
+Generated by `stapo::train::sft::pretrain_tiny` with a `long_task` config
+(`stapo::data::long_task`; the recipe is `scripts/pretrain_long.rhai`).
+Deterministic: the same seed and config give the same files byte for byte.
+
+- `train.jsonl`: {n_train} problems (seed {seed}); the RL prompts. Problems may repeat.
+- `test.jsonl`: {n_test} distinct problems (seed {seed} + 1), none of which is in `train.jsonl`.
+
+Four kinds: long multiplication (`Compute 4827*36.`), long division
+(`Compute 9157//7 (the quotient, rounded down).`), Euclid's algorithm (`Find the
+greatest common divisor of 1071 and 462.`) and word problems that need a long
+multiplication and then a subtraction or an addition. Every solution writes each
+digit step (`7*6+4=46, write 6, carry 4`, `2-7: borrow, 12-7=5`, `bring 5:
+25//7=3, 3*7=21, 25-21=4`) and ends in `\boxed{{answer}}`: 150-600 tokens in
+Qwen3's tokenizer (5th percentile 157, median 292, 95th percentile 514 for the
+default config). Config (`stapo::data::LongTaskConfig`; weights in the order
+mul, div, gcd, word):
+
+```json
+{task}
+```
+"#,
+        n_train = cfg.n_train,
+        n_test = cfg.n_test,
+        seed = cfg.data_seed,
+        task = json(long)?,
     ))
 }
 
