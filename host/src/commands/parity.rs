@@ -186,13 +186,12 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
     }
     // The step's own sampler (on CUDA the sampling kernel, filters included)
     // against the host sampler with the same generators.
-    for (name, s) in [
-        ("step sampler T=1.0", Sampler { temperature: 1.0, top_p: 1.0, top_k: None, min_p: 0.0 }),
-        (
-            "step sampler T=0.7 top-k 50 top-p 0.9 min-p 0.05",
-            Sampler { temperature: 0.7, top_p: 0.9, top_k: Some(50), min_p: 0.05 },
-        ),
+    for (name, temperature, top_k, top_p, min_p) in [
+        ("step sampler T=1.0", 1.0, None, 1.0, 0.0),
+        ("step sampler T=0.7 top-k 50 top-p 0.9 min-p 0.05", 0.7, Some(50), 0.9, 0.05),
     ] {
+        let s =
+            Sampler::new(&SamplingParams { temperature, top_k, top_p, min_p, ..SamplingParams::default() });
         let step = StepLogits::new(&logits, &s)?;
         let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
             (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();

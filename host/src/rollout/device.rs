@@ -109,7 +109,8 @@ fn kernel_draw(
     use crate::model::cuda_ops::{sample, SampleParams};
     let (n, vocab) = logits.dims2()?;
     let idx: Vec<u32> = rows.iter().map(|(r, _)| *r as u32).collect();
-    let greedy = sampler.temperature == 0.0;
+    let p = sampler.params();
+    let greedy = p.temperature == 0.0;
     let uniforms: Vec<f64> =
         rows.into_iter().map(|(_, rng)| if greedy { 0.0 } else { rng.random::<f64>() }).collect();
     let all_in_order = idx.len() == n && idx.iter().enumerate().all(|(i, &r)| r as usize == i);
@@ -119,10 +120,10 @@ fn kernel_draw(
         logits.index_select(&Tensor::from_vec(idx.clone(), idx.len(), logits.device())?, 0)?
     };
     let params = SampleParams {
-        inv_t: if greedy { 0.0 } else { (1.0 / sampler.temperature) as f32 },
-        top_k: sampler.top_k.filter(|&k| k < vocab).unwrap_or(0),
-        top_p: sampler.top_p,
-        min_p: sampler.min_p,
+        inv_t: if greedy { 0.0 } else { (1.0 / p.temperature) as f32 },
+        top_k: p.top_k.filter(|&k| k < vocab).unwrap_or(0),
+        top_p: p.top_p,
+        min_p: p.min_p,
     };
     sample(&picked, &uniforms, params)?
         .into_iter()
