@@ -141,9 +141,12 @@ pub fn paged_attention<T: PagedTypes<K>, K>(
     p: PagedShape,
 ) -> Vec<T> {
     let PagedShape { tokens, hq, hkv, d, block_size: bs } = p;
-    assert!(hkv > 0 && hq % hkv == 0 && d <= src::PAGED_ATTENTION_MAX_HEAD_DIM, "heads {hq}:{hkv}, d {d}");
+    assert!(
+        hkv > 0 && hq.is_multiple_of(hkv) && d <= src::PAGED_ATTENTION_MAX_HEAD_DIM,
+        "heads {hq}:{hkv}, d {d}"
+    );
     assert_eq!(q.len(), hq * tokens * d, "q");
-    assert!(k.len() == v.len() && k.len() % (hkv * d) == 0, "pools");
+    assert!(k.len() == v.len() && k.len().is_multiple_of(hkv * d), "pools");
     assert!(row.len() == tokens && pos.len() == tokens, "row/pos");
     let slots = k.len() / (hkv * d);
     for (&r, &ps) in row.iter().zip(pos) {
@@ -449,7 +452,7 @@ fn row_dims(rows: usize) -> ([u32; 3], [u32; 3]) {
 /// RMSNorm (`rms_norm.cu`) of the rows of `x` (`w.len()` wide).
 pub fn rms_norm<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     let n = w.len();
-    assert!(n > 0 && x.len() % n == 0, "rms_norm: {} values in rows of {n}", x.len());
+    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: {} values in rows of {n}", x.len());
     let mut y = vec![T::default(); x.len()];
     let (g, b) = row_dims(x.len() / n);
     // SAFETY: one block per row of `n`, inside `x` and `y`.
@@ -460,7 +463,7 @@ pub fn rms_norm<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
 /// RMSNorm after a residual add (`rms_norm.cu`): `(h, y)` with `h = x + r`.
 pub fn add_rms_norm<T: Float>(x: &[T], r: &[T], w: &[T], eps: f32) -> (Vec<T>, Vec<T>) {
     let n = w.len();
-    assert!(n > 0 && x.len() % n == 0 && r.len() == x.len(), "add_rms_norm: sizes");
+    assert!(n > 0 && x.len().is_multiple_of(n) && r.len() == x.len(), "add_rms_norm: sizes");
     let (mut h, mut y) = (vec![T::default(); x.len()], vec![T::default(); x.len()]);
     let (g, b) = row_dims(x.len() / n);
     // SAFETY: one block per row of `n`, inside every buffer.
@@ -504,7 +507,10 @@ pub fn norm_rope<T: Float>(
     (b, l, h, d): (usize, usize, usize, usize),
     eps: f32,
 ) -> Vec<T> {
-    assert!(d % 2 == 0 && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d, "norm_rope: head dim {d}");
+    assert!(
+        d.is_multiple_of(2) && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d,
+        "norm_rope: head dim {d}"
+    );
     assert!(
         x.len() == b * l * h * d && cos.len() == b * l * d / 2 && sin.len() == cos.len(),
         "norm_rope: sizes"
