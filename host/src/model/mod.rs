@@ -4,6 +4,8 @@
 pub mod checkpoint;
 pub mod config;
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_ops;
 pub mod frozen;
 pub mod fused;
 pub mod head;

@@ -515,6 +515,13 @@ pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Ten
     if super::fused::supported(&logits) {
         return super::fused::logprob_entropy(&logits, targets);
     }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda()
+        && logits.dtype() == DType::F32
+        && super::fused::Kernels::current() == super::fused::Kernels::Fused
+    {
+        return super::cuda_ops::logprob_entropy(&logits, targets);
+    }
     ops::logprob_entropy_composed(&logits, targets)
 }
 
