@@ -282,6 +282,90 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))?)
 }
 
+/// The backward of several projections of one input without a graph, `y_i =
+/// x w_i^T` for `parts` `(w_i, dy_i)`: `dx = sum_i dy_i w_i`, summed inside
+/// the products (each adds into the same `dx`), and `dw_i = dy_i^T x`, each
+/// one product over all threads. `x` is `(.., k)`, `w_i` `(o_i, k)`, `dy_i`
+/// `(.., o_i)`, all contiguous f32 or f64 on the CPU, of one dtype.
+pub fn linears_bwd(x: &Tensor, parts: &[(&Tensor, &Tensor)]) -> Result<(Tensor, Vec<Tensor>)> {
+    let k = x.dim(candle_core::D::Minus1)?;
+    let n = x.elem_count() / k.max(1);
+    for (w, dy) in parts {
+        let (o, wk) = w.dims2()?;
+        if wk != k || dy.elem_count() != n * o || w.dtype() != x.dtype() || dy.dtype() != x.dtype() {
+            return Err(crate::Error::invalid(format!(
+                "linears_bwd: x {:?}, w {:?} and dy {:?} do not match",
+                x.dims(),
+                w.dims(),
+                dy.dims()
+            )));
+        }
+    }
+    let (dx, dws) = match x.dtype() {
+        DType::F32 => linears_bwd_t::<f32>(x, parts, (n, k))?,
+        DType::F64 => linears_bwd_t::<f64>(x, parts, (n, k))?,
+        d => return Err(crate::Error::invalid(format!("linears_bwd: {d:?} is not served"))),
+    };
+    Ok((dx.reshape(x.shape())?, dws))
+}
+
+fn linears_bwd_t<T: Real>(
+    x: &Tensor,
+    parts: &[(&Tensor, &Tensor)],
+    (n, k): (usize, usize),
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let device = x.device();
+    let (x, parts): (Tensor, Vec<(Tensor, Tensor)>) = (
+        x.contiguous()?,
+        parts.iter().map(|(w, dy)| Ok((w.contiguous()?, dy.contiguous()?))).collect::<Result<_>>()?,
+    );
+    let one = T::from_f64(1.0);
+    let mut dx = vec![zero::<T>(); n * k];
+    let mut dws = Vec::with_capacity(parts.len());
+    super::with_host::<T, _>(&x, "linears-bwd", |xs| {
+        for (i, (w, dy)) in parts.iter().enumerate() {
+            let o = w.dim(0)?;
+            let mut dw = vec![zero::<T>(); o * k];
+            super::with_host::<T, _>(w, "linears-bwd", |ws| {
+                super::with_host::<T, _>(dy, "linears-bwd", |dys| {
+                    // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous
+                    // (checked by the caller), dx and dw owned here.
+                    unsafe {
+                        mm_par(
+                            (n, k, o),
+                            dx.as_mut_ptr(),
+                            k,
+                            i > 0,
+                            dys.as_ptr(),
+                            (o, 1),
+                            ws.as_ptr(),
+                            (k, 1),
+                            one,
+                            all_threads(),
+                        );
+                        mm_par(
+                            (o, k, n),
+                            dw.as_mut_ptr(),
+                            k,
+                            false,
+                            dys.as_ptr(),
+                            (1, o),
+                            xs.as_ptr(),
+                            (k, 1),
+                            one,
+                            all_threads(),
+                        );
+                    }
+                    Ok(())
+                })
+            })?;
+            dws.push(Tensor::from_vec(dw, (o, k), device)?);
+        }
+        Ok(())
+    })?;
+    Ok((Tensor::from_vec(dx, n * k, device)?, dws))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
