@@ -1,5 +1,5 @@
-//! Guards that keep a run from losing work or accepting nonsense without a word
-//! (issue 33): the options they take, in one place, and the checks themselves, one
+//! Guards that keep a run from losing work or accepting nonsense without a word:
+//! the options they take, in one place, and the checks themselves, one
 //! file per concern.
 //!
 //! - [`GuardConfig`] (`guard: #{...}` in a run config): how many steps in a row may be
