@@ -122,38 +122,64 @@ impl Kernel<3> for LinearBwd {
         let (o, k) = ins[1].layout.shape().dims2()?;
         let n = ins[0].layout.shape().elem_count() / k.max(1);
         let [x, w, dy] = data::<T, 3>(&ins)?;
+        if x.len() != n * k || w.len() != o * k || dy.len() != n * o {
+            bail!(
+                "fused linear backward: x ({}), w ({}) and dy ({}) do not match ({n}, {o}, {k})",
+                x.len(),
+                w.len(),
+                dy.len()
+            )
+        }
         let mut out = vec![zero::<T>(); n * k + o * k];
         let (dx, dw) = out.split_at_mut(n * k);
-        let one = T::from_f64(1.0);
-        // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
-        unsafe {
-            mm_par(
-                (n, k, o),
-                dx.as_mut_ptr(),
-                k,
-                false,
-                dy.as_ptr(),
-                (o, 1),
-                w.as_ptr(),
-                (k, 1),
-                one,
-                all_threads(),
-            );
-            mm_par(
-                (o, k, n),
-                dw.as_mut_ptr(),
-                k,
-                false,
-                dy.as_ptr(),
-                (1, o),
-                x.as_ptr(),
-                (k, 1),
-                one,
-                all_threads(),
-            );
-        }
+        bwd_into((x, w, dy), (dx, false), dw, (n, o, k));
         let len = out.len();
         Ok((out, Shape::from(len)))
+    }
+}
+
+/// The two products of `y = x w^T`'s backward over all threads, for `x`
+/// (n×k), `w` (o×k), `dy` (n×o), all contiguous: `dw = dy^T x` into `dw`
+/// (o×k), and `dy w` into `dx` (n×k), added to what `dx` holds when
+/// `accumulate`.
+fn bwd_into<T: Real>(
+    (x, w, dy): (&[T], &[T], &[T]),
+    (dx, accumulate): (&mut [T], bool),
+    dw: &mut [T],
+    (n, o, k): (usize, usize, usize),
+) {
+    assert!(
+        x.len() == n * k && w.len() == o * k && dy.len() == n * o && dx.len() == n * k && dw.len() == o * k,
+        "linear backward: operands do not match ({n}, {o}, {k})"
+    );
+    let one = T::from_f64(1.0);
+    // SAFETY: every operand's length was checked above against its
+    // contiguous layout; dx and dw are exclusive borrows.
+    unsafe {
+        mm_par(
+            (n, k, o),
+            dx.as_mut_ptr(),
+            k,
+            accumulate,
+            dy.as_ptr(),
+            (o, 1),
+            w.as_ptr(),
+            (k, 1),
+            one,
+            all_threads(),
+        );
+        mm_par(
+            (o, k, n),
+            dw.as_mut_ptr(),
+            k,
+            false,
+            dy.as_ptr(),
+            (1, o),
+            x.as_ptr(),
+            (k, 1),
+            one,
+            all_threads(),
+        );
     }
 }
 
@@ -319,7 +345,6 @@ fn linears_bwd_t<T: Real>(
         x.contiguous()?,
         parts.iter().map(|(w, dy)| Ok((w.contiguous()?, dy.contiguous()?))).collect::<Result<_>>()?,
     );
-    let one = T::from_f64(1.0);
     let mut dx = vec![zero::<T>(); n * k];
     let mut dws = Vec::with_capacity(parts.len());
     super::with_host::<T, _>(&x, "linears-bwd", |xs| {
@@ -328,34 +353,7 @@ fn linears_bwd_t<T: Real>(
             let mut dw = vec![zero::<T>(); o * k];
             super::with_host::<T, _>(w, "linears-bwd", |ws| {
                 super::with_host::<T, _>(dy, "linears-bwd", |dys| {
-                    // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous
-                    // (checked by the caller), dx and dw owned here.
-                    unsafe {
-                        mm_par(
-                            (n, k, o),
-                            dx.as_mut_ptr(),
-                            k,
-                            i > 0,
-                            dys.as_ptr(),
-                            (o, 1),
-                            ws.as_ptr(),
-                            (k, 1),
-                            one,
-                            all_threads(),
-                        );
-                        mm_par(
-                            (o, k, n),
-                            dw.as_mut_ptr(),
-                            k,
-                            false,
-                            dys.as_ptr(),
-                            (1, o),
-                            xs.as_ptr(),
-                            (k, 1),
-                            one,
-                            all_threads(),
-                        );
-                    }
+                    bwd_into((xs, ws, dys), (&mut dx, i > 0), &mut dw, (n, o, k));
                     Ok(())
                 })
             })?;
