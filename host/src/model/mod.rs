@@ -12,6 +12,7 @@ pub mod head;
 #[cfg(test)]
 mod kernels_tests;
 pub mod layer;
+mod layer_grad;
 pub mod lora;
 pub mod ops;
 pub mod options;
