@@ -90,10 +90,11 @@ pub struct StepSigns {
 pub struct Finding {
     /// What was out of bounds, with its value and limit.
     pub what: String,
-    /// True when it was measured on the step's rollout (sampled from the weights the
-    /// step started with, so those weights are suspect); false when it concerns the
-    /// weights the update produced.
-    pub before_update: bool,
+    /// The first step whose starting weights are suspect: the step itself for what its
+    /// rollout showed (sampled from the weights it started with), the next one for the
+    /// weights its update produced, the first step of a zero-gradient streak. Checkpoint
+    /// `step-N` holds the weights step N starts from, so those before this step are good.
+    pub suspect_from: u64,
 }
 
 /// The recent history the checks compare against.
@@ -120,7 +121,7 @@ fn median(v: &VecDeque<f64>) -> f64 {
 
 impl DivergenceWatch {
     /// Checks step `signs` against `limits` and the recent steps, then adds it to them.
-    pub fn observe(&mut self, signs: &StepSigns, limits: &Limits) -> Vec<Finding> {
+    pub fn observe(&mut self, step: u64, signs: &StepSigns, limits: &Limits) -> Vec<Finding> {
         let mut out = Vec::new();
         let uniform = (signs.vocab.max(2) as f64).ln();
         let ratio = signs.entropy / uniform;
@@ -135,7 +136,7 @@ impl DivergenceWatch {
                          distribution's; guard.max_entropy_ratio = {})",
                         signs.entropy, ratio, limits.max_entropy_ratio
                     ),
-                    before_update: true,
+                    suspect_from: step,
                 });
             }
         }
@@ -150,7 +151,7 @@ impl DivergenceWatch {
                         self.entropies.len(),
                         limits.entropy_jump
                     ),
-                    before_update: true,
+                    suspect_from: step,
                 });
             }
             if limits.reward_drop > 0.0 && r - signs.reward > limits.reward_drop {
@@ -162,7 +163,7 @@ impl DivergenceWatch {
                         self.rewards.len(),
                         limits.reward_drop
                     ),
-                    before_update: true,
+                    suspect_from: step,
                 });
             }
         }
@@ -175,7 +176,7 @@ impl DivergenceWatch {
                     after / before,
                     limits.weight_norm_growth
                 ),
-                before_update: false,
+                suspect_from: step + 1,
             });
         }
         if signs.grad_norm == 0.0 && signs.nonzero_advantages > 0 {
@@ -190,7 +191,7 @@ impl DivergenceWatch {
                      advantage (guard.max_zero_grad_steps = {})",
                     self.zero_grad, signs.nonzero_advantages, limits.max_zero_grad_steps
                 ),
-                before_update: true,
+                suspect_from: (step + 1).saturating_sub(self.zero_grad as u64),
             });
         }
         let window = limits.window.max(1);
@@ -234,40 +235,42 @@ mod tests {
     fn healthy_steps_pass_and_each_quantity_is_named() {
         let mut w = DivergenceWatch::default();
         for _ in 0..4 {
-            assert!(w.observe(&signs(0.5, 0.6), &limits()).is_empty());
+            assert!(w.observe(0, &signs(0.5, 0.6), &limits()).is_empty());
         }
         // ln(100) = 4.605: 4.3 is 0.93 of it, and a jump of 3.8 > 0.25 x 4.605.
-        let f = w.observe(&signs(4.3, 0.6), &limits());
+        let f = w.observe(0, &signs(4.3, 0.6), &limits());
         assert_eq!(f.len(), 2, "{f:?}");
         assert!(f[0].what.contains("0.93 of ln(vocab) = 4.605"), "{}", f[0].what);
         assert!(f[1].what.contains("jumped to 4.300 from a median of 0.500"), "{}", f[1].what);
         let mut w = DivergenceWatch::default();
         for _ in 0..3 {
-            w.observe(&signs(0.5, 0.8), &limits());
+            w.observe(0, &signs(0.5, 0.8), &limits());
         }
-        let f = w.observe(&signs(0.5, 0.2), &limits());
+        let f = w.observe(0, &signs(0.5, 0.2), &limits());
         assert!(f.len() == 1 && f[0].what.contains("reward fell to 0.200 from a median of 0.800"), "{f:?}");
         let mut s = signs(0.5, 0.8);
         s.weight_norm = (10.0, 16.0);
-        let f = w.observe(&s, &limits());
-        assert!(f.len() == 1 && !f[0].before_update && f[0].what.contains("1.600e0 x"), "{f:?}");
+        let f = w.observe(7, &s, &limits());
+        assert!(f.len() == 1 && f[0].suspect_from == 8 && f[0].what.contains("1.600e0 x"), "{f:?}");
     }
 
     #[test]
     fn a_model_that_starts_uniform_is_not_flagged_and_zero_gradients_count_in_a_row() {
         let mut w = DivergenceWatch::default();
         for _ in 0..5 {
-            assert!(w.observe(&signs(4.5, 0.0), &limits()).is_empty());
+            assert!(w.observe(0, &signs(4.5, 0.0), &limits()).is_empty());
         }
         let mut s = signs(0.5, 0.5);
         s.grad_norm = 0.0;
         let mut w = DivergenceWatch::default();
-        assert!(w.observe(&s, &limits()).is_empty());
-        assert!(w.observe(&s, &limits()).is_empty());
-        let f = w.observe(&s, &limits());
+        assert!(w.observe(4, &s, &limits()).is_empty());
+        assert!(w.observe(5, &s, &limits()).is_empty());
+        let f = w.observe(6, &s, &limits());
         assert!(f.len() == 1 && f[0].what.contains("gradient norm 0 for 3 step(s)"), "{f:?}");
+        // The weights the streak started from are suspect.
+        assert_eq!(f[0].suspect_from, 4);
         // No advantage, no learning signal: a zero gradient is expected.
         s.nonzero_advantages = 0;
-        assert!(w.observe(&s, &limits()).is_empty());
+        assert!(w.observe(7, &s, &limits()).is_empty());
     }
 }

@@ -444,7 +444,7 @@ impl Trainer {
             grad_norm: um.grad_norm as f64,
             nonzero_advantages: nonzero_adv as usize,
         };
-        let findings = self.watch.observe(&signs, &self.cfg.guard.limits());
+        let findings = self.watch.observe(step, &signs, &self.cfg.guard.limits());
         let mode = self.cfg.guard.on_divergence;
         if !findings.is_empty() {
             let list: Vec<&str> = findings.iter().map(|f| f.what.as_str()).collect();
@@ -500,10 +500,10 @@ impl Trainer {
         let guard = self.cfg.guard.clone();
         let list: Vec<&str> = findings.iter().map(|f| f.what.as_str()).collect();
         let what = format!("step {step} diverged: {}", list.join("; "));
-        // Checkpoint step-`step` holds the weights this step started from: suspect when a
-        // quantity of its rollout (sampled from them) was out of bounds.
-        let good_max =
-            if findings.iter().any(|f| f.before_update) { step.checked_sub(1) } else { Some(step) };
+        // Checkpoint step-N holds the weights step N starts from: good below the first
+        // suspect step.
+        let suspect = findings.iter().map(|f| f.suspect_from).min().unwrap_or(step);
+        let good_max = suspect.checked_sub(1);
         let dir = self.run_dir().to_path_buf();
         let good = good_max.and_then(|g| RunFolder::newest_checkpoint_upto(&dir, g));
         dist::on_root(&*self.comm, || RunFolder::set_aside_after(&dir, good))?;

@@ -14,6 +14,7 @@ mod lora;
 mod model;
 mod preempt;
 mod prompt;
+mod readme;
 mod recovery;
 mod script;
 mod train;
