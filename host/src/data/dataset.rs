@@ -149,7 +149,18 @@ struct Collector<'a> {
     parsed: usize,
 }
 
-impl Collector<'_> {
+impl<'a> Collector<'a> {
+    fn new(opts: &'a DatasetOptions) -> Self {
+        Collector {
+            opts,
+            examples: Vec::new(),
+            places: Vec::new(),
+            warnings: Vec::new(),
+            seen: HashSet::new(),
+            parsed: 0,
+        }
+    }
+
     /// Adds one parsed record; `place` names it in messages (`file:3`, `file: row 2`).
     fn add(
         &mut self,
@@ -210,14 +221,7 @@ impl Dataset {
         let path = path.as_ref();
         check_options(path, opts)?;
         let files = resolve_files(path, opts)?;
-        let mut c = Collector {
-            opts,
-            examples: Vec::new(),
-            places: Vec::new(),
-            warnings: Vec::new(),
-            seen: HashSet::new(),
-            parsed: 0,
-        };
+        let mut c = Collector::new(opts);
         for file in &files {
             let (parsed, warned) = (c.parsed, c.warnings.len());
             if is_parquet(file) {
@@ -245,14 +249,7 @@ impl Dataset {
     ) -> Result<(Dataset, Vec<String>)> {
         let path = path.as_ref();
         check_options(path, opts)?;
-        let mut c = Collector {
-            opts,
-            examples: Vec::new(),
-            places: Vec::new(),
-            warnings: Vec::new(),
-            seen: HashSet::new(),
-            parsed: 0,
-        };
+        let mut c = Collector::new(opts);
         Self::collect_jsonl(path, text, &mut c)?;
         if c.parsed == 0 {
             return Err(no_examples(path, c.warnings.len(), opts));

@@ -25,6 +25,8 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use super::GuardConfig;
+
 /// What a run does when a step diverges (`guard.on_divergence`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -48,24 +50,6 @@ impl OnDivergence {
             Self::Rollback => "rollback",
         }
     }
-}
-
-/// The limits of the divergence checks (fields of [`super::GuardConfig`]); a limit of 0
-/// switches its check off.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Limits {
-    /// `guard.max_entropy_ratio`.
-    pub max_entropy_ratio: f64,
-    /// `guard.entropy_jump`.
-    pub entropy_jump: f64,
-    /// `guard.reward_drop`.
-    pub reward_drop: f64,
-    /// `guard.weight_norm_growth`.
-    pub weight_norm_growth: f64,
-    /// `guard.max_zero_grad_steps`.
-    pub max_zero_grad_steps: usize,
-    /// `guard.window`.
-    pub window: usize,
 }
 
 /// What one step shows.
@@ -120,8 +104,9 @@ fn median(v: &VecDeque<f64>) -> f64 {
 }
 
 impl DivergenceWatch {
-    /// Checks step `signs` against `limits` and the recent steps, then adds it to them.
-    pub fn observe(&mut self, step: u64, signs: &StepSigns, limits: &Limits) -> Vec<Finding> {
+    /// Checks step `step`'s `signs` against the limits of `limits` and the recent steps,
+    /// then adds it to them.
+    pub fn observe(&mut self, step: u64, signs: &StepSigns, limits: &GuardConfig) -> Vec<Finding> {
         let mut out = Vec::new();
         let uniform = (signs.vocab.max(2) as f64).ln();
         let ratio = signs.entropy / uniform;
@@ -209,15 +194,8 @@ impl DivergenceWatch {
 mod tests {
     use super::*;
 
-    fn limits() -> Limits {
-        Limits {
-            max_entropy_ratio: 0.9,
-            entropy_jump: 0.25,
-            reward_drop: 0.5,
-            weight_norm_growth: 1.5,
-            max_zero_grad_steps: 3,
-            window: 8,
-        }
+    fn limits() -> GuardConfig {
+        GuardConfig::default()
     }
 
     fn signs(entropy: f64, reward: f64) -> StepSigns {

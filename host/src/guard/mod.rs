@@ -117,18 +117,6 @@ impl GuardConfig {
         }
         Ok(())
     }
-
-    /// The limits of the divergence checks.
-    pub fn limits(&self) -> divergence::Limits {
-        divergence::Limits {
-            max_entropy_ratio: self.max_entropy_ratio,
-            entropy_jump: self.entropy_jump,
-            reward_drop: self.reward_drop,
-            weight_norm_growth: self.weight_norm_growth,
-            max_zero_grad_steps: self.max_zero_grad_steps,
-            window: self.window,
-        }
-    }
 }
 
 /// `--allow-unused`: whether model folders may hold tensors the model does not use

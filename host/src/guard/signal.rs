@@ -34,23 +34,17 @@ pub const SIGINT: i32 = 2;
 /// SIGTERM.
 pub const SIGTERM: i32 = 15;
 /// SIGUSR1 (its number differs between Linux and the BSDs).
-#[cfg(any(
+pub const SIGUSR1: i32 = if cfg!(any(
     target_os = "macos",
     target_os = "ios",
     target_os = "freebsd",
     target_os = "openbsd",
     target_os = "netbsd"
-))]
-pub const SIGUSR1: i32 = 30;
-/// SIGUSR1 (its number differs between Linux and the BSDs).
-#[cfg(not(any(
-    target_os = "macos",
-    target_os = "ios",
-    target_os = "freebsd",
-    target_os = "openbsd",
-    target_os = "netbsd"
-)))]
-pub const SIGUSR1: i32 = 10;
+)) {
+    30
+} else {
+    10
+};
 
 #[cfg(unix)]
 mod imp {

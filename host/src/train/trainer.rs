@@ -444,7 +444,7 @@ impl Trainer {
             grad_norm: um.grad_norm as f64,
             nonzero_advantages: nonzero_adv as usize,
         };
-        let findings = self.watch.observe(step, &signs, &self.cfg.guard.limits());
+        let findings = self.watch.observe(step, &signs, &self.cfg.guard);
         let mode = self.cfg.guard.on_divergence;
         if !findings.is_empty() {
             let list: Vec<&str> = findings.iter().map(|f| f.what.as_str()).collect();

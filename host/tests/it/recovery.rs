@@ -53,6 +53,18 @@ fn metrics_damaged_line_is_an_error_naming_it_and_repair_cuts_back_to_the_last_w
     assert!(said.contains("2 line(s) dropped") && said.contains("steps 1-2 have no metrics line"), "{said}");
 }
 
+/// `stapo score` on `model`: its stderr (it must succeed).
+fn score(model: &Path) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
+        .args(["score", "--ids", "3,4,5", "--model"])
+        .arg(model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{err}");
+    err
+}
+
 #[test]
 fn leftovers_of_a_killed_model_write_are_removed_by_the_next_command_and_reported() {
     let dir = tempdir();
@@ -64,26 +76,14 @@ fn leftovers_of_a_killed_model_write_are_removed_by_the_next_command_and_reporte
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::create_dir_all(&old).unwrap();
     std::fs::write(tmp.join("model.safetensors"), b"half").unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
-        .args(["score", "--ids", "3,4,5", "--model"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let err = score(&model);
     assert!(!tmp.exists() && !old.exists(), "{err}");
     assert!(err.contains(&format!("removed {}", tmp.display())), "{err}");
     assert!(err.contains(&format!("removed {}", old.display())), "{err}");
 
     // Killed between the two renames: the folder itself is gone, its old copy is moved back.
     std::fs::rename(&model, &old).unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
-        .args(["score", "--ids", "3,4,5", "--model"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let err = score(&model);
     assert!(model.join("config.json").is_file() && !old.exists(), "{err}");
     assert!(err.contains("restored"), "{err}");
 }
