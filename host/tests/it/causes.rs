@@ -86,7 +86,7 @@ fn errors_name_the_cause_a_reward_beyond_f32_names_its_sample() {
     };
     std::fs::write(&path, format!("{prompt}\n{}\n{}\n", sample("1.0"), sample("1e39"))).unwrap();
     let e = RolloutBatch::load_jsonl(&path).err().unwrap().to_string();
-    assert!(e.contains("rollouts.jsonl:3") && e.contains("sample 1") && e.contains("1e39"), "{e}");
+    assert!(e.contains("rollouts.jsonl:3") && e.contains("sample 1") && e.contains("(1e+39)"), "{e}");
 }
 
 #[test]

@@ -8,15 +8,21 @@ use std::path::Path;
 
 use stapo::train::{RunConfig, StepPlan, Trainer};
 
-use crate::common::{arith_fixture, tempdir, weight_bits};
+use crate::common::{tempdir, weight_bits};
 
+/// A run of the bundled `models/tiny-qwen3` (trained on the arithmetic task: low entropy,
+/// rewards of both kinds) on 64 problems of `data/arith/train.jsonl`, saving every step,
+/// weight decay 0, with `guard` as its guard options.
 fn trainer(dir: &Path, guard: serde_json::Value) -> Trainer {
-    let (model, train, _) = arith_fixture(dir);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let text = std::fs::read_to_string(root.join("data/arith/train.jsonl")).unwrap();
+    let train = dir.join("train.jsonl");
+    std::fs::write(&train, text.lines().take(64).collect::<Vec<_>>().join("\n")).unwrap();
     let v = serde_json::json!({
-        "model": {"path": model},
-        "data": {"train": train, "prompts_per_step": 2, "extract": stapo::reward::ExtractMode::Flexible},
-        "rollout": {"sampling": {"n": 3, "max_tokens": 8}},
-        "actor": {"preset": "grpo", "optim": {"lr": 1e-3, "weight_decay": 0.0}},
+        "model": {"path": root.join("models/tiny-qwen3")},
+        "data": {"train": train, "prompts_per_step": 4},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 48}},
+        "actor": {"preset": "grpo", "optim": {"lr": 1e-4, "weight_decay": 0.0}},
         "checkpoint": {"save_every": 1, "keep": 5},
         "guard": guard,
     });
@@ -45,7 +51,7 @@ fn logged_steps(t: &Trainer) -> Vec<u64> {
 /// the fourth.
 fn healthy(t: &mut Trainer) -> Vec<u32> {
     for _ in 0..3 {
-        let m = t.step(&plan(t, 1e-3), None, None).unwrap();
+        let m = t.step(&plan(t, 1e-4), None, None).unwrap();
         assert!(!m.update.warnings.iter().any(|w| w.contains("divergence")), "{:?}", m.update.warnings);
     }
     assert_eq!(latest(t), "step-000003");
@@ -92,7 +98,7 @@ fn divergence_stop_on_the_rollout_sets_aside_the_checkpoint_it_sampled_from() {
     assert_eq!(latest(&t), "step-000004");
     let mut e = String::new();
     for _ in 0..4 {
-        match t.step(&plan(&t, 1e-3), None, None) {
+        match t.step(&plan(&t, 1e-4), None, None) {
             Ok(_) => continue,
             Err(err) => {
                 e = err.to_string();
@@ -121,8 +127,8 @@ fn divergence_rollback_returns_to_the_last_good_checkpoint_with_a_scaled_lr() {
     assert_eq!(weight_bits(&t), good, "the weights are not those of the last good checkpoint");
     assert_eq!(logged_steps(&t), [0, 1, 2], "the diverged step's metrics must go");
     // The run goes on from there, at the scaled learning rate, and saves again.
-    let m = t.step(&plan(&t, 1e-3), None, None).unwrap();
-    assert_eq!((m.step, m.lr), (3, 0.25e-3));
+    let m = t.step(&plan(&t, 1e-4), None, None).unwrap();
+    assert_eq!((m.step, m.lr), (3, 0.25e-4));
     assert_eq!(logged_steps(&t), [0, 1, 2, 3]);
     assert_eq!(latest(&t), "step-000004");
     // The scale survives a resume.
