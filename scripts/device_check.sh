@@ -3,7 +3,7 @@
 # generation benchmarks at the Qwen3-0.6B and 1.7B shapes, including the
 # paper's shape of work (an update of 8 x 8192 tokens at 1.7B, rollouts of
 # 256 rows x 4096 new tokens at 0.6B), as one table with peak GPU memory.
-# Sized for a 15-minute device lease: at most BUDGET_S (default 570) seconds
+# Sized for 15 minutes on a GPU machine: at most BUDGET_S (default 570) seconds
 # of commands, each row with its own time limit; a row that the remaining
 # budget cannot hold is reported as not run.
 #
@@ -12,9 +12,9 @@
 #
 # The binary is a `--features cuda` build (`.ci/cuda-check` makes one in
 # target-cuda/release/stapo; that is the default). `--pack` compresses it with
-# xz into target-cuda/stapo.xz for the trip to the device and prints what
-# travels (the tracked and untracked-but-not-ignored files, plus the packed
-# binary) against the 64 MiB limit; given a `.xz`, the check unpacks it into
+# xz into target-cuda/stapo.xz for copying to the GPU machine and prints what
+# is copied (the tracked and untracked-but-not-ignored files, plus the packed
+# binary) against a 64 MiB transfer limit (LIMIT_MIB); given a `.xz`, the check unpacks it into
 # a temporary folder first (xz, else python3's lzma). At run time the binary
 # needs the driver's libcuda.so.1 and the CUDA 13 libraries libcublas,
 # libcublasLt, libcurand, libnvrtc and libcudart. On a machine without a
@@ -25,7 +25,7 @@
 # Env: LOG_DIR (default device-check-logs; $OUT/logs when $OUT is set),
 #      BUDGET_S (seconds of commands, default 570),
 #      QUICK=1 (parity, the 0.6B update and generate rows, and a 64 x 8 rollout at 0.6B),
-#      HOST_CPU=1 (first: the device host's CPU, issue 36: `stapo bench kernels` where the binary has
+#      HOST_CPU=1 (first: the GPU machine's host CPU: `stapo bench kernels` where the binary has
 #      it, `bench train` and `bench generate` in f32 and bf16 at the 16.8M shape, and PyTorch's
 #      docs/bench/torch_bf16.py beside them where python3 can import torch and transformers),
 #      GPU=0 (skip the GPU rows), SKIP_TRAIN=1 (skip the update rows).
@@ -50,10 +50,10 @@ if [[ "${1:-}" == "--pack" ]]; then
     echo "binary $(mb "$raw") -> $PACKED $(mb "$packed"); tree $(mb "$tree"); total $(mb "$total")" \
         "(limit $LIMIT_MIB MiB = $(mb $((LIMIT_MIB << 20))))"
     if ((total >= LIMIT_MIB << 20)); then
-        echo "device_check --pack: what travels exceeds $LIMIT_MIB MiB" >&2
+        echo "device_check --pack: what is copied exceeds $LIMIT_MIB MiB" >&2
         exit 1
     fi
-    echo "carry $PACKED; on the device: scripts/device_check.sh $PACKED"
+    echo "copy $PACKED with the tree; on the GPU machine: scripts/device_check.sh $PACKED"
     exit 0
 fi
 
@@ -109,7 +109,7 @@ if ldd "$BIN" | grep -q "not found"; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 
-# --- helpers ------------------------------------------------------------------
+# --- functions ----------------------------------------------------------------
 gpu_mem_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -n 1; }
 
 # run NAME TIMEOUT ARGS...: runs the binary, logs to $LOG_DIR/NAME.log, samples
@@ -286,7 +286,7 @@ if [[ "${QUICK:-0}" != 1 ]]; then
     # gets what the rows above leave of the budget (raise BUDGET_S to give it the whole 150 s).
     bench_rollout 0.6B-2048-lognormal "$SHAPE_06B" 256 lognormal:500:8000 8192 100 150
 else
-    # Issue 34's 0.6B row: 64 prompts x 8, lognormal:100:4000 (the log has the peak host RSS).
+    # The 0.6B rollout row: 64 prompts x 8, lognormal:100:4000 (the log has the peak host RSS).
     bench_rollout 0.6B-512-lognormal "$SHAPE_06B" 64 lognormal:100:4000 4096 20 150
 fi
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reference numbers, not part of stapo: `stapo bench train|generate` against PyTorch
-# (docs/bench/torch_bf16.py) in f32 and bf16, side by side in one run (issue 36 item 4).
+# (docs/bench/torch_bf16.py) in f32 and bf16, side by side in one run.
 #
 #   docs/bench/bf16_side_by_side.sh STAPO PYTHON [SHAPE] [ROUNDS]
 #

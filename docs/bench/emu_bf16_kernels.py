@@ -1,7 +1,7 @@
 """Runs stapo's AMX and AVX-512 BF16 matmul kernels (host/src/model/fused/mm_bf16.rs)
 as compiled machine code in the Bochs x86 emulator and checks them against f64.
 
-A developer tool, not part of stapo (issue 36): docs/bench/emu_bf16_kernels.sh builds
+A developer tool, not part of stapo: docs/bench/emu_bf16_kernels.sh builds
 the `emu-entry` cdylib, makes a throw-away virtualenv with bochscpu-python and runs
 this file on it:
 

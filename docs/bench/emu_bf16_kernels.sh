@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A developer check, not part of stapo or of .ci/run (issue 36): runs the machine code of
+# A developer check, not part of stapo or of .ci/run: runs the machine code of
 # the AMX and AVX-512 BF16 matmul kernels (host/src/model/fused/mm_bf16.rs) in the Bochs
 # x86 emulator, on a CPU without either, and checks every product against f64.
 #

@@ -368,8 +368,8 @@ mod tests {
         assert_eq!(s.positions, vec![(0, 0), (0, 3), (1, 0)]);
         assert_eq!(v(&m), vec![0., 1., 1., 0., 0., 1., 1., 1.]);
 
-        // The failure mode: one candidate, (0, 2), at near-zero entropy among
-        // confident high-entropy-elsewhere tokens. Response entropies sorted
+        // What a quantile over the candidates alone misses: one candidate, (0, 2), at
+        // near-zero entropy among confident high-entropy-elsewhere tokens. Response entropies sorted
         // [0.05, 0.5, 1.0, 1.5, 2.0, 3.0]; q = 0.8: pos = 4.0 → tau_h = 2.0 > 0.05: silenced.
         let lp = t2(&[HIGH, HIGH, LOW, HIGH, HIGH, HIGH], 1, 6);
         let h = t2(&[1.0, 2.0, 0.05, 0.5, 3.0, 1.5], 1, 6);

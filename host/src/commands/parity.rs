@@ -263,7 +263,7 @@ fn engine_checks(
 /// the same calls: a prefill of two sequences, then a decode token for each with a
 /// third sequence that shares the first one's full first block and prefills 7
 /// tokens after it. The largest logit difference relative to the largest logit:
-/// within 1e-5 in f32 (issue 34), 5e-2 in a half dtype (the composed ops round
+/// within 1e-5 in f32, 5e-2 in a half dtype (the composed ops round
 /// scores and probabilities to it, the kernels sum in f32).
 fn paged_attention_check(check: &mut Check, m: &Qwen3, dtype: DType) -> anyhow::Result<()> {
     let vocab = m.config().vocab_size as u32;

@@ -15,8 +15,11 @@
 //! - [`sampler`]: the epoch sampler whose state goes into checkpoints.
 //! - [`task`]: the generated multi-step arithmetic task and its small BPE
 //!   tokenizer (for `data/arith` and `models/tiny-qwen3`).
+//! - [`long_task`]: the long-answer task (long multiplication and division,
+//!   Euclid, word problems; worked solutions of 150-600 tokens, `data/long`).
 
 pub mod dataset;
+pub mod long_task;
 pub mod parquet;
 pub mod record;
 pub mod sampler;
@@ -25,6 +28,7 @@ pub mod template;
 pub mod tokenizer;
 
 pub use dataset::{resolve_files, Dataset};
+pub use long_task::{generate_long, generate_long_split, LongTaskConfig, LONG_KINDS};
 pub use record::{
     strip_dapo_instruction, BadLinePolicy, DatasetOptions, Example, DAPO_PREFIX, DAPO_REMINDER,
 };

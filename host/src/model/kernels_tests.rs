@@ -1,4 +1,4 @@
-//! The whole model on its three paths, against each other (issue 22):
+//! The whole model on its three paths, against each other:
 //!
 //! - **fused**: [`Kernels::Fused`], the CPU kernels of [`super::fused`];
 //! - **composed**: [`Kernels::Composed`], what CUDA and bf16 run — candle ops,

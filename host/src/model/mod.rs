@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod cuda;
 pub mod frozen;
 pub mod fused;
 pub mod head;

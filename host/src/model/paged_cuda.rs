@@ -22,115 +22,13 @@ use candle_core::{CustomOp3, DType, Layout, Shape, Storage, Tensor};
 
 use crate::{Error, Result};
 
-/// Threads per block: four warps share one query's keys.
-const THREADS: u32 = 128;
+/// Threads per block.
+const THREADS: u32 = super::cuda::PAGED_ATTENTION_THREADS;
 /// The largest head dimension the kernel holds in registers (8 per lane).
-pub const MAX_HEAD_DIM: usize = 256;
+pub const MAX_HEAD_DIM: usize = super::cuda::PAGED_ATTENTION_MAX_HEAD_DIM;
 
-/// The kernel source. Types are spelled without CUDA headers (NVRTC at run
-/// time has none): bf16 is its 16 bits, widened by a shift and narrowed with
-/// round-to-nearest-even.
-const SOURCE: &str = r#"
-typedef unsigned short bf16_t;
-typedef unsigned long long u64;
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
-__device__ __forceinline__ void store(float* o, float x) { *o = x; }
-__device__ __forceinline__ void store(bf16_t* o, float x) {
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *o = (bf16_t)((u >> 16) | 0x40u); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *o = (bf16_t)(u >> 16);
-}
-
-#define MAXC 8
-#define MAXW 8
-
-// q: (Hq, T, D); pools: (slots, Hkv, D); out: (T, Hq, D) in q's type.
-// meta: row[T] | pos[T] | tables[R * maxb] (each sequence's block ids).
-template <typename T, typename K>
-__device__ void paged_attention(const T* __restrict__ q, const K* __restrict__ kp, const K* __restrict__ vp,
-                                T* __restrict__ out, const unsigned int* __restrict__ meta, int nt, int hq,
-                                int hkv, int d, int bs, int maxb, float scale) {
-    const int t = blockIdx.x, h = blockIdx.y;
-    const int row = (int)meta[t], pos = (int)meta[nt + t];
-    const unsigned int* table = meta + 2 * nt + (u64)row * maxb;
-    const int kvh = h / (hq / hkv);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float neg_inf = __int_as_float(0xff800000);
-
-    float qr[MAXC], acc[MAXC];
-#pragma unroll
-    for (int c = 0; c < MAXC; ++c) {
-        const int i = lane + 32 * c;
-        qr[c] = i < d ? to_f(q[((u64)h * nt + t) * d + i]) * scale : 0.f;
-        acc[c] = 0.f;
-    }
-    float m = neg_inf, l = 0.f;
-    for (int p = warp; p <= pos; p += nw) {
-        const u64 slot = (u64)table[p / bs] * bs + p % bs;
-        const K* kr = kp + (slot * hkv + kvh) * d;
-        const K* vr = vp + (slot * hkv + kvh) * d;
-        float s = 0.f;
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-            const int i = lane + 32 * c;
-            if (i < d) s += qr[c] * to_f(kr[i]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        const float mn = fmaxf(m, s);
-        const float a = __expf(m - mn), b = __expf(s - mn);
-#pragma unroll
-        for (int c = 0; c < MAXC; ++c) {
-            const int i = lane + 32 * c;
-            if (i < d) acc[c] = acc[c] * a + b * to_f(vr[i]);
-        }
-        l = l * a + b;
-        m = mn;
-    }
-
-    __shared__ float sm[MAXW], sl[MAXW];
-    __shared__ float sacc[MAXW * MAXC * 32];
-    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-#pragma unroll
-    for (int c = 0; c < MAXC; ++c) {
-        const int i = lane + 32 * c;
-        if (i < d) sacc[warp * d + i] = acc[c];
-    }
-    __syncthreads();
-    float mx = neg_inf;
-    for (int w = 0; w < nw; ++w) mx = fmaxf(mx, sm[w]);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float num = 0.f, den = 0.f;
-        for (int w = 0; w < nw; ++w) {
-            if (sl[w] == 0.f) continue;  // a warp that saw no key
-            const float f = __expf(sm[w] - mx);
-            num += sacc[w * d + i] * f;
-            den += sl[w] * f;
-        }
-        store(&out[((u64)t * hq + h) * d + i], num / den);
-    }
-}
-
-extern "C" __global__ void paged_attention_f32(const float* q, const float* kp, const float* vp, float* out,
-                                               const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
-                                               int maxb, float scale) {
-    paged_attention<float, float>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
-}
-
-extern "C" __global__ void paged_attention_f32_bf16kv(const float* q, const bf16_t* kp, const bf16_t* vp, float* out,
-                                                      const unsigned int* meta, int nt, int hq, int hkv, int d,
-                                                      int bs, int maxb, float scale) {
-    paged_attention<float, bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
-}
-
-extern "C" __global__ void paged_attention_bf16(const bf16_t* q, const bf16_t* kp, const bf16_t* vp, bf16_t* out,
-                                                const unsigned int* meta, int nt, int hq, int hkv, int d, int bs,
-                                                int maxb, float scale) {
-    paged_attention<bf16_t, bf16_t>(q, kp, vp, out, meta, nt, hq, hkv, d, bs, maxb, scale);
-}
-"#;
+/// The kernel source (`model/cuda/paged_attention.cu`).
+const SOURCE: &str = super::cuda::PAGED_ATTENTION;
 
 /// The module name under which candle's device caches the loaded kernel.
 const MODULE: &str = "stapo_paged_attention";
@@ -174,14 +72,7 @@ impl Meta {
         block_size: usize,
         dev: &candle_core::Device,
     ) -> Result<Self> {
-        let max_blocks = tables.iter().map(|t| t.len()).max().unwrap_or(1).max(1);
-        let mut meta = Vec::with_capacity(2 * row.len() + tables.len() * max_blocks);
-        meta.extend_from_slice(row);
-        meta.extend_from_slice(pos);
-        for t in tables {
-            meta.extend_from_slice(t);
-            meta.resize(meta.len() + max_blocks - t.len(), 0);
-        }
+        let (meta, max_blocks) = super::cuda::paged_attention_meta(row, pos, tables);
         let n = meta.len();
         Ok(Self { meta: Tensor::from_vec(meta, n, dev)?, tokens: row.len(), max_blocks, block_size })
     }
@@ -255,7 +146,7 @@ impl Op<'_> {
         // SAFETY: every element is written by the kernel (one block per (token, head), all D lanes).
         let out = unsafe { dev.alloc::<T>(self.tokens * self.hq * self.d)? };
         let cfg = LaunchConfig {
-            grid_dim: (self.tokens as u32, self.hq as u32, 1),
+            grid_dim: super::cuda::paged_attention_grid(self.tokens, self.hq),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -335,7 +226,7 @@ impl CustomOp3 for Op<'_> {
 #[cfg(test)]
 mod tests {
     /// NVRTC compiles the kernel without a GPU: a syntax or type error in the
-    /// source fails here, not on a lent device.
+    /// source fails here, not first on a GPU machine.
     #[test]
     fn the_kernel_compiles() {
         let ptx = super::ptx().expect("NVRTC compiles the paged attention kernel");

@@ -292,9 +292,9 @@ pub fn run_interactive(opts: HostOptions, cancel: &'static std::sync::atomic::At
 mod tests {
     use super::*;
 
-    /// Issue 33 item 13: the parser, not bracket counting, decides when input is complete.
+    /// The parser, not bracket counting, decides when input is complete.
     #[test]
-    fn nothing_silent_13_repl_completeness_from_the_parser() {
+    fn nothing_silent_repl_completeness_from_the_parser() {
         let r = Repl::new(HostOptions::default(), true, None);
         let s = r.session();
         // Complete, though brackets inside literals and comments do not balance.

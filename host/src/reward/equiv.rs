@@ -645,7 +645,7 @@ mod tests {
             "\\begin{pmatrix} \\frac{1}{5} \\\\ -\\frac{18}{5} \\end{pmatrix}",
         ),
         ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", "(-1/3, 2/3, 5/3)"),
-        // issue 13: LaTeX thousands separators `{,}` and `\,`
+        // LaTeX thousands separators `{,}` and `\,`
         ("1600", "1{,}600"),
         ("1{,}600{,}000", "1600000"),
         ("\\$1{,}600", "1600"),
@@ -866,7 +866,7 @@ mod tests {
         ("\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", "\\sinh(a t)"),
         ("2\\alpha + \\beta", "2\\beta + \\alpha"),
         ("n!", "n^n"),
-        // issue 13: separators, units, subscripts, scientific notation
+        // separators, units, subscripts, scientific notation
         ("1600", "1{,}601"),
         ("1600", "16{,}00"),
         ("1600", "1\\,6"),

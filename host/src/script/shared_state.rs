@@ -245,14 +245,14 @@ impl Host {
         self.cancel.store(false, Ordering::Relaxed);
     }
 
-    /// Records the script file of this session.
+    /// Records the session's script file.
     pub fn set_script(&self, path: Option<PathBuf>) {
         if let Ok(mut s) = self.script.write() {
             *s = path;
         }
     }
 
-    /// The script file of this session.
+    /// The session's script file.
     pub fn script(&self) -> Option<PathBuf> {
         self.script.read().ok().and_then(|s| s.clone())
     }

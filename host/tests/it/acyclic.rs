@@ -1,9 +1,9 @@
-//! Import cycles between the files of one folder (issue 32, item 2).
+//! Import cycles between the files of one folder.
 //!
 //! Reads host/src as text (no compiler involved) and draws, inside every folder,
 //! an edge A -> B when file A names a path (`use crate::…`, `super::…`, `self::…`,
 //! or an inline `crate::a::b::f(…)`) that resolves to file B of the same folder. A
-//! sub-folder counts as one node of its parent folder, like farm-studio's "room". A
+//! sub-folder counts as one node of its parent folder (its files are one unit). A
 //! folder's `mod.rs` is its face: its `mod`/`pub use` lines are not edges, and a
 //! name it re-exports (`pub use x::Name`) resolves to the file that defines it.
 //! Test-only files (`#[cfg(test)] mod x;`) and `#[cfg(test)] mod … { }` blocks are

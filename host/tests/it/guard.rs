@@ -1,8 +1,11 @@
-//! Issue 33, "nothing lost, nothing silent": each probe of the issue as a test, named
-//! after its item (`nothing_lost_NN_...`, `nothing_silent_NN_...`, `crashes_11_...`,
-//! `model_folder_08_...`, `errors_14_...`). Items 6 and 7 (unknown keys, resume with a
-//! changed config) belong to the config work and are tested there; item 9, 12 and the
-//! script errors of 14 are in `script.rs`, item 13 beside the REPL.
+//! The guards of a run, "nothing lost, nothing silent": each failure they prevent as a
+//! test, named after its family (`nothing_lost_...`: data or state a run could lose;
+//! `nothing_silent_...`: input dropped without a word; `crashes_...`: sizes bounded
+//! before allocation; `model_folder_...`: checks at load; `errors_...`: errors that name
+//! their file, field or token). Unknown config keys and a resume with a changed config
+//! are tested with the configuration; a script's dropped data rows, a hot edit that
+//! raises and bad `--set` values in `script.rs`; the REPL's input completeness beside
+//! the REPL.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -57,11 +60,11 @@ fn stapo_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_stapo"))
 }
 
-/// Item 1: an update whose weights would not be finite is skipped (weights and moments
+/// an update whose weights would not be finite is skipped (weights and moments
 /// untouched), counted with its reason, and three in a row stop the run naming the step
 /// and the quantity; every checkpoint written holds finite values only.
 #[test]
-fn nothing_lost_01_nan_step_is_skipped() {
+fn nothing_lost_nan_step_is_skipped() {
     let dir = tempdir();
     // An lr whose f32 step size overflows: every updated weight would be inf or NaN.
     let (mut t, before) = trainer_with(
@@ -90,10 +93,10 @@ fn nothing_lost_01_nan_step_is_skipped() {
     check_folder_finite(&run.join("checkpoints").join(latest.trim()), "latest").unwrap();
 }
 
-/// Item 1 (the probe): `lr = 1e30` with weight decay multiplied every weight by
-/// `1 - lr * wd` (finite, so no finiteness check caught it); now a clear error.
+/// `lr = 1e30` with weight decay used to multiply every weight by
+/// `1 - lr * wd` (finite, so no finiteness check caught it); it is a clear error.
 #[test]
-fn nothing_lost_01_lr_times_weight_decay_at_least_one_is_refused() {
+fn nothing_lost_lr_times_weight_decay_at_least_one_is_refused() {
     let dir = tempdir();
     let (mut t, before) = trainer_with(
         dir.path(),
@@ -104,9 +107,9 @@ fn nothing_lost_01_lr_times_weight_decay_at_least_one_is_refused() {
     assert_eq!(weight_bits(&t), before);
 }
 
-/// Item 1: a checkpoint is verified finite before it becomes `latest`.
+/// a checkpoint is verified finite before it becomes `latest`.
 #[test]
-fn nothing_lost_01_checkpoint_with_nan_never_becomes_latest() {
+fn nothing_lost_checkpoint_with_nan_never_becomes_latest() {
     let dir = tempdir();
     let (mut t, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
@@ -127,10 +130,10 @@ fn nothing_lost_01_checkpoint_with_nan_never_becomes_latest() {
     assert!(!names.iter().any(|n| n.contains("000002")), "a step-2 folder was left: {names:?}");
 }
 
-/// Item 2: `stapo init --out` and `stapo update --out` never replace a folder they did not
+/// `stapo init --out` and `stapo update --out` never replace a folder they did not
 /// create unless `--force`; `update --out` equal to `--model` is refused.
 #[test]
-fn nothing_lost_02_init_and_update_refuse_a_folder_they_did_not_create() {
+fn nothing_lost_init_and_update_refuse_a_folder_they_did_not_create() {
     let dir = tempdir();
     let (model, _, _) = arith_fixture(dir.path());
     let weights = std::fs::read(model.join("model.safetensors")).unwrap();
@@ -174,10 +177,10 @@ fn nothing_lost_02_init_and_update_refuse_a_folder_they_did_not_create() {
     assert_ne!(std::fs::read(model.join("model.safetensors")).unwrap(), weights);
 }
 
-/// Item 3: a run folder carries a marker; a run refuses a non-empty folder that is not a
+/// a run folder carries a marker; a run refuses a non-empty folder that is not a
 /// stapo run, and leaves the user's files as they were.
 #[test]
-fn nothing_lost_03_run_refuses_a_foreign_non_empty_folder() {
+fn nothing_lost_run_refuses_a_foreign_non_empty_folder() {
     let dir = tempdir();
     let (model, train, _) = arith_fixture(dir.path());
     let user = dir.path().join("my-notes");
@@ -200,10 +203,10 @@ fn nothing_lost_03_run_refuses_a_foreign_non_empty_folder() {
     }
 }
 
-/// Item 4: a run folder is locked while a trainer lives in it; a second one (a resume of
+/// a run folder is locked while a trainer lives in it; a second one (a resume of
 /// a run still going) gets an error naming the holder's pid; the lock goes with the trainer.
 #[test]
-fn nothing_lost_04_second_process_on_a_run_folder_is_refused() {
+fn nothing_lost_second_process_on_a_run_folder_is_refused() {
     let dir = tempdir();
     let (mut a, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
@@ -225,10 +228,10 @@ fn nothing_lost_04_second_process_on_a_run_folder_is_refused() {
     assert_eq!(b.step_count(), 1);
 }
 
-/// Item 5: temporary checkpoint folders a killed process left are removed at resume,
+/// temporary checkpoint folders a killed process left are removed at resume,
 /// reported with the next step's warnings.
 #[test]
-fn nothing_lost_05_leftover_tmp_checkpoints_are_removed_at_resume() {
+fn nothing_lost_leftover_tmp_checkpoints_are_removed_at_resume() {
     let dir = tempdir();
     let (mut a, _) = trainer_with(dir.path(), serde_json::json!({}));
     let run = dir.path().join("run");
@@ -257,11 +260,11 @@ fn gen(m: &model::Qwen3, prompts: &[Vec<u32>], p: &SamplingParams) -> String {
     rollout::generate_with(m, prompts, p, 0, &decode, &GenerateHooks::default()).unwrap_err().to_string()
 }
 
-/// Item 11: `max_tokens: 10^9` and prompt lengths are bounded by max_position_embeddings
+/// `max_tokens: 10^9` and prompt lengths are bounded by max_position_embeddings
 /// before anything is allocated, and a batch whose KV cache exceeds the machine's memory
 /// is refused up front.
 #[test]
-fn crashes_11_max_tokens_and_memory_are_bounded_before_allocation() {
+fn crashes_max_tokens_and_memory_are_bounded_before_allocation() {
     let m = tiny();
     let p = SamplingParams { max_new_tokens: 1_000_000_000, ..SamplingParams::greedy(1) };
     let e = gen(&m, &[vec![2, 3]], &p);
@@ -277,9 +280,9 @@ fn crashes_11_max_tokens_and_memory_are_bounded_before_allocation() {
     assert!(e.contains("more than this machine's") && e.contains("GB"), "{e}");
 }
 
-/// Item 10: a prompt longer than max_position_embeddings is reported (not trained on).
+/// a prompt longer than max_position_embeddings is reported (not trained on).
 #[test]
-fn nothing_silent_10_prompt_longer_than_the_positions_is_reported() {
+fn nothing_silent_prompt_longer_than_the_positions_is_reported() {
     let e = gen(&tiny(), &[vec![2; 5], vec![2; 130]], &SamplingParams::greedy(4));
     assert!(
         e.contains("prompt 1 has 130 tokens, more than the model's max_position_embeddings (128)"),
@@ -287,9 +290,9 @@ fn nothing_silent_10_prompt_longer_than_the_positions_is_reported() {
     );
 }
 
-/// Item 11: a 10 MB data line is a bad line named by file:line, never a prompt.
+/// a 10 MB data line is a bad line named by file:line, never a prompt.
 #[test]
-fn crashes_11_ten_megabyte_data_line_is_rejected_with_its_line() {
+fn crashes_ten_megabyte_data_line_is_rejected_with_its_line() {
     use stapo::data::{BadLinePolicy, Dataset, DatasetOptions};
     let dir = tempdir();
     let path = dir.path().join("d.jsonl");
@@ -327,10 +330,10 @@ fn tiny_folder_parts() -> (serde_json::Value, HashMap<String, Tensor>) {
     (m.config().to_hf_json(), tensors)
 }
 
-/// Item 8: layer count against the weights, unused tensors (an error, or a warning with
+/// layer count against the weights, unused tensors (an error, or a warning with
 /// --allow-unused), special token ids in range, shard paths confined to the folder.
 #[test]
-fn model_folder_08_checks_at_load() {
+fn model_folder_checks_at_load() {
     let dir = tempdir();
     let load = |d: &Path| model::load(d, DType::F32, &Device::Cpu).map(|_| ()).map_err(|e| e.to_string());
     let (cfg, tensors) = tiny_folder_parts();
@@ -378,9 +381,9 @@ fn model_folder_08_checks_at_load() {
     assert!(e.contains("\"../outside.safetensors\" leaves the model folder"), "{e}");
 }
 
-/// Item 14: a model/tokenizer vocabulary mismatch is an error naming both sizes.
+/// a model/tokenizer vocabulary mismatch is an error naming both sizes.
 #[test]
-fn errors_14_model_and_tokenizer_vocabularies_must_match() {
+fn errors_model_and_tokenizer_vocabularies_must_match() {
     let dir = tempdir();
     let (model_dir, _, _) = arith_fixture(dir.path());
     let tok = stapo::data::Tokenizer::from_file(model_dir.join("tokenizer.json")).unwrap();
@@ -394,10 +397,10 @@ fn errors_14_model_and_tokenizer_vocabularies_must_match() {
     );
 }
 
-/// Item 14: a write that fails (a full disk; here a path under a file, since this
+/// a write that fails (a full disk; here a path under a file, since this
 /// container's /dev/full accepts writes) names the file that could not be written.
 #[test]
-fn errors_14_disk_full_names_the_path() {
+fn errors_disk_full_names_the_path() {
     let dir = tempdir();
     std::fs::write(dir.path().join("file"), "x").unwrap();
     let target = dir.path().join("file/optimizer.safetensors");
@@ -407,10 +410,10 @@ fn errors_14_disk_full_names_the_path() {
     assert!(e.contains(&target.display().to_string()) && e.contains("cannot write"), "{e}");
 }
 
-/// Item 14: an out-of-vocabulary token id in `stapo update`'s rollouts is an error naming
+/// an out-of-vocabulary token id in `stapo update`'s rollouts is an error naming
 /// the file, sample and token, not a candle backtrace.
 #[test]
-fn errors_14_update_names_an_out_of_vocab_token() {
+fn errors_update_names_an_out_of_vocab_token() {
     let dir = tempdir();
     let (model_dir, train, _) = arith_fixture(dir.path());
     let mut t = Trainer::new(config(model_dir.clone(), train), &dir.path().join("run")).unwrap();
@@ -438,10 +441,10 @@ fn errors_14_update_names_an_out_of_vocab_token() {
     );
 }
 
-/// Item 14: a UTF-8 byte-order mark is not data; bytes that are not UTF-8 are named by
+/// a UTF-8 byte-order mark is not data; bytes that are not UTF-8 are named by
 /// line (and byte).
 #[test]
-fn errors_14_bom_and_non_utf8_data_lines() {
+fn errors_bom_and_non_utf8_data_lines() {
     use stapo::data::{Dataset, DatasetOptions};
     let dir = tempdir();
     let bom = dir.path().join("bom.jsonl");
@@ -463,7 +466,7 @@ fn errors_14_bom_and_non_utf8_data_lines() {
 /// The non-finite config check and `Config` agree: a config built in memory with an eos
 /// outside the vocabulary is refused by `validate` too.
 #[test]
-fn model_folder_08_special_token_ids_validated_in_memory() {
+fn model_folder_special_token_ids_validated_in_memory() {
     let mut c: Config = tiny_config(true);
     c.bos_token_id = Some(97);
     let e = c.validate("cfg").unwrap_err().to_string();

@@ -33,8 +33,8 @@ fn repl(input: &str) -> String {
 }
 
 #[test]
-fn the_issue_repl_example_gets_real_answers_from_the_tiny_model() {
-    // Issue 14: with the default template the shipped model answered in backslashes (reward 0).
+fn a_repl_rollout_of_the_tiny_model_gets_real_answers_with_its_default_template() {
+    // With an earlier default template the shipped model answered in backslashes (reward 0).
     let root = repo();
     let out = repl(&format!(
         r#"let m = load_model("{root}/models/tiny-qwen3");

@@ -947,10 +947,10 @@ fn a_script_past_its_time_limit_stops_even_while_an_array_grows() {
     assert!(err.contains("grow.rhai:2:"), "{err}");
 }
 
-/// Issue 33 item 12: a hot edit whose hook raises at run time is a broken edit like a
+/// A hot edit whose hook raises at run time is a broken edit like a
 /// syntax error: the run goes back to the previous hooks and logs the error's file:line.
 #[test]
-fn nothing_silent_12_reloaded_hook_that_raises_reverts_to_the_previous_hooks() {
+fn nothing_silent_reloaded_hook_that_raises_reverts_to_the_previous_hooks() {
     let f = fixture();
     let run_dir = f.root.join("run");
     let path = f.root.join("live.rhai");
@@ -984,10 +984,10 @@ fn nothing_silent_12_reloaded_hook_that_raises_reverts_to_the_previous_hooks() {
     assert_eq!(printed.matches("ok ").count(), 3, "{printed}");
 }
 
-/// Issue 33 item 9: `load_data()` in a script warns about the rows it drops, with
+/// `load_data()` in a script warns about the rows it drops, with
 /// file:line, as train and eval do.
 #[test]
-fn nothing_silent_09_load_data_warns_about_dropped_rows() {
+fn nothing_silent_load_data_warns_about_dropped_rows() {
     let f = fixture();
     let data = f.root.join("mixed.jsonl");
     std::fs::write(&data, "{\"problem\": \"1+1\", \"answer\": \"2\"}\nnot json\n{\"problem\": \"x\"}\n")
@@ -1009,10 +1009,10 @@ fn nothing_silent_09_load_data_warns_about_dropped_rows() {
     assert!(printed.contains("2 record(s) skipped, 1 loaded"), "{printed}");
 }
 
-/// Issue 33 item 14: `--set actor.optim.lr=fast` and `--set rollout.sampling.n=-2` name the
+/// `--set actor.optim.lr=fast` and `--set rollout.sampling.n=-2` name the
 /// field; a failed run's error says where its checkpoint is.
 #[test]
-fn errors_14_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint() {
+fn errors_set_values_name_their_field_and_a_failed_run_shows_its_checkpoint() {
     let f = fixture();
     let path = f.root.join("set.rhai");
     std::fs::write(&path, format!("train({}, 2);\n", tiny_cfg(&f, "grpo"))).unwrap();

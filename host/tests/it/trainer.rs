@@ -101,7 +101,7 @@ fn resume_equals_uninterrupted_run() {
     }
 }
 
-/// A bf16 run trains in mixed precision (issue 36): its checkpoint keeps the f32 master
+/// A bf16 run trains in mixed precision: its checkpoint keeps the f32 master
 /// weights in `optimizer.safetensors` beside the bf16 model files, and a run resumed
 /// from it continues bit for bit as the uninterrupted run (the master weights come back
 /// exactly; rounding them again would not give back what the bf16 files lost).

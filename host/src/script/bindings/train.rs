@@ -87,6 +87,7 @@ fn pretrain_tiny(h: &Host, cfg: &Map) -> RhaiResult<Dynamic> {
         c.eval_problems = c.eval_problems.min(4);
         c.eval_samples = c.eval_samples.min(2);
         c.batch_size = c.batch_size.min(4);
+        c.max_new_tokens = c.max_new_tokens.min(64);
         c.final_eval = false;
         // Never overwrite a real model folder from a smoke run.
         let base =

@@ -727,11 +727,11 @@ mod tests {
         }
     }
 
-    /// Issue 33 item 1: an update that would write a non-finite weight is skipped with the
+    /// An update that would write a non-finite weight is skipped with the
     /// parameter named and nothing changed, on the fused and the device-generic path alike;
     /// a finite update of the same optimizer then steps normally.
     #[test]
-    fn nothing_lost_01_nonfinite_update_is_skipped_on_both_paths() {
+    fn nothing_lost_nonfinite_update_is_skipped_on_both_paths() {
         for generic in [false, true] {
             let dev = Device::Cpu;
             let a = Var::new(&[1.0f32, -2.0], &dev).unwrap();

@@ -639,7 +639,7 @@ fn grad_norms_are_recorded_from_the_collision_probability() {
     assert!((0.25..=0.5).contains(&top), "{top}");
 }
 
-/// Issue 36 item 3: the full update in mixed precision (bf16 weights for the forward
+/// The full update in mixed precision (bf16 weights for the forward
 /// and backward, f32 master weights and moments) against the f32 update, from the same
 /// bf16-representable weights, three updates of the S2T objective on the same batch.
 /// The mixed run's master weights move as the f32 run's weights do (cosine of the two
