@@ -126,7 +126,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 16)]
     pub max_rows: usize,
     /// `rollout`: rows the paged engine decodes at once; default the engine's default for
-    /// the device (`rollout::engine::CPU_MAX_ROWS` on the CPU).
+    /// the device (`rollout::config::CPU_MAX_ROWS` on the CPU).
     #[arg(long)]
     pub paged_rows: Option<usize>,
     /// `rollout`: the KV cache budget of both engines, in GB (the static policy's rows

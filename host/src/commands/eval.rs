@@ -15,6 +15,10 @@ use stapo::rollout::{EngineConfig, Generator, KvCacheDtype, SamplingParams};
 use super::{model_dir, DeviceArgs};
 
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("temperature", |a| a.default_value("0.7")),
+    mut_arg("top_p", |a| a.default_value("0.9"))
+)]
 pub struct EvalArgs {
     /// Model folder.
     #[arg(long)]
@@ -31,13 +35,9 @@ pub struct EvalArgs {
     /// Report unbiased pass@k for these k (each at most n), e.g. `--pass-k 1,4,16`; default: n.
     #[arg(long = "pass-k", value_delimiter = ',')]
     pub pass_k: Vec<usize>,
-    #[arg(long, default_value_t = 0.7)]
-    pub temperature: f64,
-    #[arg(long, default_value_t = 0.9)]
-    pub top_p: f64,
-    /// Min-p: keep tokens with probability >= min_p x the top token's (0 = off).
-    #[arg(long = "min-p", default_value_t = 0.0)]
-    pub min_p: f64,
+    /// Temperature and filters (default T 0.7, top-p 0.9: the paper's evaluation setting).
+    #[command(flatten)]
+    pub sampling: super::sampling_args::SamplingArgs,
     /// Response budget in tokens. Default: 1024, clamped (with a note) to what fits the
     /// model's max_position_embeddings after the longest prompt of each file; a value given
     /// here is used as given.
@@ -86,15 +86,12 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         eprintln!("{note}");
     }
     let ks = pass_k_list(&a.pass_k, a.n)?;
-    let params = SamplingParams {
+    let params = a.sampling.apply(SamplingParams {
         n: a.n,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        min_p: a.min_p,
         max_new_tokens: a.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
         seed: a.seed,
         ..SamplingParams::default()
-    };
+    });
     let engine = EngineConfig {
         kv_cache_gb: a.kv_cache_gb,
         max_rows: a.max_rows,

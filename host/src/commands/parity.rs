@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use stapo::model::{self, Grad, PagedSeq, Qwen3, RolloutCopy, TokenBatch};
 use stapo::rollout::device::{Blocked, StepLogits};
-use stapo::rollout::{generate_stats, EngineConfig, GenerateHooks, Sample, Sampler, SamplingParams};
+use stapo::rollout::{generate_stats, EngineConfig, GenerateOptions, Sample, Sampler, SamplingParams};
 use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig, UpdateMetrics};
 
 use super::bench_common::ShapeArgs;
@@ -153,7 +153,7 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
     };
     let v = cfg.vocab_size;
     for (name, temperature) in [("sampling T=1.0", 1.0), ("sampling T=0.7", 0.7), ("sampling greedy", 0.0)] {
-        let s = Sampler { temperature, top_p: 1.0, top_k: None, min_p: 0.0 };
+        let s = Sampler::new(&SamplingParams { temperature, ..SamplingParams::default() });
         let blocked = Blocked::new(&logits, &s)?;
         let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
             (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();
@@ -216,8 +216,8 @@ fn engine_checks(
     let params =
         SamplingParams { n: 4, max_new_tokens: 48, ignore_eos: true, seed: 7, ..SamplingParams::default() };
     let run = |m: &Qwen3, engine: EngineConfig| {
-        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-        generate_stats(m, &prompts, &params, 0, &|_| String::new(), &hooks)
+        let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+        generate_stats(m, &prompts, &params, 0, &|_| String::new(), &opts)
     };
     let roomy = EngineConfig { max_rows: Some(16), ..EngineConfig::default() };
     let (got, stats) = run(target, roomy)?;

@@ -17,12 +17,10 @@ pub struct RunArgs {
     /// next step (model, optimizer and step counter untouched). A broken edit keeps the old hooks.
     #[arg(long)]
     pub watch: bool,
-    /// KEY=VALUE, repeatable. Scripts see it as ARGS.KEY (int, float, bool or string). A KEY
-    /// that is a dotted path of the configuration tree (actor.optim.lr, rollout.sampling.n,
-    /// actor.objective.mask.tau_p, seed, ...; VALUE read as JSON when it parses) is also laid
-    /// over every train() config. Any other KEY must be one the script reads as ARGS.KEY: an
-    /// unknown one is an error naming the nearest.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
+    /// KEY=VALUE, repeatable: ARGS.KEY for the script, and a dotted path of the
+    /// configuration tree (actor.optim.lr, rollout.sampling.n, ...) is laid over every
+    /// train() config (--help lists the paths).
+    #[arg(long = "set", value_name = "KEY=VALUE", long_help = super::run_set_long_help())]
     pub set: Vec<String>,
     /// The run folder (one script only).
     #[arg(long)]

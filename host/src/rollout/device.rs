@@ -91,7 +91,7 @@ impl StepLogits {
 /// vocabulary must be sorted, on the host. Asked of the sampler, so that a filter added
 /// there cannot be dropped here.
 fn filters(s: &Sampler, vocab: usize) -> bool {
-    s.temperature != 0.0 && s.filters(vocab)
+    s.temperature() != 0.0 && s.filters(vocab)
 }
 
 impl Blocked {
@@ -117,10 +117,11 @@ impl Blocked {
         // exp(d) * d with d clamped, so that a -inf logit adds 0 rather than NaN
         // (the host sampler skips e == 0 terms for the same reason).
         let sum_ed = (&e * d.clamp(PAD, 0f32)?)?.sum(D::Minus1)?;
-        let block_mass = if sampler.temperature == 0.0 {
+        let block_mass = if sampler.temperature() == 0.0 {
             Vec::new()
         } else {
-            let w = if sampler.temperature == 1.0 { e } else { (&d * (1.0 / sampler.temperature))?.exp()? };
+            let w =
+                if sampler.temperature() == 1.0 { e } else { (&d * (1.0 / sampler.temperature()))?.exp()? };
             w.reshape((b, blocks, BLOCK))?.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?
         };
         Ok(Self {
@@ -145,7 +146,7 @@ impl Blocked {
             let ln_s = s.ln();
             Ok((ln_s, (ln_s - self.sum_ed[r] as f64 / s) as f32))
         };
-        if sampler.temperature == 0.0 {
+        if sampler.temperature() == 0.0 {
             // The argmax has d = 0, so its log-prob is -ln S.
             return rows
                 .into_iter()
@@ -183,7 +184,7 @@ impl Blocked {
         let idx: Vec<u32> = picks.iter().map(|&(r, k, ..)| (r * self.blocks + k) as u32).collect();
         let idx = Tensor::from_vec(idx, picks.len(), self.shifted.device())?;
         let chosen = self.shifted.index_select(&idx, 0)?.to_vec2::<f32>()?;
-        let inv_t = (1.0 / sampler.temperature) as f32;
+        let inv_t = (1.0 / sampler.temperature()) as f32;
         picks
             .into_iter()
             .zip(chosen)

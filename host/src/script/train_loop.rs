@@ -145,7 +145,7 @@ pub fn check_set_keys(args: &std::collections::BTreeMap<String, String>, script:
         if reads_it {
             continue;
         }
-        let leaves = config_leaves();
+        let leaves = RunConfig::leaves();
         let section: Vec<&str> =
             leaves.iter().filter(|l| l.starts_with(&format!("{k}."))).map(String::as_str).collect();
         let msg = match moved_to(k) {
@@ -206,26 +206,6 @@ fn args_read(script: &str) -> Option<Vec<String>> {
         return None;
     }
     Some(keys)
-}
-
-/// Every leaf path of the default configuration tree (for suggestions).
-fn config_leaves() -> Vec<String> {
-    fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
-        match v {
-            Value::Object(o) => {
-                for (k, x) in o {
-                    let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                    walk(x, &p, out);
-                }
-            }
-            _ => out.push(path.to_string()),
-        }
-    }
-    let mut out = Vec::new();
-    if let Ok(v) = serde_json::to_value(RunConfig::default()) {
-        walk(&v, "", &mut out);
-    }
-    out
 }
 
 /// Smoke mode: tiny steps whatever the script asked for.

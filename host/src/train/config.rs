@@ -255,6 +255,12 @@ impl RunConfig {
         Ok(cfg)
     }
 
+    /// Every leaf path of the default tree (`actor.optim.lr`): what `--set` and a
+    /// script's config map may name, for help texts and suggestions.
+    pub fn leaves() -> Vec<String> {
+        serde_json::to_value(RunConfig::default()).map(|v| overlay::leaves(&v)).unwrap_or_default()
+    }
+
     /// Checks every section; the error names the dotted path.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;

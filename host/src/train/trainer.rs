@@ -52,7 +52,7 @@ use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
 use crate::guard::{check_folder_finite, signal, DivergenceWatch, NonFiniteStreak, OnDivergence, RunLock};
 use crate::model::Qwen3;
 use crate::reward;
-use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch};
+use crate::rollout::{GenerateOptions, PromptInfo, RolloutBatch};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
@@ -61,7 +61,7 @@ use dynamic::{Gathered, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
-pub use metrics::StepMetrics;
+pub use metrics::{RolloutFigures, StepMetrics};
 use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
@@ -660,23 +660,17 @@ impl Trainer {
     ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
         let mut actor = self.cfg.actor.clone();
         actor.objective = plan.objective.clone();
-        for note in actor.objective.fit_to_run(plan.sampling.max_new_tokens) {
+        let (ucfg, notes) = UpdateConfig::build(
+            actor,
+            Some(plan.sampling.max_new_tokens),
+            plan.sampling.temperature,
+            self.policy.samples_from_copy(),
+            mix(self.cfg.seed ^ 0x5eed, self.step),
+            self.cfg.logging.token_grad_norms,
+        )?;
+        for note in notes {
             self.notes.once(note, warnings);
         }
-        let t = plan.sampling.temperature;
-        let temperature = if actor.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
-        let (rollout_correction, note) =
-            actor.rollout_correction.resolve(self.policy.samples_from_copy(), temperature, actor.old_logp)?;
-        if let Some(n) = note {
-            self.notes.once(n, warnings);
-        }
-        actor.rollout_correction = rollout_correction;
-        let ucfg = UpdateConfig {
-            actor,
-            seed: mix(self.cfg.seed ^ 0x5eed, self.step),
-            temperature,
-            token_grad_norms: self.cfg.logging.token_grad_norms,
-        };
         let pad_id = self.prompts.tokenizer().pad_id();
         let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr * self.lr_scale, pad_id)?;
         Ok((outcome, ucfg.actor.objective))
@@ -723,15 +717,15 @@ impl Trainer {
                 p(n);
             }
         };
-        let hooks = GenerateHooks {
+        let opts = GenerateOptions {
             progress: Some(&progress_and_signal),
             cancel,
             engine: self.cfg.rollout.engine,
             first_prompt_index: share.start,
-            ..GenerateHooks::default()
+            ..GenerateOptions::default()
         };
         let gen = self.prompts.generator(self.policy.sampling_model());
-        let generated = gen.generate(&prompts, &sampling, &hooks)?;
+        let generated = gen.generate(&prompts, &sampling, &opts)?;
         let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);

@@ -14,7 +14,7 @@ use std::process::Command;
 use candle_core::{DType, Device, Tensor};
 use stapo::guard::{self, check_folder_finite};
 use stapo::model::{self, Config};
-use stapo::rollout::{self, GenerateHooks, SamplingParams};
+use stapo::rollout::{self, GenerateOptions, SamplingParams};
 use stapo::train::{RunConfig, Trainer};
 
 use crate::common::{arith_fixture, tempdir, tiny_config, weight_bits};
@@ -257,7 +257,7 @@ fn tiny() -> model::Qwen3 {
 
 fn gen(m: &model::Qwen3, prompts: &[Vec<u32>], p: &SamplingParams) -> String {
     let decode = |_: &[u32]| String::new();
-    rollout::generate_with(m, prompts, p, 0, &decode, &GenerateHooks::default()).unwrap_err().to_string()
+    rollout::generate_with(m, prompts, p, 0, &decode, &GenerateOptions::default()).unwrap_err().to_string()
 }
 
 /// `max_tokens: 10^9` and prompt lengths are bounded by max_position_embeddings
