@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use stapo::data::{Dataset, PromptTemplate, Tokenizer};
+use stapo::data::{Dataset, Example, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
@@ -38,8 +38,11 @@ pub struct EvalArgs {
     /// Temperature and filters (default T 0.7, top-p 0.9: the paper's evaluation setting).
     #[command(flatten)]
     pub sampling: super::sampling_args::SamplingArgs,
-    #[arg(long, default_value_t = 1024)]
-    pub max_tokens: usize,
+    /// Response budget in tokens. Default: 1024, clamped (with a note) to what fits the
+    /// model's max_position_embeddings after the longest prompt of each file; a value given
+    /// here is used as given.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
     /// Only the first N problems of each file.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -85,7 +88,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let ks = pass_k_list(&a.pass_k, a.n)?;
     let params = a.sampling.apply(SamplingParams {
         n: a.n,
-        max_new_tokens: a.max_tokens,
+        max_new_tokens: a.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
         seed: a.seed,
         ..SamplingParams::default()
     });
@@ -107,8 +110,12 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         let n = a.limit.unwrap_or(ds.len()).min(ds.len());
         let examples = &ds.examples()[..n];
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut params = params.clone();
+        if a.max_tokens.is_none() {
+            params.max_new_tokens = default_max_tokens(&gen, examples, path)?;
+        }
         // Responses end in any order, so the bar counts tokens, up to every response's maximum.
-        let bar = ProgressBar::new((n * a.n * a.max_tokens) as u64);
+        let bar = ProgressBar::new((n * a.n * params.max_new_tokens) as u64);
         let problems = n;
         bar.set_style(
             ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos} tokens (at most {len})  {elapsed}")
@@ -128,6 +135,36 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     print!("{}", table(&rows, a.n, &ks));
     eprintln!("samples written to {}", a.out.display());
     Ok(())
+}
+
+/// `--max-tokens` when not given.
+const DEFAULT_MAX_TOKENS: usize = 1024;
+
+/// The default response budget for `examples` of `path`: [`DEFAULT_MAX_TOKENS`], or less
+/// (with a note) when the model's positions leave less after the longest prompt.
+fn default_max_tokens(
+    gen: &Generator,
+    examples: &[Example],
+    path: &std::path::Path,
+) -> anyhow::Result<usize> {
+    let positions = gen.model().config().max_position_embeddings;
+    let prompts: Vec<_> = examples.iter().map(|e| e.prompt()).collect();
+    let (ids, _) = gen.encode(&prompts)?;
+    let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
+    let fits = positions.saturating_sub(longest);
+    anyhow::ensure!(
+        fits > 0,
+        "{}: a prompt of {longest} tokens leaves no room in the model's {positions} positions",
+        path.display()
+    );
+    if fits < DEFAULT_MAX_TOKENS {
+        eprintln!(
+            "note: --max-tokens is {fits} for {}: the default {DEFAULT_MAX_TOKENS} does not fit the model's \
+             {positions} positions after its longest prompt ({longest} tokens)",
+            path.display()
+        );
+    }
+    Ok(fits.min(DEFAULT_MAX_TOKENS))
 }
 
 /// The k to report: `--pass-k` sorted and deduplicated, or n alone; each in 1..=n.

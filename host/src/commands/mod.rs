@@ -94,6 +94,10 @@ pub fn print_notes() {
 
 /// A model folder argument with a readable error when it is missing.
 pub fn model_dir(p: &PathBuf) -> anyhow::Result<&PathBuf> {
+    // What a killed `update --out` / `init` left beside the folder is cleaned up first.
+    for n in stapo::guard::folder::recover_folder_leftovers(p)? {
+        eprintln!("note: {n}");
+    }
     anyhow::ensure!(p.is_dir(), "--model {}: not a folder", p.display());
     Ok(p)
 }

@@ -199,6 +199,18 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
     } else {
         (vec![], vec![])
     };
+    // Finite weights can still overflow (a model trained into huge activations): a score
+    // is never printed as NaN with success.
+    if let Some(p) = logp.iter().zip(&entropy).position(|(l, h)| !l.is_finite() || !h.is_finite()) {
+        anyhow::bail!(
+            "scoring {} gave a non-finite value at position {} (logprob {}, entropy {}): the model's \
+             activations overflow",
+            dir.display(),
+            p + 1,
+            logp[p],
+            entropy[p]
+        );
+    }
     let rows: Vec<Scored> = ids
         .iter()
         .enumerate()

@@ -48,7 +48,8 @@ pub struct RunConfig {
     pub logging: LoggingConfig,
     /// Seeds every random choice of the run (data order, sampling, LoRA init, shuffles).
     pub seed: u64,
-    /// The guards against lost work (`guard.max_nonfinite_steps`): see [`crate::guard`].
+    /// The guards against lost work and divergence (`guard.max_nonfinite_steps`,
+    /// `guard.on_divergence`, ...): see [`crate::guard`].
     pub guard: crate::guard::GuardConfig,
 }
 
@@ -268,6 +269,7 @@ impl RunConfig {
         self.actor.validate()?;
         self.evaluation.validate()?;
         self.checkpoint.validate()?;
+        self.guard.validate()?;
         self.logging.validate()
     }
 

@@ -103,7 +103,7 @@ fn nothing_lost_lr_times_weight_decay_at_least_one_is_refused() {
         serde_json::json!({"actor": {"optim": {"lr": 1e30, "schedule": {"kind": "constant", "warmup_steps": 0}}}}),
     );
     let e = t.step(&t.default_plan(), None, None).unwrap_err().to_string();
-    assert!(e.contains("weight_decay") && e.contains("lower `lr`"), "{e}");
+    assert!(e.contains("weight_decay") && e.contains("lower `actor.optim.lr`"), "{e}");
     assert_eq!(weight_bits(&t), before);
 }
 
