@@ -9,6 +9,7 @@
 
 use half::bf16;
 use stapo::model::cuda as src;
+pub use stapo::model::cuda::SampleParams;
 
 /// A launch's grid and block, as `(x, y, z)`.
 pub type Dim = (u32, u32, u32);
@@ -140,9 +141,12 @@ pub fn paged_attention<T: PagedTypes<K>, K>(
     p: PagedShape,
 ) -> Vec<T> {
     let PagedShape { tokens, hq, hkv, d, block_size: bs } = p;
-    assert!(hkv > 0 && hq % hkv == 0 && d <= src::PAGED_ATTENTION_MAX_HEAD_DIM, "heads {hq}:{hkv}, d {d}");
+    assert!(
+        hkv > 0 && hq.is_multiple_of(hkv) && d <= src::PAGED_ATTENTION_MAX_HEAD_DIM,
+        "heads {hq}:{hkv}, d {d}"
+    );
     assert_eq!(q.len(), hq * tokens * d, "q");
-    assert!(k.len() == v.len() && k.len() % (hkv * d) == 0, "pools");
+    assert!(k.len() == v.len() && k.len().is_multiple_of(hkv * d), "pools");
     assert!(row.len() == tokens && pos.len() == tokens, "row/pos");
     let slots = k.len() / (hkv * d);
     for (&r, &ps) in row.iter().zip(pos) {
@@ -357,197 +361,88 @@ mod ffi2 {
     }
 }
 
+/// C entry points of the kernels, by argument list (`T` the storage type, `P` the pools').
+type RmsNormFn<T> = unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *mut T, i32, f32);
+type AddRmsNormFn<T> =
+    unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *const T, *mut T, *mut T, i32, f32);
+type SwigluFn<T> = unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *mut T, u64);
+type NormRopeFn<T> = unsafe extern "C" fn(
+    *const u32,
+    *const u32,
+    *const T,
+    *const T,
+    *const T,
+    *const T,
+    *mut T,
+    i32,
+    i32,
+    i32,
+    f32,
+);
+type LogpTileFn<T> =
+    unsafe extern "C" fn(*const u32, *const u32, *const T, u64, i32, i32, *const u32, *mut f64);
+type LogpBwdTileFn<T> = unsafe extern "C" fn(
+    *const u32,
+    *const u32,
+    *const T,
+    u64,
+    i32,
+    i32,
+    *const u32,
+    *const f32,
+    *const f32,
+    *mut T,
+    u64,
+);
+type WriteKvFn<T, P> = unsafe extern "C" fn(
+    *const u32,
+    *const u32,
+    *const T,
+    *const T,
+    *const T,
+    *const T,
+    *const T,
+    *const u32,
+    *mut P,
+    *mut P,
+    i32,
+    i32,
+    f32,
+);
+
 /// The storage types of the row kernels: f32 and bf16, each naming its
 /// kernels' C entry points.
 pub trait Float: Copy + Default + Send + Sync + 'static {
     #[doc(hidden)]
-    const RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        f32,
-    );
+    const RMS_NORM: RmsNormFn<Self>;
     #[doc(hidden)]
-    #[allow(clippy::type_complexity)]
-    const ADD_RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        *mut Self,
-        i32,
-        f32,
-    );
+    const ADD_RMS_NORM: AddRmsNormFn<Self>;
     #[doc(hidden)]
-    const SWIGLU: unsafe extern "C" fn(*const u32, *const u32, *const Self, *const Self, *mut Self, u64);
+    const SWIGLU: SwigluFn<Self>;
     #[doc(hidden)]
-    #[allow(clippy::type_complexity)]
-    const NORM_ROPE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        i32,
-        i32,
-        f32,
-    );
+    const NORM_ROPE: NormRopeFn<Self>;
     #[doc(hidden)]
-    const LOGP_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *mut f64,
-    );
+    const LOGP_TILE: LogpTileFn<Self>;
     #[doc(hidden)]
-    #[allow(clippy::type_complexity)]
-    const LOGP_BWD_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u64,
-    );
+    const LOGP_BWD_TILE: LogpBwdTileFn<Self>;
 }
 
 impl Float for f32 {
-    const RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        f32,
-    ) = ffi2::cpu_rms_norm_f32;
-    const ADD_RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        *mut Self,
-        i32,
-        f32,
-    ) = ffi2::cpu_add_rms_norm_f32;
-    const SWIGLU: unsafe extern "C" fn(*const u32, *const u32, *const Self, *const Self, *mut Self, u64) =
-        ffi2::cpu_swiglu_f32;
-    const NORM_ROPE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        i32,
-        i32,
-        f32,
-    ) = ffi2::cpu_norm_rope_f32;
-    const LOGP_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *mut f64,
-    ) = ffi2::cpu_logp_entropy_tile_f32;
-    const LOGP_BWD_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u64,
-    ) = ffi2::cpu_logp_entropy_bwd_tile_f32;
+    const RMS_NORM: RmsNormFn<Self> = ffi2::cpu_rms_norm_f32;
+    const ADD_RMS_NORM: AddRmsNormFn<Self> = ffi2::cpu_add_rms_norm_f32;
+    const SWIGLU: SwigluFn<Self> = ffi2::cpu_swiglu_f32;
+    const NORM_ROPE: NormRopeFn<Self> = ffi2::cpu_norm_rope_f32;
+    const LOGP_TILE: LogpTileFn<Self> = ffi2::cpu_logp_entropy_tile_f32;
+    const LOGP_BWD_TILE: LogpBwdTileFn<Self> = ffi2::cpu_logp_entropy_bwd_tile_f32;
 }
 
 impl Float for bf16 {
-    const RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        f32,
-    ) = ffi2::cpu_rms_norm_bf16;
-    const ADD_RMS_NORM: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        *mut Self,
-        i32,
-        f32,
-    ) = ffi2::cpu_add_rms_norm_bf16;
-    const SWIGLU: unsafe extern "C" fn(*const u32, *const u32, *const Self, *const Self, *mut Self, u64) =
-        ffi2::cpu_swiglu_bf16;
-    const NORM_ROPE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *mut Self,
-        i32,
-        i32,
-        i32,
-        f32,
-    ) = ffi2::cpu_norm_rope_bf16;
-    const LOGP_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *mut f64,
-    ) = ffi2::cpu_logp_entropy_tile_bf16;
-    const LOGP_BWD_TILE: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        u64,
-        i32,
-        i32,
-        *const u32,
-        *const f32,
-        *const f32,
-        *mut Self,
-        u64,
-    ) = ffi2::cpu_logp_entropy_bwd_tile_bf16;
+    const RMS_NORM: RmsNormFn<Self> = ffi2::cpu_rms_norm_bf16;
+    const ADD_RMS_NORM: AddRmsNormFn<Self> = ffi2::cpu_add_rms_norm_bf16;
+    const SWIGLU: SwigluFn<Self> = ffi2::cpu_swiglu_bf16;
+    const NORM_ROPE: NormRopeFn<Self> = ffi2::cpu_norm_rope_bf16;
+    const LOGP_TILE: LogpTileFn<Self> = ffi2::cpu_logp_entropy_tile_bf16;
+    const LOGP_BWD_TILE: LogpBwdTileFn<Self> = ffi2::cpu_logp_entropy_bwd_tile_bf16;
 }
 
 fn row_dims(rows: usize) -> ([u32; 3], [u32; 3]) {
@@ -557,7 +452,7 @@ fn row_dims(rows: usize) -> ([u32; 3], [u32; 3]) {
 /// RMSNorm (`rms_norm.cu`) of the rows of `x` (`w.len()` wide).
 pub fn rms_norm<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     let n = w.len();
-    assert!(n > 0 && x.len() % n == 0, "rms_norm: {} values in rows of {n}", x.len());
+    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: {} values in rows of {n}", x.len());
     let mut y = vec![T::default(); x.len()];
     let (g, b) = row_dims(x.len() / n);
     // SAFETY: one block per row of `n`, inside `x` and `y`.
@@ -568,7 +463,7 @@ pub fn rms_norm<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
 /// RMSNorm after a residual add (`rms_norm.cu`): `(h, y)` with `h = x + r`.
 pub fn add_rms_norm<T: Float>(x: &[T], r: &[T], w: &[T], eps: f32) -> (Vec<T>, Vec<T>) {
     let n = w.len();
-    assert!(n > 0 && x.len() % n == 0 && r.len() == x.len(), "add_rms_norm: sizes");
+    assert!(n > 0 && x.len().is_multiple_of(n) && r.len() == x.len(), "add_rms_norm: sizes");
     let (mut h, mut y) = (vec![T::default(); x.len()], vec![T::default(); x.len()]);
     let (g, b) = row_dims(x.len() / n);
     // SAFETY: one block per row of `n`, inside every buffer.
@@ -612,7 +507,10 @@ pub fn norm_rope<T: Float>(
     (b, l, h, d): (usize, usize, usize, usize),
     eps: f32,
 ) -> Vec<T> {
-    assert!(d % 2 == 0 && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d, "norm_rope: head dim {d}");
+    assert!(
+        d.is_multiple_of(2) && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d,
+        "norm_rope: head dim {d}"
+    );
     assert!(
         x.len() == b * l * h * d && cos.len() == b * l * d / 2 && sin.len() == cos.len(),
         "norm_rope: sizes"
@@ -642,74 +540,17 @@ pub fn norm_rope<T: Float>(
 /// pools, bf16 into bf16.
 pub trait KvTypes<P>: Float {
     #[doc(hidden)]
-    #[allow(clippy::type_complexity)]
-    const WRITE_KV: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const u32,
-        *mut P,
-        *mut P,
-        i32,
-        i32,
-        f32,
-    );
+    const WRITE_KV: WriteKvFn<Self, P>;
 }
 
 impl KvTypes<f32> for f32 {
-    const WRITE_KV: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const u32,
-        *mut f32,
-        *mut f32,
-        i32,
-        i32,
-        f32,
-    ) = ffi2::cpu_norm_rope_write_kv_f32;
+    const WRITE_KV: WriteKvFn<Self, f32> = ffi2::cpu_norm_rope_write_kv_f32;
 }
 impl KvTypes<bf16> for f32 {
-    const WRITE_KV: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const u32,
-        *mut bf16,
-        *mut bf16,
-        i32,
-        i32,
-        f32,
-    ) = ffi2::cpu_norm_rope_write_kv_f32_bf16pool;
+    const WRITE_KV: WriteKvFn<Self, bf16> = ffi2::cpu_norm_rope_write_kv_f32_bf16pool;
 }
 impl KvTypes<bf16> for bf16 {
-    const WRITE_KV: unsafe extern "C" fn(
-        *const u32,
-        *const u32,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const Self,
-        *const u32,
-        *mut bf16,
-        *mut bf16,
-        i32,
-        i32,
-        f32,
-    ) = ffi2::cpu_norm_rope_write_kv_bf16;
+    const WRITE_KV: WriteKvFn<Self, bf16> = ffi2::cpu_norm_rope_write_kv_bf16;
 }
 
 /// Keys' per-head RMSNorm + rotary embedding written with the values into
@@ -826,20 +667,6 @@ pub fn logp_entropy_bwd<T: Float>(
         };
     }
     dx
-}
-
-/// The filters of [`sample`]: `inv_t` = 1/T (0: greedy), `top_k` (0: off),
-/// `top_p` (1: off), `min_p` (0: off).
-#[derive(Debug, Clone, Copy)]
-pub struct SampleParams {
-    /// 1 / temperature; 0 for greedy.
-    pub inv_t: f32,
-    /// Top-k; 0 for off.
-    pub top_k: usize,
-    /// Top-p; 1 for off.
-    pub top_p: f64,
-    /// Min-p; 0 for off.
-    pub min_p: f64,
 }
 
 /// One draw per row of `logits` (`vocab` wide) with the row's uniform number

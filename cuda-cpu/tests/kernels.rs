@@ -12,7 +12,7 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng};
 use stapo::model::fused;
 use stapo::model::paged_attention::{self, PagedSeq, Tables};
-use stapo::rollout::Sampler;
+use stapo::rollout::{Sampler, SamplingParams};
 
 /// Tolerances relative to the largest value of the reference.
 const TOL_F32: f64 = 1e-5;
@@ -504,7 +504,8 @@ fn sample(report: &mut Report) {
         (1.0, Some(999), 0.5, 0.0),
     ];
     for (si, &(temperature, top_k, top_p, min_p)) in settings.iter().enumerate() {
-        let sampler = Sampler { temperature, top_p, top_k, min_p };
+        let sampler =
+            Sampler::new(&SamplingParams { temperature, top_p, top_k, min_p, ..SamplingParams::default() });
         for round in 0..3u64 {
             let mut gens: Vec<StdRng> =
                 (0..rows).map(|r| StdRng::seed_from_u64(1000 * si as u64 + 100 * round + r as u64)).collect();

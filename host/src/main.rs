@@ -16,6 +16,16 @@ fn main() -> ExitCode {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
     let cli = Cli::parse();
+    // Tests of preemption raise a signal at a chosen point of a step (see guard::signal).
+    if let Some(spec) = std::env::var_os("STAPO_TEST_SIGNAL") {
+        match stapo::guard::signal::TestSignal::parse(&spec.to_string_lossy()) {
+            Ok(t) => stapo::guard::signal::arm_test_signal(t),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     stapo::guard::set_allow_unused_tensors(cli.allow_unused);
     // STAPO_NO_FUSED and STAPO_RECOMPUTE are read here, once; the library
     // takes them as options.

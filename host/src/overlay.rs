@@ -162,6 +162,45 @@ pub fn set_dotted(v: &mut Value, path: &str, value: Value) {
     *slot = value;
 }
 
+/// Every leaf path of `v` (`actor.optim.lr`), objects walked in key order (a null is a
+/// leaf, an empty object has none).
+pub fn leaves(v: &Value) -> Vec<String> {
+    fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                for (k, x) in o {
+                    let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                    walk(x, &p, out);
+                }
+            }
+            _ => out.push(path.to_string()),
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "", &mut out);
+    out
+}
+
+/// `paths` for people, one line per parent: `actor.optim.{beta1,eps,lr}`, the leaves of
+/// the top level together on the first line.
+pub fn paths_help(paths: &[String]) -> String {
+    let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+    for p in paths {
+        let (parent, leaf) = p.rsplit_once('.').unwrap_or(("", p));
+        match groups.iter_mut().find(|(g, _)| *g == parent) {
+            Some((_, leaves)) => leaves.push(leaf),
+            None => groups.push((parent, vec![leaf])),
+        }
+    }
+    groups.sort_by_key(|(g, _)| !g.is_empty());
+    let line = |(g, l): &(&str, Vec<&str>)| match (g.is_empty(), l.as_slice()) {
+        (true, _) => l.join(", "),
+        (false, [one]) => format!("{g}.{one}"),
+        (false, _) => format!("{g}.{{{}}}", l.join(",")),
+    };
+    groups.iter().map(line).collect::<Vec<_>>().join("\n")
+}
+
 /// The value at the dotted `path` of `v`, if there is one.
 pub fn get_dotted<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
     path.split('.').try_fold(v, |v, p| v.get(p))
@@ -210,6 +249,16 @@ mod tests {
     use super::*;
     use serde::Deserialize;
     use serde_json::json;
+
+    #[test]
+    fn leaves_and_their_help_lines() {
+        let v = json!({"seed": 1, "actor": {"epochs": 1, "optim": {"lr": 1e-6, "eps": 1e-8}, "kl": null},
+                       "extra": {}});
+        let mut got = leaves(&v);
+        got.sort();
+        assert_eq!(got, ["actor.epochs", "actor.kl", "actor.optim.eps", "actor.optim.lr", "seed"]);
+        assert_eq!(paths_help(&got), "seed\nactor.{epochs,kl}\nactor.optim.{eps,lr}");
+    }
 
     #[derive(Deserialize, Debug, PartialEq)]
     #[serde(deny_unknown_fields)]

@@ -7,6 +7,7 @@ use anyhow::Context;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use stapo::model::{self, Config, Grad, Qwen3, TokenBatch};
+use stapo::train::update::{Phase, PhaseTimes};
 use stapo::train::{AdamW, AdamWConfig, UpdateConfig};
 
 use super::bench_common::{
@@ -236,14 +237,29 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Re
     // The real thing: one `train::update` (recomputed old log-probs, one mini-batch).
     let ucfg = UpdateConfig::default();
     let mut best_update = f64::INFINITY;
+    let (mut total_wall, mut total_cpu) = (0f64, 0f64);
+    let mut calls = 0;
     let secs = time(a.reps, || {
-        let s = Instant::now();
+        // The warm-up update runs first, unrecorded; every timed one records its phases.
+        if calls == 1 {
+            PhaseTimes::start();
+        }
+        calls += 1;
+        let (c, s) = (cpu_now(), Instant::now());
         stapo::train::update(m, &mut opt, None, &seqs, &ucfg, 1e-7, 0)?;
-        best_update = best_update.min(s.elapsed().as_secs_f64());
+        let d = s.elapsed().as_secs_f64();
+        if PhaseTimes::recording() {
+            total_wall += d;
+            total_cpu += cpu_now() - c;
+        }
+        best_update = best_update.min(d);
         Ok(())
     })?;
+    let phases = PhaseTimes::stop();
     report("full update step", secs, Some(4.0 * fwd), n);
     report("full update step (best)", best_update, Some(4.0 * fwd), n);
+    let flops = [fwd, fwd - head_flops(cfg, b, resp), head_flops(cfg, b, resp), 2.0 * fwd, 0.0];
+    print!("{}", phase_table(&phases, (total_wall, total_cpu), reps, &flops));
     if let (Some(c0), Some(c1), Some(c2)) = (cpu0, cpu1, cpu_seconds()) {
         println!(
             "cpu time: pieces {:.2} s/rep, update {:.2} s/rep ({} threads available)",
@@ -253,6 +269,38 @@ fn bench_train(m: &Qwen3, cfg: &Config, a: &BenchArgs, seq: usize) -> anyhow::Re
         );
     }
     Ok(())
+}
+
+/// The forward flops of the head over `resp` positions of `b` rows.
+fn head_flops(cfg: &Config, b: usize, resp: usize) -> f64 {
+    2.0 * (b * resp) as f64 * cfg.hidden_size as f64 * cfg.vocab_size as f64
+}
+
+/// The phases of the timed updates as a table, per update: wall seconds,
+/// share of the update, CPU seconds and CPU over wall (how many cores the
+/// phase kept busy), GFLOP/s where `flops` (per update, by phase) says; the
+/// host work between the phases is the update's time less theirs.
+fn phase_table(t: &PhaseTimes, (wall, cpu): (f64, f64), reps: usize, flops: &[f64; 5]) -> String {
+    use std::fmt::Write;
+    let r = reps.max(1) as f64;
+    let mut out = format!(
+        "update phases, per update (mean of {reps}):\n{:<40} {:>9} {:>7} {:>9} {:>8} {:>9}\n",
+        "phase", "wall ms", "share", "cpu ms", "cpu/wall", "GFLOP/s"
+    );
+    let mut row = |name: &str, w: f64, c: f64, f: f64| {
+        let gf = if f > 0.0 && w > 0.0 { format!("{:.1}", f / w / 1e9) } else { "-".into() };
+        let ratio = if w > 0.0 { format!("{:.2}", c / w) } else { "-".into() };
+        let share = if wall > 0.0 { 100.0 * w * r / wall } else { 0.0 };
+        let _ =
+            writeln!(out, "{name:<40} {:>9.1} {:>6.1}% {:>9.1} {ratio:>8} {gf:>9}", w * 1e3, share, c * 1e3);
+    };
+    for (p, f) in Phase::ALL.iter().zip(flops) {
+        let pt = t.get(*p);
+        row(p.name(), pt.wall / r, pt.cpu / r, *f);
+    }
+    row("host work between the phases", (wall - t.wall()).max(0.0) / r, (cpu - t.cpu()).max(0.0) / r, 0.0);
+    row("whole update", wall / r, cpu / r, flops.iter().sum());
+    out
 }
 
 /// One full `train::update` (AdamW, one mini-batch) per length of `--seq`,

@@ -126,7 +126,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 16)]
     pub max_rows: usize,
     /// `rollout`: rows the paged engine decodes at once; default the engine's default for
-    /// the device (`rollout::engine::CPU_MAX_ROWS` on the CPU).
+    /// the device (`rollout::config::CPU_MAX_ROWS` on the CPU).
     #[arg(long)]
     pub paged_rows: Option<usize>,
     /// `rollout`: the KV cache budget of both engines, in GB (the static policy's rows
@@ -228,12 +228,7 @@ pub fn update_forward_flops(cfg: &Config, batch: usize, seq: usize, resp: usize)
 /// User + system CPU seconds used by this process so far (Linux `/proc/self/stat`,
 /// assuming the usual 100 clock ticks per second).
 pub fn cpu_seconds() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = s.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
+    Some(stapo::train::update::cpu_seconds()).filter(|&s| s > 0.0)
 }
 
 /// Peak resident memory of this process, in bytes (Linux `VmHWM`).

@@ -20,7 +20,8 @@ use candle_core::{DType, Device, Tensor};
 
 use stapo::model::{PagedKvCache, Qwen3};
 use stapo::rollout::{
-    generate_stats, EngineConfig, EngineStats, GenerateHooks, KvCacheDtype, Policy, Sample, SamplingParams,
+    generate_stats, EngineConfig, EngineStats, GenerateOptions, KvCacheDtype, Sample, SamplingParams,
+    SchedulePolicy,
 };
 
 use super::bench_common::{peak_rss, BenchArgs};
@@ -111,7 +112,7 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     if a.paged_only {
         let mut outs = Vec::new();
         for &v in &plan.variants {
-            let (out, p) = once(m, &plan, Policy::Continuous, v)?;
+            let (out, p) = once(m, &plan, SchedulePolicy::Continuous, v)?;
             report(&label(v), &p);
             outs.push((v, out, p));
         }
@@ -137,13 +138,13 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         let (s_out, s) = once(
             m,
             &plan,
-            Policy::Static,
+            SchedulePolicy::Static,
             Variant { kv_cache_dtype: KvCacheDtype::Auto, prefix_caching: false },
         )?;
         report(&format!("static  (round {round})"), &s);
         last.clear();
         for (i, &v) in plan.variants.iter().enumerate() {
-            let (p_out, p) = once(m, &plan, Policy::Continuous, v)?;
+            let (p_out, p) = once(m, &plan, SchedulePolicy::Continuous, v)?;
             report(&format!("{} (round {round})", label(v)), &p);
             flips[i] = s_out.iter().zip(&p_out).filter(|(x, y)| x.response_ids != y.response_ids).count();
             paged[i].push(p.clone());
@@ -296,7 +297,7 @@ fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
     for round in 0..a.rounds.max(1) {
         for (i, &rows) in a.rows_sweep.iter().enumerate() {
             plan.paged_rows = rows;
-            let (_, s) = once(m, &plan, Policy::Continuous, plan.variants[0])?;
+            let (_, s) = once(m, &plan, SchedulePolicy::Continuous, plan.variants[0])?;
             report(&format!("paged {rows:>3} rows (round {round})"), &s);
             runs[i].push(s);
         }
@@ -316,8 +317,13 @@ fn sweep(m: &Qwen3, mut plan: Plan, a: &BenchArgs) -> anyhow::Result<()> {
 }
 
 /// One rollout under `policy`.
-fn once(m: &Qwen3, plan: &Plan, policy: Policy, v: Variant) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
-    let rows = if policy == Policy::Static { plan.static_rows } else { plan.paged_rows };
+fn once(
+    m: &Qwen3,
+    plan: &Plan,
+    policy: SchedulePolicy,
+    v: Variant,
+) -> anyhow::Result<(Vec<Sample>, EngineStats)> {
+    let rows = if policy == SchedulePolicy::Static { plan.static_rows } else { plan.paged_rows };
     let engine = EngineConfig {
         kv_cache_gb: Some(plan.budget_gb),
         max_rows: Some(rows),
@@ -327,8 +333,8 @@ fn once(m: &Qwen3, plan: &Plan, policy: Policy, v: Variant) -> anyhow::Result<(V
     };
     let n = plan.params.n;
     let forced = |p: usize, s: usize| plan.lengths[p * n + s];
-    let hooks = GenerateHooks { engine, policy, lengths: Some(&forced), ..GenerateHooks::default() };
-    Ok(generate_stats(m, &plan.prompts, &plan.params, 0, &|_| String::new(), &hooks)?)
+    let opts = GenerateOptions { engine, policy, lengths: Some(&forced), ..GenerateOptions::default() };
+    Ok(generate_stats(m, &plan.prompts, &plan.params, 0, &|_| String::new(), &opts)?)
 }
 
 fn print_rss() {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use stapo::data::{Dataset, PromptTemplate, Tokenizer};
+use stapo::data::{Dataset, Example, PromptTemplate, Tokenizer};
 use stapo::eval;
 use stapo::model;
 use stapo::reward::ExtractMode;
@@ -15,6 +15,10 @@ use stapo::rollout::{EngineConfig, Generator, KvCacheDtype, SamplingParams};
 use super::{model_dir, DeviceArgs};
 
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("temperature", |a| a.default_value("0.7")),
+    mut_arg("top_p", |a| a.default_value("0.9"))
+)]
 pub struct EvalArgs {
     /// Model folder.
     #[arg(long)]
@@ -31,15 +35,14 @@ pub struct EvalArgs {
     /// Report unbiased pass@k for these k (each at most n), e.g. `--pass-k 1,4,16`; default: n.
     #[arg(long = "pass-k", value_delimiter = ',')]
     pub pass_k: Vec<usize>,
-    #[arg(long, default_value_t = 0.7)]
-    pub temperature: f64,
-    #[arg(long, default_value_t = 0.9)]
-    pub top_p: f64,
-    /// Min-p: keep tokens with probability >= min_p x the top token's (0 = off).
-    #[arg(long = "min-p", default_value_t = 0.0)]
-    pub min_p: f64,
-    #[arg(long, default_value_t = 1024)]
-    pub max_tokens: usize,
+    /// Temperature and filters (default T 0.7, top-p 0.9: the paper's evaluation setting).
+    #[command(flatten)]
+    pub sampling: super::sampling_args::SamplingArgs,
+    /// Response budget in tokens. Default: 1024, clamped (with a note) to what fits the
+    /// model's max_position_embeddings after the longest prompt of each file; a value given
+    /// here is used as given.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
     /// Only the first N problems of each file.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -83,15 +86,12 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         eprintln!("{note}");
     }
     let ks = pass_k_list(&a.pass_k, a.n)?;
-    let params = SamplingParams {
+    let params = a.sampling.apply(SamplingParams {
         n: a.n,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        max_new_tokens: a.max_tokens,
+        max_new_tokens: a.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
         seed: a.seed,
         ..SamplingParams::default()
-    };
+    });
     let engine = EngineConfig {
         kv_cache_gb: a.kv_cache_gb,
         max_rows: a.max_rows,
@@ -110,8 +110,12 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         let n = a.limit.unwrap_or(ds.len()).min(ds.len());
         let examples = &ds.examples()[..n];
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut params = params.clone();
+        if a.max_tokens.is_none() {
+            params.max_new_tokens = default_max_tokens(&gen, examples, path)?;
+        }
         // Responses end in any order, so the bar counts tokens, up to every response's maximum.
-        let bar = ProgressBar::new((n * a.n * a.max_tokens) as u64);
+        let bar = ProgressBar::new((n * a.n * params.max_new_tokens) as u64);
         let problems = n;
         bar.set_style(
             ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos} tokens (at most {len})  {elapsed}")
@@ -131,6 +135,36 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     print!("{}", table(&rows, a.n, &ks));
     eprintln!("samples written to {}", a.out.display());
     Ok(())
+}
+
+/// `--max-tokens` when not given.
+const DEFAULT_MAX_TOKENS: usize = 1024;
+
+/// The default response budget for `examples` of `path`: [`DEFAULT_MAX_TOKENS`], or less
+/// (with a note) when the model's positions leave less after the longest prompt.
+fn default_max_tokens(
+    gen: &Generator,
+    examples: &[Example],
+    path: &std::path::Path,
+) -> anyhow::Result<usize> {
+    let positions = gen.model().config().max_position_embeddings;
+    let prompts: Vec<_> = examples.iter().map(|e| e.prompt()).collect();
+    let (ids, _) = gen.encode(&prompts)?;
+    let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
+    let fits = positions.saturating_sub(longest);
+    anyhow::ensure!(
+        fits > 0,
+        "{}: a prompt of {longest} tokens leaves no room in the model's {positions} positions",
+        path.display()
+    );
+    if fits < DEFAULT_MAX_TOKENS {
+        eprintln!(
+            "note: --max-tokens is {fits} for {}: the default {DEFAULT_MAX_TOKENS} does not fit the model's \
+             {positions} positions after its longest prompt ({longest} tokens)",
+            path.display()
+        );
+    }
+    Ok(fits.min(DEFAULT_MAX_TOKENS))
 }
 
 /// The k to report: `--pass-k` sorted and deduplicated, or n alone; each in 1..=n.

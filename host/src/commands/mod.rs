@@ -12,6 +12,7 @@ pub mod model;
 pub mod parity;
 pub mod repl;
 pub mod run;
+pub mod sampling_args;
 pub mod update;
 pub mod verify;
 
@@ -93,6 +94,10 @@ pub fn print_notes() {
 
 /// A model folder argument with a readable error when it is missing.
 pub fn model_dir(p: &PathBuf) -> anyhow::Result<&PathBuf> {
+    // What a killed `update --out` / `init` left beside the folder is cleaned up first.
+    for n in stapo::guard::folder::recover_folder_leftovers(p)? {
+        eprintln!("note: {n}");
+    }
     anyhow::ensure!(p.is_dir(), "--model {}: not a folder", p.display());
     Ok(p)
 }
@@ -112,21 +117,33 @@ pub const SET_SHORT_HELP: &str =
     "Overrides PATH=VALUE, e.g. --set actor.objective.mask.tau_p=0.01 (--help lists the paths)";
 
 /// `--set`'s `--help` text: the paths of the update options (the actor section of a run's
-/// configuration, docs/scripting.md).
+/// configuration, docs/scripting.md), read from the options' default tree.
 pub fn set_long_help() -> String {
-    "Overrides PATH=VALUE (repeatable), dotted paths of the update options (VALUE is JSON when \
-     it parses, else a string), e.g. --set actor.objective.mask.tau_p=0.01. Paths:\n  \
-     actor.objective.loss.kind (ppo|gspo|sapo|pg; a new kind takes its defaults), \
-     actor.objective.loss.{eps_low,eps_high,dual_clip} (ppo), .{eps_low,eps_high} (gspo), \
-     .{tau_pos,tau_neg} (sapo)\n  actor.objective.mask.kind (none|s2t|top_entropy), \
-     mask.tau_p, mask.tau_h (a number, or mask.tau_h.q / mask.tau_h.over = candidates|response), \
-     mask.rho\n  actor.objective.{agg,adv,std,entropy_coef,norm_len,dynamic_sampling,\
-     reward_scale}, actor.objective.kl.{kind,beta} (kl=null: off), \
-     actor.objective.overlong.{max_len,cache_len,factor} (overlong=null: off)\n  \
-     actor.optim.{lr,beta1,beta2,eps,weight_decay,max_grad_norm}, actor.{epochs,mini_batch,\
-     micro_batch,max_tokens_per_micro,old_logp}, actor.rollout_correction.{mode,cap,seq_lower,\
-     seq_upper}, seed, temperature, max_tokens"
-        .to_string()
+    let tree = serde_json::to_value(stapo::train::UpdateOptions::default()).unwrap_or_default();
+    format!(
+        "Overrides PATH=VALUE (repeatable), dotted paths of the update options (VALUE is JSON when \
+         it parses, else a string), e.g. --set actor.objective.mask.tau_p=0.01. A section with a \
+         `kind` (actor.objective.loss, actor.objective.mask) takes that kind's fields; a new kind \
+         takes its defaults. Paths:\n{}",
+        indent(&stapo::overlay::paths_help(&stapo::overlay::leaves(&tree)))
+    )
+}
+
+/// `stapo run --set`'s `--help` text: the paths of the run configuration, read from its
+/// default tree.
+pub fn run_set_long_help() -> String {
+    format!(
+        "KEY=VALUE, repeatable. Scripts see it as ARGS.KEY (int, float, bool or string). A KEY \
+         that is a dotted path of the configuration tree (VALUE read as JSON when it parses) is \
+         also laid over every train() config. Any other KEY must be one the script reads as \
+         ARGS.KEY: an unknown one is an error naming the nearest. Paths:\n{}",
+        indent(&stapo::overlay::paths_help(&stapo::train::RunConfig::leaves()))
+    )
+}
+
+/// Each line of `text` indented by two spaces.
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n")
 }
 
 /// The model options the environment names, the only place that reads

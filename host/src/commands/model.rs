@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use stapo::data::{Prompt, PromptTemplate, Tokenizer};
 use stapo::model::{self, Config, Grad, TokenBatch};
-use stapo::rollout::{GenerateHooks, Generator, SamplingParams};
+use stapo::rollout::{GenerateOptions, Generator, SamplingParams};
 
 use super::{model_dir, DeviceArgs};
 
@@ -80,13 +80,9 @@ pub struct GenerateArgs {
     pub chat: bool,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// 0 means greedy.
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    #[arg(long)]
-    pub top_k: Option<usize>,
+    /// Temperature and filters.
+    #[command(flatten)]
+    pub sampling: super::sampling_args::SamplingArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Number of samples.
@@ -115,17 +111,14 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         PromptTemplate::Chat { .. } => "",
         _ => texts[0].as_str(),
     };
-    let params = SamplingParams {
+    let params = a.sampling.apply(SamplingParams {
         n: a.n,
-        temperature: a.temperature as f64,
-        top_p: a.top_p as f64,
-        top_k: a.top_k,
         max_new_tokens: a.max_tokens,
         seed: a.seed,
         ..SamplingParams::default()
-    };
+    });
     let start = std::time::Instant::now();
-    let samples = gen.generate(&prompts, &params, &GenerateHooks::default())?.samples;
+    let samples = gen.generate(&prompts, &params, &GenerateOptions::default())?.samples;
     let secs = start.elapsed().as_secs_f64();
     let n_tokens: usize = samples.iter().map(|s| s.response_ids.len()).sum();
     for s in &samples {
@@ -206,6 +199,18 @@ pub fn score(a: ScoreArgs) -> anyhow::Result<()> {
     } else {
         (vec![], vec![])
     };
+    // Finite weights can still overflow (a model trained into huge activations): a score
+    // is never printed as NaN with success.
+    if let Some(p) = logp.iter().zip(&entropy).position(|(l, h)| !l.is_finite() || !h.is_finite()) {
+        anyhow::bail!(
+            "scoring {} gave a non-finite value at position {} (logprob {}, entropy {}): the model's \
+             activations overflow",
+            dir.display(),
+            p + 1,
+            logp[p],
+            entropy[p]
+        );
+    }
     let rows: Vec<Scored> = ids
         .iter()
         .enumerate()

@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use stapo::model::{self, Grad, PagedSeq, Qwen3, RolloutCopy, TokenBatch};
 use stapo::rollout::device::{Blocked, StepLogits};
-use stapo::rollout::{generate_stats, EngineConfig, GenerateHooks, Sample, Sampler, SamplingParams};
+use stapo::rollout::{generate_stats, EngineConfig, GenerateOptions, Sample, Sampler, SamplingParams};
 use stapo::train::{AdamW, AdamWConfig, Sequence, UpdateConfig, UpdateMetrics};
 
 use super::bench_common::ShapeArgs;
@@ -149,11 +149,11 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
     let logits = target.lm_head(&last, Grad::Off)?;
     let host = match StepLogits::host(&logits)? {
         StepLogits::Host { data, .. } => data,
-        StepLogits::Device(_) => unreachable!("StepLogits::host copies to the host"),
+        _ => unreachable!("StepLogits::host copies to the host"),
     };
     let v = cfg.vocab_size;
     for (name, temperature) in [("sampling T=1.0", 1.0), ("sampling T=0.7", 0.7), ("sampling greedy", 0.0)] {
-        let s = Sampler { temperature, top_p: 1.0, top_k: None, min_p: 0.0 };
+        let s = Sampler::new(&SamplingParams { temperature, ..SamplingParams::default() });
         let blocked = Blocked::new(&logits, &s)?;
         let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
             (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();
@@ -183,6 +183,33 @@ pub fn run(a: ParityArgs) -> anyhow::Result<()> {
             &format!("  ({mismatched} of {draws})"),
         );
         check.line(&format!("{name}: stats of equal ids"), stat_diff, 1e-4, "");
+    }
+    // The step's own sampler (on CUDA the sampling kernel, filters included)
+    // against the host sampler with the same generators.
+    for (name, temperature, top_k, top_p, min_p) in [
+        ("step sampler T=1.0", 1.0, None, 1.0, 0.0),
+        ("step sampler T=0.7 top-k 50 top-p 0.9 min-p 0.05", 0.7, Some(50), 0.9, 0.05),
+    ] {
+        let s =
+            Sampler::new(&SamplingParams { temperature, top_k, top_p, min_p, ..SamplingParams::default() });
+        let step = StepLogits::new(&logits, &s)?;
+        let (mut dev_rng, mut host_rng): (Vec<StdRng>, Vec<StdRng>) =
+            (0..a.batch).map(|r| (StdRng::seed_from_u64(r as u64), StdRng::seed_from_u64(r as u64))).unzip();
+        let (mut draws, mut mismatched) = (0usize, 0usize);
+        for _ in 0..32 {
+            let got = step.draw(&s, dev_rng.iter_mut().enumerate().collect())?;
+            for (r, g) in got.iter().enumerate() {
+                let want = s.draw(&host[r * v..(r + 1) * v], &mut host_rng[r])?;
+                draws += 1;
+                mismatched += usize::from(g.id != want.id);
+            }
+        }
+        check.line(
+            &format!("{name}: ids differing"),
+            mismatched as f64 / draws as f64,
+            0.01,
+            &format!("  ({mismatched} of {draws})"),
+        );
     }
 
     // 4. The rollout engine (paged cache, continuous batching) end to end on the
@@ -216,8 +243,8 @@ fn engine_checks(
     let params =
         SamplingParams { n: 4, max_new_tokens: 48, ignore_eos: true, seed: 7, ..SamplingParams::default() };
     let run = |m: &Qwen3, engine: EngineConfig| {
-        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-        generate_stats(m, &prompts, &params, 0, &|_| String::new(), &hooks)
+        let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+        generate_stats(m, &prompts, &params, 0, &|_| String::new(), &opts)
     };
     let roomy = EngineConfig { max_rows: Some(16), ..EngineConfig::default() };
     let (got, stats) = run(target, roomy)?;

@@ -37,6 +37,7 @@ pub fn run(a: ReplArgs) -> anyhow::Result<()> {
         run_dir: a.out,
         resume: false,
         apply_changes: false,
+        repair_metrics: false,
         progress: std::io::stderr().is_terminal(),
         watch: false,
         stdlib_dirs: script::runner::stdlib_dirs(
@@ -50,7 +51,7 @@ pub fn run(a: ReplArgs) -> anyhow::Result<()> {
         },
     };
     if std::io::stdin().is_terminal() {
-        let cancel = script::signal::install();
+        let cancel = stapo::guard::signal::install();
         repl::run_interactive(opts, cancel)?;
     } else {
         repl::run_repl(std::io::stdin().lock(), std::io::stdout().lock(), opts)?;

@@ -17,12 +17,10 @@ pub struct RunArgs {
     /// next step (model, optimizer and step counter untouched). A broken edit keeps the old hooks.
     #[arg(long)]
     pub watch: bool,
-    /// KEY=VALUE, repeatable. Scripts see it as ARGS.KEY (int, float, bool or string). A KEY
-    /// that is a dotted path of the configuration tree (actor.optim.lr, rollout.sampling.n,
-    /// actor.objective.mask.tau_p, seed, ...; VALUE read as JSON when it parses) is also laid
-    /// over every train() config. Any other KEY must be one the script reads as ARGS.KEY: an
-    /// unknown one is an error naming the nearest.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
+    /// KEY=VALUE, repeatable: ARGS.KEY for the script, and a dotted path of the
+    /// configuration tree (actor.optim.lr, rollout.sampling.n, ...) is laid over every
+    /// train() config (--help lists the paths).
+    #[arg(long = "set", value_name = "KEY=VALUE", long_help = super::run_set_long_help())]
     pub set: Vec<String>,
     /// The run folder (one script only).
     #[arg(long)]
@@ -37,6 +35,11 @@ pub struct RunArgs {
     /// run_config-step-NNNNNN.json; the changes are listed on stderr and in reloads.log).
     #[arg(long, requires = "resume")]
     pub apply_changes: bool,
+    /// With --resume: a damaged line of the run's metrics.jsonl (a crash cut it, an editor
+    /// broke it) cuts the file back to the last whole step before it, and says so; without
+    /// it such a line is an error naming metrics.jsonl:LINE.
+    #[arg(long, requires = "resume")]
+    pub repair_metrics: bool,
     /// Smoke mode (also STAPO_SMOKE=1): scripts see SMOKE = true and every train() is clamped to
     /// 2 tiny steps.
     #[arg(long)]
@@ -107,7 +110,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         script::train_loop::check_set_keys(&args, &text)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     }
-    let cancel = script::signal::install();
+    let cancel = stapo::guard::signal::install_preemption();
     let mut outcomes = Vec::new();
     for path in &scripts {
         let run_dir = a.resume.clone().or_else(|| a.out.clone()).or_else(|| {
@@ -120,12 +123,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             run_dir,
             resume: a.resume.is_some(),
             apply_changes: a.apply_changes,
+            repair_metrics: a.repair_metrics,
             progress: root && !a.quiet && std::io::stderr().is_terminal(),
             watch: a.watch,
             stdlib_dirs: script::runner::stdlib_dirs(env_stdlib.as_deref(), Some(path)),
             time_limits,
         };
-        script::signal::clear();
+        stapo::guard::signal::clear();
         let console = if root { Console::Stdout } else { Console::Buffer(Default::default()) };
         let host = Host::with_cancel(opts, console, cancel);
         if root {
@@ -136,13 +140,37 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             eprintln!("error in {}: {e}", path.display());
         }
         outcomes.push(out);
+        if stapo::guard::signal::received().is_some() {
+            break; // the scripts after it do not start
+        }
     }
     if root {
         print_summary(&outcomes);
     }
+    if let Some(sig) = stapo::guard::signal::received() {
+        if root {
+            eprintln!("{}", stopped_by_signal(sig, outcomes.last()));
+        }
+        stapo::dist::finalize();
+        std::process::exit(128 + sig);
+    }
     let failed = outcomes.iter().filter(|o| !o.ok()).count();
     anyhow::ensure!(failed == 0, "{failed} of {} scripts failed", outcomes.len());
     Ok(())
+}
+
+/// What a run stopped by signal `sig` left behind and how to continue it.
+fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>) -> String {
+    let name = stapo::guard::signal::name(sig);
+    let Some(t) = last.and_then(|o| o.trains.last()) else {
+        return format!("stopped by {name} before training started; nothing to resume");
+    };
+    let at = if t.checkpoint.is_empty() {
+        "no step completed, so there is no checkpoint".to_string()
+    } else {
+        format!("checkpoint {}", t.checkpoint)
+    };
+    format!("stopped by {name} after step {}: {at}. Continue with: stapo run --resume {}", t.steps, t.run_dir)
 }
 
 fn fmt_opt(x: Option<f64>) -> String {
@@ -158,7 +186,11 @@ fn print_summary(outcomes: &[RunOutcome]) {
     );
     for o in outcomes {
         let name = o.script.display().to_string();
-        let status = if o.ok() { "ok" } else { "FAILED" };
+        let status = match stapo::guard::signal::received() {
+            Some(_) if !o.ok() => "STOPPED",
+            _ if o.ok() => "ok",
+            _ => "FAILED",
+        };
         let last = o.trains.last();
         println!(
             "{:<w$} {:<7} {:>6} {:>8} {:>8} {:>8.1}s  {}",

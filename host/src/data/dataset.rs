@@ -27,6 +27,8 @@ use crate::{Error, Result};
 pub struct Dataset {
     path: PathBuf,
     examples: Vec<Example>,
+    /// Where each example is (`file:line`, `file: row N`), for messages.
+    places: Vec<String>,
 }
 
 /// A Parquet file ends (and starts) with these four bytes.
@@ -125,8 +127,8 @@ pub fn resolve_files(path: &Path, opts: &DatasetOptions) -> Result<Vec<PathBuf>>
         }
         None if splits.len() > 1 => {
             return Err(Error::invalid(format!(
-                "{}: the folder holds several splits {splits:?}; choose one with data_options.split \
-                 (or give a pattern such as {}/train-*.parquet)",
+                "{}: the folder holds several splits {splits:?}; choose one with data.options.split \
+                 in a run config, --split on the command line (or give a pattern such as {}/train-*.parquet)",
                 path.display(),
                 files[0].parent().unwrap_or(path).display()
             )))
@@ -140,13 +142,25 @@ pub fn resolve_files(path: &Path, opts: &DatasetOptions) -> Result<Vec<PathBuf>>
 struct Collector<'a> {
     opts: &'a DatasetOptions,
     examples: Vec<Example>,
+    places: Vec<String>,
     warnings: Vec<String>,
     seen: HashSet<(String, String)>,
     /// Valid records seen (duplicates included).
     parsed: usize,
 }
 
-impl Collector<'_> {
+impl<'a> Collector<'a> {
+    fn new(opts: &'a DatasetOptions) -> Self {
+        Collector {
+            opts,
+            examples: Vec::new(),
+            places: Vec::new(),
+            warnings: Vec::new(),
+            seen: HashSet::new(),
+            parsed: 0,
+        }
+    }
+
     /// Adds one parsed record; `place` names it in messages (`file:3`, `file: row 2`).
     fn add(
         &mut self,
@@ -158,6 +172,7 @@ impl Collector<'_> {
                 self.parsed += 1;
                 if !self.opts.dedupe || self.seen.insert((ex.problem.clone(), ex.answer.clone())) {
                     self.examples.push(ex);
+                    self.places.push(place());
                 }
                 Ok(())
             }
@@ -206,8 +221,7 @@ impl Dataset {
         let path = path.as_ref();
         check_options(path, opts)?;
         let files = resolve_files(path, opts)?;
-        let mut c =
-            Collector { opts, examples: Vec::new(), warnings: Vec::new(), seen: HashSet::new(), parsed: 0 };
+        let mut c = Collector::new(opts);
         for file in &files {
             let (parsed, warned) = (c.parsed, c.warnings.len());
             if is_parquet(file) {
@@ -223,7 +237,7 @@ impl Dataset {
                 return Err(no_examples(file, c.warnings.len() - warned, opts));
             }
         }
-        Ok((Dataset { path: path.to_path_buf(), examples: c.examples }, c.warnings))
+        Ok((Dataset { path: path.to_path_buf(), examples: c.examples, places: c.places }, c.warnings))
     }
 
     /// Parses JSONL text as if read from `path` (which names it in messages
@@ -235,13 +249,12 @@ impl Dataset {
     ) -> Result<(Dataset, Vec<String>)> {
         let path = path.as_ref();
         check_options(path, opts)?;
-        let mut c =
-            Collector { opts, examples: Vec::new(), warnings: Vec::new(), seen: HashSet::new(), parsed: 0 };
+        let mut c = Collector::new(opts);
         Self::collect_jsonl(path, text, &mut c)?;
         if c.parsed == 0 {
             return Err(no_examples(path, c.warnings.len(), opts));
         }
-        Ok((Dataset { path: path.to_path_buf(), examples: c.examples }, c.warnings))
+        Ok((Dataset { path: path.to_path_buf(), examples: c.examples, places: c.places }, c.warnings))
     }
 
     fn collect_jsonl(path: &Path, text: &str, c: &mut Collector) -> Result<()> {
@@ -277,7 +290,14 @@ impl Dataset {
 
     /// A dataset from examples already in memory; `path` is only a label.
     pub fn from_examples(path: impl Into<PathBuf>, examples: Vec<Example>) -> Dataset {
-        Dataset { path: path.into(), examples }
+        let path = path.into();
+        let places = (0..examples.len()).map(|i| format!("{}: example {i}", path.display())).collect();
+        Dataset { path, examples, places }
+    }
+
+    /// Where the `i`-th example is: `file:line` for JSONL, `file: row N` for Parquet.
+    pub fn place(&self, i: usize) -> &str {
+        self.places.get(i).map_or("", String::as_str)
     }
 
     /// What it was loaded from (or the label given to [`Dataset::from_examples`]).

@@ -112,7 +112,8 @@ fn check_candidates<'a>(
             let cols: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
             return Err(Error::invalid(format!(
                 "{}: no {role} column: looked for {names:?}, the file has columns {cols:?} \
-                 (name the right one with data_options.{role}_fields)",
+                 (name the right one with data.options.{role}_fields in a run config, \
+                 --{role}-field on the command line)",
                 path.display()
             )));
         }

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::{Example, Prompt};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{EngineConfig, GenerateHooks, Generator, SamplingParams};
+use crate::rollout::{EngineConfig, GenerateOptions, Generator, SamplingParams};
 use crate::{Error, Result};
 
 /// One graded sample.
@@ -169,8 +169,8 @@ pub fn evaluate(
         return Err(Error::invalid("evaluate: no examples"));
     }
     let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
-    let hooks = GenerateHooks { engine: *engine, progress: Some(progress), ..GenerateHooks::default() };
-    let mut samples = generator.generate(&prompts, params, &hooks)?.samples;
+    let opts = GenerateOptions { engine: *engine, progress: Some(progress), ..GenerateOptions::default() };
+    let mut samples = generator.generate(&prompts, params, &opts)?.samples;
     // The engine returns responses as they end; grade them in (problem, sample) order.
     samples.sort_by_key(|s| (s.prompt_index, s.sample_index));
     let mut graded = Vec::with_capacity(samples.len());

@@ -58,6 +58,10 @@ fn listing(dir: &Path) -> Result<String> {
 /// run (its files are the user's).
 pub fn claim_new_run_folder(dir: &Path) -> Result<()> {
     if dir.join("run_config.json").exists() {
+        if holds_unsaved_run(dir) {
+            // A run that ended before its first checkpoint: nothing to resume, it starts again.
+            return Ok(());
+        }
         return Err(Error::invalid(format!(
             "{} already holds a run; resume it (stapo run --resume {}) or pick another folder",
             dir.display(),
@@ -81,6 +85,13 @@ pub fn claim_new_run_folder(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let text = format!("{{\"made_by\": \"stapo {}\"}}\n", env!("CARGO_PKG_VERSION"));
     crate::files::write_file_atomically(&dir.join(RUN_MARKER), text.as_bytes())
+}
+
+/// Whether `dir` holds a run that ended before its first checkpoint (a `run_config.json`
+/// and no `checkpoints/latest`): such a run can be started again in its folder, or resumed
+/// from step 0.
+pub fn holds_unsaved_run(dir: &Path) -> bool {
+    dir.join("run_config.json").is_file() && !dir.join("checkpoints/latest").exists()
 }
 
 /// Makes `dir` a stapo run folder unless it is one already (a script writing into its run
@@ -149,6 +160,71 @@ pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     removed.sort();
     Ok(removed)
+}
+
+/// Cleans up after a process killed while it replaced folder `dir` as a whole (`stapo
+/// update --out DIR --force`, `stapo init`, `stapo merge`: the new folder is written as
+/// `.DIR.tmp-PID` beside it, the old one moved to `.DIR.old-PID`, then the new one renamed
+/// into place). For each such sibling whose process is gone: when `dir` itself is missing
+/// (killed between the two renames) the `.old` folder is moved back; every other one is
+/// removed. Returns one line per action, for the caller to report.
+pub fn recover_folder_leftovers(dir: &Path) -> Result<Vec<String>> {
+    let Some(name) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) else { return Ok(Vec::new()) };
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Ok(rd) = std::fs::read_dir(parent) else { return Ok(Vec::new()) };
+    let mut found: Vec<(PathBuf, bool)> = rd
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let rest = n.strip_prefix('.')?.strip_prefix(name.as_str())?;
+            let (old, pid) = match (rest.strip_prefix(".old-"), rest.strip_prefix(".tmp-")) {
+                (Some(pid), _) => (true, pid),
+                (_, Some(pid)) => (false, pid),
+                _ => return None,
+            };
+            let pid: u32 = pid.parse().ok()?;
+            (pid != std::process::id() && !process_alive(pid)).then(|| (e.path(), old))
+        })
+        .collect();
+    found.sort();
+    let mut done = Vec::new();
+    for (p, old) in found {
+        if old && !dir.exists() {
+            std::fs::rename(&p, dir).map_err(|e| Error::io(&p, e))?;
+            done.push(format!(
+                "restored {} from {}, left by a process killed while it replaced the folder",
+                dir.display(),
+                p.display()
+            ));
+            continue;
+        }
+        let r = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        r.map_err(|e| Error::io(&p, e))?;
+        done.push(format!("removed {}, left half-written by a killed process", p.display()));
+    }
+    Ok(done)
+}
+
+/// Whether process `pid` exists (on other than Unix: assumed alive, nothing is removed).
+fn process_alive(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        extern "C" {
+            fn kill(pid: i32, sig: i32) -> i32;
+        }
+        let Ok(pid) = i32::try_from(pid) else { return false };
+        // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+        if unsafe { kill(pid, 0) } == 0 {
+            return true;
+        }
+        // EPERM: it exists, owned by someone else.
+        std::io::Error::last_os_error().raw_os_error() == Some(1)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
 }
 
 /// `.NAME.tmp-PID`: what `write_atomically` and `write_file_atomically` write into
@@ -220,6 +296,30 @@ impl RunLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leftovers_of_a_killed_folder_write_are_restored_or_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        // A pid that cannot be alive (above the kernel's pid_max).
+        let dead = 99_999_999u32;
+        std::fs::create_dir_all(dir.path().join(format!(".out.old-{dead}"))).unwrap();
+        std::fs::write(dir.path().join(format!(".out.old-{dead}/config.json")), "{}").unwrap();
+        std::fs::create_dir_all(dir.path().join(format!(".out.tmp-{dead}"))).unwrap();
+        // This process's own are never touched, nor another folder's.
+        std::fs::create_dir_all(dir.path().join(format!(".out.tmp-{}", std::process::id()))).unwrap();
+        std::fs::create_dir_all(dir.path().join(format!(".outer.tmp-{dead}"))).unwrap();
+        let done = recover_folder_leftovers(&out).unwrap();
+        assert_eq!(done.len(), 2, "{done:?}");
+        assert!(done[0].starts_with("restored") && out.join("config.json").is_file(), "{done:?}");
+        assert!(done[1].starts_with("removed") && done[1].contains(".out.tmp-"), "{done:?}");
+        assert!(dir.path().join(format!(".out.tmp-{}", std::process::id())).exists());
+        assert!(dir.path().join(format!(".outer.tmp-{dead}")).exists());
+        // With the folder in place an old copy is removed, not restored.
+        std::fs::create_dir_all(dir.path().join(format!(".out.old-{dead}"))).unwrap();
+        let done = recover_folder_leftovers(&out).unwrap();
+        assert!(done.len() == 1 && done[0].starts_with("removed"), "{done:?}");
+    }
 
     #[test]
     fn temporary_names() {

@@ -35,7 +35,6 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::config::Config;
-use super::paged::PagedKvCache;
 
 /// Counts of device work, since the thread started or between two
 /// [`snapshot`]s.
@@ -142,7 +141,9 @@ pub fn decode_step_bytes(
     // num_params counts the table once when tied (read as the head) and twice
     // when not (the table is only looked up, the head read whole).
     let weights = cfg.num_params() - if cfg.tie_word_embeddings { 0 } else { emb } + rows * cfg.hidden_size;
-    let kv = context_tokens * PagedKvCache::bytes_per_token(cfg, kv_dtype);
+    // Keys and values of every layer, as `PagedKvCache::bytes_per_token`.
+    let per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim;
+    let kv = context_tokens * per_token * kv_dtype.size_in_bytes();
     (weights * weight_dtype.size_in_bytes() + kv) as u64
 }
 
@@ -166,20 +167,9 @@ pub fn update_flops_per_token(cfg: &Config, seq: usize) -> f64 {
 mod tests {
     use super::*;
 
-    /// The Qwen3-1.7B shape (hidden 2048, MLP 6144, 28 layers, 16 query heads
-    /// over 8 kv heads of 128, vocabulary 151,936, tied embeddings), by hand:
-    /// per layer q and o 2 x 2048 x 2048 = 8,388,608, k and v
-    /// 2 x 2048 x 1024 = 4,194,304, q/k norms 256, MLP 3 x 2048 x 6144 =
-    /// 37,748,736, two norms 4,096: 50,336,000; x 28 = 1,409,408,000; the
-    /// table 151,936 x 2048 = 311,164,928 (read once, as the head); the final
-    /// norm 2,048: 1,720,574,976 weights, 3,441,149,952 bytes in bf16 (the
-    /// 3.44 GB a step reads). Two rows look up 2 x 2048 bf16 values: 8,192
-    /// bytes. Their contexts of 10 and 20 tokens in a bf16 cache:
-    /// 30 x (2 x 28 x 8 x 128 x 2 = 114,688) = 3,440,640 bytes.
-    /// Total 3,441,149,952 + 8,192 + 3,440,640 = 3,444,598,784.
-    #[test]
-    fn decode_step_bytes_match_a_hand_count_at_the_1_7b_shape() {
-        let cfg = Config {
+    /// The Qwen3-1.7B shape.
+    fn qwen3_1_7b() -> Config {
+        Config {
             hidden_size: 2048,
             intermediate_size: 6144,
             num_hidden_layers: 28,
@@ -195,7 +185,23 @@ mod tests {
             bos_token_id: None,
             eos_token_id: None,
             torch_dtype: "bfloat16".into(),
-        };
+        }
+    }
+
+    /// The Qwen3-1.7B shape (hidden 2048, MLP 6144, 28 layers, 16 query heads
+    /// over 8 kv heads of 128, vocabulary 151,936, tied embeddings), by hand:
+    /// per layer q and o 2 x 2048 x 2048 = 8,388,608, k and v
+    /// 2 x 2048 x 1024 = 4,194,304, q/k norms 256, MLP 3 x 2048 x 6144 =
+    /// 37,748,736, two norms 4,096: 50,336,000; x 28 = 1,409,408,000; the
+    /// table 151,936 x 2048 = 311,164,928 (read once, as the head); the final
+    /// norm 2,048: 1,720,574,976 weights, 3,441,149,952 bytes in bf16 (the
+    /// 3.44 GB a step reads). Two rows look up 2 x 2048 bf16 values: 8,192
+    /// bytes. Their contexts of 10 and 20 tokens in a bf16 cache:
+    /// 30 x (2 x 28 x 8 x 128 x 2 = 114,688) = 3,440,640 bytes.
+    /// Total 3,441,149,952 + 8,192 + 3,440,640 = 3,444,598,784.
+    #[test]
+    fn decode_step_bytes_match_a_hand_count_at_the_1_7b_shape() {
+        let cfg = qwen3_1_7b();
         assert_eq!(decode_step_bytes(&cfg, DType::BF16, DType::BF16, 2, 30), 3_444_598_784);
         // Untied: the table is looked up, not read; the head (another
         // 311,164,928 weights) is: the same bytes.
@@ -215,23 +221,7 @@ mod tests {
     /// 2,818,916,352; 13,141,622,784 FLOPs per token.
     #[test]
     fn update_flops_match_a_hand_count_at_the_1_7b_shape() {
-        let cfg = Config {
-            hidden_size: 2048,
-            intermediate_size: 6144,
-            num_hidden_layers: 28,
-            num_attention_heads: 16,
-            num_key_value_heads: 8,
-            head_dim: 128,
-            vocab_size: 151_936,
-            rope_theta: 1e6,
-            rms_norm_eps: 1e-6,
-            max_position_embeddings: 40_960,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            bos_token_id: None,
-            eos_token_id: None,
-            torch_dtype: "bfloat16".into(),
-        };
+        let cfg = qwen3_1_7b();
         assert_eq!(update_flops_per_token(&cfg, 8192), 13_141_622_784.0);
     }
 

@@ -253,7 +253,39 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Qwen3> {
     }
     let m = Qwen3::new(&cfg, &mut src, dtype, device)?;
     check_unused(&src.unused(&cfg), &src.files_list())?;
+    check_finite(&m, dir)?;
     Ok(m)
+}
+
+/// An error naming the first tensor of `m` (loaded from `dir`) that holds a NaN or an
+/// infinity: every later forward would carry it into every output.
+pub fn check_finite(m: &Qwen3, dir: &Path) -> Result<()> {
+    for (name, v) in m.params() {
+        // A sum in f64 of finite f32 (or bf16) values cannot overflow: not finite means a
+        // NaN or an infinity inside.
+        // Chunks of 16M values keep the f64 copy small whatever the tensor.
+        let flat = v.as_tensor().flatten_all()?;
+        let (n, chunk) = (flat.elem_count(), 1usize << 24);
+        let mut finite = true;
+        for start in (0..n).step_by(chunk) {
+            let part = flat.narrow(0, start, chunk.min(n - start))?;
+            finite &= part.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?.is_finite();
+        }
+        if finite {
+            continue;
+        }
+        let vals = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let nan = vals.iter().filter(|x| x.is_nan()).count();
+        let inf = vals.iter().filter(|x| x.is_infinite()).count();
+        let first = vals.iter().position(|x| !x.is_finite()).unwrap_or(0);
+        return Err(Error::invalid(format!(
+            "{}: tensor {name} holds {nan} NaN and {inf} infinite value(s) of {} (the first at flat \
+             index {first}); the model cannot be used (was it saved from a diverged run?)",
+            dir.display(),
+            vals.len()
+        )));
+    }
+    Ok(())
 }
 
 /// An error listing the tensors the model did not use (a config that does not match its
@@ -343,6 +375,9 @@ pub(crate) fn copy_tokenizer_files(src: &Path, dir: &Path) -> Result<()> {
 /// Writes a folder through `fill(tmp)` and renames it over `dir` once complete.
 /// A previous `dir` is moved aside and removed only after the rename succeeded.
 pub fn write_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    for n in crate::guard::folder::recover_folder_leftovers(dir)? {
+        crate::guard::note(n);
+    }
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;

@@ -187,17 +187,26 @@ pub(super) fn qkv(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, l, _) = x.dims3()?;
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (q, k, v) = qkv_proj(layer, x, c.rms_norm_eps, grad)?;
+    let v = v.reshape((b, l, nkv, d))?;
     let w = |v: &Var| weight(v, layer.base_grad(grad));
-    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
-    let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let q = linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?; // (B, L, Hq * D)
-    let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?; // (B, L, Hkv * D)
-    let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?.reshape((b, l, nkv, d))?;
     // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
     let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
     let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
     // (B, H, L, D) view; attention reads it strided.
     Ok((q, k, v.transpose(1, 2)?))
+}
+
+/// The input norm and the q, k, v projections of `x` `(B, L, hidden)`, as
+/// the projections leave them: `(B, L, Hq * D)`, `(B, L, Hkv * D)` twice.
+pub(super) fn qkv_proj(layer: &Layer, x: &Tensor, eps: f64, grad: Grad) -> Result<(Tensor, Tensor, Tensor)> {
+    let w = |v: &Var| weight(v, layer.base_grad(grad));
+    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
+    let h = ops::rms_norm(x, &w(&layer.input_layernorm), eps)?;
+    let q = linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?;
+    let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?;
+    let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?;
+    Ok((q, k, v))
 }
 
 /// Attention over `q`, `k`, `v` (as [`qkv`] returns them, k and v over every
@@ -227,8 +236,13 @@ pub(super) fn o_proj(layer: &Layer, o: &Tensor, grad: Grad) -> Result<Tensor> {
 pub(super) fn mlp_block(layer: &Layer, c: &Config, x: &Tensor, grad: Grad) -> Result<Tensor> {
     let w = |v: &Var| weight(v, layer.base_grad(grad));
     let h = ops::rms_norm(x, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
-    let gate = linear(&h, layer, Target::GateProj, None, grad)?;
-    let up = linear(&h, layer, Target::UpProj, None, grad)?;
+    mlp_normed(layer, x, &h, grad)
+}
+
+/// [`mlp_block`] with the norm of `x` already taken: `x + down(silu(gate(h)) * up(h))`.
+pub(super) fn mlp_normed(layer: &Layer, x: &Tensor, h: &Tensor, grad: Grad) -> Result<Tensor> {
+    let gate = linear(h, layer, Target::GateProj, None, grad)?;
+    let up = linear(h, layer, Target::UpProj, None, grad)?;
     let mlp = linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
     super::budget::launch(1); // the residual add
     Ok((x + mlp)?)

@@ -5,12 +5,15 @@ pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_ops;
 pub mod frozen;
 pub mod fused;
 pub mod head;
 #[cfg(test)]
 mod kernels_tests;
 pub mod layer;
+mod layer_grad;
 pub mod lora;
 pub mod ops;
 pub mod options;

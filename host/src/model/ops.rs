@@ -73,6 +73,10 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if fused::supported(x) {
         return fused::rms_norm(x, &w.to_dtype(x.dtype())?, eps);
     }
+    #[cfg(feature = "cuda")]
+    if super::cuda_ops::serves(x) && !w.track_op() {
+        return super::cuda_ops::rms_norm(x, &w.to_dtype(x.dtype())?, eps);
+    }
     rms_norm_composed(x, w, eps)
 }
 
@@ -116,6 +120,10 @@ pub fn norm_rope(
     if fused::supported(x) {
         return fused::norm_rope(x, n_heads, &w.to_dtype(x.dtype())?, (cos, sin), eps);
     }
+    #[cfg(feature = "cuda")]
+    if super::cuda_ops::serves(x) && !w.track_op() {
+        return super::cuda_ops::norm_rope(x, n_heads, w, cos, sin, eps);
+    }
     let (b, l, hd) = x.dims3()?;
     budget::launch(budget::copy_of(x));
     let x = x.reshape((b, l, n_heads, hd / n_heads.max(1)))?;
@@ -126,6 +134,10 @@ pub fn norm_rope(
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if fused::supported(gate) {
         return fused::swiglu(gate, up);
+    }
+    #[cfg(feature = "cuda")]
+    if super::cuda_ops::serves(gate) && super::cuda_ops::serves(up) {
+        return super::cuda_ops::swiglu(gate, up);
     }
     budget::launch(2);
     Ok((gate.silu()? * up)?)

@@ -205,6 +205,10 @@ fn paged_layer(
     (pool_k, pool_v): (&Tensor, &Tensor),
     attn: &PagedAttn,
 ) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(slots) = attn.kernel_slots() {
+        return paged_layer_cuda(layer, cfg, x, (cos, sin), (pool_k, pool_v), attn, slots);
+    }
     let (q, k, v) = qkv(layer, cfg, x, cos, sin, Grad::Off)?;
     attn.write(pool_k, &k)?;
     attn.write(pool_v, &v)?;
@@ -212,6 +216,40 @@ fn paged_layer(
     budget::launch(1); // the residual add
     let x = (x + o_proj(layer, &o, Grad::Off)?)?;
     mlp_block(layer, cfg, &x, Grad::Off)
+}
+
+/// [`paged_layer`] on the project's CUDA kernels (`model/cuda/*.cu`): the
+/// keys' norm + rope fused with the write of keys and values into their
+/// slots, the paged-attention kernel, and the residual add fused with the
+/// MLP's RMSNorm (the queries' norm + rope, the input norm and SwiGLU take
+/// their kernels through [`ops`]).
+#[cfg(feature = "cuda")]
+fn paged_layer_cuda(
+    layer: &Layer,
+    cfg: &Config,
+    x: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    (pool_k, pool_v): (&Tensor, &Tensor),
+    attn: &PagedAttn,
+    slots: &Tensor,
+) -> Result<Tensor> {
+    let eps = cfg.rms_norm_eps;
+    let w = |v: &candle_core::Var| ops::weight(v, Grad::Off);
+    let (q, k, v) = super::layer::qkv_proj(layer, x, eps, Grad::Off)?;
+    let q = ops::norm_rope(&q, cfg.num_attention_heads, &w(&layer.q_norm), cos, sin, eps)?;
+    let kv_heads = cfg.num_key_value_heads;
+    super::cuda_ops::norm_rope_write_kv(
+        &k,
+        &v,
+        (kv_heads, &w(&layer.k_norm), eps),
+        (cos, sin),
+        slots,
+        (pool_k, pool_v),
+    )?;
+    let o = o_proj(layer, &attn.attend(&q, pool_k, pool_v, kv_heads)?, Grad::Off)?;
+    let norm = w(&layer.post_attention_layernorm).to_dtype(x.dtype())?;
+    let (x, h) = super::cuda_ops::add_rms_norm(x, &o, &norm, eps)?;
+    super::layer::mlp_normed(layer, &x, &h, Grad::Off)
 }
 
 /// What attention over the pools needs, built once per call and shared by
@@ -314,6 +352,17 @@ impl<'a> PagedAttn<'a> {
             return Ok(Attend::Cuda(meta));
         }
         Ok(Attend::Composed(Gathers::new(seqs, layout, cache.block_size, dtype, dev)?))
+    }
+
+    /// The new tokens' slots `(T)` when the layer runs on the CUDA kernels
+    /// (the paged-attention kernel serves the call and the cache write's
+    /// kernel the head size): see [`paged_layer_cuda`].
+    #[cfg(feature = "cuda")]
+    fn kernel_slots(&self) -> Option<&Tensor> {
+        match self.path {
+            Attend::Cuda(_) => self.token_slots.as_ref(),
+            _ => None,
+        }
     }
 
     /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` (per row:
@@ -635,7 +684,8 @@ mod tests {
             let before = budget::snapshot();
             let logits =
                 feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[vec![5], vec![6], vec![7]]);
-            let sampler = Sampler { temperature: 1.0, top_p: 1.0, top_k: None, min_p: 0.0 };
+            let sampler =
+                Sampler::new(&crate::rollout::SamplingParams { temperature: 1.0, ..Default::default() });
             let blocked = Blocked::new(&logits, &sampler).expect("device pass");
             let mut rngs: Vec<rand::rngs::StdRng> = (0..3).map(rand::rngs::StdRng::seed_from_u64).collect();
             let rows = rngs.iter_mut().enumerate().collect();

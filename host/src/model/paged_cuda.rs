@@ -12,14 +12,12 @@
 //! the warps' partial results are merged at the end. Sums are f32 for f32 and
 //! bf16 pools alike. Inference only: no backward.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda::cudarc::nvrtc;
 use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{CustomOp3, DType, Layout, Shape, Storage, Tensor};
 
+use super::cuda_ops::{view, PAGED_ATTENTION as MODULE};
 use crate::{Error, Result};
 
 /// Threads per block.
@@ -27,23 +25,10 @@ const THREADS: u32 = super::cuda::PAGED_ATTENTION_THREADS;
 /// The largest head dimension the kernel holds in registers (8 per lane).
 pub const MAX_HEAD_DIM: usize = super::cuda::PAGED_ATTENTION_MAX_HEAD_DIM;
 
-/// The kernel source (`model/cuda/paged_attention.cu`).
-const SOURCE: &str = super::cuda::PAGED_ATTENTION;
-
-/// The module name under which candle's device caches the loaded kernel.
-const MODULE: &str = "stapo_paged_attention";
-
-/// The PTX of [`SOURCE`], compiled once per process (NVRTC needs no GPU).
+/// The PTX of the kernel source (`model/cuda/paged_attention.cu`), compiled
+/// once per process (NVRTC needs no GPU).
 pub fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        nvrtc::compile_ptx(SOURCE)
-            .map(|p| p.to_src())
-            .map_err(|e| format!("NVRTC could not compile it: {e:?}"))
-    })
-    .as_ref()
-    .map(|s| s.as_str())
-    .map_err(|e| Error::invalid(format!("paged attention kernel: {e}")))
+    MODULE.ptx()
 }
 
 /// Whether the kernel serves queries in `q` over pools in `pool` with heads
@@ -116,18 +101,6 @@ struct Op<'a> {
     bs: usize,
 }
 
-/// The contiguous part of `s` that `l` describes.
-fn view<'s, T>(
-    s: &'s CudaSlice<T>,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<candle_core::cuda::cudarc::driver::CudaView<'s, T>> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.slice(a..b)),
-        None => candle_core::bail!("paged attention (CUDA): {what} is not contiguous"),
-    }
-}
-
 impl Op<'_> {
     fn launch<T: DeviceRepr + candle_core::WithDType, K: DeviceRepr>(
         &self,
@@ -138,7 +111,7 @@ impl Op<'_> {
         dev: &CudaDevice,
     ) -> candle_core::Result<CudaSlice<T>> {
         let ptx = ptx().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let func = dev.get_or_load_custom_func(name, MODULE, ptx)?;
+        let func = dev.get_or_load_custom_func(name, MODULE.name(), ptx)?;
         let (meta_storage, meta_layout) = self.meta.storage_and_layout();
         let Storage::Cuda(meta_cuda) = &*meta_storage else {
             candle_core::bail!("paged attention (CUDA): the block tables are not on the GPU");

@@ -257,6 +257,20 @@ pub fn load_adapter(model: &mut Qwen3, dir: &Path) -> Result<LoraConfig> {
     let path = dir.join(ADAPTER_WEIGHTS);
     let mut file = candle_core::safetensors::load(&path, &Device::Cpu)
         .map_err(|e| field_err(&path, "<safetensors>", format!("unreadable adapter weights: {e}")))?;
+    // An adapter trained on a deeper model: say so with both layer counts.
+    let layers = model.config().num_hidden_layers;
+    let deepest = file.keys().filter_map(|k| layer_of(k)).max();
+    if let Some(d) = deepest.filter(|&d| d >= layers) {
+        return Err(field_err(
+            &path,
+            "<layers>",
+            format!(
+                "the adapter has weights for layers 0-{d} ({} layers), but its base model has {layers} \
+                 decoder layers (num_hidden_layers); it was trained on another base",
+                d + 1
+            ),
+        ));
+    }
     for (name, var) in model.lora_params() {
         // peft <= 0.6 and some tools keep the adapter name in the key.
         let t = file
@@ -283,6 +297,12 @@ pub fn load_adapter(model: &mut Qwen3, dir: &Path) -> Result<LoraConfig> {
     Ok(cfg.lora)
 }
 
+/// The decoder layer a tensor name belongs to (`...layers.7.mlp...` → 7).
+fn layer_of(name: &str) -> Option<usize> {
+    let (_, rest) = name.split_once("layers.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
 /// Loads the base model of the adapter folder `dir` (`base`, or its
 /// `base_model_name_or_path`) in `dtype` on `device`, with the adapters on.
 pub fn load_with_adapter(
@@ -306,6 +326,20 @@ mod tests {
 
     use super::*;
     use crate::model::{init, Config, TokenBatch};
+
+    #[test]
+    fn errors_name_the_cause_adapter_deeper_than_its_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let lora = LoraConfig::new(2);
+        let mut deep = cfg();
+        deep.num_hidden_layers = 3;
+        let mut d = init(&deep, 3, 0.3, DType::F32, &Device::Cpu).unwrap();
+        d.add_lora(&lora, 4).unwrap();
+        save_adapter(&d, &lora, &dir.path().join("deep"), "base", None).unwrap();
+        let mut m = init(&cfg(), 3, 0.3, DType::F32, &Device::Cpu).unwrap();
+        let e = load_adapter(&mut m, &dir.path().join("deep")).unwrap_err().to_string();
+        assert!(e.contains("layers 0-2 (3 layers)") && e.contains("has 2 decoder layers"), "{e}");
+    }
 
     fn cfg() -> Config {
         Config::from_json_str(

@@ -451,11 +451,14 @@ impl Qwen3 {
         let ctx = self.layer_ctx(positions, pad_bias, offset, l)?;
         // Activation checkpointing: keep only each layer's input, rerun the
         // layer in the backward pass (model::recompute).
-        let recompute =
-            grad == Grad::Track && cache.is_none() && self.recompute().active(b * l, &self.device);
+        let recompute = grad == Grad::Track
+            && cache.is_none()
+            && self.recompute().active(b * l, &self.cfg, x.dtype().size_in_bytes());
         for (i, layer) in self.layers.iter().enumerate() {
             x = if recompute {
                 super::recompute::layer(layer, &ctx, &x)?
+            } else if grad == Grad::Track && cache.is_none() && super::layer_grad::serves(layer, &x) {
+                super::layer_grad::layer(layer, &ctx, &x)?
             } else {
                 let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
                 layer_forward(layer, &ctx, &x, offset, kv, grad)?
@@ -520,6 +523,13 @@ pub fn logprob_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Ten
     let logits = logits.to_dtype(ops::compute_dtype(logits.dtype()))?;
     if super::fused::supported(&logits) {
         return super::fused::logprob_entropy(&logits, targets);
+    }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda()
+        && logits.dtype() == DType::F32
+        && super::fused::Kernels::current() == super::fused::Kernels::Fused
+    {
+        return super::cuda_ops::logprob_entropy(&logits, targets);
     }
     ops::logprob_entropy_composed(&logits, targets)
 }
@@ -618,6 +628,8 @@ impl Qwen3 {
 mod tests {
     use super::*;
     use crate::model::fused::test_util::{randn, rel_err};
+    use crate::model::fused::Kernels;
+    use crate::model::recompute::CHUNK_TOKENS;
 
     /// A tiny f32 model with `layers` decoder layers (hidden 64, 4/2 heads).
     fn tiny_model(layers: usize, seed: u64) -> Qwen3 {
@@ -671,34 +683,103 @@ mod tests {
         }
     }
 
-    /// A recomputed layer's backward in pieces of 7 tokens (3 positions of the
-    /// 2 rows; 40 positions, so the last piece is short) gives the gradients of the
-    /// plain graph of the layer, for the input and every weight.
+    /// A decoder layer with its activations kept and its hand-written
+    /// backward (`layer_grad`) against the plain graph, on left-padded rows
+    /// with the dense and the blockwise attention kernels, in f64 and f32:
+    /// the output, the input's gradient and every weight's. The plain graph
+    /// runs the fused kernels op by op, and candle's own ops (composed
+    /// kernels) in f64, an independent reference.
+    #[test]
+    fn kept_layer_backward_matches_the_plain_graph() {
+        let cfg = tiny_model(1, 0).cfg.clone();
+        let (b, l, pad) = (3, 20, 6);
+        let mask: Vec<Vec<u8>> =
+            (0..b).map(|r| (0..l).map(|j| u8::from(r != 1 || j >= pad)).collect()).collect();
+        let batch = TokenBatch::from_parts(vec![3; b * l], mask.clone(), &Device::Cpu).unwrap();
+        for dtype in [DType::F64, DType::F32] {
+            let m = crate::model::init(&cfg, 21, 0.2, dtype, &Device::Cpu).unwrap();
+            let bias: Vec<f64> =
+                mask.iter().flatten().map(|&x| if x == 1 { 0.0 } else { ops::MASKED as f64 }).collect();
+            let bias = Tensor::from_vec(bias, (b, 1, 1, l), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let x = randn(&[b, l, 64], dtype, 31);
+            let dy = randn(&[b, l, 64], dtype, 32);
+            let layer = &m.layers[0];
+            assert!(super::super::layer_grad::serves(layer, x.as_tensor()));
+            for blockwise in [false, true] {
+                let mut ctx = m.layer_ctx(&batch.positions, &bias, 0, l).unwrap();
+                ctx.mask = ops::AttnMask::with_kernel(l, 0, &bias, dtype, blockwise).unwrap();
+                let run = |kept: bool| {
+                    let y = if kept {
+                        super::super::layer_grad::layer(layer, &ctx, x.as_tensor()).unwrap()
+                    } else {
+                        layer_forward(layer, &ctx, x.as_tensor(), 0, None, Grad::Track).unwrap()
+                    };
+                    let g = (&y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+                    let mut grads = vec![g.get(x.as_tensor()).unwrap().clone()];
+                    grads.extend(layer.vars().iter().map(|v| g.get(v.as_tensor()).unwrap().clone()));
+                    (y, grads)
+                };
+                let (y0, g0) = run(false);
+                let (y1, g1) = run(true);
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                assert!(
+                    rel_err(&y0, &y1) < tol,
+                    "{dtype:?} blockwise {blockwise}: output {:e}",
+                    rel_err(&y0, &y1)
+                );
+                for (i, (a, b)) in g0.iter().zip(&g1).enumerate() {
+                    let e = rel_err(a, b);
+                    assert!(e < tol, "{dtype:?} blockwise {blockwise}: gradient {i} (0 = input): {e:e}");
+                }
+                if dtype == DType::F64 && !blockwise {
+                    let (y2, g2) = Kernels::Composed.scope(|| run(false));
+                    assert!(rel_err(&y2, &y1) < 1e-10, "composed output {:e}", rel_err(&y2, &y1));
+                    for (i, (a, b)) in g2.iter().zip(&g1).enumerate() {
+                        let e = rel_err(a, b);
+                        assert!(e < 1e-10, "against candle's ops: gradient {i} (0 = input): {e:e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A recomputed layer's backward in pieces gives the gradients of the
+    /// plain graph of the layer, for the input and every weight: pieces of
+    /// positions (7 tokens: 3 positions of the 2 rows of 40, so the last
+    /// piece is short; 5 rows of 12, chunk 7: one position a piece) and of
+    /// rows (5 rows of 12, chunk 30: 2 rows a piece, the last piece one row),
+    /// and one piece for all.
     #[test]
     fn chunked_layer_backward_matches_the_plain_graph() {
         let m = tiny_model(1, 6);
-        let (b, l) = (2, 40);
-        let batch = TokenBatch::from_parts(vec![3; b * l], vec![vec![1; l]; b], &Device::Cpu).unwrap();
-        let bias = Tensor::zeros((b, 1, 1, l), DType::F32, &Device::Cpu).unwrap();
-        let ctx = m.layer_ctx(&batch.positions, &bias, 0, l).unwrap();
-        let layer = &m.layers[0];
-        let x = randn(&[b, l, 64], DType::F32, 11);
-        let dy = randn(&[b, l, 64], DType::F32, 12);
-        let y = layer_forward(layer, &ctx, x.as_tensor(), 0, None, Grad::Track).unwrap();
-        let plain = (y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        for chunk in [7, super::super::recompute::CHUNK_TOKENS] {
-            let (dx, grads) =
-                super::super::recompute::layer_backward(layer, &ctx, x.as_tensor(), dy.as_tensor(), chunk)
-                    .unwrap();
-            let e = rel_err(&dx, plain.get(x.as_tensor()).unwrap());
-            assert!(e < 1e-5, "chunk {chunk}: input gradient error {e:e}");
-            for (i, (g, v)) in grads.iter().zip(layer.vars()).enumerate() {
-                let (g, r) = (g.as_ref().unwrap(), plain.get(v.as_tensor()).unwrap());
-                assert!(
-                    rel_err(g, r) < 1e-5,
-                    "chunk {chunk}: weight {i}: gradient error {:e}",
-                    rel_err(g, r)
-                );
+        for (b, l, chunks) in [(2, 40, vec![7, CHUNK_TOKENS]), (5, 12, vec![7, 30, CHUNK_TOKENS])] {
+            let batch = TokenBatch::from_parts(vec![3; b * l], vec![vec![1; l]; b], &Device::Cpu).unwrap();
+            let bias = Tensor::zeros((b, 1, 1, l), DType::F32, &Device::Cpu).unwrap();
+            let ctx = m.layer_ctx(&batch.positions, &bias, 0, l).unwrap();
+            let layer = &m.layers[0];
+            let x = randn(&[b, l, 64], DType::F32, 11);
+            let dy = randn(&[b, l, 64], DType::F32, 12);
+            let y = layer_forward(layer, &ctx, x.as_tensor(), 0, None, Grad::Track).unwrap();
+            let plain = (y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            for chunk in chunks {
+                let (dx, grads) = super::super::recompute::layer_backward(
+                    layer,
+                    &ctx,
+                    x.as_tensor(),
+                    dy.as_tensor(),
+                    chunk,
+                )
+                .unwrap();
+                let e = rel_err(&dx, plain.get(x.as_tensor()).unwrap());
+                assert!(e < 1e-5, "{b} x {l}, chunk {chunk}: input gradient error {e:e}");
+                for (i, (g, v)) in grads.iter().zip(layer.vars()).enumerate() {
+                    let (g, r) = (g.as_ref().unwrap(), plain.get(v.as_tensor()).unwrap());
+                    assert!(
+                        rel_err(g, r) < 1e-5,
+                        "{b} x {l}, chunk {chunk}: weight {i}: gradient error {:e}",
+                        rel_err(g, r)
+                    );
+                }
             }
         }
     }

@@ -20,10 +20,9 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, Device, Layout, MetalStorage, Shape, Tensor, Var,
-};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, MetalStorage, Shape, Tensor, Var};
 
+use super::config::Config;
 use super::layer::{attention_out, layer_forward, mlp_block, qkv, Layer, LayerCtx};
 use super::ops::Grad;
 use super::precomputed::{zero_like, Held};
@@ -36,14 +35,18 @@ pub enum Recompute {
     Off,
     /// Always (when a graph is recorded).
     On,
-    /// From [`Recompute::AUTO_TOKENS`] tokens per forward pass.
+    /// When the activations the backward would keep come to at least
+    /// [`Recompute::AUTO_BYTES`] ([`activation_bytes`]).
     #[default]
     Auto,
 }
 
 impl Recompute {
-    /// Tokens per forward pass (batch × length) from which `Auto` recomputes.
-    pub const AUTO_TOKENS: usize = 2048;
+    /// Bytes of kept activations per forward pass from which `Auto`
+    /// recomputes: 4 GiB, about 1500 tokens at the Qwen3-0.6B shape in f32,
+    /// and no small model's usual batch (the bundled model's 512 sequences of
+    /// 50 tokens keep about 1.5 GB), whose backward then runs as one graph.
+    pub const AUTO_BYTES: usize = 4 << 30;
 
     /// Parses `off`, `on` or `auto`; `what` names the field in the error.
     pub fn parse(s: &str, what: &str) -> Result<Self> {
@@ -64,13 +67,14 @@ impl Recompute {
         }
     }
 
-    /// Whether a forward pass of `tokens` tokens on `device` recomputes (the
-    /// same rule on every device).
-    pub fn active(self, tokens: usize, _device: &Device) -> bool {
+    /// Whether a forward pass of `tokens` tokens of the model `cfg` with
+    /// activations of `elem_bytes` bytes each recomputes (the same rule on
+    /// every device).
+    pub fn active(self, tokens: usize, cfg: &Config, elem_bytes: usize) -> bool {
         match self {
             Self::Off => false,
             Self::On => true,
-            Self::Auto => tokens >= Self::AUTO_TOKENS,
+            Self::Auto => activation_bytes(cfg, elem_bytes).saturating_mul(tokens) >= Self::AUTO_BYTES,
         }
     }
 
@@ -85,6 +89,21 @@ impl Recompute {
             _ => Self::Auto,
         }
     }
+}
+
+/// Bytes of the activations one token keeps for the backward over every
+/// decoder layer, without recomputation: per layer the input, the normed
+/// input, the attention output and its residual, the normed residual and the
+/// MLP output (six hidden-sized rows), q before and after its norm and rotary
+/// embedding and attention's output (three of `heads · head_dim`), k before
+/// and after, and v (three of `kv_heads · head_dim`, one more for the strided
+/// copy attention reads), and gate, up and their product (three of the MLP
+/// width). An estimate within a few rows of what candle's graph holds.
+pub fn activation_bytes(c: &Config, elem_bytes: usize) -> usize {
+    let q = c.num_attention_heads * c.head_dim;
+    let kv = c.num_key_value_heads * c.head_dim;
+    let per_layer = 6 * c.hidden_size + 3 * q + 4 * kv + 3 * c.intermediate_size;
+    per_layer * c.num_hidden_layers * elem_bytes
 }
 
 /// A [`Recompute`] setting shared by every holder of a model.
@@ -104,15 +123,13 @@ impl RecomputeCell {
 }
 
 /// Weight gradients left by a layer's backward for its [`Inject`] nodes.
-type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
+pub(super) type Stash = Arc<Mutex<Vec<Option<Tensor>>>>;
 
-fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(format!("recomputed layer: {e}"))
-}
-
-/// A decoder layer whose activations are recomputed in the backward pass;
-/// same value as [`layer_forward`] with a recorded graph.
-pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
+/// A scalar zero computed from every weight of [`Layer::vars`] by [`Inject`]
+/// nodes, and the stash their backwards read: a layer op that takes the
+/// token as an input runs its backward before theirs, and leaves each
+/// weight's gradient at its index in the stash.
+pub(super) fn weight_token(layer: &Layer) -> Result<(Tensor, Stash)> {
     let vars = layer.vars();
     let stash: Stash = Arc::new(Mutex::new(vec![None; vars.len()]));
     let mut token: Option<Tensor> = None;
@@ -123,7 +140,18 @@ pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor>
             Some(t) => (t + z)?,
         });
     }
-    let token = token.ok_or_else(|| Error::invalid("recomputed layer: a layer without weights"))?;
+    let token = token.ok_or_else(|| Error::invalid("decoder layer: a layer without weights"))?;
+    Ok((token, stash))
+}
+
+fn op_err(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("recomputed layer: {e}"))
+}
+
+/// A decoder layer whose activations are recomputed in the backward pass;
+/// same value as [`layer_forward`] with a recorded graph.
+pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
+    let (token, stash) = weight_token(layer)?;
     let y = layer_forward(layer, ctx, &x.detach(), 0, None, Grad::Off)?;
     let op =
         Checkpoint { layer: layer.clone(), ctx: ctx.clone(), y: Held::new(y, "recomputed layer"), stash };
@@ -181,7 +209,8 @@ impl CustomOp2 for Checkpoint {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, grads) = layer_backward(&self.layer, &self.ctx, x, dy, CHUNK_TOKENS).map_err(op_err)?;
+        let chunk = chunk_tokens(&self.ctx.cfg, x.dtype().size_in_bytes());
+        let (dx, grads) = layer_backward(&self.layer, &self.ctx, x, dy, chunk).map_err(op_err)?;
         let mut stash = self.stash.lock().map_err(op_err)?;
         for ((slot, g), v) in stash.iter_mut().zip(grads).zip(self.layer.vars()) {
             *slot = Some(match g {
@@ -193,8 +222,23 @@ impl CustomOp2 for Checkpoint {
     }
 }
 
-/// Tokens (positions times rows) per piece of a recomputed layer's backward.
+/// Tokens (positions times rows) per piece of a recomputed layer's backward,
+/// at least.
 pub(super) const CHUNK_TOKENS: usize = 1024;
+
+/// Bytes of one layer's activations per piece of a recomputed layer's
+/// backward ([`activation_bytes`] of one layer), at most, beyond
+/// [`CHUNK_TOKENS`] tokens.
+const PIECE_BYTES: usize = 64 << 20;
+
+/// Tokens per piece of a recomputed layer's backward for the model `c`:
+/// [`CHUNK_TOKENS`], or more for narrow models, as many as keep
+/// [`PIECE_BYTES`] of one layer's activations (4369 at the bundled model's
+/// shape in f32: few pieces, each one large product per projection).
+pub(super) fn chunk_tokens(c: &Config, elem_bytes: usize) -> usize {
+    let per_token = (activation_bytes(c, elem_bytes) / c.num_hidden_layers.max(1)).max(1);
+    (PIECE_BYTES / per_token).max(CHUNK_TOKENS)
+}
 
 /// The backward of one decoder layer from its input `x` and the gradient of
 /// its output `dy`: `dx` and the gradients of [`Layer::vars`], in that order
@@ -244,33 +288,31 @@ pub(super) fn layer_backward(
     let (x, dy) = (x.detach(), dy.detach());
     let (b, l, _) = x.dims3()?;
     let (dtype, device) = (x.dtype(), x.device());
-    // Pieces of `rows` positions of every row of the batch.
-    let rows = (chunk / b.max(1)).max(1);
-    let pieces: Vec<(usize, usize)> = (0..l).step_by(rows).map(|s| (s, rows.min(l - s))).collect();
-    let piece_qkv = |x: &Tensor, (s, n): (usize, usize), grad: Grad| {
-        qkv(layer, c, x, &ctx.cos.narrow(2, s, n)?, &ctx.sin.narrow(2, s, n)?, grad)
+    let pieces = Pieces::of(b, l, chunk);
+    let piece_qkv = |x: &Tensor, p: Piece, grad: Grad| {
+        qkv(layer, c, x, &p.of(&ctx.cos, 0, 2)?, &p.of(&ctx.sin, 0, 2)?, grad)
     };
     // 1.
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let q = Var::zeros((b, nq, l, d), dtype, device)?;
     let k = Var::zeros((b, nkv, l, d), dtype, device)?;
     let v = Var::zeros((b, nkv, l, d), dtype, device)?;
-    for &(s, n) in &pieces {
-        let (qp, kp, vp) = piece_qkv(&x.narrow(1, s, n)?, (s, n), Grad::Off)?;
+    for p in pieces.iter() {
+        let (qp, kp, vp) = piece_qkv(&p.of(&x, 0, 1)?, p, Grad::Off)?;
         for (full, part) in [(&q, qp), (&k, kp), (&v, vp)] {
-            full.as_tensor().slice_set(&part.contiguous()?, 2, s)?;
+            p.set(full.as_tensor(), &part.contiguous()?, 0, 2)?;
         }
     }
     // 2.
     let attn = attention_out(layer, ctx, q.as_tensor(), k.as_tensor(), v.as_tensor(), Grad::Track)?;
     // 3.
     let dh = Tensor::zeros(x.shape(), dtype, device)?;
-    for &(s, n) in &pieces {
-        let hv = Var::from_tensor(&(x.narrow(1, s, n)? + attn.narrow(1, s, n)?.detach())?)?;
+    for p in pieces.iter() {
+        let hv = Var::from_tensor(&(p.of(&x, 0, 1)? + p.of(&attn, 0, 1)?.detach())?)?;
         let y = mlp_block(layer, c, hv.as_tensor(), Grad::Track)?;
-        let grads = (y * dy.narrow(1, s, n)?)?.sum_all()?.backward()?;
+        let grads = (y * p.of(&dy, 0, 1)?)?.sum_all()?.backward()?;
         add(&grads)?;
-        dh.slice_set(&grad_of(&grads, hv.as_tensor(), "the MLP input")?, 1, s)?;
+        p.set(&dh, &grad_of(&grads, hv.as_tensor(), "the MLP input")?, 0, 1)?;
     }
     // 4.
     let grads = (attn * &dh)?.sum_all()?.backward()?;
@@ -281,17 +323,79 @@ pub(super) fn layer_backward(
     drop((grads, q, k, v));
     // 5.
     let dxa = Tensor::zeros(x.shape(), dtype, device)?;
-    for &(s, n) in &pieces {
-        let xv = Var::from_tensor(&x.narrow(1, s, n)?)?;
-        let (qp, kp, vp) = piece_qkv(xv.as_tensor(), (s, n), Grad::Track)?;
-        let loss = ((qp * dq.narrow(2, s, n)?)?.sum_all()?
-            + (kp * dk.narrow(2, s, n)?)?.sum_all()?
-            + (vp * dv.narrow(2, s, n)?)?.sum_all()?)?;
+    for p in pieces.iter() {
+        let xv = Var::from_tensor(&p.of(&x, 0, 1)?)?;
+        let (qp, kp, vp) = piece_qkv(xv.as_tensor(), p, Grad::Track)?;
+        let loss = ((qp * p.of(&dq, 0, 2)?)?.sum_all()?
+            + (kp * p.of(&dk, 0, 2)?)?.sum_all()?
+            + (vp * p.of(&dv, 0, 2)?)?.sum_all()?)?;
         let grads = loss.backward()?;
         add(&grads)?;
-        dxa.slice_set(&grad_of(&grads, xv.as_tensor(), "the input")?, 1, s)?;
+        p.set(&dxa, &grad_of(&grads, xv.as_tensor(), "the input")?, 0, 1)?;
     }
     Ok(((dh + dxa)?, sums))
+}
+
+/// How [`layer_backward`] cuts a `(B, L)` batch into pieces of about
+/// `chunk` tokens: whole rows, `chunk / L` of them a piece, when a row is
+/// shorter than `chunk` (contiguous slices of every tensor, each piece one
+/// large product per projection); else every row at once, `chunk / B`
+/// positions (at least one) a piece.
+struct Pieces {
+    /// True for pieces of rows, false for pieces of positions.
+    by_row: bool,
+    /// Rows (or positions) in all.
+    len: usize,
+    /// Rows (or positions) per piece.
+    step: usize,
+}
+
+impl Pieces {
+    fn of(b: usize, l: usize, chunk: usize) -> Self {
+        if l < chunk && b > 1 {
+            Self { by_row: true, len: b, step: (chunk / l.max(1)).max(1) }
+        } else {
+            Self { by_row: false, len: l, step: (chunk / b.max(1)).max(1) }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Piece> + '_ {
+        (0..self.len).step_by(self.step).map(|s| Piece {
+            by_row: self.by_row,
+            start: s,
+            len: self.step.min(self.len - s),
+        })
+    }
+}
+
+/// One piece of [`Pieces`]: `len` rows or positions from `start`.
+#[derive(Clone, Copy)]
+struct Piece {
+    by_row: bool,
+    start: usize,
+    len: usize,
+}
+
+impl Piece {
+    /// The dimension of a tensor this piece cuts, given where its rows and
+    /// its positions are.
+    fn dim(&self, row_dim: usize, pos_dim: usize) -> usize {
+        if self.by_row {
+            row_dim
+        } else {
+            pos_dim
+        }
+    }
+
+    /// This piece of `t`, whose rows are dimension `row_dim` and positions `pos_dim`.
+    fn of(&self, t: &Tensor, row_dim: usize, pos_dim: usize) -> Result<Tensor> {
+        Ok(t.narrow(self.dim(row_dim, pos_dim), self.start, self.len)?)
+    }
+
+    /// Writes `part` into this piece of `full`.
+    fn set(&self, full: &Tensor, part: &Tensor, row_dim: usize, pos_dim: usize) -> Result<()> {
+        Ok(full.slice_set(part, self.dim(row_dim, pos_dim), self.start)?)
+    }
 }
 
 /// A scalar zero computed from one weight, whose backward returns that

@@ -268,7 +268,7 @@ pub fn run_interactive(opts: HostOptions, cancel: &'static std::sync::atomic::At
                     Feed::Done(s) => {
                         print!("{s}");
                         let _ = std::io::stdout().flush();
-                        crate::script::signal::clear();
+                        crate::guard::signal::clear();
                         if let Ok(mut n) = names.lock() {
                             *n = repl.session().completions();
                         }

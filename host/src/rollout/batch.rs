@@ -245,7 +245,17 @@ impl RolloutBatch {
                     batch.prompts.push(info);
                 }
                 "sample" => {
-                    batch.samples.push(obj.sample().map_err(|m| parse_err(line_no, m))?);
+                    let sample = obj.sample().map_err(|m| parse_err(line_no, m))?;
+                    if let Some(r) = sample.reward.filter(|r| !r.is_finite()) {
+                        let raw = map.get("reward").map_or(String::new(), |v| format!(" ({v})"));
+                        let msg = format!(
+                            "field `reward` of sample {} is {r}{raw}: a reward must be a finite f32 \
+                             (|r| < 3.4e38)",
+                            batch.samples.len()
+                        );
+                        return Err(parse_err(line_no, msg));
+                    }
+                    batch.samples.push(sample);
                     sample_lines.push(line_no);
                 }
                 other => {

@@ -2,15 +2,18 @@
 //! length and every prompt against the model's `max_position_embeddings` (vLLM refuses a
 //! request whose prompt plus `max_tokens` exceeds `max_model_len` the same way), and the
 //! KV cache of one sequence against the machine's memory (the engine's paged pool
-//! budgets the batch: `rollout_engine.kv_cache_gb`).
+//! budgets the batch: `rollout.engine.kv_cache_gb`). The bytes per position are
+//! `model::PagedKvCache::bytes_per_token`'s, the machine's memory `host_memory`'s: the
+//! formula and the memory probe the engine's budget uses.
 //!
 //! Without them `max_tokens: 10^9` (a CLI flag or a sampling hook's return) aborted the
 //! process on a 768 GB allocation, and a prompt past the position table trained silently.
 
 use candle_core::DType;
 
+use super::kv_cache_manager::host_memory;
 use super::SamplingParams;
-use crate::model::Config;
+use crate::model::{Config, PagedKvCache};
 use crate::{Error, Result};
 
 /// Checks `params.max_new_tokens` and `prompts` (token ids) against `cfg`'s
@@ -53,7 +56,7 @@ pub fn check_generation(
     }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let bytes = kv_cache_bytes(cfg, dtype, rows, longest + max_new);
-    if let (true, Some(total)) = (on_cpu, machine_memory_bytes()) {
+    if let (true, Some(total)) = (on_cpu, host_memory().map(|m| m.total as u128)) {
         if bytes > total {
             return Err(Error::invalid(format!(
                 "generate: the KV cache of {rows} rows x {} positions would take {:.1} GB, more than this \
@@ -69,17 +72,7 @@ pub fn check_generation(
 
 /// Bytes of keys and values for `rows` sequences of `positions` positions.
 pub fn kv_cache_bytes(cfg: &Config, dtype: DType, rows: usize, positions: usize) -> u128 {
-    let per_position =
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes();
-    per_position as u128 * rows as u128 * positions as u128
-}
-
-/// The machine's memory (`MemTotal` of /proc/meminfo), when it can be read.
-fn machine_memory_bytes() -> Option<u128> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    PagedKvCache::bytes_per_token(cfg, dtype) as u128 * rows as u128 * positions as u128
 }
 
 #[cfg(test)]

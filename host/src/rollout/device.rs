@@ -44,6 +44,10 @@ pub enum StepLogits {
     },
     /// Kept on the device; only per-row and per-block numbers were copied.
     Device(Blocked),
+    /// On CUDA, drawn by the sampling kernel (`model/cuda/sample.cu`), filters
+    /// included: only four numbers per row come back.
+    #[cfg(feature = "cuda")]
+    Kernel(Tensor),
 }
 
 /// Device-side state of [`StepLogits::Device`].
@@ -64,6 +68,10 @@ impl StepLogits {
     /// Prepares `(B, V)` logits for `sampler`: on the device when they live on
     /// one and the sampler needs no sort, else on the host.
     pub fn new(logits: &Tensor, sampler: &Sampler) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if logits.device().is_cuda() && crate::model::Kernels::current() == crate::model::Kernels::Fused {
+            return Ok(Self::Kernel(logits.to_dtype(DType::F32)?.contiguous()?));
+        }
         if logits.device().is_cpu() || filters(sampler, logits.dim(D::Minus1)?) {
             return Self::host(logits);
         }
@@ -85,15 +93,59 @@ impl StepLogits {
                 .map(|(l, rng)| sampler.draw(&data[l * vocab..(l + 1) * vocab], rng))
                 .collect(),
             Self::Device(b) => b.draw(sampler, rows),
+            #[cfg(feature = "cuda")]
+            Self::Kernel(logits) => kernel_draw(logits, sampler, rows),
         }
     }
+}
+
+/// [`StepLogits::draw`] by the sampling kernel: each row's uniform number is
+/// drawn here from the row's generator, as [`Sampler::draw`] draws it (none
+/// for greedy decoding), so a row draws the host's token.
+#[cfg(feature = "cuda")]
+fn kernel_draw(
+    logits: &Tensor,
+    sampler: &Sampler,
+    rows: Vec<(usize, &mut StdRng)>,
+) -> Result<Vec<TokenDraw>> {
+    use crate::model::cuda_ops::{sample, SampleParams};
+    let (n, vocab) = logits.dims2()?;
+    let idx: Vec<u32> = rows.iter().map(|(r, _)| *r as u32).collect();
+    let p = sampler.params();
+    let greedy = p.temperature == 0.0;
+    let uniforms: Vec<f64> =
+        rows.into_iter().map(|(_, rng)| if greedy { 0.0 } else { rng.random::<f64>() }).collect();
+    let all_in_order = idx.len() == n && idx.iter().enumerate().all(|(i, &r)| r as usize == i);
+    let picked = if all_in_order {
+        logits.clone()
+    } else {
+        logits.index_select(&Tensor::from_vec(idx.clone(), idx.len(), logits.device())?, 0)?
+    };
+    let params = SampleParams {
+        inv_t: if greedy { 0.0 } else { (1.0 / p.temperature) as f32 },
+        top_k: p.top_k.filter(|&k| k < vocab).unwrap_or(0),
+        top_p: p.top_p,
+        min_p: p.min_p,
+    };
+    sample(&picked, &uniforms, params)?
+        .into_iter()
+        .zip(idx)
+        .map(|([logprob, logprob_raw, entropy, id], r)| {
+            if id < 0.0 {
+                return Err(Error::invalid(format!(
+                    "sampling: logits of row {r} contain NaN or no finite maximum"
+                )));
+            }
+            Ok(TokenDraw { id: id as u32, logprob, logprob_raw, entropy })
+        })
+        .collect()
 }
 
 /// Whether a filter (the sampler's list: top-k, top-p, ...) removes tokens: then the
 /// vocabulary must be sorted, on the host. Asked of the sampler, so that a filter added
 /// there cannot be dropped here.
 fn filters(s: &Sampler, vocab: usize) -> bool {
-    s.temperature != 0.0 && s.filters(vocab)
+    s.temperature() != 0.0 && s.filters(vocab)
 }
 
 impl Blocked {
@@ -119,10 +171,11 @@ impl Blocked {
         // exp(d) * d with d clamped, so that a -inf logit adds 0 rather than NaN
         // (the host sampler skips e == 0 terms for the same reason).
         let sum_ed = (&e * d.clamp(PAD, 0f32)?)?.sum(D::Minus1)?;
-        let block_mass = if sampler.temperature == 0.0 {
+        let block_mass = if sampler.temperature() == 0.0 {
             Vec::new()
         } else {
-            let w = if sampler.temperature == 1.0 { e } else { (&d * (1.0 / sampler.temperature))?.exp()? };
+            let w =
+                if sampler.temperature() == 1.0 { e } else { (&d * (1.0 / sampler.temperature()))?.exp()? };
             budget::host_copy();
             w.reshape((b, blocks, BLOCK))?.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?
         };
@@ -150,7 +203,7 @@ impl Blocked {
             let ln_s = s.ln();
             Ok((ln_s, (ln_s - self.sum_ed[r] as f64 / s) as f32))
         };
-        if sampler.temperature == 0.0 {
+        if sampler.temperature() == 0.0 {
             // The argmax has d = 0, so its log-prob is -ln S.
             return rows
                 .into_iter()
@@ -189,7 +242,7 @@ impl Blocked {
         let idx = Tensor::from_vec(idx, picks.len(), self.shifted.device())?;
         budget::host_copy();
         let chosen = self.shifted.index_select(&idx, 0)?.to_vec2::<f32>()?;
-        let inv_t = (1.0 / sampler.temperature) as f32;
+        let inv_t = (1.0 / sampler.temperature()) as f32;
         picks
             .into_iter()
             .zip(chosen)

@@ -1,36 +1,56 @@
 //! Batched sampling of responses from a Qwen3 policy: the rollout phase of GRPO.
 //!
-//! [`engine`] runs continuous batching over a paged KV cache ([`blocks`],
-//! `model::paged`): each prompt is prefilled once, its `n` samples (a GRPO
-//! group, Shao et al. 2024, "DeepSeekMath", §4.1) share the prompt's cache
-//! blocks, finished rows free their blocks at once and waiting prompts take
-//! their place. Tokens are drawn with temperature, top-k and top-p (nucleus,
-//! Holtzman et al. 2020) sampling. Every sampled token records the log-prob
+//! The engine runs continuous batching over a paged KV cache, in the shape of
+//! vLLM v1 and mistral.rs's `paged_attention`: [`engine`] is the loop;
+//! `scheduler/` picks each step's work (the queues of `request.rs`, a
+//! [`SchedulePolicy`] per file: continuous batching, static batching);
+//! `kv_cache_manager.rs` owns the block budget and the cache ([`blocks`]:
+//! reference-counted blocks, prefix caching; `model::paged`: the tensors);
+//! `model_runner.rs` runs the model call and draws; [`stats`] records what a
+//! call did. Each prompt is prefilled once, its `n` samples (a GRPO group,
+//! Shao et al. 2024, "DeepSeekMath", §4.1) share the prompt's cache blocks,
+//! finished rows free their blocks at once and waiting prompts take their
+//! place. Tokens are drawn with temperature, top-k, top-p (nucleus, Holtzman
+//! et al. 2020) and min-p sampling. Every sampled token records the log-prob
 //! under the sampling distribution, the log-prob under the untempered policy
 //! (pi_old, what the PPO ratio divides by) and the full-vocabulary entropy
 //! (what STAPO's S2T mask thresholds). A [`RolloutBatch`] saves to and loads
 //! from JSONL so a batch can be replayed offline.
 //!
-//! [`Generator`] is the one entry point from problems to samples (template,
-//! tokens, stop ids, generation, decoded text) used by every caller.
+//! Two entry points: [`generate_tokens`] takes token ids (and checks them),
+//! [`generate_text`]'s [`Generator`] takes problems (template, tokens, stop
+//! ids, generation, decoded text) and is what every caller uses.
 
 pub mod batch;
 pub mod blocks;
+#[cfg(test)]
+mod blocks_tests;
 pub mod bounds;
+pub mod config;
 pub mod device;
 pub mod engine;
-pub mod generate;
-pub mod generator;
+#[cfg(test)]
+mod engine_tests;
+pub mod generate_text;
+pub mod generate_tokens;
+pub mod kv_cache_manager;
+mod model_runner;
 pub mod params;
+mod request;
 mod row;
 pub mod sampler;
+mod scheduler;
+pub mod stats;
 
 pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
-pub use engine::{EngineConfig, EngineStats, GenerateHooks, KvCacheDtype, Policy, RolloutFigures};
-pub use generate::{bench_generate, generate, generate_stats, generate_with};
-pub use generator::{check_vocab, Generation, Generator};
+pub use config::{EngineConfig, KvCacheDtype};
+pub use engine::GenerateOptions;
+pub use generate_text::{check_vocab, Generation, Generator};
+pub use generate_tokens::{bench_generate, generate, generate_stats, generate_with};
 pub use params::SamplingParams;
 pub use sampler::{row_seed, Sampler, TokenDraw};
+pub use scheduler::{SchedulePolicy, PREFILL_TOKENS};
+pub use stats::{EngineStats, Phases};
 
 /// Fixtures for the unit tests of this module: tiny random models.
 #[cfg(test)]

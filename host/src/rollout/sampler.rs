@@ -41,17 +41,11 @@ pub struct TokenDraw {
     pub entropy: f32,
 }
 
-/// The sampling transform of one [`SamplingParams`]; cheap to copy into threads.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The sampling transform of one [`SamplingParams`]: its temperature and filters
+/// (top-k, top-p, min-p), read from the parameters it holds.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampler {
-    /// 0 = greedy.
-    pub temperature: f64,
-    /// 1.0 = off.
-    pub top_p: f64,
-    /// None = off.
-    pub top_k: Option<usize>,
-    /// 0.0 = off.
-    pub min_p: f64,
+    params: SamplingParams,
 }
 
 /// Tokens selected and sorted before top-p first checks the mass it has.
@@ -128,25 +122,30 @@ impl RawStats {
 }
 
 impl Sampler {
-    /// The transform of `params` (its temperature, top-p and top-k).
+    /// The transform of `params` (its temperature, top-k, top-p and min-p).
     pub fn new(params: &SamplingParams) -> Self {
-        Self {
-            temperature: params.temperature,
-            top_p: params.top_p,
-            top_k: params.top_k,
-            min_p: params.min_p,
-        }
+        Self { params: params.clone() }
+    }
+
+    /// The sampling parameters whose transform this is.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The softmax temperature (0: greedy).
+    pub fn temperature(&self) -> f64 {
+        self.params.temperature
     }
 
     /// True when a filter (top-k, top-p, min-p) removes tokens: the one list of
     /// the filters, which the device path (`device.rs`) asks too.
     pub(super) fn filters(&self, vocab: usize) -> bool {
-        self.top_p < 1.0 || self.top_k.is_some_and(|k| k < vocab) || self.min_p > 0.0
+        self.params.top_p < 1.0 || self.params.top_k.is_some_and(|k| k < vocab) || self.params.min_p > 0.0
     }
 
     /// `1 / T` in f32 (the per-token math runs in f32, sums in f64).
     fn inv_t(&self) -> f32 {
-        (1.0 / self.temperature) as f32
+        (1.0 / self.params.temperature) as f32
     }
 
     /// Tempered log-weight `(l - max) / T` of a token; 0 for the most likely.
@@ -166,21 +165,21 @@ impl Sampler {
         let v = logits.len();
         let cmp = by_logit_desc(logits);
         let mut pool: Vec<u32> = (0..v as u32).collect();
-        let k = self.top_k.unwrap_or(v).min(v);
+        let k = self.params.top_k.unwrap_or(v).min(v);
         if k < v {
             pool.select_nth_unstable_by(k - 1, &cmp);
             pool.truncate(k);
         }
         let total: f64 = pool.iter().map(|&i| self.weight(logits[i as usize], max)).sum();
         // Top-p's target is a share of the top-k survivors' mass, taken before min-p cuts.
-        let target = self.top_p * total;
-        if self.min_p > 0.0 {
+        let target = self.params.top_p * total;
+        if self.params.min_p > 0.0 {
             // Min-p: tempered probability >= min_p x the most likely token's, whose weight
             // is exactly 1, so weight >= min_p. The kept set is a prefix of the sorted
             // order, so cutting it first and top-p's prefix after keeps HF's set.
-            pool.retain(|&i| self.weight(logits[i as usize], max) >= self.min_p);
+            pool.retain(|&i| self.weight(logits[i as usize], max) >= self.params.min_p);
         }
-        if self.top_p >= 1.0 {
+        if self.params.top_p >= 1.0 {
             pool.sort_unstable_by(&cmp);
             let total = pool.iter().map(|&i| self.weight(logits[i as usize], max)).sum();
             return (pool, total);
@@ -213,7 +212,7 @@ impl Sampler {
     /// does not build it.
     pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
         let stats = RawStats::new(logits)?;
-        if self.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
             return Ok(vec![(stats.argmax as u32, 1.0)]);
         }
         let (ids, total) = if self.filters(logits.len()) {
@@ -229,7 +228,7 @@ impl Sampler {
     /// Draws one token from `logits` (one row, the full vocabulary) with `rng`,
     /// returning it with its sampling log-prob, raw log-prob and entropy.
     pub fn draw(&self, logits: &[f32], rng: &mut StdRng) -> Result<TokenDraw> {
-        let plain_t1 = self.temperature == 1.0 && !self.filters(logits.len());
+        let plain_t1 = self.params.temperature == 1.0 && !self.filters(logits.len());
         let stats = RawStats::with_exps(logits, plain_t1)?;
         let done = |id: usize, logprob: f64| TokenDraw {
             id: id as u32,
@@ -237,7 +236,7 @@ impl Sampler {
             logprob_raw: stats.logprob(logits, id),
             entropy: stats.entropy,
         };
-        if self.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
             return Ok(done(stats.argmax, 0.0));
         }
         let max = stats.max;
@@ -257,7 +256,7 @@ impl Sampler {
             }
             return Ok(done(pick, self.log_weight(logits[pick], max) as f64 - total.ln()));
         }
-        let total: f64 = if self.temperature == 1.0 {
+        let total: f64 = if self.params.temperature == 1.0 {
             stats.sum
         } else {
             logits.iter().map(|&l| self.weight(l, max)).sum()
@@ -288,7 +287,11 @@ mod tests {
     use super::*;
 
     fn sampler(temperature: f64, top_p: f64, top_k: Option<usize>) -> Sampler {
-        Sampler { temperature, top_p, top_k, min_p: 0.0 }
+        Sampler::new(&SamplingParams { temperature, top_p, top_k, ..SamplingParams::default() })
+    }
+
+    fn with_min_p(min_p: f64, s: Sampler) -> Sampler {
+        Sampler::new(&SamplingParams { min_p, ..s.params().clone() })
     }
 
     fn softmax(x: &[f64]) -> Vec<f64> {
@@ -390,7 +393,7 @@ mod tests {
     fn min_p_keeps_tokens_above_its_share_of_the_top() {
         let probs = [0.5f64, 0.3, 0.15, 0.05];
         let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
-        let s = Sampler { min_p: 0.2, ..sampler(1.0, 1.0, None) };
+        let s = with_min_p(0.2, sampler(1.0, 1.0, None));
         let want = [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95];
         let got = s.distribution(&logits).expect("distribution");
         assert_eq!(got.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![0, 1, 2]);
@@ -401,15 +404,15 @@ mod tests {
         assert_close(&found, &[want[0], want[1], want[2], 0.0], 0.015);
         // At temperature 0.5 the probabilities are 25:9:2.25:0.25 / 36.5, and min_p 0.2
         // (>= 5/36.5) keeps the first two.
-        let s = Sampler { min_p: 0.2, ..sampler(0.5, 1.0, None) };
+        let s = with_min_p(0.2, sampler(0.5, 1.0, None));
         let ids: Vec<u32> = s.distribution(&logits).expect("distribution").iter().map(|d| d.0).collect();
         assert_eq!(ids, vec![0, 1]);
-        let s = Sampler { min_p: 0.5, ..sampler(1.0, 0.7, None) };
+        let s = with_min_p(0.5, sampler(1.0, 0.7, None));
         let got = s.distribution(&logits).expect("distribution");
         assert_eq!(got.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![0, 1]);
         // min_p 0 is off (no filter); 1 keeps only the top.
-        assert!(!Sampler { min_p: 0.0, ..sampler(1.0, 1.0, None) }.filters(4));
-        let top = Sampler { min_p: 1.0, ..sampler(1.0, 1.0, None) }.distribution(&logits).expect("d");
+        assert!(!with_min_p(0.0, sampler(1.0, 1.0, None)).filters(4));
+        let top = with_min_p(1.0, sampler(1.0, 1.0, None)).distribution(&logits).expect("d");
         assert_eq!(top, vec![(0, 1.0)]);
     }
 

@@ -27,7 +27,6 @@ pub mod resolver;
 pub mod runner;
 pub mod session;
 pub mod shared_state;
-pub mod signal;
 pub mod table;
 pub mod train_loop;
 pub mod watch;
@@ -71,7 +70,7 @@ pub fn build_engine(host: &Arc<Host>) -> Engine {
     let h = host.clone();
     engine.on_progress(move |ops| {
         if h.cancelled() {
-            return Some(Dynamic::from("cancelled (Ctrl-C)"));
+            return Some(Dynamic::from(format!("cancelled ({})", crate::guard::signal::cause())));
         }
         // Reading the clock costs about as much as an operation: every 64th is enough.
         if ops % DEADLINE_EVERY == 0 {

@@ -29,6 +29,10 @@ pub struct TrainSummary {
     pub accuracy: Option<f64>,
     /// True when `should_stop` ended the run.
     pub stopped_early: bool,
+    /// The checkpoint written at the end (empty when none was: no step completed).
+    pub checkpoint: String,
+    /// True when the `train` call ended with an error (a signal, a failed hook, ...).
+    pub failed: bool,
 }
 
 /// What running a script did.
@@ -59,6 +63,8 @@ fn summary(m: &Map) -> TrainSummary {
         reward: fin.get("reward_mean").and_then(num),
         accuracy: fin.get("accuracy").and_then(num),
         stopped_early: m.get("stopped_early").and_then(|s| s.as_bool().ok()).unwrap_or(false),
+        checkpoint: m.get("checkpoint").map(|c| c.to_string()).unwrap_or_default(),
+        failed: m.get("failed").and_then(|s| s.as_bool().ok()).unwrap_or(false),
     }
 }
 

@@ -76,6 +76,9 @@ pub struct HostOptions {
     /// the run's `run_config.json` (`stapo run --resume DIR --apply-changes`); without it a
     /// difference is an error listing the fields.
     pub apply_changes: bool,
+    /// On resume, cut a damaged `metrics.jsonl` back to its last whole step
+    /// (`--repair-metrics`); without it a damaged line is an error naming it.
+    pub repair_metrics: bool,
     /// Draw a progress bar during `train` (only on a terminal).
     pub progress: bool,
     /// Watch the script and its imports and swap hooks when they change.

@@ -68,7 +68,7 @@ use crate::algo::MaskConfig;
 use crate::files::append_line;
 use crate::overlay;
 use crate::train::trainer::RunFolder;
-use crate::train::{config::moved_to, RunConfig, StepMetrics, StepPlan, Trainer};
+use crate::train::{config::moved_to, ResumeOptions, RunConfig, StepMetrics, StepPlan, Trainer};
 use crate::{Error, Result};
 
 /// Keys of a config map that belong to the host, not to `RunConfig`.
@@ -145,7 +145,7 @@ pub fn check_set_keys(args: &std::collections::BTreeMap<String, String>, script:
         if reads_it {
             continue;
         }
-        let leaves = config_leaves();
+        let leaves = RunConfig::leaves();
         let section: Vec<&str> =
             leaves.iter().filter(|l| l.starts_with(&format!("{k}."))).map(String::as_str).collect();
         let msg = match moved_to(k) {
@@ -206,26 +206,6 @@ fn args_read(script: &str) -> Option<Vec<String>> {
         return None;
     }
     Some(keys)
-}
-
-/// Every leaf path of the default configuration tree (for suggestions).
-fn config_leaves() -> Vec<String> {
-    fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
-        match v {
-            Value::Object(o) => {
-                for (k, x) in o {
-                    let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                    walk(x, &p, out);
-                }
-            }
-            _ => out.push(path.to_string()),
-        }
-    }
-    let mut out = Vec::new();
-    if let Ok(v) = serde_json::to_value(RunConfig::default()) {
-        walk(&v, "", &mut out);
-    }
-    out
 }
 
 /// Smoke mode: tiny steps whatever the script asked for.
@@ -444,7 +424,11 @@ fn with_checkpoint(e: Error, ckpt: &Result<String>, run_dir: &Path) -> Error {
                 run_dir.display()
             )
         }
-        Ok(_) => format!("; no step completed, so no checkpoint (run folder {})", run_dir.display()),
+        Ok(_) => format!(
+            "; no step completed, so no checkpoint: start it again into the same folder, or \
+             stapo run --resume {} (from step 0)",
+            run_dir.display()
+        ),
         Err(c) => format!("; the checkpoint after the failure could not be written either: {c}"),
     };
     match e {
@@ -482,6 +466,12 @@ fn save_script(host: &Host, run_dir: &Path) {
 pub fn make_trainer(host: &Host, cfg: &Map) -> RhaiResult<Trainer> {
     let name = cfg.get("name").filter(|n| n.is_string()).map(|n| n.to_string());
     let (dir, resume) = host.next_run_dir(name.as_deref());
+    make_trainer_in(host, cfg, &dir, resume)
+}
+
+/// [`make_trainer`] in folder `dir`, resuming the run there when `resume`.
+fn make_trainer_in(host: &Host, cfg: &Map, dir: &Path, resume: bool) -> RhaiResult<Trainer> {
+    let dir = dir.to_path_buf();
     let wanted = run_config(host, cfg)?;
     let t = if resume {
         resume_trainer(host, &dir, wanted)?
@@ -502,7 +492,8 @@ fn resume_trainer(host: &Host, dir: &Path, wanted: RunConfig) -> RhaiResult<Trai
     let saved = RunFolder::read_config(dir).map_err(host_err)?;
     let diffs = saved.differences(&wanted);
     if diffs.is_empty() {
-        return Trainer::resume(dir).map_err(host_err);
+        let opts = ResumeOptions { changed: None, repair_metrics: host.opts.repair_metrics };
+        return Trainer::resume_with(crate::dist::world(), dir, opts).map_err(host_err);
     }
     let list: Vec<String> = diffs.iter().map(|(p, a, b)| format!("{p} ({a} -> {b})")).collect();
     let list = list.join(", ");
@@ -519,7 +510,8 @@ fn resume_trainer(host: &Host, dir: &Path, wanted: RunConfig) -> RhaiResult<Trai
         ));
     }
     log_reload(host, Some(dir), &format!("resume: applying {} changed field(s): {list}", diffs.len()));
-    Trainer::resume_with(crate::dist::world(), dir, Some(wanted)).map_err(host_err)
+    let opts = ResumeOptions { changed: Some(wanted), repair_metrics: host.opts.repair_metrics };
+    Trainer::resume_with(crate::dist::world(), dir, opts).map_err(host_err)
 }
 
 fn progress_bar(host: &Host, total: u64, pos: u64) -> ProgressBar {
@@ -540,7 +532,16 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
         .map_err(|_| bad_arg("train", format!("steps: expected a non-negative integer, found {steps}")))?;
     let steps = if host.opts.smoke { steps.min(2) } else { steps };
     let started = Instant::now();
-    let mut trainer = make_trainer(host, cfg)?;
+    let name = cfg.get("name").filter(|n| n.is_string()).map(|n| n.to_string());
+    let (dir, resume) = host.next_run_dir(name.as_deref());
+    let mut trainer = match make_trainer_in(host, cfg, &dir, resume) {
+        Ok(t) => t,
+        Err(e) => {
+            // The batch summary still names the run's folder.
+            host.push_result(failed_summary(&dir, 0, "", started));
+            return Err(e);
+        }
+    };
     let run_dir = trainer.run_dir().to_path_buf();
     let pb = progress_bar(host, steps, trainer.step_count());
     host.set_progress(Some(pb.clone()));
@@ -548,13 +549,18 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     let result = run_steps(engine, host, &mut trainer, steps, &pb, limit);
     pb.finish_and_clear();
     host.set_progress(None);
-    // Checkpoint whatever happened, so the run can be resumed.
-    let ckpt = if trainer.step_count() > 0 {
-        trainer.checkpoint().map(|p| p.display().to_string())
-    } else {
-        Ok(String::new())
+    // Checkpoint whatever happened, so the run can be resumed (a checkpoint of this very
+    // step, written by `save_every` just before a signal, is not written twice; a diverged
+    // step is never saved).
+    let ckpt = trainer.save_on_exit().map(|p| p.map(|p| p.display().to_string()).unwrap_or_default());
+    let (last, stopped_early) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let at = ckpt.as_deref().unwrap_or_default();
+            host.push_result(failed_summary(&run_dir, trainer.step_count(), at, started));
+            return Err(to_rhai(with_checkpoint(e, &ckpt, &run_dir)));
+        }
     };
-    let (last, stopped_early) = result.map_err(|e| to_rhai(with_checkpoint(e, &ckpt, &run_dir)))?;
     let ckpt = ckpt.map_err(host_err)?;
     let mut summary = Map::new();
     summary.insert("run_dir".into(), run_dir.display().to_string().into());
@@ -579,6 +585,18 @@ pub fn train(engine: &Engine, host: &Arc<Host>, cfg: &Map, steps: i64) -> RhaiRe
     Ok(summary)
 }
 
+/// The summary of a `train` call that failed after `steps` steps, checkpointed at `ckpt`
+/// (empty: no checkpoint).
+fn failed_summary(run_dir: &Path, steps: u64, ckpt: &str, started: Instant) -> Map {
+    let mut summary = Map::new();
+    summary.insert("run_dir".into(), run_dir.display().to_string().into());
+    summary.insert("steps".into(), (steps as i64).into());
+    summary.insert("failed".into(), true.into());
+    summary.insert("checkpoint".into(), ckpt.into());
+    summary.insert("seconds".into(), started.elapsed().as_secs_f64().into());
+    summary
+}
+
 /// The step loop; returns the last metrics and whether `should_stop` ended it.
 fn run_steps(
     engine: &Engine,
@@ -596,7 +614,11 @@ fn run_steps(
     let cancel = host.cancel_flag();
     while trainer.step_count() < steps {
         if host.cancelled() {
-            return Err(Error::invalid("training cancelled (Ctrl-C); a checkpoint was written"));
+            return Err(Error::invalid(format!(
+                "training stopped by {} after step {}",
+                crate::guard::signal::cause(),
+                trainer.step_count()
+            )));
         }
         let step = trainer.step_count();
         maybe_reload(engine, host, Some(trainer.run_dir()), step);

@@ -48,7 +48,8 @@ pub struct RunConfig {
     pub logging: LoggingConfig,
     /// Seeds every random choice of the run (data order, sampling, LoRA init, shuffles).
     pub seed: u64,
-    /// The guards against lost work (`guard.max_nonfinite_steps`): see [`crate::guard`].
+    /// The guards against lost work and divergence (`guard.max_nonfinite_steps`,
+    /// `guard.on_divergence`, ...): see [`crate::guard`].
     pub guard: crate::guard::GuardConfig,
 }
 
@@ -254,6 +255,12 @@ impl RunConfig {
         Ok(cfg)
     }
 
+    /// Every leaf path of the default tree (`actor.optim.lr`): what `--set` and a
+    /// script's config map may name, for help texts and suggestions.
+    pub fn leaves() -> Vec<String> {
+        serde_json::to_value(RunConfig::default()).map(|v| overlay::leaves(&v)).unwrap_or_default()
+    }
+
     /// Checks every section; the error names the dotted path.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
@@ -262,6 +269,7 @@ impl RunConfig {
         self.actor.validate()?;
         self.evaluation.validate()?;
         self.checkpoint.validate()?;
+        self.guard.validate()?;
         self.logging.validate()
     }
 

@@ -47,11 +47,12 @@ use crate::algo::{ObjectiveConfig, S2tThresholds};
 use crate::data::{Example, Prompt, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
+use crate::guard::divergence::{Finding, StepSigns};
 use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
-use crate::guard::{check_folder_finite, NonFiniteStreak, RunLock};
+use crate::guard::{check_folder_finite, signal, DivergenceWatch, NonFiniteStreak, OnDivergence, RunLock};
 use crate::model::Qwen3;
 use crate::reward;
-use crate::rollout::{GenerateHooks, PromptInfo, RolloutBatch};
+use crate::rollout::{GenerateOptions, PromptInfo, RolloutBatch};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
@@ -60,7 +61,7 @@ use dynamic::{Gathered, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
-pub use metrics::StepMetrics;
+pub use metrics::{RolloutFigures, StepMetrics};
 use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
@@ -85,8 +86,28 @@ pub struct Trainer {
     notes: Notes,
     /// Steps in a row that skipped their update for a non-finite value.
     streak: NonFiniteStreak,
+    /// The recent steps the divergence checks compare against.
+    watch: DivergenceWatch,
+    /// The trainable weights' norm after the last update (`None`: not measured yet).
+    weight_norm: Option<f64>,
+    /// The step that diverged under `guard.on_divergence` `stop` or `rollback` (it is
+    /// never saved).
+    diverged: Option<u64>,
+    /// The factor on every step's learning rate (each rollback multiplies it by
+    /// `guard.rollback_lr_scale`), and the rollbacks so far.
+    lr_scale: f64,
+    rollbacks: usize,
     /// The run folder's lock (rank 0, which writes it), released on drop or exit.
     _lock: Option<RunLock>,
+}
+
+/// How [`Trainer::resume_with`] resumes a run.
+#[derive(Debug, Clone, Default)]
+pub struct ResumeOptions {
+    /// A configuration that differs from the run's `run_config.json`, to continue under.
+    pub changed: Option<RunConfig>,
+    /// Cut a damaged `metrics.jsonl` back to its last whole step (`--repair-metrics`).
+    pub repair_metrics: bool,
 }
 
 /// What the latest step and evaluation produced, for the REPL and scripts.
@@ -114,13 +135,28 @@ impl Trainer {
         let lock = dist::on_root(&*comm, || {
             claim_new_run_folder(run_dir)?;
             let lock = RunLock::acquire(run_dir)?;
-            RunFolder::create(run_dir, &cfg)?;
-            Ok(lock)
+            let removed = remove_leftovers(run_dir)?;
+            let restarted = RunFolder::create(run_dir, &cfg)?;
+            Ok((lock, removed, restarted))
         })?;
         let m = load_model(&cfg, &cfg.model.path, &*comm)?;
         let mut t = Self::assemble(comm, cfg, m, run_dir, None)?;
-        t._lock = lock;
+        if let Some((lock, removed, restarted)) = lock {
+            t._lock = Some(lock);
+            t.note_leftovers(&removed);
+            t.notes.pending.extend(restarted);
+        }
         Ok(t)
+    }
+
+    /// Reports what [`remove_leftovers`] removed, with the next step's warnings.
+    fn note_leftovers(&mut self, removed: &[PathBuf]) {
+        if !removed.is_empty() {
+            let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+            self.notes
+                .pending
+                .push(format!("removed what an interrupted process left half-written: {}", names.join(", ")));
+        }
     }
 
     /// Continues the run in `run_dir` from its latest checkpoint, on the process's
@@ -131,14 +167,35 @@ impl Trainer {
 
     /// [`Trainer::resume`] as one rank of `comm`.
     pub fn resume_on(comm: Arc<dyn Comm>, run_dir: &Path) -> Result<Self> {
-        Self::resume_with(comm, run_dir, None)
+        Self::resume_with(comm, run_dir, ResumeOptions::default())
     }
 
-    /// [`Trainer::resume_on`] with `changed`, a configuration that differs from the run's
-    /// `run_config.json` (see [`RunConfig::differences`]): the run continues under it from
-    /// the latest checkpoint, and rank 0 records it as `run_config.json`, keeping the old
-    /// file as `run_config-step-NNNNNN.json`. `None`: the saved configuration.
-    pub fn resume_with(comm: Arc<dyn Comm>, run_dir: &Path, changed: Option<RunConfig>) -> Result<Self> {
+    /// [`Trainer::resume_on`] with options: `opts.changed`, a configuration that differs
+    /// from the run's `run_config.json` (see [`RunConfig::differences`]): the run continues
+    /// under it from the latest checkpoint, and rank 0 records it as `run_config.json`,
+    /// keeping the old file as `run_config-step-NNNNNN.json` (`None`: the saved
+    /// configuration); `opts.repair_metrics`: a damaged line of `metrics.jsonl` cuts the
+    /// file back to the last whole step before it (else it is an error naming the line).
+    ///
+    /// A run that ended before its first checkpoint resumes from step 0: it starts again
+    /// in its folder ([`Trainer::new_on`]) under its saved configuration, or `changed`.
+    pub fn resume_with(comm: Arc<dyn Comm>, run_dir: &Path, opts: ResumeOptions) -> Result<Self> {
+        let ResumeOptions { changed, repair_metrics } = opts;
+        if crate::guard::folder::holds_unsaved_run(run_dir) {
+            let cfg = match changed {
+                Some(cfg) => {
+                    let keep = run_dir.join("run_config-step-000000.json");
+                    dist::on_root(&*comm, || {
+                        std::fs::copy(run_dir.join("run_config.json"), &keep)
+                            .map(|_| ())
+                            .map_err(|e| Error::io(&keep, e))
+                    })?;
+                    cfg
+                }
+                None => RunFolder::read_config(run_dir)?,
+            };
+            return Self::new_on(comm, cfg, run_dir);
+        }
         let ckpt = RunFolder::latest_checkpoint(run_dir)?;
         // Locked before anything is changed or removed: a live run in this folder wins.
         let locked = dist::on_root(&*comm, || Ok((RunLock::acquire(run_dir)?, remove_leftovers(run_dir)?)))?;
@@ -156,16 +213,11 @@ impl Trainer {
         let mut t = Self::assemble(comm.clone(), cfg, m, run_dir, Some(&state))?;
         t.policy.restore_optimizer(&ckpt, state.step)?;
         // Metrics logged after the checkpoint belong to steps that will run again.
-        dist::on_root(&*comm, || t.folder.drop_metrics_from(state.step))?;
+        let cut = dist::on_root(&*comm, || t.folder.drop_metrics_from(state.step, repair_metrics))?;
+        t.notes.pending.extend(cut.flatten());
         if let Some((lock, removed)) = locked {
             t._lock = Some(lock);
-            if !removed.is_empty() {
-                let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
-                t.notes.pending.push(format!(
-                    "removed what an interrupted process left half-written: {}",
-                    names.join(", ")
-                ));
-            }
+            t.note_leftovers(&removed);
         }
         Ok(t)
     }
@@ -184,6 +236,11 @@ impl Trainer {
         let comm = dist::for_device(comm, m.device())?;
         let (prompts, mut pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
         crate::rollout::check_vocab(&m, prompts.tokenizer())?;
+        prompts.check_lengths(
+            &m,
+            cfg.rollout.sampling.max_new_tokens,
+            if cfg.evaluation.every > 0 { cfg.evaluation.sampling.max_new_tokens } else { 0 },
+        )?;
         pending.extend(crate::guard::take_notes());
         let policy = PolicyState::new(&cfg, &objective, m, &*comm)?;
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
@@ -199,6 +256,11 @@ impl Trainer {
             last: LastStep::default(),
             notes: Notes { pending, warned: HashSet::new() },
             streak: NonFiniteStreak::default(),
+            watch: DivergenceWatch::default(),
+            weight_norm: None,
+            diverged: None,
+            lr_scale: state.map_or(1.0, |s| s.lr_scale),
+            rollbacks: state.map_or(0, |s| s.rollbacks),
             _lock: None,
             cfg,
             comm,
@@ -287,8 +349,26 @@ impl Trainer {
         Ok(())
     }
 
-    /// One RL step under `plan`. `progress` receives rollout tokens so far.
+    /// One RL step under `plan`. `progress` receives rollout tokens so far; `cancel` set
+    /// abandons the rollout in progress. A step that fails before its update (a rollout
+    /// cancelled or failed) leaves the run where it stood: the prompts it drew are drawn
+    /// again by the next step, so a run stopped there and resumed reproduces the
+    /// uninterrupted one.
     pub fn step(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<StepMetrics> {
+        let (step, sampler) = (self.step, self.prompts.sampler_state());
+        let r = self.step_inner(plan, progress, cancel);
+        if r.is_err() && self.step == step {
+            self.prompts.restore_sampler(sampler)?;
+        }
+        r
+    }
+
+    fn step_inner(
         &mut self,
         plan: &StepPlan,
         progress: Option<&dyn Fn(usize)>,
@@ -310,7 +390,15 @@ impl Trainer {
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
 
         let t1 = Instant::now();
+        signal::reached("update", step);
+        let watch_norm = self.cfg.guard.weight_norm_growth > 0.0;
+        let norm_before = match self.weight_norm {
+            Some(n) => n,
+            None if watch_norm => self.trainable_norm()?,
+            None => 0.0,
+        };
         let (outcome, objective) = self.train_on(plan, &seqs, &mut warnings)?;
+        self.weight_norm = if watch_norm { Some(self.trainable_norm()?) } else { None };
         // A skipped update left the weights as they were; too many in a row stop the run
         // (after this step's metrics are logged).
         let stop =
@@ -321,9 +409,15 @@ impl Trainer {
         warnings.append(&mut um.warnings);
         um.warnings = warnings;
         let ents = samples.iter().flat_map(|s| s.entropies.iter());
-        let [n_tokens, ent_sum, ent_count] = dist::sum_f64(
+        let nonzero_adv = outcome.record.advantages.iter().filter(|a| **a != 0.0).count();
+        let [n_tokens, ent_sum, ent_count, nonzero_adv] = dist::sum_f64(
             &*self.comm,
-            [batch.local_tokens as f64, ents.clone().map(|&h| h as f64).sum::<f64>(), ents.count() as f64],
+            [
+                batch.local_tokens as f64,
+                ents.clone().map(|&h| h as f64).sum::<f64>(),
+                ents.count() as f64,
+                nonzero_adv as f64,
+            ],
         )?;
         if um.response_tokens == 0 {
             // Nothing reached the update (e.g. dynamic sampling dropped every
@@ -342,9 +436,30 @@ impl Trainer {
         self.last.update = Some(outcome.record);
         self.step += 1;
 
+        let signs = StepSigns {
+            entropy: um.entropy as f64,
+            reward: um.reward_mean as f64,
+            vocab: self.policy.model().config().vocab_size,
+            weight_norm: (norm_before, self.weight_norm.unwrap_or(0.0)),
+            grad_norm: um.grad_norm as f64,
+            nonzero_advantages: nonzero_adv as usize,
+        };
+        let findings = self.watch.observe(step, &signs, &self.cfg.guard);
+        let mode = self.cfg.guard.on_divergence;
+        if !findings.is_empty() {
+            let list: Vec<&str> = findings.iter().map(|f| f.what.as_str()).collect();
+            match mode {
+                OnDivergence::Warn => um.warnings.push(format!(
+                    "divergence at step {step}: {} (guard.on_divergence = warn: training goes on; \
+                     `stop` or `rollback` act on it)",
+                    list.join("; ")
+                )),
+                _ => self.diverged = Some(step),
+            }
+        }
         let mut m = StepMetrics {
             step,
-            lr: plan.lr,
+            lr: plan.lr * self.lr_scale,
             update: um,
             silenced_tokens_text: silenced.tokens,
             silenced_examples: silenced.examples,
@@ -358,10 +473,106 @@ impl Trainer {
             eval_pass: None,
         };
         self.finish_step(&mut m)?;
-        match stop {
-            Some(e) => Err(e),
-            None => Ok(m),
+        if let Some(e) = stop {
+            return Err(e);
         }
+        if self.diverged.is_some() {
+            self.on_divergence(step, &findings, &mut m)?;
+        }
+        Ok(m)
+    }
+
+    /// The norm of the trainable weights.
+    fn trainable_norm(&self) -> Result<f64> {
+        let mut sq = 0f64;
+        for (_, v) in self.policy.model().trainable_params() {
+            let t = v.as_tensor().to_dtype(candle_core::DType::F32)?;
+            sq += t.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+        Ok(sq.sqrt())
+    }
+
+    /// A step that diverged under `stop` or `rollback`: the checkpoints holding suspect
+    /// weights are set aside (`diverged-step-NNNNNN`, `latest` back at the last good one),
+    /// then the run stops with an error naming the step and the quantities, or goes back
+    /// to the last good checkpoint with the learning rate scaled.
+    fn on_divergence(&mut self, step: u64, findings: &[Finding], m: &mut StepMetrics) -> Result<()> {
+        let guard = self.cfg.guard.clone();
+        let list: Vec<&str> = findings.iter().map(|f| f.what.as_str()).collect();
+        let what = format!("step {step} diverged: {}", list.join("; "));
+        // Checkpoint step-N holds the weights step N starts from: good below the first
+        // suspect step.
+        let suspect = findings.iter().map(|f| f.suspect_from).min().unwrap_or(step);
+        let good_max = suspect.checked_sub(1);
+        let dir = self.run_dir().to_path_buf();
+        let good = good_max.and_then(|g| RunFolder::newest_checkpoint_upto(&dir, g));
+        dist::on_root(&*self.comm, || RunFolder::set_aside_after(&dir, good))?;
+        let resume = match good {
+            Some(g) => format!(
+                "the last good checkpoint is step-{g:06} (`latest`; stapo run --resume {} continues from it)",
+                dir.display()
+            ),
+            None => format!(
+                "no checkpoint holds weights from before it (start the run again, or stapo run --resume {} \
+                 from step 0)",
+                dir.display()
+            ),
+        };
+        let stop = |why: String| Err(Error::invalid(format!("{what}; {why}; {resume}")));
+        match (guard.on_divergence, good) {
+            (OnDivergence::Warn, _) => Ok(()),
+            (OnDivergence::Stop, _) => stop("stopping the run (guard.on_divergence = stop)".into()),
+            (OnDivergence::Rollback, None) => {
+                stop("nothing to roll back to (guard.on_divergence = rollback)".into())
+            }
+            (OnDivergence::Rollback, Some(_)) if self.rollbacks >= guard.max_rollbacks => stop(format!(
+                "stopping the run after {} rollback(s) (guard.max_rollbacks = {})",
+                self.rollbacks, guard.max_rollbacks
+            )),
+            (OnDivergence::Rollback, Some(g)) => {
+                let lr_scale = self.lr_scale * guard.rollback_lr_scale;
+                let rollbacks = self.rollbacks + 1;
+                let comm = self.comm.clone();
+                self._lock = None;
+                let mut t = Trainer::resume_on(comm, &dir)?;
+                t.lr_scale = lr_scale;
+                t.rollbacks = rollbacks;
+                let note = format!(
+                    "{what}; rolled back to step-{g:06} with the learning rate scaled by {lr_scale} \
+                     (rollback {rollbacks} of at most {}, guard.rollback_lr_scale = {})",
+                    guard.max_rollbacks, guard.rollback_lr_scale
+                );
+                m.update.warnings.push(note);
+                *self = t;
+                Ok(())
+            }
+        }
+    }
+
+    /// The step that diverged under `guard.on_divergence` `stop` (never saved), if any.
+    pub fn diverged(&self) -> Option<u64> {
+        self.diverged
+    }
+
+    /// The factor on the learning rate after rollbacks (1 without any).
+    pub fn lr_scale(&self) -> f64 {
+        self.lr_scale
+    }
+
+    /// The checkpoint a run ending now leaves to resume from, written unless `latest`
+    /// already holds this step; `None` when there is none (no step completed, or the
+    /// run diverged and no good checkpoint exists).
+    pub fn save_on_exit(&mut self) -> Result<Option<PathBuf>> {
+        let dir = self.run_dir().to_path_buf();
+        if self.step == 0 {
+            return Ok(None);
+        }
+        if self.diverged.is_some() || RunFolder::latest_step(&dir) == Some(self.step) {
+            return Ok(
+                RunFolder::latest_step(&dir).map(|s| dir.join("checkpoints").join(format!("step-{s:06}")))
+            );
+        }
+        self.checkpoint().map(Some)
     }
 
     /// After a step: the held-out evaluation when one is due, the metrics line, the
@@ -375,7 +586,7 @@ impl Trainer {
         }
         dist::on_root(&*self.comm, || self.folder.log_step(m))?;
         let save_every = self.cfg.checkpoint.save_every as u64;
-        if save_every > 0 && self.step.is_multiple_of(save_every) {
+        if save_every > 0 && self.step.is_multiple_of(save_every) && self.diverged.is_none() {
             self.checkpoint()?;
         }
         Ok(())
@@ -449,25 +660,19 @@ impl Trainer {
     ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
         let mut actor = self.cfg.actor.clone();
         actor.objective = plan.objective.clone();
-        for note in actor.objective.fit_to_run(plan.sampling.max_new_tokens) {
+        let (ucfg, notes) = UpdateConfig::build(
+            actor,
+            Some(plan.sampling.max_new_tokens),
+            plan.sampling.temperature,
+            self.policy.samples_from_copy(),
+            mix(self.cfg.seed ^ 0x5eed, self.step),
+            self.cfg.logging.token_grad_norms,
+        )?;
+        for note in notes {
             self.notes.once(note, warnings);
         }
-        let t = plan.sampling.temperature;
-        let temperature = if actor.scale_logits_by_temperature && t > 0.0 { t } else { 1.0 };
-        let (rollout_correction, note) =
-            actor.rollout_correction.resolve(self.policy.samples_from_copy(), temperature, actor.old_logp)?;
-        if let Some(n) = note {
-            self.notes.once(n, warnings);
-        }
-        actor.rollout_correction = rollout_correction;
-        let ucfg = UpdateConfig {
-            actor,
-            seed: mix(self.cfg.seed ^ 0x5eed, self.step),
-            temperature,
-            token_grad_norms: self.cfg.logging.token_grad_norms,
-        };
         let pad_id = self.prompts.tokenizer().pad_id();
-        let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr, pad_id)?;
+        let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr * self.lr_scale, pad_id)?;
         Ok((outcome, ucfg.actor.objective))
     }
 
@@ -505,15 +710,22 @@ impl Trainer {
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
-        let hooks = GenerateHooks {
-            progress,
+        let step = self.step;
+        let progress_and_signal = |n: usize| {
+            signal::reached("rollout", step);
+            if let Some(p) = progress {
+                p(n);
+            }
+        };
+        let opts = GenerateOptions {
+            progress: Some(&progress_and_signal),
             cancel,
             engine: self.cfg.rollout.engine,
             first_prompt_index: share.start,
-            ..GenerateHooks::default()
+            ..GenerateOptions::default()
         };
         let gen = self.prompts.generator(self.policy.sampling_model());
-        let generated = gen.generate(&prompts, &sampling, &hooks)?;
+        let generated = gen.generate(&prompts, &sampling, &opts)?;
         let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
         for s in &mut samples {
             let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
@@ -607,10 +819,13 @@ impl Trainer {
             sampler: self.prompts.sampler_state(),
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
+            lr_scale: self.lr_scale,
+            rollbacks: self.rollbacks,
         };
         let what = format!("checkpoint step-{:06}", self.step);
         let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {
             self.policy.save(tmp, &self.cfg.model.path, staging)?;
+            signal::reached("save", self.step);
             // Verified before it can become `latest`: a resume must find finite weights.
             check_folder_finite(tmp, &what)
         })?;

@@ -84,3 +84,47 @@ fn the_seam_check_sees_a_missing_name() {
     assert!(defines(code, "score") && defines(code, "Cut::order") && defines(code, "CorrSums"));
     assert!(!defines(code, "scores") && !defines(code, "Span::order") && !defines(code, "Corr"));
 }
+
+/// Adding a scheduling policy is one file of `host/src/rollout/scheduler/` and one line
+/// of its `policies!` registration, as docs/architecture.md shows: every file there
+/// (beside `mod.rs` and the trait's `policy.rs`) is registered by exactly one line
+/// `Variant => file::Type;` whose type the file implements `Scheduling` for, every
+/// registered file exists, and no `mod file;` line besides the registration declares it.
+#[test]
+fn a_scheduling_policy_is_one_file_and_one_registration_line() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join("src/rollout/scheduler");
+    let registry = std::fs::read_to_string(dir.join("mod.rs")).expect("scheduler/mod.rs");
+    let begin = registry.find("\npolicies! {").expect("the policies! registration");
+    let end = begin + registry[begin..].find("\n}").expect("its end");
+    let lines: Vec<(String, String)> = registry[begin..end]
+        .lines()
+        .filter_map(|l| {
+            let (_, target) = l.trim().strip_suffix(';')?.split_once(" => ")?;
+            let (file, ty) = target.split_once("::")?;
+            Some((file.to_string(), ty.to_string()))
+        })
+        .collect();
+    assert!(lines.len() >= 2, "continuous and static at least: {lines:?}");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .expect("scheduler/")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter_map(|n| n.strip_suffix(".rs").map(str::to_owned))
+        .filter(|n| n != "mod" && n != "policy")
+        .collect();
+    files.sort();
+    let mut registered: Vec<String> = lines.iter().map(|(f, _)| f.clone()).collect();
+    registered.sort();
+    assert_eq!(files, registered, "each policy file registered once, each registration a file");
+    for (file, ty) in &lines {
+        let code = std::fs::read_to_string(dir.join(format!("{file}.rs"))).expect("policy file");
+        assert!(
+            code.contains(&format!("impl Scheduling for {ty} ")),
+            "{file}.rs implements Scheduling for {ty}"
+        );
+        assert!(
+            !registry.contains(&format!("mod {file};")),
+            "{file}: declared by its registration line only"
+        );
+    }
+}

@@ -188,7 +188,7 @@ fn hugging_face_shards_in_a_folder_load_as_one_dataset() {
     write_flat(&data.join("test-00000-of-00001.parquet"), 100, 1, Compression::UNCOMPRESSED);
     let msg = err_text(dir.path(), &DatasetOptions::default());
     assert!(
-        msg.contains("several splits [\"test\", \"train\"]") && msg.contains("data_options.split"),
+        msg.contains("several splits [\"test\", \"train\"]") && msg.contains("data.options.split"),
         "{msg}"
     );
     let test = DatasetOptions { split: Some("test".into()), ..Default::default() };
@@ -217,7 +217,7 @@ fn other_layouts_load_through_a_field_mapping() {
     ];
     write_parquet(&path, schema, columns, Compression::SNAPPY);
 
-    // The mapping as a config or `--set data_options.answer_fields=meta.gold` gives it.
+    // The mapping as a config or `--set data.options.answer_fields=meta.gold` gives it.
     let opts: DatasetOptions = serde_json::from_str(
         r#"{"problem_fields": "question", "answer_fields": "meta.gold", "id_fields": "uid"}"#,
     )
@@ -251,6 +251,9 @@ fn missing_columns_wrong_types_and_empty_files_are_named() {
     let msg = err_text(p("no_answer.parquet"), &DatasetOptions::default());
     assert!(msg.contains("no_answer.parquet: no answer column"), "{msg}");
     assert!(msg.contains("[\"problem\", \"notes\"]") && msg.contains("answer_fields"), "{msg}");
+    // The hint names the field's path in the config tree and the flag, not the old flat key.
+    assert!(msg.contains("data.options.answer_fields") && msg.contains("--answer-field"), "{msg}");
+    assert!(!msg.contains("data_options"), "{msg}");
 
     // A problem column of numbers.
     let int_problem = "message schema { optional int64 problem; optional binary answer (STRING); }";

@@ -14,7 +14,7 @@ use std::process::Command;
 use candle_core::{DType, Device, Tensor};
 use stapo::guard::{self, check_folder_finite};
 use stapo::model::{self, Config};
-use stapo::rollout::{self, GenerateHooks, SamplingParams};
+use stapo::rollout::{self, GenerateOptions, SamplingParams};
 use stapo::train::{RunConfig, Trainer};
 
 use crate::common::{arith_fixture, tempdir, tiny_config, weight_bits};
@@ -103,7 +103,7 @@ fn nothing_lost_lr_times_weight_decay_at_least_one_is_refused() {
         serde_json::json!({"actor": {"optim": {"lr": 1e30, "schedule": {"kind": "constant", "warmup_steps": 0}}}}),
     );
     let e = t.step(&t.default_plan(), None, None).unwrap_err().to_string();
-    assert!(e.contains("weight_decay") && e.contains("lower `lr`"), "{e}");
+    assert!(e.contains("weight_decay") && e.contains("lower `actor.optim.lr`"), "{e}");
     assert_eq!(weight_bits(&t), before);
 }
 
@@ -257,7 +257,7 @@ fn tiny() -> model::Qwen3 {
 
 fn gen(m: &model::Qwen3, prompts: &[Vec<u32>], p: &SamplingParams) -> String {
     let decode = |_: &[u32]| String::new();
-    rollout::generate_with(m, prompts, p, 0, &decode, &GenerateHooks::default()).unwrap_err().to_string()
+    rollout::generate_with(m, prompts, p, 0, &decode, &GenerateOptions::default()).unwrap_err().to_string()
 }
 
 /// `max_tokens: 10^9` and prompt lengths are bounded by max_position_embeddings

@@ -2,15 +2,20 @@
 
 mod acyclic;
 mod architecture;
+mod causes;
 mod common;
 mod dataset;
 mod dist;
+mod divergence;
 mod guard;
 mod hf;
 mod kill;
 mod lora;
 mod model;
+mod preempt;
 mod prompt;
+mod readme;
+mod recovery;
 mod script;
 mod train;
 mod trainer;

@@ -21,6 +21,7 @@ fn repl(input: &str) -> String {
         run_dir: Some(tempdir().keep()),
         resume: false,
         apply_changes: false,
+        repair_metrics: false,
         progress: false,
         watch: false,
         stdlib_dirs: vec![repo().join("stdlib")],

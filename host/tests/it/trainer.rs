@@ -152,7 +152,12 @@ fn a_new_run_refuses_an_existing_run_folder() {
     let dir = tempdir();
     let (model, train, test) = arith_fixture(dir.path());
     let cfg = config(model, train, test);
-    let _a = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
+    let mut a = Trainer::new(cfg.clone(), &dir.path().join("run")).unwrap();
+    // Before its first checkpoint the folder may be started again, but not while a run lives.
+    let err = Trainer::new(cfg.clone(), &dir.path().join("run")).err().unwrap().to_string();
+    assert!(err.contains("is in use"), "{err}");
+    a.step(&a.default_plan(), None, None).unwrap();
+    a.checkpoint().unwrap();
     let err = Trainer::new(cfg.clone(), &dir.path().join("run")).err().unwrap().to_string();
     assert!(err.contains("already holds a run"), "{err}");
     let mut bad = cfg;

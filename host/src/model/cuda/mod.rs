@@ -84,3 +84,16 @@ pub const FINISH_THREADS: u32 = 128;
 /// Source of on-device sampling (`sample_rows`, one block of [`ROW_THREADS`]
 /// per row).
 pub const SAMPLE: &str = concat!(include_str!("common.cuh"), include_str!("sample.cu"));
+
+/// The filters of one call of the sampling kernel (`sample_rows`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    /// 1 / temperature; 0 for greedy.
+    pub inv_t: f32,
+    /// Top-k; 0 for off.
+    pub top_k: usize,
+    /// Top-p; 1 for off.
+    pub top_p: f64,
+    /// Min-p; 0 for off.
+    pub min_p: f64,
+}

@@ -32,7 +32,7 @@ pub const MAX_ROWS: usize = 32;
 /// or takes the CPU's bf16 dot products ([`super::mm_bf16`]). Twice
 /// [`MAX_ROWS`], because that widening costs more than gemm saves over the
 /// streaming kernel up to the engine's default 64 decoding rows
-/// (`rollout::engine::CPU_MAX_ROWS`): at the 0.6B shape in bf16 a rollout
+/// (`rollout::config::CPU_MAX_ROWS`): at the 0.6B shape in bf16 a rollout
 /// of up to 64 rows ran at 57 tok/s with this cap, 37 with a cap of 32
 /// (`stapo bench rollout --lengths lognormal:30:300 --prompts 6 --max-new 300
 /// --paged-only --dtype bfloat16`, 2-core AVX2 machine, 2026-12-05).

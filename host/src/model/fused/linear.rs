@@ -122,38 +122,64 @@ impl Kernel<3> for LinearBwd {
         let (o, k) = ins[1].layout.shape().dims2()?;
         let n = ins[0].layout.shape().elem_count() / k.max(1);
         let [x, w, dy] = data::<T, 3>(&ins)?;
+        if x.len() != n * k || w.len() != o * k || dy.len() != n * o {
+            bail!(
+                "fused linear backward: x ({}), w ({}) and dy ({}) do not match ({n}, {o}, {k})",
+                x.len(),
+                w.len(),
+                dy.len()
+            )
+        }
         let mut out = vec![zero::<T>(); n * k + o * k];
         let (dx, dw) = out.split_at_mut(n * k);
-        let one = T::from_f64(1.0);
-        // SAFETY: dy is n×o, w o×k, x n×k, dx n×k, dw o×k, all contiguous.
-        unsafe {
-            mm_par(
-                (n, k, o),
-                dx.as_mut_ptr(),
-                k,
-                false,
-                dy.as_ptr(),
-                (o, 1),
-                w.as_ptr(),
-                (k, 1),
-                one,
-                all_threads(),
-            );
-            mm_par(
-                (o, k, n),
-                dw.as_mut_ptr(),
-                k,
-                false,
-                dy.as_ptr(),
-                (1, o),
-                x.as_ptr(),
-                (k, 1),
-                one,
-                all_threads(),
-            );
-        }
+        bwd_into((x, w, dy), (dx, false), dw, (n, o, k));
         let len = out.len();
         Ok((out, Shape::from(len)))
+    }
+}
+
+/// The two products of `y = x w^T`'s backward over all threads, for `x`
+/// (n×k), `w` (o×k), `dy` (n×o), all contiguous: `dw = dy^T x` into `dw`
+/// (o×k), and `dy w` into `dx` (n×k), added to what `dx` holds when
+/// `accumulate`.
+fn bwd_into<T: Real>(
+    (x, w, dy): (&[T], &[T], &[T]),
+    (dx, accumulate): (&mut [T], bool),
+    dw: &mut [T],
+    (n, o, k): (usize, usize, usize),
+) {
+    assert!(
+        x.len() == n * k && w.len() == o * k && dy.len() == n * o && dx.len() == n * k && dw.len() == o * k,
+        "linear backward: operands do not match ({n}, {o}, {k})"
+    );
+    let one = T::from_f64(1.0);
+    // SAFETY: every operand's length was checked above against its
+    // contiguous layout; dx and dw are exclusive borrows.
+    unsafe {
+        mm_par(
+            (n, k, o),
+            dx.as_mut_ptr(),
+            k,
+            accumulate,
+            dy.as_ptr(),
+            (o, 1),
+            w.as_ptr(),
+            (k, 1),
+            one,
+            all_threads(),
+        );
+        mm_par(
+            (o, k, n),
+            dw.as_mut_ptr(),
+            k,
+            false,
+            dy.as_ptr(),
+            (1, o),
+            x.as_ptr(),
+            (k, 1),
+            one,
+            all_threads(),
+        );
     }
 }
 
@@ -280,6 +306,62 @@ fn transpose<S: Copy + Sync, D: Copy + Default + Send>(
 /// reshape nodes in the graph.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))?)
+}
+
+/// The backward of several projections of one input without a graph, `y_i =
+/// x w_i^T` for `parts` `(w_i, dy_i)`: `dx = sum_i dy_i w_i`, summed inside
+/// the products (each adds into the same `dx`), and `dw_i = dy_i^T x`, each
+/// one product over all threads. `x` is `(.., k)`, `w_i` `(o_i, k)`, `dy_i`
+/// `(.., o_i)`, all contiguous f32 or f64 on the CPU, of one dtype.
+pub fn linears_bwd(x: &Tensor, parts: &[(&Tensor, &Tensor)]) -> Result<(Tensor, Vec<Tensor>)> {
+    let k = x.dim(candle_core::D::Minus1)?;
+    let n = x.elem_count() / k.max(1);
+    for (w, dy) in parts {
+        let (o, wk) = w.dims2()?;
+        if wk != k || dy.elem_count() != n * o || w.dtype() != x.dtype() || dy.dtype() != x.dtype() {
+            return Err(crate::Error::invalid(format!(
+                "linears_bwd: x {:?}, w {:?} and dy {:?} do not match",
+                x.dims(),
+                w.dims(),
+                dy.dims()
+            )));
+        }
+    }
+    let (dx, dws) = match x.dtype() {
+        DType::F32 => linears_bwd_t::<f32>(x, parts, (n, k))?,
+        DType::F64 => linears_bwd_t::<f64>(x, parts, (n, k))?,
+        d => return Err(crate::Error::invalid(format!("linears_bwd: {d:?} is not served"))),
+    };
+    Ok((dx.reshape(x.shape())?, dws))
+}
+
+fn linears_bwd_t<T: Real>(
+    x: &Tensor,
+    parts: &[(&Tensor, &Tensor)],
+    (n, k): (usize, usize),
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let device = x.device();
+    let (x, parts): (Tensor, Vec<(Tensor, Tensor)>) = (
+        x.contiguous()?,
+        parts.iter().map(|(w, dy)| Ok((w.contiguous()?, dy.contiguous()?))).collect::<Result<_>>()?,
+    );
+    let mut dx = vec![zero::<T>(); n * k];
+    let mut dws = Vec::with_capacity(parts.len());
+    super::with_host::<T, _>(&x, "linears-bwd", |xs| {
+        for (i, (w, dy)) in parts.iter().enumerate() {
+            let o = w.dim(0)?;
+            let mut dw = vec![zero::<T>(); o * k];
+            super::with_host::<T, _>(w, "linears-bwd", |ws| {
+                super::with_host::<T, _>(dy, "linears-bwd", |dys| {
+                    bwd_into((xs, ws, dys), (&mut dx, i > 0), &mut dw, (n, o, k));
+                    Ok(())
+                })
+            })?;
+            dws.push(Tensor::from_vec(dw, (o, k), device)?);
+        }
+        Ok(())
+    })?;
+    Ok((Tensor::from_vec(dx, n * k, device)?, dws))
 }
 
 #[cfg(test)]

@@ -100,6 +100,14 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(RmsNorm { eps }))?)
 }
 
+/// The backward of [`rms_norm`] without a graph: `(dx, dw)` from `x`, `w` and
+/// the output's gradient `dy`.
+pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let [dx, dw] = RmsNorm { eps }.bwd([&x, &w], dy, dy)?;
+    Ok((dx.expect("split_like gives every gradient"), dw.expect("split_like gives every gradient")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

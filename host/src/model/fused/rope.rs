@@ -134,24 +134,48 @@ pub fn norm_rope(
     (cos, sin): (&Tensor, &Tensor),
     eps: f64,
 ) -> Result<Tensor> {
-    let (b, l, hd) = x.dims3()?;
-    let dims = (b, l, n_heads, hd / n_heads.max(1));
-    if dims.2 * dims.3 != hd || w.elem_count() != dims.3 {
-        return Err(crate::Error::invalid(format!(
-            "norm_rope: x of shape {:?} does not split into {n_heads} heads of {}",
-            x.dims(),
-            w.elem_count()
-        )));
+    let op = NormRope::new(x, n_heads, w, (cos, sin), eps)?;
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(op))?)
+}
+
+/// The backward of [`norm_rope`] without a graph: `(dx, dw)`, `dx` shaped as
+/// `x`, from the inputs and the output's gradient `dy` `(B, H, L, D)`.
+pub fn norm_rope_bwd(
+    x: &Tensor,
+    n_heads: usize,
+    w: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    eps: f64,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let op = NormRope::new(x, n_heads, w, (cos, sin), eps)?;
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let [dx, dw] = op.bwd([&x, &w], dy, dy)?;
+    Ok((dx.expect("split_like gives every gradient"), dw.expect("split_like gives every gradient")))
+}
+
+impl NormRope {
+    /// The op for `x` `(B, L, n_heads · D)`, checked against `w` and the tables.
+    fn new(x: &Tensor, n_heads: usize, w: &Tensor, (cos, sin): (&Tensor, &Tensor), eps: f64) -> Result<Self> {
+        let (b, l, hd) = x.dims3()?;
+        let dims = (b, l, n_heads, hd / n_heads.max(1));
+        if dims.2 * dims.3 != hd || w.elem_count() != dims.3 {
+            return Err(crate::Error::invalid(format!(
+                "norm_rope: x of shape {:?} does not split into {n_heads} heads of {}",
+                x.dims(),
+                w.elem_count()
+            )));
+        }
+        let cs = Tensor::cat(&[cos, sin], D::Minus1)?.to_dtype(x.dtype())?.contiguous()?.detach();
+        if cs.dims() != [dims.0, 1, dims.1, dims.3] {
+            return Err(crate::Error::invalid(format!(
+                "norm_rope: cos/sin of shape {:?} do not fit x of shape {:?}",
+                cos.dims(),
+                x.dims()
+            )));
+        }
+        Ok(NormRope { eps, cs, dims })
     }
-    let cs = Tensor::cat(&[cos, sin], D::Minus1)?.to_dtype(x.dtype())?.contiguous()?.detach();
-    if cs.dims() != [dims.0, 1, dims.1, dims.3] {
-        return Err(crate::Error::invalid(format!(
-            "norm_rope: cos/sin of shape {:?} do not fit x of shape {:?}",
-            cos.dims(),
-            x.dims()
-        )));
-    }
-    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(NormRope { eps, cs, dims }))?)
 }
 
 #[cfg(test)]

@@ -66,6 +66,14 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, Op(SwiGlu))?)
 }
 
+/// The backward of [`swiglu`] without a graph: `(dgate, dup)` from the
+/// inputs and the output's gradient `dy`.
+pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (g, u) = (gate.contiguous()?, up.contiguous()?);
+    let [dg, du] = SwiGlu.bwd([&g, &u], dy, dy)?;
+    Ok((dg.expect("split_like gives every gradient"), du.expect("split_like gives every gradient")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

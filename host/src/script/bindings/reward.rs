@@ -36,7 +36,7 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
         )
     };
     let mut rewards = Vec::with_capacity(pairs.len());
-    for (text, pi) in pairs {
+    for (i, (text, pi)) in pairs.into_iter().enumerate() {
         let ans = answers.get(pi).cloned().flatten().map_or(Dynamic::UNIT, Dynamic::from);
         let v: Dynamic = f.call_within_context(ctx, (text, ans))?;
         let x = if let Ok(b) = v.as_bool() {
@@ -53,6 +53,15 @@ fn score_with(ctx: &NativeCallContext, r: &RolloutHandle, f: &FnPtr) -> RhaiResu
                 )
             })?
         };
+        if !(x as f32).is_finite() {
+            return Err(bad_arg(
+                "score",
+                format!(
+                    "the reward function returned {x} for sample {i} (prompt {pi}), which is not a \
+                     finite f32 (|r| < 3.4e38)"
+                ),
+            ));
+        }
         rewards.push(x as f32);
     }
     let mut st = lock(&r.0, "rollout")?;

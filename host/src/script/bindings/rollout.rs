@@ -9,7 +9,7 @@ use rhai::{Array, Dynamic, Engine, Map};
 use super::{lock, ModelHandle, RolloutHandle, RolloutState};
 use crate::algo::{AdvEstimator, StdKind};
 use crate::data::Prompt;
-use crate::rollout::{GenerateHooks, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
+use crate::rollout::{GenerateOptions, Generator, PromptInfo, RolloutBatch, Sample, SamplingParams};
 use crate::script::convert::{get_str, sampling_from_map, to_dynamic, to_json};
 use crate::script::error::{bad_arg, host, RhaiResult};
 use crate::script::shared_state::Host;
@@ -54,8 +54,8 @@ fn run_rollout(host_: &Host, m: &ModelHandle, prompts: &Array, opts: &Map) -> Rh
         infos.push(PromptInfo { id, text: String::new(), answer });
     }
     let params = sampling_from_map(&SamplingParams::default(), opts)?;
-    let hooks = GenerateHooks { cancel: Some(host_.cancel_flag()), ..GenerateHooks::default() };
-    let out = gen.generate(&problems, &params, &hooks).map_err(host)?;
+    let opts = GenerateOptions { cancel: Some(host_.cancel_flag()), ..GenerateOptions::default() };
+    let out = gen.generate(&problems, &params, &opts).map_err(host)?;
     for (info, text) in infos.iter_mut().zip(out.prompt_texts) {
         info.text = text;
     }

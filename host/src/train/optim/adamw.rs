@@ -375,7 +375,8 @@ pub(super) fn check_lr(cfg: &AdamWConfig, lr: f64) -> Result<()> {
     if cfg.weight_decay > 0.0 && lr * cfg.weight_decay >= 1.0 {
         return Err(Error::invalid(format!(
             "adamw: learning rate {lr:e} times weight_decay {} is {:e}, at least 1: weight decay would \
-             multiply every weight by {:e}; lower `lr` (or `adamw.weight_decay`)",
+             multiply every weight by {:e}; lower `actor.optim.lr` (or \
+             `actor.optim.weight_decay`)",
             cfg.weight_decay,
             lr * cfg.weight_decay,
             1.0 - lr * cfg.weight_decay

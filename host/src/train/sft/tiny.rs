@@ -26,7 +26,7 @@ use crate::data::task::{self, Problem, TaskConfig, TokenizerConfig};
 use crate::data::{template, Prompt, PromptTemplate, Tokenizer};
 use crate::model::{self, Config, Qwen3};
 use crate::reward::{self, ExtractMode};
-use crate::rollout::{self, GenerateHooks, SamplingParams};
+use crate::rollout::{self, GenerateOptions, SamplingParams};
 use crate::train::optim::{is_norm_or_bias, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 
@@ -227,8 +227,8 @@ pub fn evaluate(
         ..SamplingParams::default()
     };
     let engine = rollout::EngineConfig { max_rows: Some(512), ..Default::default() };
-    let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-    let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &hooks)?.samples;
+    let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+    let out = rollout::Generator::new(model, tok, template)?.generate(&prompts, &params, &opts)?.samples;
     let mut correct = vec![0usize; problems.len()];
     for s in &out {
         correct[s.prompt_index] += usize::from(is_correct(&s.text, &problems[s.prompt_index].answer));

@@ -5,9 +5,10 @@
 //! `rollout` (samples, engine figures), `dist` (the count over ranks) and
 //! `train::update` (the sequences of the batch metrics).
 
+use super::metrics::RolloutFigures;
 use crate::data::Example;
 use crate::dist::{self, Comm};
-use crate::rollout::{EngineStats, RolloutFigures, Sample};
+use crate::rollout::{EngineStats, Sample};
 use crate::train::update::Sequence;
 use crate::Result;
 

@@ -37,6 +37,16 @@ pub(super) struct TrainerState {
     /// A few contexts of each silenced token.
     #[serde(default)]
     pub silenced_contexts: SilencedContexts,
+    /// The factor on the learning rate after divergence rollbacks (1 without any).
+    #[serde(default = "one")]
+    pub lr_scale: f64,
+    /// Rollbacks so far.
+    #[serde(default)]
+    pub rollbacks: usize,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// A run folder being written, and the held-out evaluations recorded in it.
@@ -49,8 +59,31 @@ pub struct RunFolder {
 }
 
 impl RunFolder {
-    /// Makes `dir` a new run folder holding `cfg`; an error if it already holds a run.
-    pub fn create(dir: &Path, cfg: &RunConfig) -> Result<()> {
+    /// Makes `dir` a new run folder holding `cfg`; an error if it already holds a run with
+    /// a checkpoint. A run that ended there before its first checkpoint is replaced: its
+    /// configuration and the metrics and evaluations it logged (steps that run again) are
+    /// dropped; returns a note saying so.
+    pub fn create(dir: &Path, cfg: &RunConfig) -> Result<Option<String>> {
+        let note = if crate::guard::folder::holds_unsaved_run(dir) {
+            let logged = std::fs::read_to_string(dir.join("metrics.jsonl"))
+                .map(|t| t.lines().filter(|l| !l.trim().is_empty()).count())
+                .unwrap_or(0);
+            for f in ["metrics.jsonl", "eval.jsonl"] {
+                let p = dir.join(f);
+                if p.exists() {
+                    std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+                }
+            }
+            std::fs::remove_file(dir.join("run_config.json"))
+                .map_err(|e| Error::io(dir.join("run_config.json"), e))?;
+            Some(format!(
+                "{}: the run there ended before its first checkpoint; it starts again from step 0 \
+                 ({logged} step(s) it had logged dropped)",
+                dir.display()
+            ))
+        } else {
+            None
+        };
         if dir.join("run_config.json").exists() {
             return Err(Error::invalid(format!(
                 "{} already holds a run; resume it or pick another folder",
@@ -59,7 +92,8 @@ impl RunFolder {
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let text = serde_json::to_string_pretty(cfg).map_err(|e| Error::invalid(e.to_string()))?;
-        write_file_atomically(&dir.join("run_config.json"), text.as_bytes())
+        write_file_atomically(&dir.join("run_config.json"), text.as_bytes())?;
+        Ok(note)
     }
 
     /// The configuration `dir` was created with (through [`RunConfig::from_json`], so a
@@ -97,6 +131,50 @@ impl RunFolder {
         Ok(dir.join("checkpoints").join(name.trim()))
     }
 
+    /// The step of the checkpoint `checkpoints/latest` names, if there is one.
+    pub fn latest_step(dir: &Path) -> Option<u64> {
+        let name = std::fs::read_to_string(dir.join("checkpoints/latest")).ok()?;
+        name.trim().strip_prefix("step-")?.parse().ok()
+    }
+
+    /// The steps of the checkpoints in `dir` (`checkpoints/step-NNNNNN/`), in order.
+    fn checkpoint_steps(dir: &Path) -> Vec<u64> {
+        let Ok(rd) = std::fs::read_dir(dir.join("checkpoints")) else { return Vec::new() };
+        let mut steps: Vec<u64> = rd
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("step-")?.parse().ok())
+            .collect();
+        steps.sort_unstable();
+        steps
+    }
+
+    /// The newest checkpoint of `dir` at step `max` or before.
+    pub fn newest_checkpoint_upto(dir: &Path, max: u64) -> Option<u64> {
+        Self::checkpoint_steps(dir).into_iter().rfind(|&s| s <= max)
+    }
+
+    /// Sets aside the checkpoints after step `good` (all of them when `None`) as
+    /// `checkpoints/diverged-step-NNNNNN/` and points `latest` at `good` (no `latest` when
+    /// `None`: the run then starts again from step 0).
+    pub fn set_aside_after(dir: &Path, good: Option<u64>) -> Result<()> {
+        let ck = dir.join("checkpoints");
+        for s in Self::checkpoint_steps(dir).into_iter().filter(|&s| good.is_none_or(|g| s > g)) {
+            let from = ck.join(format!("step-{s:06}"));
+            let to = ck.join(format!("diverged-step-{s:06}"));
+            if to.exists() {
+                std::fs::remove_dir_all(&to).map_err(|e| Error::io(&to, e))?;
+            }
+            std::fs::rename(&from, &to).map_err(|e| Error::io(&from, e))?;
+        }
+        let latest = ck.join("latest");
+        match good {
+            Some(g) => write_file_atomically(&latest, format!("step-{g:06}").as_bytes()),
+            None if latest.exists() => std::fs::remove_file(&latest).map_err(|e| Error::io(&latest, e)),
+            None => Ok(()),
+        }
+    }
+
     /// The trainer state saved in checkpoint `ckpt`.
     pub(super) fn read_state(ckpt: &Path) -> Result<TrainerState> {
         read_json(&ckpt.join("trainer_state.json"))
@@ -120,21 +198,59 @@ impl RunFolder {
         &self.evals
     }
 
-    /// Drops the metrics lines of steps from `step` on (a resumed run runs them again).
-    pub fn drop_metrics_from(&self, step: u64) -> Result<()> {
+    /// Drops the metrics lines of steps from `step` on (a resumed run runs them again). A
+    /// damaged line (cut by a crash, edited by hand: not a JSON object with a `step`) is an
+    /// error naming `metrics.jsonl:LINE`; with `repair` the file is cut back to the last
+    /// whole step before it instead, and the note returned says what was cut.
+    pub fn drop_metrics_from(&self, step: u64, repair: bool) -> Result<Option<String>> {
         let path = self.dir.join("metrics.jsonl");
-        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
-        let kept: String = text
-            .lines()
-            .filter(|l| {
-                serde_json::from_str::<serde_json::Value>(l)
-                    .ok()
-                    .and_then(|v| v["step"].as_u64())
-                    .is_some_and(|s| s < step)
-            })
-            .map(|l| format!("{l}\n"))
-            .collect();
-        write_file_atomically(&path, kept.as_bytes())
+        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+        let mut kept = String::new();
+        let mut note = None;
+        for (i, l) in text.lines().enumerate() {
+            if l.trim().is_empty() {
+                continue;
+            }
+            let parsed = serde_json::from_str::<serde_json::Value>(l)
+                .map_err(|e| e.to_string())
+                .and_then(|v| v["step"].as_u64().ok_or_else(|| "no `step` field".to_string()));
+            match parsed {
+                Ok(s) if s < step => {
+                    kept.push_str(l);
+                    kept.push('\n');
+                }
+                Ok(_) => {}
+                Err(why) if repair => {
+                    let total = text.lines().filter(|l| !l.trim().is_empty()).count();
+                    let whole = kept.lines().count();
+                    note = Some(format!(
+                        "--repair-metrics: {}:{} was damaged ({why}); metrics.jsonl cut back to the \
+                         {whole} whole step line(s) before it ({} line(s) dropped){}",
+                        path.display(),
+                        i + 1,
+                        total - whole,
+                        if (whole as u64) < step {
+                            format!("; steps {whole}-{} have no metrics line", step - 1)
+                        } else {
+                            String::new()
+                        }
+                    ));
+                    break;
+                }
+                Err(why) => {
+                    return Err(Error::Parse {
+                        path: path.clone(),
+                        line: i + 1,
+                        msg: format!(
+                            "damaged metrics line ({why}); resume with --repair-metrics to cut the \
+                             file back to the last whole step before it"
+                        ),
+                    })
+                }
+            }
+        }
+        write_file_atomically(&path, kept.as_bytes())?;
+        Ok(note)
     }
 
     /// Appends a step's metrics to `metrics.jsonl` and TensorBoard.

@@ -1,13 +1,15 @@
 //! What a step reports: [`StepMetrics`] (the update's metrics, plus rollout, timing,
-//! dynamic-sampling and evaluation figures), one line of `metrics.jsonl` per step, and
-//! the warnings on their way to the next step's metrics (`Notes`). Depends on
-//! `train::update` (its metrics) and `rollout` (the engine's figures).
+//! dynamic-sampling and evaluation figures), one line of `metrics.jsonl` per step, the
+//! rollout engine's figures summed over the step's generation batches
+//! ([`RolloutFigures`]), and the warnings on their way to the next step's metrics
+//! (`Notes`). Depends on `train::update` (its metrics) and `rollout` (the engine's
+//! statistics).
 
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rollout::RolloutFigures;
+use crate::rollout::EngineStats;
 use crate::train::update::UpdateMetrics;
 
 /// Per-step metrics: the update's, plus rollout and timing figures.
@@ -46,6 +48,48 @@ pub struct StepMetrics {
     pub eval_pass: Option<f64>,
 }
 
+/// The engine's figures over a training step's generation batches, for
+/// metrics.jsonl and TensorBoard (`stapo/rollout_engine/...`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RolloutFigures {
+    /// Sequences per model call (decode rows and prefill chunks).
+    pub rows_per_step: f64,
+    /// Model calls over the step's generation batches.
+    pub model_calls: usize,
+    /// The most cache blocks held at once, and their size in GB.
+    pub peak_blocks: usize,
+    /// Size of those blocks in GB.
+    pub peak_cache_gb: f64,
+    /// Sequences preempted over the step.
+    pub preemptions: usize,
+    /// Tokens looked up in the prefix cache over the step.
+    pub prefix_cache_queried_tokens: usize,
+    /// Tokens found there (not prefilled).
+    pub prefix_cache_hit_tokens: usize,
+    /// `prefix_cache_hit_tokens / prefix_cache_queried_tokens` (0 when nothing was looked up).
+    pub prefix_cache_hit_rate: f64,
+}
+
+impl RolloutFigures {
+    /// Adds one rollout's figures.
+    pub fn add(&mut self, s: &EngineStats) {
+        let calls = self.model_calls + s.model_calls;
+        self.rows_per_step =
+            (self.rows_per_step * self.model_calls as f64 + s.rows_fed as f64) / calls.max(1) as f64;
+        self.model_calls = calls;
+        if s.peak_cache_bytes() as f64 / 1e9 > self.peak_cache_gb {
+            self.peak_cache_gb = s.peak_cache_bytes() as f64 / 1e9;
+        }
+        self.peak_blocks = self.peak_blocks.max(s.peak_blocks.max(s.peak_reserved_blocks));
+        self.preemptions += s.preemptions;
+        self.prefix_cache_queried_tokens += s.prefix_cache_queried_tokens;
+        self.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens;
+        self.prefix_cache_hit_rate =
+            self.prefix_cache_hit_tokens as f64 / self.prefix_cache_queried_tokens.max(1) as f64;
+    }
+}
+
 /// Warnings on their way to the next step's metrics (the library prints nothing).
 #[derive(Default)]
 pub(super) struct Notes {
@@ -61,5 +105,51 @@ impl Notes {
         if self.warned.insert(note.clone()) {
             out.push(note);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rollouts' figures, summed by hand: rows per call over all calls,
+    /// the larger peak, preemptions and prefix-cache tokens added.
+    #[test]
+    fn rollout_figures_add_up_over_the_step() {
+        let a = EngineStats {
+            model_calls: 4,
+            rows_fed: 10,
+            preemptions: 1,
+            block_size: 16,
+            bytes_per_token: 1000,
+            peak_blocks: 30,
+            prefix_cache_queried_tokens: 100,
+            prefix_cache_hit_tokens: 48,
+            ..EngineStats::default()
+        };
+        let b = EngineStats {
+            model_calls: 6,
+            rows_fed: 30,
+            preemptions: 2,
+            block_size: 16,
+            bytes_per_token: 1000,
+            peak_blocks: 10,
+            peak_reserved_blocks: 50,
+            prefix_cache_queried_tokens: 60,
+            ..EngineStats::default()
+        };
+        let mut f = RolloutFigures::default();
+        f.add(&a);
+        f.add(&b);
+        assert_eq!(f.model_calls, 10);
+        assert!((f.rows_per_step - 4.0).abs() < 1e-12, "40 rows over 10 calls: {f:?}");
+        assert_eq!(f.peak_blocks, 50, "the static policy's reservation counts");
+        assert!((f.peak_cache_gb - 50.0 * 16.0 * 1000.0 / 1e9).abs() < 1e-15);
+        assert_eq!(f.preemptions, 3);
+        assert_eq!((f.prefix_cache_queried_tokens, f.prefix_cache_hit_tokens), (160, 48));
+        assert!((f.prefix_cache_hit_rate - 48.0 / 160.0).abs() < 1e-12);
+        let mut none = RolloutFigures::default();
+        none.add(&EngineStats::default());
+        assert_eq!((none.rows_per_step, none.prefix_cache_hit_rate), (0.0, 0.0));
     }
 }

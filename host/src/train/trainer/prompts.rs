@@ -52,6 +52,47 @@ impl PromptSource {
         self.sampler.state()
     }
 
+    /// Puts the epoch order back where `state` says (a step that failed gives back the
+    /// prompts it drew).
+    pub fn restore_sampler(&mut self, state: SamplerState) -> Result<()> {
+        self.sampler = EpochSampler::restore(state, self.train.len())?;
+        Ok(())
+    }
+
+    /// Checks, when the run starts, that every prompt of the training set fits the model's
+    /// positions with `train_max_new` response tokens (and every held-out prompt with
+    /// `eval_max_new`): a prompt that does not is an error naming its `file:line`, not a
+    /// failed rollout steps later.
+    pub fn check_lengths(&self, model: &Qwen3, train_max_new: usize, eval_max_new: usize) -> Result<()> {
+        let positions = model.config().max_position_embeddings;
+        let gen = self.generator(model);
+        let sets = [
+            ("data.train", Some(&self.train), train_max_new),
+            ("data.test", self.test.as_ref(), eval_max_new),
+        ];
+        for (what, set, max_new) in sets {
+            let Some(set) = set else { continue };
+            for (i, e) in set.examples().iter().enumerate() {
+                let (ids, _) = gen.encode(std::slice::from_ref(&e.prompt()))?;
+                let len = ids[0].len();
+                if len + max_new > positions {
+                    let (key, fix) = if what == "data.train" {
+                        ("rollout.sampling.max_tokens", "lower it, shorten or drop the prompt")
+                    } else {
+                        ("evaluation.sampling.max_tokens", "lower it, shorten or drop the prompt")
+                    };
+                    return Err(Error::invalid(format!(
+                        "{}: the prompt ({what}) is {len} tokens; with {key} = {max_new} it needs {} \
+                         positions, more than the model's max_position_embeddings ({positions}): {fix}",
+                        set.place(i),
+                        len + max_new
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A generator sampling from `model` with this run's prompt template.
     pub fn generator<'a>(&'a self, model: &'a Qwen3) -> Generator<'a> {
         Generator::with_prompter(model, &self.tokenizer, self.prompter.clone())

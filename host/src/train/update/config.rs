@@ -182,6 +182,34 @@ impl UpdateConfig {
         UpdateConfig { actor, seed: 0, temperature: 1.0, token_grad_norms: false }
     }
 
+    /// The one builder of an update's configuration, for a run's step and a single
+    /// update alike: `actor` (with the step's objective) fitted to the rollouts' response
+    /// budget `max_tokens` ([`ObjectiveConfig::fit_to_run`]), the logits divided by the
+    /// sampling temperature `sampled_at` when `actor.scale_logits_by_temperature` (verl;
+    /// greedy, `sampled_at <= 0`, divides by 1), and the rollout correction resolved for
+    /// rollouts drawn from a copy in another dtype (`from_copy`). Returns the notes of
+    /// the fit and of the resolution, for the user.
+    pub fn build(
+        mut actor: ActorConfig,
+        max_tokens: Option<usize>,
+        sampled_at: f64,
+        from_copy: bool,
+        seed: u64,
+        token_grad_norms: bool,
+    ) -> Result<(Self, Vec<String>)> {
+        let mut notes = match max_tokens {
+            Some(n) => actor.objective.fit_to_run(n),
+            None => Vec::new(),
+        };
+        let temperature =
+            if actor.scale_logits_by_temperature && sampled_at > 0.0 { sampled_at } else { 1.0 };
+        let (rollout_correction, note) =
+            actor.rollout_correction.resolve(from_copy, temperature, actor.old_logp)?;
+        notes.extend(note);
+        actor.rollout_correction = rollout_correction;
+        Ok((UpdateConfig { actor, seed, temperature, token_grad_norms }, notes))
+    }
+
     /// Whether sequences are shuffled between epochs: exactly when there are several.
     pub fn shuffle(&self) -> bool {
         self.actor.epochs > 1
@@ -229,12 +257,7 @@ impl UpdateOptions {
     /// copy sampled the rollouts is not known). With `max_tokens`, also returns the notes of
     /// [`ObjectiveConfig::fit_to_run`].
     pub fn to_config(&self) -> Result<(UpdateConfig, Vec<String>)> {
-        let mut actor = self.actor.clone();
-        actor.objective.validate()?;
-        let notes = match self.max_tokens {
-            Some(n) => actor.objective.fit_to_run(n),
-            None => Vec::new(),
-        };
+        self.actor.objective.validate()?;
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
             return Err(Error::Config {
                 file: "update options".into(),
@@ -242,11 +265,7 @@ impl UpdateOptions {
                 msg: format!("expected a number > 0, found {}", self.temperature),
             });
         }
-        (actor.rollout_correction, _) =
-            self.actor.rollout_correction.resolve(false, self.temperature, self.actor.old_logp)?;
-        let cfg =
-            UpdateConfig { actor, seed: self.seed, temperature: self.temperature, token_grad_norms: false };
-        Ok((cfg, notes))
+        UpdateConfig::build(self.actor.clone(), self.max_tokens, self.temperature, false, self.seed, false)
     }
 }
 

@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::phases::Phase;
 use super::Sequence;
 use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::{Error, Result};
@@ -187,12 +188,15 @@ pub(super) fn response_stats(
     temperature: f64,
     collision: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let hidden = model.forward_hidden(&mb.tokens, grad)?;
+    // Timed as the forward and the loss's statistics with a gradient; the
+    // forward without one is timed by its caller (the old policy's).
+    let phase = |p: Phase| if grad == Grad::Track { Some(p) } else { None };
+    let hidden = Phase::time_if(phase(Phase::Forward), || model.forward_hidden(&mb.tokens, grad))?;
     let h = hidden.narrow(1, mb.p - 1, mb.t)?;
     // Through the head in tiles: no (B, T, V) logits (model::head). logits / T
     // = (h / T) w^T, so the temperature scales the hidden states.
     let h = if temperature != 1.0 { h.affine(1.0 / temperature, 0.0)? } else { h };
-    let s = model.token_stats(&h, &mb.targets, grad)?;
+    let s = Phase::time_if(phase(Phase::Loss), || model.token_stats(&h, &mb.targets, grad))?;
     let c = if collision { Some(s.collision.detach().to_dtype(DType::F32)?) } else { None };
     Ok((s.logp, s.entropy, c))
 }

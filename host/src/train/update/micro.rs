@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::layout::{grid, layout, response_stats, rows, Cut, Micro, Span};
 use super::metrics::Totals;
 use super::old_logp::OldLogps;
+use super::phases::Phase;
 use super::RolloutCorrection;
 use super::{Sequence, UpdateConfig};
 use crate::algo::{compute_loss, LossInputs, Normaliser};
@@ -186,20 +187,22 @@ pub(super) fn micro_step(
         Some(corr) => correction(x, corr, (mb, span), (&old_t, &resp), totals)?,
         None => None,
     };
-    let out = compute_loss(
-        obj,
-        &LossInputs {
-            logp: &logp,
-            old_logp: &old_t,
-            advantages: &adv,
-            mask: &mask,
-            ref_logp: ref_t.as_ref(),
-            entropy: (obj.entropy_coef != 0.0).then_some(&entropy),
-            response: Some((&resp, targets.response_norm)),
-            pg_weights: pg_weights.as_ref(),
-        },
-        targets.norm,
-    )?;
+    let out = Phase::Loss.time(|| {
+        compute_loss(
+            obj,
+            &LossInputs {
+                logp: &logp,
+                old_logp: &old_t,
+                advantages: &adv,
+                mask: &mask,
+                ref_logp: ref_t.as_ref(),
+                entropy: (obj.entropy_coef != 0.0).then_some(&entropy),
+                response: Some((&resp, targets.response_norm)),
+                pg_weights: pg_weights.as_ref(),
+            },
+            targets.norm,
+        )
+    })?;
     let l = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
     // Entropy metric over the response tokens of this micro-batch.
     let em = entropy.detach().to_dtype(DType::F32)?.mul(&micro.resp_mask)?.sum_all()?.to_scalar::<f32>()?;
@@ -215,15 +218,18 @@ pub(super) fn micro_step(
     if !l.is_finite() {
         return Ok(done(None));
     }
-    let mut grads = out.loss.backward()?;
-    for var in &x.params {
-        if let Some(g) = grads.remove(var.as_tensor()) {
-            let g = match acc.remove(var.as_tensor()) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            acc.insert(var.as_tensor(), g);
+    Phase::Backward.time(|| -> Result<()> {
+        let mut grads = out.loss.backward()?;
+        for var in &x.params {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                let g = match acc.remove(var.as_tensor()) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                acc.insert(var.as_tensor(), g);
+            }
         }
-    }
+        Ok(())
+    })?;
     Ok(done(Some(l)))
 }

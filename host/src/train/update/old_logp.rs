@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use super::layout::{layout_for, response_logp, rows, Cut};
+use super::phases::Phase;
 use super::{OldLogp, Sequence, UpdateConfig};
 use crate::model::{Grad, Qwen3};
 use crate::{Error, Result};
@@ -35,7 +36,7 @@ pub(super) fn logps_no_grad(
         let part = &idx[span.start..span.start + span.len];
         let ss: Vec<&Sequence> = part.iter().map(|&i| &seqs[i]).collect();
         let mb = layout_for(&ss, pad_id, m.device())?;
-        let (lp, _) = response_logp(m, &mb, Grad::Off, temperature)?;
+        let (lp, _) = Phase::OldPolicy.time(|| response_logp(m, &mb, Grad::Off, temperature))?;
         out.extend(part.iter().copied().zip(rows(&lp, &ss)?));
     }
     Ok(out)

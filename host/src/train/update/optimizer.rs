@@ -5,6 +5,7 @@
 use candle_core::backprop::GradStore;
 
 use super::metrics::{Totals, UpdateMetrics};
+use super::phases::Phase;
 use crate::dist::Comm;
 use crate::train::optim::Optimizer;
 use crate::Result;
@@ -27,7 +28,7 @@ pub(super) fn optimizer_step(
         metrics.skipped_steps += 1;
         return Ok(());
     };
-    let report = opt.step_on(comm, acc, lr)?;
+    let report = Phase::Optimizer.time(|| opt.step_on(comm, acc, lr))?;
     metrics.optimizer_bytes = opt.state_bytes() as u64;
     if report.skipped {
         let reason = match &report.nonfinite_param {

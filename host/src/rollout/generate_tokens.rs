@@ -11,8 +11,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::batch::Sample;
-pub use super::engine::GenerateHooks;
-use super::engine::{self, EngineConfig, EngineStats};
+use super::config::EngineConfig;
+use super::engine::{self, GenerateOptions};
+use super::stats::EngineStats;
 use super::SamplingParams;
 use crate::model::Qwen3;
 use crate::{Error, Result};
@@ -38,7 +39,7 @@ pub fn generate(
         params,
         pad_id,
         decode,
-        &GenerateHooks { progress, ..GenerateHooks::default() },
+        &GenerateOptions { progress, ..GenerateOptions::default() },
     )
 }
 
@@ -49,9 +50,9 @@ pub fn generate_with(
     params: &SamplingParams,
     pad_id: u32,
     decode: &dyn Fn(&[u32]) -> String,
-    hooks: &GenerateHooks,
+    opts: &GenerateOptions,
 ) -> Result<Vec<Sample>> {
-    Ok(generate_stats(model, prompts, params, pad_id, decode, hooks)?.0)
+    Ok(generate_stats(model, prompts, params, pad_id, decode, opts)?.0)
 }
 
 /// [`generate_with`], also returning the engine's figures (tokens/s, rows per
@@ -62,7 +63,7 @@ pub fn generate_stats(
     params: &SamplingParams,
     pad_id: u32,
     decode: &dyn Fn(&[u32]) -> String,
-    hooks: &GenerateHooks,
+    opts: &GenerateOptions,
 ) -> Result<(Vec<Sample>, EngineStats)> {
     let vocab = model.config().vocab_size;
     params.validate(vocab)?;
@@ -92,7 +93,7 @@ pub fn generate_stats(
         1,
     )?;
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
-    let (mut out, stats) = engine::run(model, prompts, params, decode, hooks, eos)?;
+    let (mut out, stats) = engine::run(model, prompts, params, decode, opts, eos)?;
     out.sort_by_key(|s| (s.prompt_index, s.sample_index));
     Ok((out, stats))
 }
@@ -108,8 +109,8 @@ pub fn bench_generate(model: &Qwen3, batch: usize, prompt_len: usize, new_tokens
     let params =
         SamplingParams { n: 1, max_new_tokens: new_tokens, ignore_eos: true, ..SamplingParams::default() };
     let engine = EngineConfig { max_rows: Some(batch.max(1)), ..EngineConfig::default() };
-    let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-    let (_, stats) = generate_stats(model, &prompts, &params, 0, &|_| String::new(), &hooks)?;
+    let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+    let (_, stats) = generate_stats(model, &prompts, &params, 0, &|_| String::new(), &opts)?;
     Ok(stats.tokens_per_sec())
 }
 
@@ -123,7 +124,7 @@ mod tests {
     use super::*;
     use crate::model::{logprob_entropy, Grad, TokenBatch};
     use crate::rollout::test_support::{angle_decode, tiny_model};
-    use crate::rollout::{Finish, Policy};
+    use crate::rollout::{Finish, SchedulePolicy};
 
     fn prompts() -> Vec<Vec<u32>> {
         vec![vec![5, 9, 13], vec![2, 40, 41, 42, 43, 44, 45], vec![77], vec![60, 61, 3, 3, 8]]
@@ -171,18 +172,21 @@ mod tests {
         // Continuous batching with all rows, with 2 rows (refills), with a cache
         // of 3 blocks (preemptions), and the static policy.
         let engines = [
-            (EngineConfig::default(), Policy::Continuous),
-            (EngineConfig { max_rows: Some(2), ..EngineConfig::default() }, Policy::Continuous),
+            (EngineConfig::default(), SchedulePolicy::Continuous),
+            (EngineConfig { max_rows: Some(2), ..EngineConfig::default() }, SchedulePolicy::Continuous),
             (
                 EngineConfig { kv_cache_gb: Some(3.5 * 16.0 * 512.0 / 1e9), ..EngineConfig::default() },
-                Policy::Continuous,
+                SchedulePolicy::Continuous,
             ),
-            (EngineConfig { max_rows: Some(2), block_size: 4, ..EngineConfig::default() }, Policy::Static),
+            (
+                EngineConfig { max_rows: Some(2), block_size: 4, ..EngineConfig::default() },
+                SchedulePolicy::Static,
+            ),
         ];
         for (engine, policy) in engines {
-            let hooks = GenerateHooks { engine, policy, ..GenerateHooks::default() };
+            let opts = GenerateOptions { engine, policy, ..GenerateOptions::default() };
             let batched =
-                generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
+                generate_with(&model, &prompts(), &params, 0, &angle_decode, &opts).expect("generate");
             assert_eq!(batched.len(), alone.len());
             for (a, b) in batched.iter().zip(&alone) {
                 assert_same_response(a, b);
@@ -261,8 +265,8 @@ mod tests {
         }
         // Chunked (one prompt per chunk) equals unchunked.
         let engine = EngineConfig { max_rows: Some(3), ..EngineConfig::default() };
-        let hooks = GenerateHooks { engine, ..GenerateHooks::default() };
-        let chunked = generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect("generate");
+        let opts = GenerateOptions { engine, ..GenerateOptions::default() };
+        let chunked = generate_with(&model, &prompts(), &params, 0, &angle_decode, &opts).expect("generate");
         for (x, y) in chunked.iter().zip(&run(&model, &prompts(), &params)) {
             assert_same_response(x, y);
         }
@@ -276,9 +280,9 @@ mod tests {
         let params = SamplingParams { n: 2, max_new_tokens: 12, seed: 5, ..Default::default() };
         let all = run(&model, &prompts(), &params);
         let lo = 1;
-        let hooks = GenerateHooks { first_prompt_index: lo, ..GenerateHooks::default() };
+        let opts = GenerateOptions { first_prompt_index: lo, ..GenerateOptions::default() };
         let shard =
-            generate_with(&model, &prompts()[lo..], &params, 0, &angle_decode, &hooks).expect("generate");
+            generate_with(&model, &prompts()[lo..], &params, 0, &angle_decode, &opts).expect("generate");
         let rest: Vec<&Sample> = all.iter().filter(|s| s.prompt_index >= lo).collect();
         assert_eq!(shard.len(), rest.len());
         for (x, y) in shard.iter().zip(rest) {
@@ -345,9 +349,8 @@ mod tests {
         assert_eq!(seen.get(), 40);
         assert_eq!(samples.len(), 8);
         let cancel = AtomicBool::new(true);
-        let hooks = GenerateHooks { cancel: Some(&cancel), ..GenerateHooks::default() };
-        let err =
-            generate_with(&model, &prompts(), &params, 0, &angle_decode, &hooks).expect_err("cancelled");
+        let opts = GenerateOptions { cancel: Some(&cancel), ..GenerateOptions::default() };
+        let err = generate_with(&model, &prompts(), &params, 0, &angle_decode, &opts).expect_err("cancelled");
         assert!(err.to_string().contains("cancelled"), "{err}");
         let err = generate(&model, &[vec![1], vec![]], &params, 0, &angle_decode, None)
             .expect_err("empty")

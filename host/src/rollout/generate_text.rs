@@ -11,8 +11,9 @@ use crate::model::Qwen3;
 use crate::Result;
 
 use super::batch::Sample;
-use super::engine::EngineStats;
-use super::generate::{generate_stats, GenerateHooks};
+use super::engine::GenerateOptions;
+use super::generate_tokens::generate_stats;
+use super::stats::EngineStats;
 use super::SamplingParams;
 
 /// What [`Generator::generate`] returns: the samples (ordered by prompt, then
@@ -33,7 +34,7 @@ pub struct Generation {
 /// ```ignore
 /// let gen = Generator::new(&model, &tok, &PromptTemplate::Model)?;
 /// if let Some(note) = gen.note() { eprintln!("{note}") }
-/// let out = gen.generate(&["Compute 1+2.".into()], &SamplingParams::greedy(32), &GenerateHooks::default())?;
+/// let out = gen.generate(&["Compute 1+2.".into()], &SamplingParams::greedy(32), &GenerateOptions::default())?;
 /// ```
 pub struct Generator<'a> {
     model: &'a Qwen3,
@@ -106,7 +107,7 @@ impl<'a> Generator<'a> {
         &self,
         prompts: &[Prompt],
         params: &SamplingParams,
-        hooks: &GenerateHooks,
+        opts: &GenerateOptions,
     ) -> Result<Generation> {
         let (ids, prompt_texts) = self.encode(prompts)?;
         let mut params = params.clone();
@@ -117,7 +118,7 @@ impl<'a> Generator<'a> {
         }
         let tok = self.tokenizer;
         let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
-        let (samples, stats) = generate_stats(self.model, &ids, &params, tok.pad_id(), &decode, hooks)?;
+        let (samples, stats) = generate_stats(self.model, &ids, &params, tok.pad_id(), &decode, opts)?;
         Ok(Generation { samples, prompt_texts, stats })
     }
 }
@@ -145,7 +146,7 @@ mod tests {
         let params = SamplingParams { n: 2, max_new_tokens: 12, seed: 3, ..SamplingParams::default() };
         for template in [PromptTemplate::Model, PromptTemplate::raw(), PromptTemplate::chat(false)] {
             let gen = Generator::new(&m, &tok, &template).expect("generator");
-            let out = gen.generate(&prompts, &params, &GenerateHooks::default()).expect("generate");
+            let out = gen.generate(&prompts, &params, &GenerateOptions::default()).expect("generate");
             // By hand: render, encode, eos ids as stops, generate, decode.
             let texts: Vec<String> =
                 prompts.iter().map(|p| gen.prompter().render(p).expect("render")).collect();
