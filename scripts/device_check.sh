@@ -28,7 +28,13 @@
 #      HOST_CPU=1 (first: the GPU machine's host CPU: `stapo bench kernels` where the binary has
 #      it, `bench train` and `bench generate` in f32 and bf16 at the 16.8M shape, and PyTorch's
 #      docs/bench/torch_bf16.py beside them where python3 can import torch and transformers),
-#      GPU=0 (skip the GPU rows), SKIP_TRAIN=1 (skip the update rows).
+#      GPU=0 (skip the GPU rows), SKIP_TRAIN=1 (skip the update rows),
+#      PEAK_TFLOPS (the device's dense bf16 peak for MFU; known GPUs are looked up by name).
+# The roofline column: for rollouts the share of the bandwidth bound (the bytes a decode step
+# must read, weights and live keys and values, over the step time, over the bandwidth of a
+# device-to-device copy), for updates MFU (model FLOPs per second over the dense bf16 peak);
+# the same work through PyTorch/transformers (docs/bench/torch_device.py) follows each
+# row where python3 imports torch and transformers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -160,7 +166,51 @@ why() { # the reason a row has no figure
 }
 
 ROWS=()
-row() { ROWS+=("$(printf '| %-34s | %-28s | %12s | %10s | %12s |' "$@")"); }
+row() { # CHECK SETTING TOKS SECS MEM [ROOFLINE]
+    ROWS+=("$(printf '| %-34s | %-28s | %12s | %10s | %12s | %-28s |' "$1" "$2" "$3" "$4" "$5" "${6:-not measured}")")
+}
+
+# The dense bf16 tensor peak of the GPU, in TFLOP/s (PEAK_TFLOPS overrides; empty when unknown).
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+case "$gpu_name" in
+    *H200*) PEAK=989 ;;
+    *H100*PCIe*) PEAK=756 ;;
+    *H100*) PEAK=989 ;;
+    *A100*) PEAK=312 ;;
+    *L4*) PEAK=121 ;;
+    *) PEAK="" ;;
+esac
+PEAK="${PEAK_TFLOPS:-$PEAK}"
+TORCH=0
+python3 -c 'import torch, transformers' 2>/dev/null && TORCH=1
+
+# torch_row NAME LIMIT LABEL SETTING ARGS...: the same work through PyTorch/transformers, a row
+# with its tokens/s and the share of the bound it printed ("not measured" without torch).
+torch_row() {
+    local name=$1 limit=$2 label=$3 setting=$4
+    shift 4
+    if [[ $TORCH != 1 ]]; then
+        row "$label" "$setting" "not measured" "-" "-" "not measured (no torch)"
+        return
+    fi
+    local left=$((BUDGET_S - (SECONDS - START)))
+    ((left < limit)) && limit=$left
+    if ((limit < 15)); then
+        row "$label" "$setting: not run (budget)" "not measured" "-" "-" "not measured"
+        return
+    fi
+    timeout "$limit" python3 docs/bench/torch_device.py "$@" >"$LOG_DIR/$name.log" 2>&1
+    local rc=$? line
+    line=$(grep -E "^torch (rollout|update)" "$LOG_DIR/$name.log" | tail -n 1)
+    echo "== $name (rc $rc): $line"
+    if [[ $rc -eq 0 && -n "$line" ]]; then
+        row "$label" "$setting" "$(grep -oE "[0-9]+ tok/s" <<<"$line" | awk '{print $1}')" \
+            "$(grep -oE "[0-9.]+ s," <<<"$line" | awk '{print $1}')" "-" \
+            "$(grep -oE "(MFU [0-9.]+%|[0-9.]+% of the bandwidth bound)" <<<"$line" | sed 's/ of the bandwidth bound/ of bw bound/')"
+    else
+        row "$label" "$setting: failed (rc $rc)" "not measured" "-" "-" "not measured"
+    fi
+}
 
 # --- 0. the host CPU (HOST_CPU=1) ------------------------------------------------
 FAILED=0
@@ -224,7 +274,11 @@ bench_train() {
         local secs tps
         secs=$(awk '{print $3}' <<<"$line")
         tps=$(awk '{print $4}' <<<"$line")
-        row "update f32 $name" "$b x $s tokens, warm-up $warmup" "$tps" "$secs" "${PEAK_MIB} MiB"
+        local tflops mfu="not measured (peak unknown)"
+        tflops=$(grep -oE "model FLOPs at seq $s: .* ([0-9.]+) TFLOP/s" "$LOG_DIR/$name.log" | grep -oE "[0-9.]+ TFLOP/s" | awk '{print $1}')
+        [[ -n "$PEAK" && -n "$tflops" ]] &&
+            mfu=$(awk -v f="$tflops" -v p="$PEAK" 'BEGIN{printf "MFU %.1f%% (of %d bf16)", 100 * f / p, p}')
+        row "update f32 $name" "$b x $s tokens, warm-up $warmup" "$tps" "$secs" "${PEAK_MIB} MiB" "$mfu"
     else
         row "update f32 $name" "$b x $s: $(why "$name")" "not measured" "not measured" "${PEAK_MIB} MiB"
     fi
@@ -261,8 +315,13 @@ bench_rollout() {
         --max-new "$max" --paged-rows 256 --kv-cache-gb "$gb" --device cuda --dtype bfloat16
     local tps
     tps=$(grep -oE "^rollout \(paged only\): [0-9.]+ tok/s" "$LOG_DIR/$name.log" | grep -oE "[0-9.]+ tok/s" | awk '{print $1}')
+    local bound
+    bound=$(grep -oE "[0-9.]+% of the bandwidth bound" "$LOG_DIR/$name.log" | tail -n 1 | sed 's/ of the bandwidth bound/ of bw bound/')
+    local budget
+    budget=$(grep -oE "[0-9.]+ launches per layer .*, [0-9.]+ copies to the host per step" "$LOG_DIR/$name.log" | tail -n 1)
+    [[ -n "$budget" ]] && echo "   decode budget: $budget"
     if [[ $RC -eq 0 && -n "$tps" ]]; then
-        row "rollout bf16 $name" "$np x 8, $lengths" "$tps" "${WALL}" "${PEAK_MIB} MiB"
+        row "rollout bf16 $name" "$np x 8, $lengths" "$tps" "${WALL}" "${PEAK_MIB} MiB" "${bound:-not measured}"
     else
         row "rollout bf16 $name" "$np x 8: $(why "$name")" "not measured" "not measured" "${PEAK_MIB} MiB"
     fi
@@ -276,9 +335,17 @@ else
     bench_train 0.6B-8x1024 "$SHAPE_06B" 8 1024 90 1
     bench_generate 0.6B-b256 "$SHAPE_06B" 256 128 256 60
 fi
+[[ "${SKIP_TRAIN:-0}" == 1 ]] ||
+    torch_row torch-update-0.6B 90 "torch update bf16 0.6B" "8 x 1024 tokens, warm-up 1" \
+        --what update --shape 0.6b --batch 8 --seq 1024 --peak-tflops "${PEAK:-0}"
+torch_row torch-generate-0.6B 60 "torch generate bf16 0.6B" "256 rows, 128 + 256 tokens" \
+    --what rollout --shape 0.6b --rows 256 --prompt 128 --new 256
 if [[ "${QUICK:-0}" != 1 ]]; then
     # The paper's shape of work; the first update of a fresh process (no warm-up).
     bench_train 1.7B-8x8192 "$SHAPE_17B" 8 8192 180 0
+    [[ "${SKIP_TRAIN:-0}" == 1 ]] ||
+        torch_row torch-update-1.7B 120 "torch update bf16 1.7B" "8 x 8192 tokens, warm-up 1" \
+            --what update --shape 1.7b --batch 8 --seq 8192 --peak-tflops "${PEAK:-0}"
 fi
 if [[ "${QUICK:-0}" != 1 ]]; then
     bench_generate 0.6B-256x4096 "$SHAPE_06B" 256 128 4096 210
@@ -293,14 +360,18 @@ fi
 # --- the table ------------------------------------------------------------------
 echo
 echo "device check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $(date -u +%F)"
-printf '| %-34s | %-28s | %12s | %10s | %12s |\n' "check" "setting" "tok/s" "step s" "peak GPU mem"
-printf '|%s|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..36})" "$(printf -- '-%.0s' {1..30})" \
-    "$(printf -- '-%.0s' {1..14})" "$(printf -- '-%.0s' {1..12})" "$(printf -- '-%.0s' {1..14})"
+printf '| %-34s | %-28s | %12s | %10s | %12s | %-28s |\n' "check" "setting" "tok/s" "step s" "peak GPU mem" "roofline"
+printf '|%s|%s|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..36})" "$(printf -- '-%.0s' {1..30})" \
+    "$(printf -- '-%.0s' {1..14})" "$(printf -- '-%.0s' {1..12})" "$(printf -- '-%.0s' {1..14})" \
+    "$(printf -- '-%.0s' {1..30})"
 printf '%s\n' "${ROWS[@]}"
 echo "(update: one train::update of the batch after the stated warm-up updates, f32 master weights,"
 echo " AdamW, composed ops (the only ones CUDA has); tok/s counts all tokens. generate: sampled tokens/s,"
 echo " prefill included, T=1 device-side sampling; step s = one generate call. rollout: the paged engine's"
 echo " sampled tokens/s with forced lengths; step s = wall time. parity: step s = wall time."
+echo " roofline: rollouts, the decode steps' share of the bandwidth bound (bytes a step must read over"
+echo " its time over a device copy's bandwidth); updates, MFU against the dense bf16 peak (${PEAK:-unknown} TFLOP/s;"
+echo " the stapo updates here run in f32); torch rows: docs/bench/torch_device.py, the same work."
 echo " peak GPU mem: nvidia-smi memory.used above idle, sampled every 0.1 s; commands took"
 echo " $((SECONDS - START)) s of the ${BUDGET_S} s budget.)"
 exit $FAILED

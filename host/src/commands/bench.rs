@@ -57,7 +57,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         println!("{}", model::fused::roofline::line(&model::fused::roofline::measure(200)));
     }
     if a.what == What::Train && (a.seqs.len() > 1 || a.table) && !a.table_row {
-        return train_table(&a, options);
+        return train_table(&a, &cfg, options);
     }
     let mut m = model::init(&cfg, 0, 0.02, dtype, &device)?;
     if let Some(lora) = a.lora.config()? {
@@ -307,7 +307,7 @@ fn phase_table(t: &PhaseTimes, (wall, cpu): (f64, f64), reps: usize, flops: &[f6
 /// each length in a fresh process (this program with `--table-row`): time,
 /// tokens/s, peak RSS, and the growth of the peak per extra token from the
 /// previous length.
-fn train_table(a: &BenchArgs, options: model::ModelOptions) -> anyhow::Result<()> {
+fn train_table(a: &BenchArgs, cfg: &Config, options: model::ModelOptions) -> anyhow::Result<()> {
     println!(
         "full update step (AdamW, one mini-batch), batch {}, response {} per sequence, {} kernels, \
          recompute {}, mean of {} after {} warm-up; each length in a fresh process",
@@ -350,6 +350,13 @@ fn train_table(a: &BenchArgs, options: model::ModelOptions) -> anyhow::Result<()
             "{seq:>7} {tokens:>8} {secs:>10.2} {:>9.0} {:>9.2} {growth}",
             tokens as f64 / secs,
             peak as f64 / 1e9
+        );
+        // The numerator of MFU (layers' recomputation not counted): a script divides it by
+        // the device's peak.
+        let flops = model::budget::update_flops_per_token(cfg, seq);
+        println!(
+            "  model FLOPs at seq {seq}: {flops:.4e} per token, {:.2} TFLOP/s",
+            flops * tokens as f64 / secs / 1e12
         );
         prev = Some((tokens, peak));
     }

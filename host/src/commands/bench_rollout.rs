@@ -8,6 +8,15 @@
 //! flipped by batched rounding). `--kv-cache-dtype auto,bfloat16` and `--prefix-caching
 //! off,on` run several paged engines side by side at the same budget; `--shared-prefix N`
 //! puts the same N tokens before every prompt (a system prompt for prefix caching to find).
+//! Each engine's decode steps are reported against their budget: kernel launches per
+//! decoder layer and copies to the host per step (see `model::budget`), the bytes a step
+//! must read, and on CUDA the share of the memory bandwidth (measured by a device copy)
+//! that those bytes over the steps' time reach.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
 
 use stapo::model::{PagedKvCache, Qwen3};
 use stapo::rollout::{
@@ -67,6 +76,14 @@ fn on_off(b: bool) -> &'static str {
 /// cache peak C.CC x live tokens`.
 pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     let plan = plan(m, a)?;
+    if m.device().is_cuda() {
+        let bw = copy_bandwidth(m.device())?;
+        println!(
+            "device memory bandwidth: {:.0} GB/s (a device-to-device copy of 1 GiB, read + write)",
+            bw / 1e9
+        );
+        let _ = BANDWIDTH.set(bw);
+    }
     println!(
         "rollout: {} prompts x {} of {} tokens{}, lengths {} (mean {:.0}), max {} new; cache {:.3} GB: static {} rows, paged {} rows{}",
         plan.prompts.len(),
@@ -326,6 +343,28 @@ fn print_rss() {
     }
 }
 
+/// The device's memory bandwidth in bytes/s, where `run` measured it (CUDA).
+static BANDWIDTH: OnceLock<f64> = OnceLock::new();
+
+/// Bytes/s of a device-to-device copy of 1 GiB (each byte read once and written once),
+/// the best of 5 after a warm-up.
+fn copy_bandwidth(dev: &Device) -> anyhow::Result<f64> {
+    let n = 1usize << 28; // f32 values
+    let src = Tensor::zeros(n, DType::F32, dev)?;
+    let mut best = f64::INFINITY;
+    for i in 0..6 {
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let dst = src.copy()?;
+        dev.synchronize()?;
+        if i > 0 {
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        drop(dst);
+    }
+    Ok(2.0 * (4 * n) as f64 / best)
+}
+
 fn report(name: &str, s: &EngineStats) {
     let live = s.peak_live_tokens * s.bytes_per_token;
     println!(
@@ -348,4 +387,20 @@ fn report(name: &str, s: &EngineStats) {
         }
     );
     println!("  time: {}", s.phases.line());
+    if s.decode_steps > 0 {
+        let c = &s.decode_counts;
+        let bound = match BANDWIDTH.get() {
+            Some(&bw) => format!(", {:.1}% of the bandwidth bound", 100.0 * s.bandwidth_fraction(bw)),
+            None => String::new(),
+        };
+        println!(
+            "  decode: {} steps, {:.1} launches per layer ({:.0} per step in the model call), {:.1} copies to the \
+             host per step, {:.1} MB read per step at the least{bound}",
+            s.decode_steps,
+            c.launches_per_layer(),
+            c.launches as f64 / s.decode_steps as f64,
+            s.host_copies_per_step(),
+            s.bytes_per_decode_step() / 1e6,
+        );
+    }
 }

@@ -906,6 +906,7 @@ impl CustomOp2 for Sample {
 pub fn sample(logits: &Tensor, uniforms: &[f64], params: SampleParams) -> Result<Vec<[f32; 4]>> {
     let u = Tensor::from_slice(uniforms, uniforms.len(), logits.device())?;
     let out = logits.to_dtype(DType::F32)?.contiguous()?.apply_op2_no_bwd(&u, &Sample { params })?;
+    super::budget::host_copy(); // the four numbers of every row, one copy
     Ok(out.to_vec2::<f32>()?.into_iter().map(|r| [r[0], r[1], r[2], r[3]]).collect())
 }
 

@@ -244,5 +244,6 @@ pub(super) fn mlp_normed(layer: &Layer, x: &Tensor, h: &Tensor, grad: Grad) -> R
     let gate = linear(h, layer, Target::GateProj, None, grad)?;
     let up = linear(h, layer, Target::UpProj, None, grad)?;
     let mlp = linear(&ops::swiglu(&gate, &up)?, layer, Target::DownProj, None, grad)?;
+    super::budget::launch(1); // the residual add
     Ok((x + mlp)?)
 }

@@ -1,6 +1,7 @@
 //! The Qwen3 model: configuration, differentiable forward, KV-cache decode and
 //! Hugging Face checkpoints.
 
+pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod cuda;

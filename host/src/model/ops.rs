@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::fused;
+use super::{budget, fused};
 use crate::Result;
 
 /// Additive bias for a masked attention score. Finite, so that a query whose
@@ -56,6 +56,8 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims();
     let (n_in, n_out) = (dims[dims.len() - 1], w.dim(0)?);
     let rows = x.elem_count() / n_in.max(1);
+    // A copy when `x` is strided, the matmul, the bias.
+    budget::launch(budget::copy_of(x) + 1 + usize::from(b.is_some()));
     let y = x.reshape((rows, n_in))?.matmul(&w.t()?)?;
     let y = match b {
         Some(b) => y.broadcast_add(b)?,
@@ -81,6 +83,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// [`rms_norm`] from candle ops.
 pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
+    // sqr, mean (a sum and a scale), + eps, sqrt, div, mul; and the casts to
+    // the compute dtype and back.
+    budget::launch(7 + 2 * budget::cast_of(x, compute_dtype(dtype)));
     let xf = x.to_dtype(compute_dtype(dtype))?;
     let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
     let normed = xf.broadcast_div(&(var + eps)?.sqrt()?)?;
@@ -92,6 +97,8 @@ pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// `(B, 1, L, D/2)`.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
+    // Four products, a difference, a sum, and the concatenation's two copies.
+    budget::launch(8);
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
     let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
@@ -118,6 +125,7 @@ pub fn norm_rope(
         return super::cuda_ops::norm_rope(x, n_heads, w, cos, sin, eps);
     }
     let (b, l, hd) = x.dims3()?;
+    budget::launch(budget::copy_of(x));
     let x = x.reshape((b, l, n_heads, hd / n_heads.max(1)))?;
     rope(&rms_norm_composed(&x, w, eps)?.transpose(1, 2)?, cos, sin)
 }
@@ -131,6 +139,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if super::cuda_ops::serves(gate) && super::cuda_ops::serves(up) {
         return super::cuda_ops::swiglu(gate, up);
     }
+    budget::launch(2);
     Ok((gate.silu()? * up)?)
 }
 
@@ -169,6 +178,7 @@ fn matmul_operand(t: &Tensor) -> Result<Tensor> {
         && stride[3] == 1
         && stride[2] == dims[3]
         && (stride[0] == stride[1] * dims[1] || dims[0] == 1 || dims[1] == 1);
+    budget::launch(usize::from(!readable && !t.is_contiguous()));
     Ok(if readable { t.clone() } else { t.contiguous()? })
 }
 
@@ -256,15 +266,21 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, n_k
     let s = k.dim(2)?;
     let g = nq / n_kv;
     let dtype = q.dtype();
+    let cd = compute_dtype(dtype);
+    // q's copy when strided; two matmuls, the scale and the mask's add (the
+    // softmax counts its own); the casts of the scores, the mask and the
+    // probabilities.
+    budget::launch(budget::copy_of(q) + 4 + 2 * usize::from(cd != dtype) + budget::cast_of(mask, cd));
     let q = q.contiguous()?.reshape((b, n_kv, g * l, d))?;
     let k = matmul_operand(k)?;
     let v = matmul_operand(v)?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?.reshape((b, nq, l, s))?;
-    let scores =
-        scores.to_dtype(compute_dtype(dtype))?.broadcast_add(&mask.to_dtype(compute_dtype(dtype))?)?;
+    let scores = scores.to_dtype(cd)?.broadcast_add(&mask.to_dtype(cd)?)?;
     let probs = softmax(&scores)?.to_dtype(dtype)?;
     let ctx = probs.reshape((b, n_kv, g * l, s))?.matmul(&v)?; // (B, Hkv, G*L, D)
-    Ok(ctx.reshape((b, nq, l, d))?.transpose(1, 2)?.reshape((b, l, nq * d))?)
+    let ctx = ctx.reshape((b, nq, l, d))?.transpose(1, 2)?;
+    budget::launch(budget::copy_of(&ctx));
+    Ok(ctx.reshape((b, l, nq * d))?)
 }
 
 /// Attention scores per query block of [`attention_blocks`]: about 64 MB in f32.
@@ -421,6 +437,8 @@ impl candle_core::CustomOp3 for AttentionBlocks {
 /// full gradient to every tied maximum, which would make gradients wrong on
 /// rows with ties (e.g. identical padding keys).
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    // max, sub, exp, sum, div.
+    budget::launch(5);
     let max = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&max)?.exp()?;
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)

@@ -30,7 +30,7 @@ use super::layer::{mlp_block, o_proj, qkv, Layer};
 use super::ops::Grad;
 pub use super::paged_attention::PagedSeq;
 use super::qwen3::Qwen3;
-use super::{fused, ops};
+use super::{budget, fused, ops};
 use crate::{Error, Result};
 
 /// The key and value pools of every layer: `(blocks * block_size, Hkv, D)`
@@ -184,11 +184,14 @@ pub fn decode_paged(
     let positions = Tensor::from_vec(layout.pos.clone(), shape, dev)?;
     let (cos, sin) = model.rotary(&positions)?;
     let mut x = model.embed(&ids)?;
+    let before = budget::snapshot().launches;
     for (i, layer) in model.layers.iter().enumerate() {
         x = paged_layer(layer, model.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;
     }
+    budget::layers(model.layers.len(), budget::snapshot().launches - before);
     let h = model.final_norm(&x)?.reshape((t, model.config().hidden_size))?;
     let last = Tensor::from_vec(layout.last.clone(), seqs.len(), dev)?;
+    budget::launch(1); // the last tokens' rows
     model.lm_head(&h.index_select(&last, 0)?, Grad::Off)
 }
 
@@ -210,6 +213,7 @@ fn paged_layer(
     attn.write(pool_k, &k)?;
     attn.write(pool_v, &v)?;
     let o = attn.attend(&q, pool_k, pool_v, cfg.num_key_value_heads)?;
+    budget::launch(1); // the residual add
     let x = (x + o_proj(layer, &o, Grad::Off)?)?;
     mlp_block(layer, cfg, &x, Grad::Off)
 }
@@ -368,12 +372,18 @@ impl<'a> PagedAttn<'a> {
     /// launch per run made a 256-row CUDA step launch-bound).
     fn write(&self, pool: &Tensor, new: &Tensor) -> Result<()> {
         let rows = if self.per_row { new.squeeze(2)? } else { new.squeeze(0)?.transpose(0, 1)? };
-        let rows = rows.to_dtype(pool.dtype())?.contiguous()?; // (T, Hkv, D)
+        budget::launch(budget::cast_of(&rows, pool.dtype()));
+        let rows = rows.to_dtype(pool.dtype())?;
+        budget::launch(budget::copy_of(&rows));
+        let rows = rows.contiguous()?; // (T, Hkv, D)
         if let Some(slots) = self.token_slots.as_ref().filter(|_| self.runs.len() > 1) {
-            let idx = slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?.contiguous()?;
-            pool.scatter_set(&idx, &rows, 0)?;
+            let idx = slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?;
+            // The index's copy (a broadcast is strided), the scatter.
+            budget::launch(budget::copy_of(&idx) + 1);
+            pool.scatter_set(&idx.contiguous()?, &rows, 0)?;
             return Ok(());
         }
+        budget::launch(self.runs.len());
         for &(t0, s0, n) in &self.runs {
             pool.slice_set(&rows.narrow(0, t0, n)?, 0, s0)?;
         }
@@ -407,13 +417,19 @@ impl<'a> PagedAttn<'a> {
         let r = self.seqs.len();
         let (hkv, dk) = (pool_k.dim(1)?, pool_k.dim(2)?);
         let gather = |pool: &Tensor| -> Result<Tensor> {
+            // The gather, and its cast to the queries' dtype.
+            budget::launch(1 + budget::cast_of(pool, q.dtype()));
             let rows = pool.index_select(&g.key_slots, 0)?.to_dtype(q.dtype())?;
             Ok(rows.reshape((r, g.s, hkv, dk))?.transpose(1, 2)?)
         };
-        let qt = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (T, Hq, D)
-        let qp = qt.index_select(&g.query_tokens, 0)?.reshape((r, g.l, nq, d))?.transpose(1, 2)?;
+        let qt = q.squeeze(0)?.transpose(0, 1)?; // (T, Hq, D)
+        budget::launch(budget::copy_of(&qt) + 1); // its copy, the queries' gather
+        let qp =
+            qt.contiguous()?.index_select(&g.query_tokens, 0)?.reshape((r, g.l, nq, d))?.transpose(1, 2)?;
+        budget::launch(budget::copy_of(&qp));
         let o =
             ops::attention_composed(&qp.contiguous()?, &gather(pool_k)?, &gather(pool_v)?, &g.mask, n_kv)?;
+        budget::launch(1); // the new tokens' rows
         let o = o.reshape((r * g.l, nq * d))?.index_select(&g.token_queries, 0)?;
         Ok(o.reshape((1, t, nq * d))?)
     }
@@ -623,6 +639,63 @@ mod tests {
             let e = rel_err(&row(&mixed, 0).to_dtype(DType::F32).expect("f32"), &want);
             assert!(e < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?}: mixed call, error {e:e}");
         }
+    }
+
+    /// The budget of a decode step on the composed path (what CUDA runs
+    /// without the project's kernels), counted on the CPU: three rows of
+    /// the tiny f32 model (hidden 64, 4 query heads over 2 kv heads of 16)
+    /// add one token each, over contexts of 7, 10 and 4 tokens in their own
+    /// blocks. Per layer, by the counting rule of `model::budget`:
+    ///
+    /// - input RMSNorm: sqr, sum, scale, + eps, sqrt, div, mul = 7;
+    /// - q, k, v projections: one matmul each = 3;
+    /// - q and k norm + rope: RMSNorm 7, rope 4 products + sub + add + the
+    ///   concatenation's 2 copies = 8; 15 each, 30;
+    /// - writing K: `(1, Hkv, T, D)` to `(T, Hkv, D)` is strided: a copy, the
+    ///   slot index's copy (a broadcast), the scatter = 3; V arrives as
+    ///   `(T, Hkv, D)` contiguous: index copy and scatter = 2; 5;
+    /// - attention: the queries' copy to `(T, Hq, D)` and their gather = 2;
+    ///   K's and V's gathers = 2; the gathered K and V transposed to
+    ///   `(R, Hkv, S, D)` are strided, a copy each = 2; q K^T, the scale, the
+    ///   mask's add, softmax (max, sub, exp, sum, div) = 5, P V: 4 + 5 = 9;
+    ///   the new tokens' rows = 1; 16;
+    /// - the residual add, o projection = 2;
+    /// - MLP: RMSNorm 7, gate and up 2, SwiGLU (silu, mul) 2, down 1, the
+    ///   residual add 1 = 13.
+    ///
+    /// 7 + 3 + 30 + 5 + 16 + 2 + 13 = 76 per layer. Outside the layers: the
+    /// embedding's gather 1, rotary tables (the positions' cast, a product,
+    /// cos, sin) 4, the final RMSNorm 7, the last tokens' rows 1, the LM head 1 =
+    /// 14; 2 x 76 + 14 = 166 a step. The device sampler at temperature 1
+    /// copies to the host the per-block masses, the sums, the sums of e * d,
+    /// the argmaxes and each row's chosen block: 5 copies a step.
+    #[test]
+    fn a_composed_decode_step_launches_a_hand_counted_number_of_kernels() {
+        use crate::model::budget;
+        use crate::rollout::device::Blocked;
+        use crate::rollout::Sampler;
+        use rand::SeedableRng;
+        let m = tiny_in(3, DType::F32);
+        Kernels::Composed.scope(|| {
+            let cache = PagedKvCache::new(&m, 32, 4).expect("cache");
+            let mut pool = BlockPool::new(32, 4).expect("pool");
+            let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
+            feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[toks(1, 6), toks(2, 9), toks(3, 3)]);
+            let before = budget::snapshot();
+            let logits =
+                feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[vec![5], vec![6], vec![7]]);
+            let sampler =
+                Sampler::new(&crate::rollout::SamplingParams { temperature: 1.0, ..Default::default() });
+            let blocked = Blocked::new(&logits, &sampler).expect("device pass");
+            let mut rngs: Vec<rand::rngs::StdRng> = (0..3).map(rand::rngs::StdRng::seed_from_u64).collect();
+            let rows = rngs.iter_mut().enumerate().collect();
+            blocked.draw(&sampler, rows).expect("draw");
+            let d = budget::snapshot().since(&before);
+            assert_eq!(d.layers, 2);
+            assert_eq!(d.layer_launches, 2 * 76, "launches in the layers");
+            assert_eq!(d.launches, 2 * 76 + 14, "launches of the step");
+            assert_eq!(d.host_copies, 5, "copies to the host");
+        });
     }
 
     /// A bf16 cache under an f32 model (`kv_cache_dtype = "bfloat16"`): the

@@ -84,6 +84,8 @@ impl Meta {
         }
         let op =
             Op { meta: &self.meta, tokens: t, hq, hkv, d, max_blocks: self.max_blocks, bs: self.block_size };
+        // q's copy when strided, the kernel.
+        super::budget::launch(super::budget::copy_of(q) + 1);
         let out = q.contiguous()?.apply_op3_no_bwd(k, v, &op)?; // (T, Hq, D)
         Ok(out.reshape((1, t, hq * d))?)
     }

@@ -470,6 +470,11 @@ impl Qwen3 {
     /// The rotary tables `(cos, sin)`, each `(B, 1, L, D/2)` in the model dtype,
     /// of position ids `(B, L)`: computed in f32 then cast, as HF does.
     pub(super) fn rotary(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        // The positions' cast, the product, cos, sin; the casts to the
+        // compute and activation dtypes (see `model::budget`).
+        let cd = ops::compute_dtype(self.dtype);
+        let act = self.activation_dtype();
+        super::budget::launch(4 + usize::from(cd != DType::F32) + 2 * usize::from(act != cd));
         let freqs = positions
             .to_dtype(DType::F32)?
             .unsqueeze(2)?
@@ -484,6 +489,7 @@ impl Qwen3 {
     pub(super) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;
         let table = self.w(&self.embed_tokens, Grad::Off);
+        super::budget::launch(1 + super::budget::cast_of(&table, self.activation_dtype()));
         let x = table.index_select(&ids.flatten_all()?, 0)?.reshape((b, l, self.cfg.hidden_size))?;
         Ok(x.to_dtype(self.activation_dtype())?)
     }

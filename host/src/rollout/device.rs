@@ -24,6 +24,7 @@ use rand::Rng;
 use rayon::prelude::*;
 
 use super::sampler::{Sampler, TokenDraw};
+use crate::model::budget;
 use crate::{Error, Result};
 
 /// Tokens per block of the device-side inverse CDF.
@@ -80,6 +81,7 @@ impl StepLogits {
     /// The whole logits on the host.
     pub fn host(logits: &Tensor) -> Result<Self> {
         let vocab = logits.dim(D::Minus1)?;
+        budget::host_copy();
         Ok(Self::Host { data: logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, vocab })
     }
 
@@ -174,8 +176,11 @@ impl Blocked {
         } else {
             let w =
                 if sampler.temperature() == 1.0 { e } else { (&d * (1.0 / sampler.temperature()))?.exp()? };
+            budget::host_copy();
             w.reshape((b, blocks, BLOCK))?.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?
         };
+        // The sums, the sums of e * d and the argmaxes.
+        (0..3).for_each(|_| budget::host_copy());
         Ok(Self {
             shifted: d.reshape((b * blocks, BLOCK))?,
             blocks,
@@ -235,6 +240,7 @@ impl Blocked {
         }
         let idx: Vec<u32> = picks.iter().map(|&(r, k, ..)| (r * self.blocks + k) as u32).collect();
         let idx = Tensor::from_vec(idx, picks.len(), self.shifted.device())?;
+        budget::host_copy();
         let chosen = self.shifted.index_select(&idx, 0)?.to_vec2::<f32>()?;
         let inv_t = (1.0 / sampler.temperature()) as f32;
         picks

@@ -29,7 +29,7 @@ use super::sampler::Sampler;
 use super::scheduler::{SchedulePolicy, Scheduler};
 use super::stats::EngineStats;
 use super::SamplingParams;
-use crate::model::Qwen3;
+use crate::model::{budget, Qwen3};
 use crate::{Error, Result};
 
 /// How a generation runs ([`super::generate_with`] and this module's `run`):
@@ -127,6 +127,9 @@ impl Engine<'_> {
         self.stats.peak_live_tokens = self.stats.peak_live_tokens.max(live);
         self.stats.phases.schedule += t0.elapsed().as_secs_f64();
         let running = &self.scheduler.queues.running;
+        let decode = sched.iter().all(|&(_, n)| n == 1);
+        let context: usize = sched.iter().map(|&(i, _)| running[i].table.len()).sum();
+        let (start, counts) = (Instant::now(), budget::snapshot());
         let logits = self.runner.forward(&sched, running, &self.reqs, self.kv.cache(), &mut self.stats)?;
         let t0 = Instant::now();
         let ready = self.scheduler.ready(&sched, &mut self.kv, &self.reqs);
@@ -138,6 +141,20 @@ impl Engine<'_> {
         }
         self.scheduler.retire(ready, &mut self.kv, &self.reqs);
         self.stats.phases.draw += t0.elapsed().as_secs_f64();
+        if decode {
+            let m = self.runner.model();
+            let s = &mut self.stats;
+            s.decode_steps += 1;
+            s.decode_secs += start.elapsed().as_secs_f64();
+            s.decode_counts.add(&budget::snapshot().since(&counts));
+            s.decode_bytes += budget::decode_step_bytes(
+                m.config(),
+                m.dtype(),
+                self.kv.cache().dtype(),
+                sched.len(),
+                context,
+            );
+        }
         Ok(())
     }
 

@@ -21,6 +21,11 @@ pub(super) struct ModelRunner<'a> {
 }
 
 impl<'a> ModelRunner<'a> {
+    /// The model it runs.
+    pub(super) fn model(&self) -> &'a Qwen3 {
+        self.model
+    }
+
     pub(super) fn new(model: &'a Qwen3, sampler: Sampler) -> Self {
         Self { model, sampler }
     }

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::budget;
+
 /// What one rollout did, for the metrics and the benchmark.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineStats {
@@ -50,6 +52,20 @@ pub struct EngineStats {
     /// where the host first waits for the device), and the draws.
     #[serde(default)]
     pub phases: Phases,
+    /// Decode steps: model calls in which every row added one token.
+    #[serde(default)]
+    pub decode_steps: usize,
+    /// Seconds of the decode steps (model call, logits and draws).
+    #[serde(default)]
+    pub decode_secs: f64,
+    /// Bytes the decode steps had to read at the least: weights and live
+    /// keys and values ([`budget::decode_step_bytes`]), summed over the steps.
+    #[serde(default)]
+    pub decode_bytes: u64,
+    /// Device work of the decode steps ([`budget::Counts`]): kernel launches
+    /// (per decoder layer among them) and copies to the host.
+    #[serde(default)]
+    pub decode_counts: budget::Counts,
 }
 
 /// Seconds of a rollout spent in each phase of a step (see
@@ -82,6 +98,22 @@ impl Phases {
 }
 
 impl EngineStats {
+    /// Mean bytes a decode step had to read ([`EngineStats::decode_bytes`]).
+    pub fn bytes_per_decode_step(&self) -> f64 {
+        self.decode_bytes as f64 / self.decode_steps.max(1) as f64
+    }
+
+    /// Copies to the host per decode step.
+    pub fn host_copies_per_step(&self) -> f64 {
+        self.decode_counts.host_copies as f64 / self.decode_steps.max(1) as f64
+    }
+
+    /// The decode steps' share of a device's memory bandwidth `bytes_per_sec`:
+    /// the bytes they had to read over their time, over the bandwidth.
+    pub fn bandwidth_fraction(&self, bytes_per_sec: f64) -> f64 {
+        self.decode_bytes as f64 / self.decode_secs.max(1e-9) / bytes_per_sec
+    }
+
     /// Tokens sampled per second.
     pub fn tokens_per_sec(&self) -> f64 {
         self.tokens as f64 / self.secs.max(1e-9)
