@@ -1,10 +1,10 @@
 //! The rollout engine: continuous batching over a paged KV cache, in vLLM
 //! v1's shape (Kwon et al. 2023): each step the scheduler picks the work
-//! ([`super::scheduler`]: the queues and the scheduling policy), the KV-cache
+//! (`super::scheduler`: the queues and the scheduling policy), the KV-cache
 //! manager gives it slots ([`super::kv_cache_manager`]: the block budget, the
 //! pool, prefix caching), the model runner runs one model call and draws
-//! ([`super::model_runner`]), and the engine appends the draws, ends the
-//! responses that stop and retires them ([`run`]). [`EngineStats`] records
+//! (`super::model_runner`), and the engine appends the draws, ends the
+//! responses that stop and retires them (`run`). [`EngineStats`] records
 //! what the call did.
 //!
 //! A GRPO group is prefilled once, as one unit; when its prompt is in the
@@ -54,7 +54,7 @@ pub struct GenerateOptions<'a> {
     pub lengths: Option<&'a dyn Fn(usize, usize) -> usize>,
 }
 
-/// One call of [`run`]: the responses, the scheduler, the cache and the model.
+/// One call of `run`: the responses, the scheduler, the cache and the model.
 struct Engine<'a> {
     reqs: Requests<'a>,
     scheduler: Scheduler,

@@ -4,7 +4,7 @@
 //! (`model::PagedKvCache`), and gives a unit's tokens their slots.
 //!
 //! The budget is `kv_cache_gb`, or a share of the memory the device has
-//! ([`Memory`]: on the CPU the host's available memory, read by
+//! (`Memory`: on the CPU the host's available memory, read by
 //! [`host_memory`], the one reader of /proc/meminfo; on CUDA the free device
 //! memory), divided into whole blocks of [`PagedKvCache::bytes_per_token`]
 //! (the one KV-bytes formula) and capped by what the call can use.
@@ -12,7 +12,7 @@
 //! With automatic prefix caching (`enable_prefix_caching`, vLLM's name and
 //! scheme), every full block a unit writes is named by a hash chained over its
 //! tokens, and a unit being admitted first looks up the longest run of its
-//! leading full blocks already in the cache ([`KvCacheManager::cached_prefix`]).
+//! leading full blocks already in the cache (`KvCacheManager::cached_prefix`).
 
 use super::blocks::{blocks_for, hash_blocks, BlockHash, BlockPool, BlockTable};
 use super::config::{EngineConfig, CPU_CACHE_FRACTION};

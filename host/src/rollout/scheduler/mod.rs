@@ -34,7 +34,7 @@ macro_rules! policies {
     ($($(#[$attr:meta])* $variant:ident => $file:ident::$ty:ident;)+) => {
         $(mod $file;)+
 
-        /// How the scheduler admits work: which [`Scheduling`] policy runs.
+        /// How the scheduler admits work: which `Scheduling` policy runs.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
         pub enum SchedulePolicy {
             $($(#[$attr])* $variant,)+
