@@ -35,7 +35,7 @@
 
 use std::collections::HashSet;
 
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use super::task::Problem;
@@ -339,32 +339,10 @@ pub fn generate_long(
     unique: bool,
 ) -> Result<Vec<Problem>> {
     cfg.validate()?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut seen = HashSet::new();
-    let mut out = Vec::with_capacity(n);
-    let max_draws = n.saturating_mul(50).max(1000);
-    let mut draws = 0usize;
-    while out.len() < n {
-        draws += 1;
-        if draws > max_draws {
-            return Err(Error::invalid(format!(
-                "long task: found only {} of {n} new distinct problems in {max_draws} draws; widen the config",
-                out.len()
-            )));
-        }
-        let (problem, answer, solution) = draw(&mut rng, cfg);
-        if exclude.contains(&problem) || (unique && !seen.insert(problem.clone())) {
-            continue;
-        }
-        out.push(Problem {
-            id: format!("{prefix}-{}", out.len()),
-            problem,
-            answer: answer.to_string(),
-            source: LONG_SOURCE.into(),
-            solution,
-        });
-    }
-    Ok(out)
+    super::task::draw_problems(n, seed, prefix, exclude, unique, LONG_SOURCE, |rng| {
+        let (problem, answer, solution) = draw(rng, cfg);
+        (problem, answer.to_string(), solution)
+    })
 }
 
 /// A training set of `n_train` problems (seed `seed`) and a held-out test set

@@ -197,29 +197,47 @@ pub(crate) fn generate_excluding(
     unique: bool,
 ) -> Result<Vec<Problem>> {
     cfg.validate()?;
+    draw_problems(n, seed, prefix, exclude, unique, SOURCE, |rng| {
+        let (problem, answer, solution) = draw(rng, cfg);
+        (problem, answer.to_string(), solution)
+    })
+}
+
+/// `n` problems from `draw` (problem, answer, solution) over a generator seeded
+/// with `seed`, skipping any whose text is in `exclude` (and repeats, when
+/// `unique`), ids `"{prefix}-{i}"`, `source` as given. A generator too narrow
+/// for `n` distinct problems is an error, not a hang.
+pub(crate) fn draw_problems(
+    n: usize,
+    seed: u64,
+    prefix: &str,
+    exclude: &HashSet<String>,
+    unique: bool,
+    source: &str,
+    mut draw: impl FnMut(&mut rand::rngs::StdRng) -> (String, String, String),
+) -> Result<Vec<Problem>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut seen: HashSet<String> = HashSet::new();
     let mut out = Vec::with_capacity(n);
-    // Bounded retries: a config too narrow for `n` distinct problems is an error, not a hang.
     let max_draws = n.saturating_mul(50).max(1000);
     let mut draws = 0usize;
     while out.len() < n {
         draws += 1;
         if draws > max_draws {
             return Err(Error::invalid(format!(
-                "task: found only {} of {n} new distinct problems in {max_draws} draws; widen the task config",
+                "{source} task: found only {} of {n} new distinct problems in {max_draws} draws; widen the task config",
                 out.len()
             )));
         }
-        let (problem, answer, solution) = draw(&mut rng, cfg);
+        let (problem, answer, solution) = draw(&mut rng);
         if exclude.contains(&problem) || (unique && !seen.insert(problem.clone())) {
             continue;
         }
         out.push(Problem {
             id: format!("{prefix}-{}", out.len()),
             problem,
-            answer: answer.to_string(),
-            source: SOURCE.into(),
+            answer,
+            source: source.into(),
             solution,
         });
     }
