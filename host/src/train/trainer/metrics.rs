@@ -9,6 +9,7 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
+use super::ahead::AsyncFigures;
 use crate::rollout::EngineStats;
 use crate::train::update::UpdateMetrics;
 
@@ -42,6 +43,9 @@ pub struct StepMetrics {
     /// Groups dynamic sampling dropped before the update (all rewards equal).
     #[serde(default)]
     pub groups_dropped: usize,
+    /// `rollout.async`: staleness and waits (absent from synchronous runs).
+    #[serde(rename = "async", default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<AsyncFigures>,
     /// Held-out avg@n when this step evaluated.
     pub eval_avg: Option<f64>,
     /// Held-out pass@n when this step evaluated.
