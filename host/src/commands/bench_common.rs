@@ -36,6 +36,11 @@ pub enum What {
     /// (AMX, AVX-512 BF16, AVX2, portable) against f64, with GFLOP/s and the
     /// roofline peaks; exits non-zero on a mismatch. No model is built.
     Kernels,
+    /// Steps per hour of a training run on the bundled tiny model and arithmetic task,
+    /// synchronous against one step off (`rollout.async`), on the same cores:
+    /// `--steps` steps of `--prompts` prompts x `--samples` samples of at most
+    /// `--max-new` tokens each, `--rounds` rounds of (synchronous, asynchronous).
+    Async,
     /// Everything.
     All,
 }
@@ -160,6 +165,16 @@ pub struct BenchArgs {
     /// the most tokens/s on this machine.
     #[arg(long, value_delimiter = ',')]
     pub rows_sweep: Vec<usize>,
+    /// `async`: training steps of each run.
+    #[arg(long, default_value_t = 4)]
+    pub steps: u64,
+    /// `async`: threads of the rollout drawn ahead (`rollout.async.rollout_threads`; 0: the
+    /// process's pool, shared with the update).
+    #[arg(long, default_value_t = 0)]
+    pub rollout_threads: usize,
+    /// `async`: threads of the update beside it (`rollout.async.train_threads`).
+    #[arg(long, default_value_t = 0)]
+    pub train_threads: usize,
     /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
     #[arg(long, default_value = "none")]
     pub shard: String,

@@ -20,8 +20,10 @@
 //! - `prompts.rs`: [`PromptSource`] (data, epoch sampler, tokenizer, template);
 //! - `folder.rs`: [`RunFolder`] (every file of the run folder and TensorBoard);
 //! - `plan.rs`: the step plan ([`StepPlan`]) and the per-step seeds;
-//! - `dynamic.rs`: dynamic sampling (the groups with mixed rewards gathered over
-//!   generation batches);
+//! - `dynamic.rs`: a step's rollouts (`Roller`) and dynamic sampling (the groups with
+//!   mixed rewards gathered over generation batches);
+//! - `ahead.rs`: one-step-off training (`rollout.async`): the next step's rollout drawn
+//!   in a second thread beside the update, the staleness check, the async metrics;
 //! - `metrics.rs`: what a step reports ([`StepMetrics`]) and the warnings on their way;
 //! - `setup.rs`: configuration glue (device and model of a rank, checks of the config);
 //!
@@ -58,8 +60,8 @@ use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
 use crate::{Error, Result};
-use ahead::{Ahead, Pools};
 pub use ahead::AsyncFigures;
+use ahead::{Ahead, Pools};
 use dynamic::{Gathered, Roller, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
@@ -390,7 +392,8 @@ impl Trainer {
     ) -> Result<StepMetrics> {
         // A rollout drawn ahead holds prompts drawn after the step's own: a failed step gives
         // both back, and the step runs again rolling out its prompts itself.
-        let sampler = self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone());
+        let sampler =
+            self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone());
         let step = self.step;
         let r = self.step_inner(plan, progress, cancel);
         if r.is_err() && self.step == step {
@@ -642,7 +645,12 @@ impl Trainer {
     /// budget, logits divided by the sampling temperature as verl does, so that the ratio
     /// is on-policy; T <= 0 is greedy: none; the rollout correction resolved for rollouts
     /// sampled by a copy in another dtype or `lag` policy versions ago), its notes passed on.
-    fn update_config(&mut self, plan: &StepPlan, lag: u64, warnings: &mut Vec<String>) -> Result<UpdateConfig> {
+    fn update_config(
+        &mut self,
+        plan: &StepPlan,
+        lag: u64,
+        warnings: &mut Vec<String>,
+    ) -> Result<UpdateConfig> {
         let mut actor = self.cfg.actor.clone();
         actor.objective = plan.objective.clone();
         let (ucfg, notes) = UpdateConfig::build(
@@ -873,7 +881,10 @@ impl Trainer {
         let state = TrainerState {
             step: self.step,
             // A rollout drawn ahead is not saved: a resumed run draws its prompts again.
-            sampler: self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone()),
+            sampler: self
+                .ahead
+                .as_ref()
+                .map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone()),
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
             lr_scale: self.lr_scale,

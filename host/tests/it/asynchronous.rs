@@ -93,7 +93,10 @@ fn one_step_off_rollouts_carry_the_log_probs_of_the_weights_that_drew_them() {
         let want = k.saturating_sub(1);
         assert_eq!(t.last_rollout_version(), Some(want), "step {k}");
         let lag = k - want;
-        assert_eq!((f.staleness_max, f.staleness_mean, f.off_policy_token_share), (lag, lag as f64, lag as f64));
+        assert_eq!(
+            (f.staleness_max, f.staleness_mean, f.off_policy_token_share),
+            (lag, lag as f64, lag as f64)
+        );
         // A rollout runs beside every update but the last step's.
         assert_eq!(f.ahead_rollout_secs > 0.0, k < 3, "step {k}: {f:?}");
         let seqs: Vec<Sequence> =

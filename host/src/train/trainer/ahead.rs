@@ -57,7 +57,9 @@ impl Ahead {
 /// Returns the lag.
 pub(super) fn check_staleness(step: u64, version: u64, allowed: u32) -> Result<u64> {
     let lag = step.checked_sub(version).ok_or_else(|| {
-        Error::invalid(format!("step {step}: its rollout claims policy version {version}, newer than the policy"))
+        Error::invalid(format!(
+            "step {step}: its rollout claims policy version {version}, newer than the policy"
+        ))
     })?;
     if lag > u64::from(allowed) {
         return Err(Error::invalid(format!(
@@ -137,7 +139,10 @@ impl Pools {
                 msg: format!("cannot start {n} threads: {e}"),
             })
         };
-        Ok(Self { rollout: pool(cfg.rollout_threads, "rollout_threads")?, train: pool(cfg.train_threads, "train_threads")? })
+        Ok(Self {
+            rollout: pool(cfg.rollout_threads, "rollout_threads")?,
+            train: pool(cfg.train_threads, "train_threads")?,
+        })
     }
 
     /// Runs `f` in the rollout's pool.
