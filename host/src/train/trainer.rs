@@ -392,8 +392,7 @@ impl Trainer {
     ) -> Result<StepMetrics> {
         // A rollout drawn ahead holds prompts drawn after the step's own: a failed step gives
         // both back, and the step runs again rolling out its prompts itself.
-        let sampler =
-            self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone());
+        let sampler = self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before);
         let step = self.step;
         let r = self.step_inner(plan, progress, cancel);
         if r.is_err() && self.step == step {
@@ -881,10 +880,7 @@ impl Trainer {
         let state = TrainerState {
             step: self.step,
             // A rollout drawn ahead is not saved: a resumed run draws its prompts again.
-            sampler: self
-                .ahead
-                .as_ref()
-                .map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before.clone()),
+            sampler: self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before),
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
             lr_scale: self.lr_scale,

@@ -185,9 +185,90 @@ fn a_rollout_in_flight_is_given_up_and_drawn_again_on_resume() {
     assert_eq!(steps, [0, 1]);
 }
 
+/// The preemption path of `stapo run`: SIGTERM raised while the rollout of step 2 runs
+/// beside update 1 gives that rollout up; update 1 finishes, step 1 is logged and
+/// checkpoint step-000002 written; `--resume` runs step 2 synchronously on the same
+/// prompts and step 3 one step off again. Steps 0 and 1 equal the uninterrupted run's.
+#[test]
+fn sigterm_with_a_rollout_in_flight_resumes_from_the_step_before_it() {
+    let dir = tempdir();
+    let (model, train, _) = arith_fixture(dir.path());
+    let script = dir.path().join("run.rhai");
+    std::fs::write(
+        &script,
+        format!(
+            r#"train(#{{ model: #{{ path: "{}" }}, data: #{{ train: "{}", prompts_per_step: 2 }},
+    actor: #{{ preset: "grpo", optim: #{{ lr: 1e-3 }} }},
+    rollout: #{{ sampling: #{{ n: 3, max_tokens: 8 }}, async: #{{ staleness: 1 }} }},
+    checkpoint: #{{ save_every: 0 }} }}, 4);"#,
+            model.display(),
+            train.display()
+        ),
+    )
+    .unwrap();
+    let stapo = |args: &[&str], signal: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"));
+        c.args(args).env_remove("STAPO_TEST_SIGNAL");
+        if let Some(s) = signal {
+            c.env("STAPO_TEST_SIGNAL", s);
+        }
+        let o = c.output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.code(), text)
+    };
+    let rows = |run: &std::path::Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let script = script.to_str().unwrap();
+    let reference = dir.path().join("reference");
+    let (code, out) = stapo(&["run", "--quiet", "--out", reference.to_str().unwrap(), script], None);
+    assert_eq!(code, Some(0), "{out}");
+    let run = dir.path().join("stopped");
+    let (code, out) =
+        stapo(&["run", "--quiet", "--out", run.to_str().unwrap(), script], Some("TERM@rollout:2"));
+    assert_eq!(code, Some(143), "{out}");
+    assert!(out.contains("stopped by SIGTERM"), "{out}");
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step-000002", "{out}");
+    let (code, out) = stapo(&["run", "--quiet", "--resume", run.to_str().unwrap()], None);
+    assert_eq!(code, Some(0), "{out}");
+    let (want, got) = (rows(&reference), rows(&run));
+    assert_eq!(got.iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    for k in 0..2 {
+        for key in ["loss", "reward_mean", "entropy", "grad_norm", "response_len_mean"] {
+            assert!(want[k][key].is_number(), "step {k}: no {key}");
+            assert_eq!(want[k][key], got[k][key], "step {k} {key}");
+        }
+    }
+    let staleness = |r: &[serde_json::Value]| -> Vec<u64> {
+        r.iter().map(|r| r["async"]["staleness_max"].as_u64().unwrap()).collect()
+    };
+    assert_eq!(staleness(&want), [0, 1, 1, 1]);
+    assert_eq!(staleness(&got), [0, 1, 0, 1], "the resumed step draws its rollout itself");
+}
+
 #[test]
 fn staleness_above_one_and_async_over_ranks_are_refused() {
     let dir = tempdir();
+    let cfg = config(dir.path(), Some(1));
+    let comms = stapo::dist::ThreadComm::group(2);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let runs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let (cfg, run) = (cfg.clone(), dir.path().join("ranks"));
+                s.spawn(move || Trainer::new_on(std::sync::Arc::new(c), cfg, &run).err().unwrap().to_string())
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("rollout.async.staleness") && e.contains("2 ranks"), "{e}");
+    }
     let mut v = serde_json::to_value(config(dir.path(), Some(1))).unwrap();
     v["rollout"]["async"]["staleness"] = 2.into();
     let e = RunConfig::from_json(&v).unwrap_err().to_string();
