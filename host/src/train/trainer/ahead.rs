@@ -1,9 +1,9 @@
 //! One-step-off asynchronous training (`rollout.async`, verl's `one_step_off_policy`):
 //! the rollout drawn one step ahead ([`Ahead`]), the thread pools the two roles run in
 //! ([`Pools`]), the check that no update trains on a rollout older than the run allows
-//! ([`check_staleness`]) and what a step reports about it ([`AsyncFigures`]). Depends on
-//! `rollout` (the sampling settings), `data` (the epoch order) and the trainer's
-//! dynamic-sampling part (the batch a rollout gathers).
+//! ([`check_staleness`]); what a step reports about it is `metrics.rs`'s `AsyncFigures`.
+//! Depends on `rollout` (the sampling settings), `data` (the epoch order) and the
+//! trainer's dynamic-sampling part (the batch a rollout gathers).
 //!
 //! Policy versions count updates: version v is the weights after v steps, so step k's
 //! update turns version k into version k+1. A synchronous step k samples version k. Under
@@ -13,10 +13,6 @@
 //! behind. Step 0 rolls out synchronously (nothing is ahead yet), and so does a step
 //! whose rollout ahead was given up (a signal, a failure, sampling settings that changed,
 //! a resumed run).
-
-use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
 
 use super::dynamic::StepBatch;
 use super::plan::StepPlan;
@@ -68,54 +64,6 @@ pub(super) fn check_staleness(step: u64, version: u64, allowed: u32) -> Result<u
         )));
     }
     Ok(lag)
-}
-
-/// What asynchrony did in a step (`metrics.jsonl`'s `async`, TensorBoard `stapo/async/...`);
-/// absent from synchronous runs.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct AsyncFigures {
-    /// Policy versions between the weights that sampled each response token this step
-    /// trained on and those its update started from: mean over tokens.
-    pub staleness_mean: f64,
-    /// Their largest value.
-    pub staleness_max: u64,
-    /// Response tokens per staleness (index 0: on-policy, 1: one version behind).
-    pub staleness_hist: Vec<usize>,
-    /// Share of the response tokens sampled by an older policy version.
-    pub off_policy_token_share: f64,
-    /// Seconds the trainer waited for rollouts: a rollout the step drew itself, plus the
-    /// time the rollout ahead ran on after the update ended (verl `timing_s/wait_prev_gen`).
-    pub wait_rollout_secs: f64,
-    /// Seconds the rollout ahead, done, waited for the update and its weights.
-    pub wait_weights_secs: f64,
-    /// Seconds of the rollout drawn ahead beside the update (0 when none was drawn).
-    pub ahead_rollout_secs: f64,
-    /// Seconds to copy the weights the rollout ahead samples.
-    pub weight_copy_secs: f64,
-}
-
-impl AsyncFigures {
-    /// The staleness figures of a step whose `tokens` response tokens are all `lag`
-    /// versions behind.
-    pub(super) fn with_lag(lag: u64, tokens: usize) -> Self {
-        let mut hist = vec![0; lag as usize + 1];
-        hist[lag as usize] = tokens;
-        Self {
-            staleness_mean: if tokens > 0 { lag as f64 } else { 0.0 },
-            staleness_max: if tokens > 0 { lag } else { 0 },
-            staleness_hist: hist,
-            off_policy_token_share: if tokens > 0 && lag > 0 { 1.0 } else { 0.0 },
-            ..Self::default()
-        }
-    }
-
-    /// Records the overlap of the update and the rollout ahead: each ran this long.
-    pub(super) fn overlap(&mut self, update: Duration, rollout: Duration) {
-        self.ahead_rollout_secs = rollout.as_secs_f64();
-        self.wait_rollout_secs += rollout.saturating_sub(update).as_secs_f64();
-        self.wait_weights_secs = update.saturating_sub(rollout).as_secs_f64();
-    }
 }
 
 /// The thread pools of the two roles while they run side by side (`None`: the process's
@@ -176,19 +124,5 @@ mod tests {
         let e = check_staleness(5, 3, 1).unwrap_err().to_string();
         assert!(e.contains("version 3, 2 versions behind"), "{e}");
         assert!(check_staleness(3, 4, 1).is_err());
-    }
-
-    #[test]
-    fn waits_split_the_overlap_between_the_two_roles() {
-        let mut f = AsyncFigures::with_lag(1, 10);
-        assert_eq!((f.staleness_mean, f.staleness_max, f.off_policy_token_share), (1.0, 1, 1.0));
-        assert_eq!(f.staleness_hist, [0, 10]);
-        f.wait_rollout_secs = 0.5; // a rollout drawn synchronously first
-        f.overlap(Duration::from_secs(3), Duration::from_secs(5));
-        assert_eq!((f.wait_rollout_secs, f.wait_weights_secs, f.ahead_rollout_secs), (2.5, 0.0, 5.0));
-        f.overlap(Duration::from_secs(5), Duration::from_secs(3));
-        assert_eq!((f.wait_rollout_secs, f.wait_weights_secs), (2.5, 2.0));
-        let on = AsyncFigures::with_lag(0, 4);
-        assert_eq!((on.staleness_hist.as_slice(), on.off_policy_token_share), (&[4][..], 0.0));
     }
 }
