@@ -706,7 +706,7 @@ impl Trainer {
     /// The update of this step on `seqs` under `ucfg`, then the rollout copy refreshed;
     /// under `rollout.async` with a next step to come, the next step's rollout runs beside
     /// it in a second thread, on a copy of the weights the update starts from, and is kept
-    /// for that step ([`Ahead`]; given up, its prompts put back, when cancelled or failed).
+    /// for that step (`Ahead`; given up, its prompts put back, when cancelled or failed).
     fn update_step(
         &mut self,
         plan: &StepPlan,

@@ -1,7 +1,7 @@
 //! One-step-off asynchronous training (`rollout.async`, verl's `one_step_off_policy`):
-//! the rollout drawn one step ahead ([`Ahead`]), the thread pools the two roles run in
-//! ([`Pools`]), the check that no update trains on a rollout older than the run allows
-//! ([`check_staleness`]); what a step reports about it is `metrics.rs`'s `AsyncFigures`.
+//! the rollout drawn one step ahead (`Ahead`), the thread pools the two roles run in
+//! (`Pools`), the check that no update trains on a rollout older than the run allows
+//! (`check_staleness`); what a step reports about it is `metrics.rs`'s `AsyncFigures`.
 //! Depends on `rollout` (the sampling settings), `data` (the epoch order) and the
 //! trainer's dynamic-sampling part (the batch a rollout gathers).
 //!

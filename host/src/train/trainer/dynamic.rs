@@ -1,4 +1,4 @@
-//! A step's rollouts and dynamic sampling (DAPO, verl's `filter_groups`): [`Roller`]
+//! A step's rollouts and dynamic sampling (DAPO, verl's `filter_groups`): `Roller`
 //! draws the prompts, rolls them out and scores them, one generation batch after another;
 //! the prompts and scored samples of a step gathered over those batches (`Gathered`)
 //! keep only groups whose rewards are mixed until the step's target is held over all
@@ -137,7 +137,7 @@ impl Roller<'_> {
     }
 }
 
-/// What [`Trainer::gather`] collected: the samples the update trains on, everything
+/// What `Roller::gather` collected: the samples the update trains on, everything
 /// sampled (for the batch metrics) and the rollout figures.
 #[derive(Debug, Default)]
 pub(super) struct StepBatch {
