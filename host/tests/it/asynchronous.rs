@@ -199,7 +199,7 @@ fn sigterm_with_a_rollout_in_flight_resumes_from_the_step_before_it() {
         format!(
             r#"train(#{{ model: #{{ path: "{}" }}, data: #{{ train: "{}", prompts_per_step: 2 }},
     actor: #{{ preset: "grpo", optim: #{{ lr: 1e-3 }} }},
-    rollout: #{{ sampling: #{{ n: 3, max_tokens: 8 }}, async: #{{ staleness: 1 }} }},
+    rollout: #{{ sampling: #{{ n: 3, max_tokens: 8 }}, "async": #{{ staleness: 1 }} }},
     checkpoint: #{{ save_every: 0 }} }}, 4);"#,
             model.display(),
             train.display()
