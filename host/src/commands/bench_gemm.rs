@@ -32,7 +32,8 @@ fn shapes(cfg: &Config, rows: usize, head_rows: usize) -> Vec<Shape> {
     let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
     let layers = cfg.num_hidden_layers;
     // (name, out, in, projections of this size per layer)
-    let projections = [("q", q, h, 1), ("k, v", kv, h, 2), ("o", h, q, 1), ("gate, up", i, h, 2), ("down", h, i, 1)];
+    let projections =
+        [("q", q, h, 1), ("k, v", kv, h, 2), ("o", h, q, 1), ("gate, up", i, h, 2), ("down", h, i, 1)];
     let mut out = Vec::new();
     for (name, o, k, per) in projections {
         let count = per * layers;

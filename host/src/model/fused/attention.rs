@@ -12,7 +12,9 @@ use std::sync::Mutex;
 use candle_core::{bail, CpuStorage, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{mm, one, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr};
+use super::{
+    mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr,
+};
 use crate::Result;
 
 /// Grouped-query attention with an additive mask (see [`super::ops::attention`]).
@@ -110,7 +112,7 @@ fn backward<T: Real>(
 ) -> Out<T> {
     let (kh, vh) = (Host::of(k, what)?, Host::of(v, what)?);
     let io = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
-    let mut out = vec![zero::<T>(); io.q.len() + 2 * io.kv_len()];
+    let mut out = par_zeros::<T>(io.q.len() + 2 * io.kv_len());
     f(&io, ins[1].data::<T>()?, SendPtr(out.as_mut_ptr()))?;
     let len = out.len();
     Ok((out, Shape::from(len)))
@@ -363,7 +365,7 @@ impl Kernel<3> for Attention {
         let qkv = Qkv::<T>::of(ins)?;
         let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = qkv;
         let scale = T::from_f64(self.scale);
-        let mut out = vec![zero::<T>(); b * l * nq * d];
+        let mut out = par_zeros::<T>(b * l * nq * d);
         let optr = SendPtr(out.as_mut_ptr());
         #[cfg(target_arch = "x86_64")]
         if decode::serves::<T>(l, d) {
@@ -519,7 +521,12 @@ pub struct AttentionKept {
 /// hand-written backward takes the gradients of q, k and v without making
 /// them variables (a copy each) or recording a graph. k and v may be strided
 /// views with unit stride over D (v as the projection leaves it, transposed).
-pub fn attention_kept(q: &Tensor, k: &Tensor, v: &Tensor, mask: KeptMask<'_>) -> Result<(Tensor, AttentionKept)> {
+pub fn attention_kept(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: KeptMask<'_>,
+) -> Result<(Tensor, AttentionKept)> {
     let (q, k, v) = (q.contiguous()?.detach(), unit_d(&k.detach())?, unit_d(&v.detach())?);
     let (o, op) = match mask {
         KeptMask::Dense(m) => {
@@ -544,7 +551,8 @@ impl AttentionKept {
             KeptOp::Dense(op) => op.0.bwd(ins, &self.o, d_o)?,
             KeptOp::Blockwise(op) => op.0.bwd(ins, &self.o, d_o)?,
         };
-        let some = |t: Option<Tensor>| t.ok_or_else(|| crate::Error::invalid("attention: a gradient missing"));
+        let some =
+            |t: Option<Tensor>| t.ok_or_else(|| crate::Error::invalid("attention: a gradient missing"));
         Ok((some(dq)?, some(dk)?, some(dv)?))
     }
 }
@@ -555,8 +563,16 @@ pub fn heads_to_rows(t: &Tensor) -> Result<Tensor> {
     let (b, h, l, d) = t.dims4()?;
     let t = t.contiguous()?;
     let out = match t.dtype() {
-        DType::F32 => Tensor::from_vec(with_host::<f32, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?, (b, l, h * d), t.device())?,
-        DType::F64 => Tensor::from_vec(with_host::<f64, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?, (b, l, h * d), t.device())?,
+        DType::F32 => Tensor::from_vec(
+            with_host::<f32, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?,
+            (b, l, h * d),
+            t.device(),
+        )?,
+        DType::F64 => Tensor::from_vec(
+            with_host::<f64, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?,
+            (b, l, h * d),
+            t.device(),
+        )?,
         dt => return Err(crate::Error::invalid(format!("heads_to_rows: {dt:?} is not served"))),
     };
     Ok(out)
@@ -655,8 +671,8 @@ impl Kernel<3> for Blockwise {
         let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = Qkv::<T>::of(ins)?;
         let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
         let scale = T::from_f64(self.scale);
-        let mut out = vec![zero::<T>(); b * l * nq * d];
-        let mut lse = vec![zero::<T>(); b * nq * l];
+        let mut out = par_zeros::<T>(b * l * nq * d);
+        let mut lse = par_zeros::<T>(b * nq * l);
         let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
         let nqb = dm.n_qblocks();
         with_host::<T, _>(&self.key_bias, Self::NAME, |bias| {

@@ -272,7 +272,8 @@ mod tests {
     #[test]
     fn openblas_products_match_the_gemm_crate_and_f64() {
         let mut seed = 48u64;
-        for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (37, 21, 1), (600, 96, 192), (96, 600, 300), (1030, 33, 65)] {
+        for &(m, n, k) in &[(1, 1, 1), (3, 5, 7), (37, 21, 1), (600, 96, 192), (96, 600, 300), (1030, 33, 65)]
+        {
             for trans in [(false, true), (false, false), (true, false), (true, true)] {
                 let a64: Vec<f64> = (0..m * k).map(|_| rnd(&mut seed)).collect();
                 let b64: Vec<f64> = (0..k * n).map(|_| rnd(&mut seed)).collect();

@@ -6,8 +6,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::{
-    all_threads, data, gemv, mm_bf16, mm_par, par_copy, simd, split_like, zero, Grads, Input, Kernel, Op, Out,
-    Real,
+    all_threads, data, gemv, mm_bf16, mm_par, par_copy, par_zeros, simd, split_like, zero, Grads, Input,
+    Kernel, Op, Out, Real,
 };
 use crate::Result;
 
@@ -91,7 +91,7 @@ fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: b
 /// of every projection too large for the decoding gemv.
 pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
     debug_assert!(x.len() == n * k && w.len() == o * k, "x_wt: operands do not match ({n}, {o}, {k})");
-    let mut y = vec![zero::<T>(); n * o];
+    let mut y = par_zeros::<T>(n * o);
     // SAFETY: x is n×k, w is o×k (the callers' layouts), y is n×o, all contiguous and owned here.
     unsafe {
         mm_par(
@@ -131,7 +131,7 @@ impl Kernel<3> for LinearBwd {
                 dy.len()
             )
         }
-        let mut out = vec![zero::<T>(); n * k + o * k];
+        let mut out = par_zeros::<T>(n * k + o * k);
         let (dx, dw) = out.split_at_mut(n * k);
         bwd_into((x, w, dy), (dx, false), dw, (n, o, k));
         let len = out.len();
@@ -321,7 +321,11 @@ impl Kernel<3> for LinearAdd {
         let [res, x, w] = data::<T, 3>(&ins)?;
         let n = x.len().checked_div(k).unwrap_or(0);
         if x.len() != n * k || res.len() != n * o || ins[1].layout.dims().last() != Some(&k) {
-            bail!("fused linear-add: res ({}), x {:?} and w ({o}, {k}) do not match", res.len(), ins[1].layout.dims())
+            bail!(
+                "fused linear-add: res ({}), x {:?} and w ({o}, {k}) do not match",
+                res.len(),
+                ins[1].layout.dims()
+            )
         }
         let mut y = par_copy(res);
         // SAFETY: x is n×k, w is o×k read as its transpose, y is n×o; all contiguous and y owned here.
@@ -387,7 +391,7 @@ fn linears_bwd_t<T: Real>(
         x.contiguous()?,
         parts.iter().map(|(w, dy)| Ok((w.contiguous()?, dy.contiguous()?))).collect::<Result<_>>()?,
     );
-    let mut dx = vec![zero::<T>(); n * k];
+    let mut dx = par_zeros::<T>(n * k);
     let mut dws = Vec::with_capacity(parts.len());
     super::with_host::<T, _>(&x, "linears-bwd", |xs| {
         for (i, (w, dy)) in parts.iter().enumerate() {
@@ -558,14 +562,19 @@ mod tests {
     #[test]
     fn linear_add_is_the_residual_plus_the_projection() {
         for dtype in [DType::F64, DType::F32] {
-            let (x, w, res) = (randn(&[3, 7, 40], dtype, 1), randn(&[24, 40], dtype, 2), randn(&[3, 7, 24], dtype, 3));
+            let (x, w, res) =
+                (randn(&[3, 7, 40], dtype, 1), randn(&[24, 40], dtype, 2), randn(&[3, 7, 24], dtype, 3));
             let (x, w, res) = (x.as_tensor(), w.as_tensor(), res.as_tensor());
             let y = linear_add(res, x, w).unwrap();
             let want = (res + x.broadcast_matmul(&w.t().unwrap()).unwrap()).unwrap();
             assert_eq!(y.dims(), res.dims());
             assert!(rel_err(&y, &want) < tol(dtype), "{dtype:?}: {:e}", rel_err(&y, &want));
         }
-        let e = linear_add(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap(), &Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap(), &Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap());
+        let e = linear_add(
+            &Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap(),
+            &Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap(),
+            &Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap(),
+        );
         assert!(e.is_err());
     }
 

@@ -404,6 +404,14 @@ fn all_threads() -> Parallelism {
     }
 }
 
+/// `len` zeros written by every thread: the kernels' outputs, so that the
+/// first touch of their pages (the kernel's zeroing, the page faults) and
+/// the fill are spread over the cores instead of running on the caller's.
+pub(crate) fn par_zeros<T: Real>(len: usize) -> Vec<T> {
+    use rayon::prelude::*;
+    (0..len).into_par_iter().with_min_len(1 << 16).map(|_| zero::<T>()).collect()
+}
+
 /// A copy of `src` made in parallel, in pieces of at least 64K elements.
 pub(crate) fn par_copy<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
     use rayon::prelude::*;
@@ -505,7 +513,18 @@ fn product_t<T: Real>(
     match lib {
         // SAFETY: the lengths were checked against (m, n, k) by `product`.
         GemmLib::Crate => unsafe {
-            mm_crate((m, n, k), c.as_mut_ptr(), n, false, a.as_ptr(), a_st, b.as_ptr(), b_st, one, all_threads())
+            mm_crate(
+                (m, n, k),
+                c.as_mut_ptr(),
+                n,
+                false,
+                a.as_ptr(),
+                a_st,
+                b.as_ptr(),
+                b_st,
+                one,
+                all_threads(),
+            )
         },
         #[cfg(feature = "blas")]
         // SAFETY: as above; `serves` is checked first.

@@ -3,7 +3,7 @@
 use candle_core::{bail, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, rows_per_task, split_like, zero, Grads, Host, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, rows_per_task, split_like, zero, Grads, Host, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = w * x / sqrt(mean(x^2) + eps)` over the last dimension of a contiguous `x`.
@@ -18,7 +18,7 @@ impl Kernel<2> for RmsNorm {
         let [x, w] = data::<T, 2>(&ins)?;
         let n = w.len();
         let eps = T::from_f64(self.eps);
-        let mut y = vec![zero::<T>(); x.len()];
+        let mut y = par_zeros::<T>(x.len());
         let chunk = rows_per_task(n) * n;
         y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(yc, xc)| {
             for (yr, xr) in yc.chunks_exact_mut(n).zip(xc.chunks_exact(n)) {
@@ -32,7 +32,10 @@ impl Kernel<2> for RmsNorm {
     }
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Grads<2> {
-        split_like(&x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(RmsNormBwd { eps: self.eps, res: None }))?, [x, w])
+        split_like(
+            &x.apply_op3_no_bwd(w, &dy.contiguous()?, &Op(RmsNormBwd { eps: self.eps, res: None }))?,
+            [x, w],
+        )
     }
 }
 
@@ -64,7 +67,7 @@ impl Kernel<3> for RmsNormBwd {
         if res.is_some_and(|r| r.len() != x.len()) || dy.len() != x.len() {
             bail!("{}: x, dy and the residual's gradient differ in size", Self::NAME)
         }
-        let mut out = vec![zero::<T>(); x.len() + n];
+        let mut out = par_zeros::<T>(x.len() + n);
         let chunk = rows_per_task(n) * n;
         let dw = out[..x.len()]
             .par_chunks_mut(chunk)
@@ -125,7 +128,13 @@ pub fn rms_norm_bwd(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor) -> Result<(Te
 /// [`rms_norm_bwd`] with `res` (shaped as `x`) added to `dx` in the same
 /// pass: the gradient of a residual stream `x + f(rms_norm(x))` from the
 /// stream's gradient `res` and `f`'s input gradient `dy`.
-pub fn rms_norm_bwd_add(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn rms_norm_bwd_add(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+    res: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     let op = RmsNormBwd { eps, res: Some(res.contiguous()?) };
     let [dx, dw] = split_like(&x.apply_op3_no_bwd(&w, &dy.contiguous()?, &Op(op))?, [&x, &w])?;
