@@ -3,7 +3,7 @@
 use candle_core::{bail, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, par_zeros, rows_per_task, split_like, zero, Grads, Host, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, rows_per_task, split_like, Grads, Host, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `y = w * x / sqrt(mean(x^2) + eps)` over the last dimension of a contiguous `x`.

@@ -3,7 +3,7 @@
 use candle_core::{Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, par_zeros, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, split_like, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `silu(gate) * up`, elementwise.
