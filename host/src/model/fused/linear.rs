@@ -90,15 +90,24 @@ fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: b
 /// `x w^T` for `x` (n×k) and `w` (o×k), one gemm over all threads: the product
 /// of every projection too large for the decoding gemv.
 pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
-    debug_assert!(x.len() == n * k && w.len() == o * k, "x_wt: operands do not match ({n}, {o}, {k})");
     let mut y = par_zeros::<T>(n * o);
-    // SAFETY: x is n×k, w is o×k (the callers' layouts), y is n×o, all contiguous and owned here.
+    x_wt_into(x, w, &mut y, (n, o, k), false);
+    y
+}
+
+/// [`x_wt`] into `y` (n×o), added to what `y` holds when `accumulate`.
+fn x_wt_into<T: Real>(x: &[T], w: &[T], y: &mut [T], (n, o, k): (usize, usize, usize), accumulate: bool) {
+    assert!(
+        x.len() == n * k && w.len() == o * k && y.len() == n * o,
+        "x_wt: operands do not match ({n}, {o}, {k})"
+    );
+    // SAFETY: x is n×k, w is o×k, y is n×o (checked above), all contiguous; y is an exclusive borrow.
     unsafe {
         mm_par(
             (n, o, k),
             y.as_mut_ptr(),
             o,
-            false,
+            accumulate,
             x.as_ptr(),
             (k, 1),
             w.as_ptr(),
@@ -107,7 +116,6 @@ pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) 
             all_threads(),
         );
     }
-    y
 }
 
 /// What [`bf16_weights`] returns.
@@ -327,22 +335,11 @@ impl Kernel<3> for LinearAdd {
                 ins[1].layout.dims()
             )
         }
-        let mut y = par_copy(res);
-        // SAFETY: x is n×k, w is o×k read as its transpose, y is n×o; all contiguous and y owned here.
-        unsafe {
-            mm_par(
-                (n, o, k),
-                y.as_mut_ptr(),
-                o,
-                true,
-                x.as_ptr(),
-                (k, 1),
-                w.as_ptr(),
-                (1, k),
-                T::from_f64(1.0),
-                all_threads(),
-            );
+        if w.len() != o * k {
+            bail!("fused linear-add: w holds {} elements, not ({o}, {k})", w.len())
         }
+        let mut y = par_copy(res);
+        x_wt_into(x, w, &mut y, (n, o, k), true);
         Ok((y, ins[0].layout.shape().clone()))
     }
 }
