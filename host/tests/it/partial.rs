@@ -10,12 +10,13 @@ use crate::common::{arith_fixture, tempdir, weight_bits};
 
 fn config(dir: &std::path::Path, partial: Value) -> RunConfig {
     let (model, train, test) = arith_fixture(dir);
-    // A stop string most responses of the random model meet after a few tokens, so
-    // that the responses of a step end at different times.
+    // Stop tokens the random model draws now and then (about one token in ten), so
+    // that the groups of a step end at different times.
+    let stops: Vec<u32> = (1..=40).map(|t| 5 * t).collect();
     RunConfig::from_json(&json!({
         "model": {"path": model},
         "data": {"train": train, "test": test, "prompts_per_step": 3, "extract": ExtractMode::Flexible},
-        "rollout": {"sampling": {"n": 4, "max_tokens": 24, "stop": ["1"]}, "partial": partial},
+        "rollout": {"sampling": {"n": 4, "max_tokens": 32, "stop_token_ids": stops}, "partial": partial},
         "actor": {"preset": "dapo_s2t", "optim": {"lr": 1e-2},
                   "objective": {"mask": {"tau_p": 0.05}, "dynamic_sampling": false}},
         "checkpoint": {"save_every": 2},
@@ -64,9 +65,10 @@ fn partial_rollouts_without_extra_groups_train_as_the_synchronous_loop() {
 #[test]
 fn a_resumed_run_continues_its_unfinished_responses() {
     let dir = tempdir();
-    let cfg = config(dir.path(), json!({"enable": true, "extra_prompts": 3, "max_staleness": 2}));
+    let mut cfg = config(dir.path(), json!({"enable": true, "extra_prompts": 3, "max_staleness": 2}));
+    (cfg.checkpoint.save_every, cfg.checkpoint.keep) = (1, 10);
     let mut a = Trainer::new(cfg.clone(), &dir.path().join("run-a")).unwrap();
-    let ma = steps(&mut a, 4);
+    let ma = steps(&mut a, 5);
     let figures: Vec<_> = ma.iter().map(|m| m.partial.clone().expect("partial figures")).collect();
     assert!(figures.iter().all(|f| f.staleness_max <= 2), "{figures:?}");
     assert!(
@@ -82,26 +84,37 @@ fn a_resumed_run_continues_its_unfinished_responses() {
     }
     assert_eq!(r.samples.len(), 12);
 
+    // Run b stops ("crashes") after the first checkpoint that holds unfinished responses
+    // with tokens drawn, and resumes from it.
     let b_dir = dir.path().join("run-b");
     let mut b = Trainer::new(cfg, &b_dir).unwrap();
-    steps(&mut b, 3);
+    let mut saved = None;
+    for s in 1..=4u64 {
+        b.step(&b.default_plan(), None, None).unwrap();
+        let state: Value = serde_json::from_str(
+            &std::fs::read_to_string(b_dir.join(format!("checkpoints/step-{s:06}/trainer_state.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        let groups = state["partial"]["rollout"]["groups"].as_array().expect("groups in flight").clone();
+        let drawn = groups
+            .iter()
+            .flat_map(|g| g["responses"].as_array().unwrap().clone())
+            .filter_map(|r| r.get("running").cloned())
+            .any(|r| {
+                !r["ids"].as_array().unwrap().is_empty() && !r["versions"].as_array().unwrap().is_empty()
+            });
+        if drawn {
+            saved = Some(s);
+            break;
+        }
+    }
+    let saved = saved.expect("no checkpoint held an unfinished response");
     drop(b);
-    // The checkpoint at step 2 carries unfinished responses with their versions.
-    let state: Value = serde_json::from_str(
-        &std::fs::read_to_string(b_dir.join("checkpoints/step-000002/trainer_state.json")).unwrap(),
-    )
-    .unwrap();
-    let groups = state["partial"]["rollout"]["groups"].as_array().expect("groups in flight");
-    let running: Vec<&Value> = groups
-        .iter()
-        .flat_map(|g| g["responses"].as_array().unwrap())
-        .filter_map(|r| r.get("running"))
-        .collect();
-    assert!(running.iter().any(|r| !r["ids"].as_array().unwrap().is_empty()), "no unfinished response saved");
     let mut b = Trainer::resume(&b_dir).unwrap();
-    assert_eq!(b.step_count(), 2);
-    let mb = steps(&mut b, 2);
+    assert_eq!(b.step_count(), saved);
+    let mb = steps(&mut b, 5 - saved as usize);
     assert_eq!(weight_bits(&a), weight_bits(&b), "weights differ after resume");
-    same_metrics(&ma[3], &mb[1]);
-    assert_eq!(ma[3].partial, mb[1].partial);
+    same_metrics(&ma[4], mb.last().unwrap());
+    assert_eq!(ma[4].partial, mb.last().unwrap().partial);
 }
