@@ -108,7 +108,7 @@ fn a_response_spanning_two_versions_has_each_versions_logprobs() {
     for s in samples {
         assert_eq!(s.response_len(), 10);
         let drawn_by_a = s.versions.iter().filter(|&&v| v == 0).count();
-        assert!(drawn_by_a >= 5 && drawn_by_a < 10, "{:?}", s.versions);
+        assert!((5..10).contains(&drawn_by_a), "{:?}", s.versions);
         assert!(s.versions.windows(2).all(|w| w[0] <= w[1]), "{:?}", s.versions);
         let (la, lb) = (forward_logprobs(&a, s), forward_logprobs(&b, s));
         for (t, &v) in s.versions.iter().enumerate() {
