@@ -28,7 +28,8 @@ pub struct RunArgs {
     /// Continue the run in this folder from its latest checkpoint; the script is the given one,
     /// or the copy saved in the folder (script.rhai). The step counter continues. A config that
     /// differs from the run's run_config.json (another script, another --set) is an error
-    /// listing the fields, unless --apply-changes.
+    /// listing the fields, unless --apply-changes. The folder of a script that trains named runs
+    /// (`name` in its configs) resumes each of them that holds a run and starts the others.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// With --resume: continue under the changed config (the old run_config.json is kept as
@@ -71,10 +72,17 @@ fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut scripts = a.scripts.clone();
     if let Some(dir) = &a.resume {
+        // A run, or the folder of a script's named runs (the script given again).
+        let named_runs = !scripts.is_empty() && stapo::guard::folder::is_run_folder(dir);
         anyhow::ensure!(
-            dir.join("run_config.json").is_file(),
-            "--resume {}: not a run folder (no run_config.json)",
-            dir.display()
+            dir.join("run_config.json").is_file() || named_runs,
+            "--resume {}: not a run folder (no run_config.json){}",
+            dir.display(),
+            if stapo::guard::folder::is_run_folder(dir) {
+                "; to resume the named runs of a script in it, give the script"
+            } else {
+                ""
+            }
         );
         if scripts.is_empty() {
             scripts.push(dir.join("script.rhai"));
