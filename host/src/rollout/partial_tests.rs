@@ -29,6 +29,15 @@ fn admit(partial: &mut PartialRollout, p: usize, params: &SamplingParams) {
     partial.admit(p as u64, p, prompts()[p].clone(), &seeds);
 }
 
+/// Prompts `0..k` of [`prompts`] in flight.
+fn in_flight(k: usize, params: &SamplingParams) -> PartialRollout {
+    let mut partial = PartialRollout::default();
+    for p in 0..k {
+        admit(&mut partial, p, params);
+    }
+    partial
+}
+
 fn step(
     model: &Qwen3,
     partial: &mut PartialRollout,
@@ -64,10 +73,7 @@ fn staggered(p: usize, _s: usize) -> usize {
 fn with_no_extra_groups_a_step_is_one_synchronous_call() {
     let model = tiny_model(Some(1), 4);
     let params = SamplingParams { ignore_eos: false, ..params() };
-    let mut partial = PartialRollout::default();
-    for p in 0..4 {
-        admit(&mut partial, p, &params);
-    }
+    let mut partial = in_flight(4, &params);
     let opts = GenerateOptions::default();
     let got =
         generate_partial(&model, &mut partial, &params, 0, &angle_decode, &opts, 3, 4).expect("partial");
@@ -89,10 +95,7 @@ fn with_no_extra_groups_a_step_is_one_synchronous_call() {
 #[test]
 fn a_response_spanning_two_versions_has_each_versions_logprobs() {
     let (a, b) = (tiny_model(None, 1), tiny_model(None, 2));
-    let mut partial = PartialRollout::default();
-    for p in 0..4 {
-        admit(&mut partial, p, &params());
-    }
+    let mut partial = in_flight(4, &params());
     // Version 0 (weights a): prompt 0 ends at 5 tokens; the others stop part-way.
     let first = step(&a, &mut partial, &staggered, 0, 1);
     assert_eq!(first.groups.len(), 1);
@@ -135,10 +138,7 @@ fn a_response_spanning_two_versions_has_each_versions_logprobs() {
 #[test]
 fn a_carried_response_continues_as_uninterrupted() {
     let model = tiny_model(None, 3);
-    let mut partial = PartialRollout::default();
-    for p in 0..5 {
-        admit(&mut partial, p, &params());
-    }
+    let mut partial = in_flight(5, &params());
     let mut got: Vec<Sample> = Vec::new();
     for v in 0..5 {
         let s = step(&model, &mut partial, &staggered, v, 1);
@@ -160,10 +160,7 @@ fn a_carried_response_continues_as_uninterrupted() {
 #[test]
 fn a_saved_state_resumes_bit_for_bit() {
     let model = tiny_model(None, 5);
-    let mut partial = PartialRollout::default();
-    for p in 0..5 {
-        admit(&mut partial, p, &params());
-    }
+    let mut partial = in_flight(5, &params());
     step(&model, &mut partial, &staggered, 0, 2);
     let json = serde_json::to_string(&partial).expect("save");
     let mut loaded: PartialRollout = serde_json::from_str(&json).expect("load");
