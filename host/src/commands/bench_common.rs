@@ -28,6 +28,11 @@ pub enum What {
     Rollout,
     /// candle CPU matmul for this shape's products in the layouts the step uses.
     Matmul,
+    /// The large products of one update at this shape and batch (projections
+    /// forward, `dx` and `dw`, the head) on each library of this build: the
+    /// `gemm` crate, and the system's OpenBLAS with `--features blas`. Wall
+    /// and CPU time, GFLOP/s, and the largest difference between them.
+    Gemm,
     /// AdamW steps over this shape's parameter count (f32, CPU), ours against candle-nn's.
     Optimizer,
     /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_common;
+pub mod bench_gemm;
 pub mod bench_lengths;
 pub mod bench_partial;
 pub mod bench_rollout;

@@ -239,6 +239,14 @@ impl AttnMask {
     pub fn blockwise(&self) -> bool {
         self.dense.is_none()
     }
+
+    /// This mask as the fused kernels' [`fused::attention::attention_kept`] takes it.
+    pub(super) fn kept(&self) -> fused::attention::KeptMask<'_> {
+        match &self.dense {
+            Some(m) => fused::attention::KeptMask::Dense(m),
+            None => fused::attention::KeptMask::Blockwise { key_bias: &self.key_bias, offset: self.offset },
+        }
+    }
 }
 
 /// Grouped-query attention. `q` is `(B, Hq, L, D)`, `k`/`v` are `(B, Hkv, S, D)`.
