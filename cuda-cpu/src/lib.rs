@@ -617,7 +617,7 @@ pub fn norm_rope_write_kv<T: KvTypes<P>, P>(
     eps: f32,
 ) {
     assert!(k.len() == slots.len() * h * d && v.len() == k.len(), "norm_rope_write_kv: sizes");
-    write_kv(k, v, h * d, w, cos, sin, slots, pools, (h, d), eps)
+    write_kv((k, v, h * d), (w, cos, sin, eps), slots, pools, (h, d))
 }
 
 /// [`norm_rope_write_kv`] of keys and values read from the rows of one
@@ -640,21 +640,20 @@ pub fn norm_rope_write_kv_rows<T: KvTypes<P>, P>(
         stride >= h * d && (t == 0 || k_offset.max(v_offset) + (t - 1) * stride + h * d <= qkv.len()),
         "norm_rope_write_kv_rows: sizes"
     );
-    write_kv(&qkv[k_offset..], &qkv[v_offset..], stride, w, cos, sin, slots, pools, (h, d), eps)
+    write_kv((&qkv[k_offset..], &qkv[v_offset..], stride), (w, cos, sin, eps), slots, pools, (h, d))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The keys' norm weight, the rotary tables and epsilon of a cache write.
+type Rope<'a, T> = (&'a [T], &'a [T], &'a [T], f32);
+
+/// The launch of both: token `n`'s keys at `k[n * stride]`, its values at
+/// `v[n * stride]`.
 fn write_kv<T: KvTypes<P>, P>(
-    k: &[T],
-    v: &[T],
-    stride: usize,
-    w: &[T],
-    cos: &[T],
-    sin: &[T],
+    (k, v, stride): (&[T], &[T], usize),
+    (w, cos, sin, eps): Rope<'_, T>,
     slots: &[u32],
     pools: (&mut [P], &mut [P]),
     (h, d): (usize, usize),
-    eps: f32,
 ) {
     let t = slots.len();
     assert!(

@@ -167,7 +167,7 @@ impl Layout {
 ///
 /// With `weights` (`model`'s projections fused, [`DecodeWeights`]), the
 /// layers run on the fused CPU kernels or the project's CUDA kernels with
-/// two products fewer per layer ([`fused_layer`]); without them, or where
+/// two products fewer per layer (`fused_layer`); without them, or where
 /// neither serves (`--kernels composed`, other dtypes), each projection runs
 /// on its own.
 pub fn decode_paged(
