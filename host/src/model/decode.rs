@@ -170,7 +170,7 @@ pub(super) fn norm_rope_rows(
     (cos, sin): (&Tensor, &Tensor),
     eps: f64,
 ) -> Result<Tensor> {
-    budget::launch(1 + budget::copy_of(qkv) + budget::cast_of(w, qkv.dtype()) + rotary_launches(cos, qkv));
+    budget::launch(1 + budget::copy_of(qkv) + budget::cast_of(w, qkv.dtype()) + budget::rotary_of(cos, qkv));
     if on_cuda(qkv) {
         #[cfg(feature = "cuda")]
         return super::cuda_ops::norm_rope_rows(qkv, col, n_heads, w, (cos, sin), eps);
@@ -179,13 +179,6 @@ pub(super) fn norm_rope_rows(
     }
     let heads = qkv.narrow(2, col, n_heads * w.elem_count())?;
     super::fused::norm_rope(&heads, n_heads, &w.to_dtype(qkv.dtype())?, (cos, sin), eps)
-}
-
-/// What the CUDA norm + rope kernels' wrappers launch to lay out the rotary
-/// tables `(B, 1, L, D/2)` for `x`: a cast each when their dtype differs, a
-/// copy each when they are strided.
-pub(super) fn rotary_launches(cos: &Tensor, x: &Tensor) -> usize {
-    2 * (budget::cast_of(cos, x.dtype()) + budget::copy_of(cos))
 }
 
 /// `silu(gate) * up` of `gate_up` `(.., 2 I)`, whose rows hold the gate then

@@ -125,7 +125,7 @@ pub fn norm_rope(
     #[cfg(feature = "cuda")]
     if super::cuda_ops::serves(x) && !w.track_op() {
         // The kernel; x's copy when strided, the weight's and the tables' casts.
-        let casts = budget::cast_of(w, x.dtype()) + super::decode::rotary_launches(cos, x);
+        let casts = budget::cast_of(w, x.dtype()) + budget::rotary_of(cos, x);
         budget::launch(1 + budget::copy_of(x) + casts);
         return super::cuda_ops::norm_rope(x, n_heads, w, cos, sin, eps);
     }
