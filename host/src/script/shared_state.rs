@@ -357,7 +357,10 @@ impl Host {
                 let resume = resume_here && d.join("run_config.json").exists();
                 (d, resume)
             }
-            None if k == 0 => (base, resume_here),
+            None if k == 0 => {
+                let resume = resume_here && base.join("run_config.json").exists();
+                (base, resume)
+            }
             None => {
                 let d = base.join(format!("run-{}", k + 1));
                 let resume = resume_here && d.join("run_config.json").exists();

@@ -125,7 +125,7 @@ trait GridPanel {
     fn draw_on<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> std::result::Result<(), String>;
 }
 
-/// Panels in a grid of three columns, each `cell` pixels.
+/// Panels in a grid of three columns (fewer for one or two panels), each `cell` pixels.
 struct Grid<'a, P> {
     panels: &'a [P],
     cell: (u32, u32),
@@ -134,19 +134,23 @@ struct Grid<'a, P> {
 impl<P: GridPanel> Grid<'_, P> {
     const COLS: usize = 3;
 
+    fn cols(&self) -> usize {
+        self.panels.len().clamp(1, Self::COLS)
+    }
+
     fn rows(&self) -> usize {
-        self.panels.len().div_ceil(Self::COLS).max(1)
+        self.panels.len().div_ceil(self.cols()).max(1)
     }
 }
 
 impl<P: GridPanel> Figure for Grid<'_, P> {
     fn size(&self) -> (u32, u32) {
-        (self.cell.0 * Self::COLS as u32, self.cell.1 * self.rows() as u32)
+        (self.cell.0 * self.cols() as u32, self.cell.1 * self.rows() as u32)
     }
 
     fn draw<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> std::result::Result<(), String> {
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let areas = root.split_evenly((self.rows(), Self::COLS));
+        let areas = root.split_evenly((self.rows(), self.cols()));
         for (panel, area) in self.panels.iter().zip(areas.iter()) {
             panel.draw_on(area)?;
         }
@@ -363,36 +367,84 @@ pub fn band(label: &str, series: &[Series]) -> Band {
     Band { label: label.to_string(), points, runs: series.len() }
 }
 
+/// One panel of [`seed_panels_with`]: its title and where its values come from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeedPanelSpec {
+    /// The panel's title.
+    pub title: String,
+    /// `None`: the runs' `metrics.jsonl`; `Some(None)`: their evaluations (`eval.jsonl`);
+    /// `Some(Some(tag))`: the evaluations at another setting, `eval-<tag>.jsonl` beside it
+    /// (`t0.7-p0.9`).
+    pub eval: Option<Option<String>>,
+    /// The value's path in each JSON row (`["entropy_p99"]`, `["overall", "avg"]`).
+    pub key: Vec<String>,
+}
+
+impl SeedPanelSpec {
+    /// A panel of the metric `key` of metrics.jsonl.
+    pub fn metric(title: &str, key: &str) -> Self {
+        Self { title: title.into(), eval: None, key: vec![key.into()] }
+    }
+
+    /// A panel of the evaluations' `overall.avg` (at the setting `tag`, or the configured one).
+    pub fn eval_avg(title: &str, tag: Option<&str>) -> Self {
+        Self {
+            title: title.into(),
+            eval: Some(tag.map(str::to_string)),
+            key: vec!["overall".into(), "avg".into()],
+        }
+    }
+}
+
 /// The seed-group panels: held-out avg@n, reward, entropy (mean and 0.99-quantile),
 /// silenced ratio, S2T candidates per 10k tokens, and the shares of the logit-gradient
 /// norm carried by silenced tokens, by the candidates and by the top 1% of tokens.
 pub fn seed_panels(groups: &[SeedGroup]) -> Result<Vec<BandPanel>> {
-    let specs: [(&str, bool, &[&str]); 9] = [
-        ("held-out accuracy (avg@n)", true, &["overall", "avg"]),
-        ("reward (mean)", false, &["reward_mean"]),
-        ("entropy (nats/token)", false, &["entropy"]),
-        ("entropy p99 (nats)", false, &["entropy_p99"]),
-        ("silenced-token ratio", false, &["silenced_ratio"]),
-        ("S2T candidates per 10k tokens", false, &["candidates_per_10k"]),
-        ("grad-norm share of silenced tokens", false, &["silenced_grad_share"]),
-        ("grad-norm share of candidates", false, &["candidate_grad_share"]),
-        ("grad-norm share of top 1% tokens", false, &["top_1pct_grad_share"]),
+    let specs = [
+        SeedPanelSpec::eval_avg("held-out accuracy (avg@n)", None),
+        SeedPanelSpec::metric("reward (mean)", "reward_mean"),
+        SeedPanelSpec::metric("entropy (nats/token)", "entropy"),
+        SeedPanelSpec::metric("entropy p99 (nats)", "entropy_p99"),
+        SeedPanelSpec::metric("silenced-token ratio", "silenced_ratio"),
+        SeedPanelSpec::metric("S2T candidates per 10k tokens", "candidates_per_10k"),
+        SeedPanelSpec::metric("grad-norm share of silenced tokens", "silenced_grad_share"),
+        SeedPanelSpec::metric("grad-norm share of candidates", "candidate_grad_share"),
+        SeedPanelSpec::metric("grad-norm share of top 1% tokens", "top_1pct_grad_share"),
     ];
+    seed_panels_with(groups, &specs)
+}
+
+/// Band panels of the given values, one band per group (mean and min..max over its runs).
+/// An evaluation file a run lacks gives that panel no band points for the group.
+pub fn seed_panels_with(groups: &[SeedGroup], specs: &[SeedPanelSpec]) -> Result<Vec<BandPanel>> {
     let mut panels: Vec<BandPanel> =
-        specs.iter().map(|(t, _, _)| BandPanel { title: t.to_string(), bands: Vec::new() }).collect();
+        specs.iter().map(|s| BandPanel { title: s.title.clone(), bands: Vec::new() }).collect();
+    let read = |p: &Path| -> Result<Vec<serde_json::Value>> {
+        if p.is_file() {
+            read_jsonl::<serde_json::Value>(p)
+        } else {
+            Ok(Vec::new())
+        }
+    };
     for g in groups {
         let mut metrics = Vec::new();
-        let mut evals = Vec::new();
         for r in &g.runs {
             metrics.push(read_jsonl::<serde_json::Value>(&r.metrics)?);
-            evals.push(match &r.eval {
-                Some(e) if e.is_file() => read_jsonl::<serde_json::Value>(e)?,
-                _ => Vec::new(),
-            });
         }
-        for (panel, (_, is_eval, key)) in panels.iter_mut().zip(specs.iter()) {
-            let src = if *is_eval { &evals } else { &metrics };
-            let ss: Vec<Series> = src.iter().map(|rows| series(&g.label, rows, "step", key)).collect();
+        for (panel, spec) in panels.iter_mut().zip(specs) {
+            let key: Vec<&str> = spec.key.iter().map(String::as_str).collect();
+            let mut ss = Vec::new();
+            for (r, m) in g.runs.iter().zip(&metrics) {
+                let rows = match &spec.eval {
+                    None => None,
+                    Some(tag) => Some(match (&r.eval, tag) {
+                        (Some(e), None) => read(e)?,
+                        (Some(e), Some(t)) => read(&e.with_file_name(format!("eval-{t}.jsonl")))?,
+                        (None, _) => Vec::new(),
+                    }),
+                };
+                ss.push(series(&g.label, rows.as_deref().unwrap_or(m), "step", &key));
+            }
             panel.bands.push(band(&g.label, &ss));
         }
     }
@@ -625,6 +677,55 @@ mod tests {
         let b = band("stapo", &[s(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]), s(&[(0.0, 3.0), (1.0, 1.0)])]);
         assert_eq!(b.points, vec![(0.0, 2.0, 1.0, 3.0), (1.0, 2.0, 1.0, 3.0)]);
         assert_eq!(b.runs, 2);
+    }
+
+    /// Chosen panels: a metric and the evaluations at another setting (eval-<tag>.jsonl beside
+    /// eval.jsonl), averaged over the runs by hand.
+    #[test]
+    fn seed_panels_with_chosen_values_read_the_other_setting() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut runs = Vec::new();
+        for seed in 0..2 {
+            let d = dir.path().join(format!("s{seed}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let rows: String = (0..3)
+                .map(|s| format!("{{\"step\":{s},\"entropy_p99\":{}}}\n", 1.0 + seed as f64 + s as f64))
+                .collect();
+            std::fs::write(d.join("metrics.jsonl"), rows).unwrap();
+            std::fs::write(d.join("eval.jsonl"), "{\"step\":0,\"overall\":{\"avg\":0.9}}\n").unwrap();
+            std::fs::write(
+                d.join("eval-t0.7-p0.9.jsonl"),
+                format!("{{\"step\":0,\"overall\":{{\"avg\":{}}}}}\n", 0.2 + 0.2 * seed as f64),
+            )
+            .unwrap();
+            runs.push(RunCurves {
+                label: "a".into(),
+                metrics: d.join("metrics.jsonl"),
+                eval: Some(d.join("eval.jsonl")),
+            });
+        }
+        let specs = [
+            SeedPanelSpec::metric("entropy p99", "entropy_p99"),
+            SeedPanelSpec::eval_avg("avg@8 at T 0.7", Some("t0.7-p0.9")),
+            SeedPanelSpec::eval_avg("avg@8 at T 1.0", None),
+            SeedPanelSpec::eval_avg("no such setting", Some("t0.5-p1")),
+        ];
+        let panels = seed_panels_with(&[SeedGroup { label: "a".into(), runs }], &specs).unwrap();
+        assert_eq!(panels.iter().map(|p| p.title.as_str()).collect::<Vec<_>>(), specs.map(|s| s.title));
+        // Step 2: 3.0 and 4.0 over the seeds.
+        assert_eq!(panels[0].bands[0].points[2], (2.0, 3.5, 3.0, 4.0));
+        let (x, mean, lo, hi) = panels[1].bands[0].points[0];
+        assert!(
+            x == 0.0 && (mean - 0.3).abs() < 1e-12 && (lo - 0.2).abs() < 1e-12 && (hi - 0.4).abs() < 1e-12
+        );
+        assert_eq!(panels[2].bands[0].points, [(0.0, 0.9, 0.9, 0.9)]);
+        assert!(panels[3].bands[0].points.is_empty());
+        let (png, _) = plot_bands(&panels, &dir.path().join("fig")).unwrap();
+        assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+        // Two panels: one row of two cells, no empty third column.
+        let (_, svg) = plot_bands(&panels[..2], &dir.path().join("two")).unwrap();
+        let svg = std::fs::read_to_string(svg).unwrap();
+        assert!(svg.contains("width=\"880\" height=\"320\""), "{}", &svg[..200]);
     }
 
     #[test]

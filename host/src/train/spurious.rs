@@ -116,6 +116,40 @@ impl SpuriousLog {
     }
 }
 
+/// One row of `silenced_tokens.tsv`, read back: the token as the file writes it (quoted,
+/// escapes kept: `"\\n"`), how often it was silenced, and the contexts kept for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SilencedRow {
+    /// The token, quoted as in the file.
+    pub token: String,
+    /// Times silenced over the run.
+    pub count: usize,
+    /// Readable contexts (`…12+7=1⟦9⟧\n…`).
+    pub contexts: Vec<String>,
+}
+
+/// Reads `silenced_tokens.tsv` as [`SpuriousLog::tsv`] writes it; a malformed line is an
+/// error naming `path:LINE`.
+pub fn read_silenced_tsv(path: &std::path::Path) -> crate::Result<Vec<SilencedRow>> {
+    let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
+    let bad = |line: usize, msg: String| crate::Error::Parse { path: path.to_path_buf(), line, msg };
+    let mut rows = Vec::new();
+    for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let mut f = l.splitn(3, '\t');
+        let (token, count) = (f.next().unwrap_or_default(), f.next());
+        if !(token.len() >= 2 && token.starts_with('"') && token.ends_with('"')) {
+            return Err(bad(i + 1, format!("expected a quoted token first, found {token:?}")));
+        }
+        let count = count
+            .and_then(|c| c.trim().parse::<usize>().ok())
+            .ok_or_else(|| bad(i + 1, "expected a count after the token".into()))?;
+        let contexts =
+            f.next().map(|c| c.split("  |  ").filter(|c| !c.is_empty()).map(str::to_string).collect());
+        rows.push(SilencedRow { token: token.to_string(), count, contexts: contexts.unwrap_or_default() });
+    }
+    Ok(rows)
+}
+
 /// One response token of a positive-advantage response.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct TokenPoint {
@@ -284,6 +318,33 @@ impl SilencedContexts {
 
 #[cfg(test)]
 mod tests {
+    /// The file as `tsv()` writes it (a token needing escapes, one without contexts) reads back
+    /// row by row; a line without a count names its line.
+    #[test]
+    fn silenced_tokens_tsv_reads_back() {
+        let mut log = super::SpuriousLog::default();
+        log.totals.insert("\n".into(), 3);
+        log.totals.insert("7".into(), 5);
+        log.contexts.add("7", "…12+⟦7⟧=19\\n…".into());
+        log.contexts.add("7", "3*⟦7⟧=21".into());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silenced_tokens.tsv");
+        std::fs::write(&path, log.tsv()).unwrap();
+        let rows = super::read_silenced_tsv(&path).unwrap();
+        let want = [
+            super::SilencedRow {
+                token: "\"7\"".into(),
+                count: 5,
+                contexts: vec!["…12+⟦7⟧=19\\n…".into(), "3*⟦7⟧=21".into()],
+            },
+            super::SilencedRow { token: "\"\\n\"".into(), count: 3, contexts: vec![] },
+        ];
+        assert_eq!(rows, want);
+        std::fs::write(&path, "\"7\"\t5\tctx\n\"8\"\n").unwrap();
+        let err = super::read_silenced_tsv(&path).unwrap_err().to_string();
+        assert!(err.contains("silenced_tokens.tsv") && err.contains('2'), "{err}");
+    }
+
     use super::*;
     use crate::train::update::AppliedThresholds;
 

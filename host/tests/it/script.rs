@@ -184,9 +184,12 @@ fn every_script_in_scripts_runs_in_smoke_mode() {
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "rhai"))
-        // paper.rhai builds its own real-tokenizer model in smoke mode, and stress.rhai's
-        // smoke run is checked in detail: their own tests.
-        .filter(|p| p.file_stem().is_some_and(|s| s != "paper" && s != "stress"))
+        // paper.rhai builds its own real-tokenizer model in smoke mode, and the stress scripts'
+        // smoke runs are checked in detail: their own tests.
+        .filter(|p| {
+            p.file_stem()
+                .is_some_and(|s| !["paper", "stress", "long_stress"].contains(&&*s.to_string_lossy()))
+        })
         .collect();
     scripts.sort();
     assert!(scripts.len() >= 2, "{scripts:?}");
@@ -588,6 +591,24 @@ fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
     assert!(stdout.contains("runs/good-"), "the good script ran into its own folder: {stdout}");
 }
 
+/// The run `<m>-s<seed>` of a paired stress script's folder: same start model, the
+/// `stapo` preset, its seed, and evaluations at steps 0, 1, 2 at T 1.0 (eval.jsonl) and at
+/// T 0.7 / top-p 0.9 (apart). Returns its run_config.json.
+fn check_paired_run(run_dir: &Path, f: &Fixture, m: &str, seed: u64) -> serde_json::Value {
+    let d = run_dir.join(format!("{m}-s{seed}"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()), (Some(seed), Some("stapo")), "{m}");
+    assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+    for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
+        let rows = jsonl(&d, file);
+        let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+        assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
+        assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
+    }
+    cfg
+}
+
 /// scripts/stress.rhai in smoke mode: both arms (justrl, stapo) for two seeds from the
 /// same start, evaluated at both sampling settings, one row per run, one pairing row per
 /// seed and one band figure; then the collect mode rebuilds the same rows from the folders.
@@ -602,34 +623,13 @@ fn stress_script_smoke_pairs_the_arms_over_seeds() {
     let arms = ["justrl", "stapo"];
     for m in arms {
         for seed in 0..2 {
-            let d = run_dir.join(format!("{m}-s{seed}"));
-            let cfg: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
-            assert_eq!(
-                (cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()),
-                (Some(seed), Some("stapo")),
-                "{m}"
-            );
-            assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+            let cfg = check_paired_run(&run_dir, &f, m, seed);
             let tau_h = &cfg["actor"]["objective"]["mask"]["tau_h"];
             assert_eq!(tau_h.as_f64() == Some(-1.0), m == "justrl", "{m}: {cfg}");
-            // Step 0 and both steps, at T 1.0 in eval.jsonl and at T 0.7 / top-p 0.9 apart.
-            for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
-                let text = std::fs::read_to_string(d.join(file))
-                    .unwrap_or_else(|e| panic!("{m}-s{seed} {file}: {e}"));
-                let rows: Vec<serde_json::Value> =
-                    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-                let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
-                assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
-                assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
-            }
         }
         assert!(printed.lines().any(|l| l.starts_with(m) && l.contains(" ± ")), "{m} row:\n{printed}");
     }
-    let read = |name: &str| -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(run_dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
-    };
+    let read = |name: &str| jsonl(&run_dir, name);
     let rows = read("stress.jsonl");
     assert_eq!(rows.len(), 4);
     for r in &rows {
@@ -660,6 +660,158 @@ fn stress_script_smoke_pairs_the_arms_over_seeds() {
     assert!(out.ok(), "{:?}\n{}", out.error, buf.lock().unwrap());
     assert!(out.trains.is_empty());
     assert_eq!(read("stress.jsonl"), rows);
+}
+
+/// The lines of a JSON-lines file of `dir`.
+fn jsonl(dir: &Path, name: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join(name))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.join(name).display()));
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// scripts/long_stress.rhai in smoke mode: justrl and stapo for two seeds from the same
+/// start, evaluated at both settings, the per-mini-batch S2T figures in metrics.jsonl, and
+/// the report (rows whose rates are the metrics' sums, pairs, figures, tables); run again
+/// with resume, finished runs are skipped and a run missing its last evaluation gets just
+/// that one.
+#[test]
+fn long_stress_script_smoke_trains_the_pairs_reports_and_resumes() {
+    let f = fixture();
+    let run_dir = f.root.join("runs").join("long_stress");
+    let (host, buf) = buffered(opts(&f, &run_dir, true));
+    let script_path = repo().join("scripts/long_stress.rhai");
+    let out = script::run_file(&host, &script_path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\noutput:\n{printed}", out.error);
+    let mut sums = Vec::new();
+    for m in ["justrl", "stapo"] {
+        for seed in 0..2u64 {
+            let cfg = check_paired_run(&run_dir, &f, m, seed);
+            let d = run_dir.join(format!("{m}-s{seed}"));
+            let mask = &cfg["actor"]["objective"]["mask"];
+            if m == "justrl" {
+                assert_eq!(mask["tau_h"].as_f64(), Some(-1.0), "{cfg}");
+            } else {
+                // The paper's rule.
+                assert_eq!(
+                    (mask["tau_p"].as_f64(), mask["tau_h"]["q"].as_f64()),
+                    (Some(0.002), Some(0.75)),
+                    "{cfg}"
+                );
+                assert_eq!(mask["tau_h"]["over"].as_str(), Some("candidates"), "{cfg}");
+            }
+            assert_eq!(cfg["actor"]["mini_batch"], 2, "two mini-batches of a smoke step");
+            // Each step: two S2T mini-batches whose tokens are the step's response tokens.
+            let (mut tokens, mut cand, mut mbs, mut two) = (0u64, 0u64, 0u64, 0u64);
+            for row in jsonl(&d, "metrics.jsonl") {
+                let per = row["s2t_by_mini_batch"].as_array().expect("s2t_by_mini_batch");
+                assert_eq!(per.len(), 2, "{row}");
+                let t: u64 = per.iter().map(|b| b["tokens"].as_u64().unwrap()).sum();
+                assert_eq!(t, row["response_tokens"].as_u64().unwrap(), "{row}");
+                let c: u64 = per.iter().map(|b| b["candidates"].as_u64().unwrap()).sum();
+                assert_eq!(c, row["s2t_candidates"].as_u64().unwrap(), "{row}");
+                tokens += t;
+                cand += c;
+                mbs += 2;
+                two += per.iter().filter(|b| b["candidates"].as_u64().unwrap() >= 2).count() as u64;
+            }
+            sums.push((m, seed, tokens, cand, mbs, two));
+        }
+    }
+    // The report: one row per run, its rates the sums of its metrics.
+    let rows = jsonl(&run_dir, "long_stress.jsonl");
+    assert_eq!(rows.len(), 4);
+    for (m, seed, tokens, cand, mbs, two) in sums {
+        let r = rows.iter().find(|r| r["method"] == m && r["seed"] == seed).expect("row");
+        assert_eq!((r["steps"].as_u64(), r["eval_end"].as_u64()), (Some(2), Some(2)), "{r}");
+        assert_eq!(
+            (r["response_tokens"].as_u64(), r["mini_batches"].as_u64()),
+            (Some(tokens), Some(mbs)),
+            "{r}"
+        );
+        let per_10k = r["candidates_per_10k"].as_f64().unwrap();
+        assert!((per_10k - cand as f64 / tokens as f64 * 1e4).abs() < 1e-9, "{r}");
+        assert!((r["share_2plus"].as_f64().unwrap() - two as f64 / mbs as f64).abs() < 1e-12, "{r}");
+        assert!(r["avg8_t1_end"].is_number() && r["avg8_t07_end"].is_number(), "{r}");
+        if m == "justrl" {
+            assert_eq!(r["silenced"], 0, "justrl silences nothing: {r}");
+        }
+    }
+    let pairs = jsonl(&run_dir, "long_stress-pairs.jsonl");
+    assert_eq!(pairs.len(), 2, "{pairs:?}");
+    // Paired: stapo leaves justrl only where it silences.
+    assert!(
+        pairs.iter().all(|p| p["method"] == "stapo" && p["first_divergence"] == p["first_silenced"]),
+        "{pairs:?}"
+    );
+    for fig in ["entropy", "long_stress"] {
+        assert_eq!(&std::fs::read(run_dir.join(format!("{fig}.png"))).unwrap()[..4], b"\x89PNG", "{fig}");
+    }
+    let svg = std::fs::read_to_string(run_dir.join("entropy.svg")).unwrap();
+    assert!(svg.contains("entropy, 0.99-quantile") && svg.contains("stapo (n=2)"), "entropy figure");
+    let svg = std::fs::read_to_string(run_dir.join("long_stress.svg")).unwrap();
+    assert!(svg.contains("held-out avg@8, T 0.7 / top-p 0.9"), "accuracy at the low setting");
+    for head in
+        ["| method | runs | steps |", "share with >= 2 cand.", "| method | seed | at step | Δ avg@8 T 1.0"]
+    {
+        assert!(printed.contains(head), "{head}:\n{printed}");
+    }
+
+    // Again with resume: the four finished runs are skipped; one missing its last
+    // evaluation at T 0.7 resumes and gets that one alone.
+    let d = run_dir.join("stapo-s1");
+    let low = std::fs::read_to_string(d.join("eval-t0.7-p0.9.jsonl")).unwrap();
+    let cut: String = low.lines().take(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(d.join("eval-t0.7-p0.9.jsonl"), cut).unwrap();
+    let before = std::fs::read_to_string(d.join("metrics.jsonl")).unwrap();
+    let mut o = opts(&f, &run_dir, true);
+    o.resume = true;
+    let (host, buf) = buffered(o);
+    let out = script::run_file(&host, &script_path);
+    let printed = buf.lock().unwrap().clone();
+    assert!(out.ok(), "{:?}\noutput:\n{printed}", out.error);
+    assert_eq!(printed.matches("finished, skipped").count(), 3, "{printed}");
+    assert!(printed.contains("stapo-s1: resumed at step 2"), "{printed}");
+    assert_eq!(
+        std::fs::read_to_string(d.join("eval-t0.7-p0.9.jsonl")).unwrap(),
+        low,
+        "the same evaluation again"
+    );
+    let steps: Vec<u64> = jsonl(&d, "eval.jsonl").iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 1, 2], "no evaluation repeated");
+    assert_eq!(std::fs::read_to_string(d.join("metrics.jsonl")).unwrap(), before, "no step ran again");
+    assert_eq!(jsonl(&run_dir, "long_stress.jsonl").len(), 4);
+}
+
+/// `stapo run --smoke scripts/long_stress.rhai` from the repository (models/tiny-qwen3 on
+/// data/long), then `--resume` on its folder of named runs: without the script it says to
+/// give it; with it, every finished run is skipped.
+#[test]
+fn long_stress_runs_from_the_command_line_and_resumes_its_folder() {
+    let dir = tempdir();
+    let out_dir = dir.path().join("ls");
+    let stapo = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stapo"))
+            .current_dir(repo())
+            .args(args)
+            .output()
+            .unwrap();
+        let text =
+            format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    let o = out_dir.to_str().unwrap();
+    let (ok, text) = stapo(&["run", "--smoke", "--quiet", "--out", o, "scripts/long_stress.rhai"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("models/tiny-qwen3") && text.contains("| stapo |"), "{text}");
+    assert!(
+        out_dir.join("stapo-s1/checkpoints/latest").is_file() && !out_dir.join("run_config.json").exists()
+    );
+    let (ok, text) = stapo(&["run", "--smoke", "--quiet", "--resume", o]);
+    assert!(!ok && text.contains("give the script"), "{text}");
+    let (ok, text) = stapo(&["run", "--smoke", "--quiet", "--resume", o, "scripts/long_stress.rhai"]);
+    assert!(ok, "{text}");
+    assert_eq!(text.matches("finished, skipped").count(), 4, "{text}");
 }
 
 /// The calibrated policy of stdlib/thresholds.rhai against a synthetic run whose

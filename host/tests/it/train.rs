@@ -122,6 +122,12 @@ fn assert_same_update(
         "{what}"
     );
     assert!((ma.entropy - mb.entropy).abs() < 1e-5, "{what}: entropy {} vs {}", ma.entropy, mb.entropy);
+    // Per S2T mini-batch: tokens, candidates and silenced over the whole mini-batch, whatever
+    // the cut into micro-batches or ranks.
+    assert_eq!(ma.s2t_by_mini_batch, mb.s2t_by_mini_batch, "{what}");
+    assert_eq!(ma.s2t_by_mini_batch.len(), ma.s2t_mini_batches, "{what}");
+    let tokens: usize = ma.s2t_by_mini_batch.iter().map(|m| m.tokens).sum();
+    assert!(ma.s2t_mini_batches == 0 || tokens > 0, "{what}: {:?}", ma.s2t_by_mini_batch);
 }
 
 /// Token-budget micro-batches (sorted by length, each padded to its own longest) give the

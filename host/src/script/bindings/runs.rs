@@ -88,12 +88,61 @@ fn read_run(dir: &str) -> RhaiResult<Map> {
         }
     }
     m.insert("evals_at".into(), at.into());
+    // silenced_tokens.tsv: what the S2T mask silenced over the run, most frequent first.
+    let tsv = dir.join("silenced_tokens.tsv");
+    let silenced = if tsv.is_file() {
+        let rows = train::spurious::read_silenced_tsv(&tsv).map_err(host)?;
+        rows.iter()
+            .map(|r| serde_json::to_value(r).map(|v| from_json(&v)))
+            .collect::<Result<Array, _>>()
+            .map_err(|e| host(e.to_string()))?
+    } else {
+        Array::new()
+    };
+    m.insert("silenced".into(), silenced.into());
     Ok(m)
 }
 
-/// Draws groups of seeds as mean ± spread bands (see `train::plot::seed_panels`). Like
-/// [`plot_runs`], the figure goes into one of the runs' folders or their parent.
-fn plot_seeds(groups: &Array, out: &str) -> RhaiResult<Map> {
+/// The panels of `plot_seeds(groups, out, panels)`: each a map #{title, key, evals}.
+fn panel_specs(panels: &Array) -> RhaiResult<Vec<train::plot::SeedPanelSpec>> {
+    let mut specs = Vec::new();
+    for (i, p) in panels.iter().enumerate() {
+        let what = |msg: &str| bad_arg("plot_seeds", format!("panels[{i}]: {msg}"));
+        let m = p.clone().try_cast::<Map>().ok_or_else(|| what("expected a map #{title, key, evals}"))?;
+        if let Some(k) = m.keys().find(|k| !["title", "key", "evals"].contains(&k.as_str())) {
+            return Err(what(&format!("unknown key `{k}`: expected title, key, evals")));
+        }
+        // `evals`: absent = metrics.jsonl, true = eval.jsonl, a string = eval-<string>.jsonl.
+        let eval = match m.get("evals") {
+            None => None,
+            Some(v) if v.is_bool() => v.as_bool().ok().filter(|&b| b).map(|_| None),
+            Some(v) if v.is_string() => Some(Some(v.to_string())),
+            Some(v) => {
+                return Err(what(&format!(
+                    "evals: expected true or a setting's tag, found {}",
+                    v.type_name()
+                )))
+            }
+        };
+        let key = match get_str(&m, "key")? {
+            Some(k) => k,
+            None if eval.is_some() => "overall.avg".to_string(),
+            None => return Err(what("missing key (the metric, e.g. \"entropy_p99\")")),
+        };
+        let title = get_str(&m, "title")?.unwrap_or_else(|| key.clone());
+        specs.push(train::plot::SeedPanelSpec {
+            title,
+            eval,
+            key: key.split('.').map(str::to_string).collect(),
+        });
+    }
+    Ok(specs)
+}
+
+/// Draws groups of seeds as mean ± spread bands (see `train::plot::seed_panels`; the given
+/// `panels` instead, when some). Like [`plot_runs`], the figure goes into one of the runs'
+/// folders or their parent.
+fn plot_seeds(groups: &Array, out: &str, panels: Option<&Array>) -> RhaiResult<Map> {
     let mut gs = Vec::new();
     let mut allowed = Vec::new();
     for (i, g) in groups.iter().enumerate() {
@@ -128,7 +177,11 @@ fn plot_seeds(groups: &Array, out: &str) -> RhaiResult<Map> {
             format!("{}: the figure must go into a run folder or its parent", out.display()),
         ));
     }
-    let panels = train::plot::seed_panels(&gs).map_err(host)?;
+    let panels = match panels {
+        Some(p) => train::plot::seed_panels_with(&gs, &panel_specs(p)?),
+        None => train::plot::seed_panels(&gs),
+    }
+    .map_err(host)?;
     let (png, svg) = train::plot::plot_bands(&panels, &out).map_err(host)?;
     let mut res = Map::new();
     res.insert("png".into(), png.display().to_string().into());
@@ -165,14 +218,33 @@ mod fns {
     /// ```
     #[rhai_fn(volatile, return_raw)]
     pub fn plot_seeds(groups: Array, out: &str) -> RhaiResult<Map> {
-        super::plot_seeds(&groups, out)
+        super::plot_seeds(&groups, out, None)
+    }
+
+    /// plot_seeds(groups, out, panels) -> map
+    ///
+    /// The same figure with the given panels: an array of #{title, key, evals}, where `key` is a
+    /// metric of metrics.jsonl ("entropy_p99"; a dotted path reaches inside a value) and `evals`
+    /// reads the evaluations instead: true for eval.jsonl, a setting's tag ("t0.7-p0.9") for
+    /// eval-<tag>.jsonl; an eval panel's key defaults to "overall.avg".
+    ///
+    /// # Example
+    ///
+    /// ```rhai
+    /// plot_seeds(groups, parent + "/entropy", [#{title: "entropy", key: "entropy"},
+    ///     #{title: "avg@8 at T 0.7", evals: "t0.7-p0.9"}])
+    /// ```
+    #[rhai_fn(name = "plot_seeds", volatile, return_raw)]
+    pub fn plot_seeds_with(groups: Array, out: &str, panels: Array) -> RhaiResult<Map> {
+        super::plot_seeds(&groups, out, Some(&panels))
     }
 
     /// read_run(run_dir) -> map
     ///
     /// A run folder's logs as data: #{metrics: [one map per step, as metrics.jsonl], evals: [one
     /// map per evaluation, as eval.jsonl], evals_at: #{"t0.7-p0.9": [the evaluations at another
-    /// setting, as eval-t0.7-p0.9.jsonl], ...}}.
+    /// setting, as eval-t0.7-p0.9.jsonl], ...}, silenced: [#{token, count, contexts}, as
+    /// silenced_tokens.tsv, most frequent first; empty without it]}.
     ///
     /// # Example
     ///

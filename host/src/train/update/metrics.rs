@@ -99,6 +99,11 @@ pub struct UpdateMetrics {
     /// Candidates per S2T mini-batch, over the global mini-batch (S2T on; 0 otherwise).
     #[serde(default)]
     pub candidates_per_mini_batch: f32,
+    /// Each S2T mini-batch of the update (every epoch, in order), over the global
+    /// mini-batch: its response tokens, candidates and silenced tokens, so that the share
+    /// of mini-batches the paper's rule can act on is read per mini-batch (S2T on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub s2t_by_mini_batch: Vec<MiniBatchS2t>,
     /// Share of response tokens with `p < tau_p` and `A > 0` (S2T on).
     #[serde(default)]
     pub low_p_positive_share: f32,
@@ -139,6 +144,17 @@ pub struct UpdateMetrics {
     /// the caller to show: the library prints nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+}
+
+/// What the S2T mask saw in one mini-batch, summed over the ranks holding part of it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MiniBatchS2t {
+    /// Response tokens of the mini-batch.
+    pub tokens: usize,
+    /// Tokens with `A > 0 && p < tau_p`.
+    pub candidates: usize,
+    /// Candidates the mask silenced.
+    pub silenced: usize,
 }
 
 /// The S2T thresholds one mini-batch applied.

@@ -52,7 +52,9 @@ pub use analysis::{
 pub use config::{under, ActorConfig, OldLogp, UpdateConfig, UpdateOptions};
 pub use config::{RolloutCorrMode, RolloutCorrection};
 pub use mask::{token_mask, token_mask_on};
-pub use metrics::{batch_metrics, AppliedThresholds, UpdateMetrics, UpdateOutcome, UpdateRecord};
+pub use metrics::{
+    batch_metrics, AppliedThresholds, MiniBatchS2t, UpdateMetrics, UpdateOutcome, UpdateRecord,
+};
 pub use phases::{cpu_seconds, Phase, PhaseTime, PhaseTimes};
 pub use rollout_corr::RolloutCorrMetrics;
 pub use score::{active_sequences, score, Scored};
@@ -343,13 +345,22 @@ fn record_s2t(
         }
     }
     let MaskConfig::S2t(S2tThresholds { tau_p, .. }) = x.cfg.actor.objective.mask else { return Ok(()) };
-    // The mini-batch's candidates over every rank (each rank holds part of it, or none).
-    let mut candidates = stats.map_or(0, |st| st.n_candidates);
+    // The mini-batch's tokens, candidates and silenced tokens over every rank (each rank
+    // holds part of it, or none).
+    let tokens: usize = mb.ss.iter().map(|s| s.response_ids.len()).sum();
+    let mut seen = MiniBatchS2t {
+        tokens,
+        candidates: stats.map_or(0, |st| st.n_candidates),
+        silenced: stats.map_or(0, |st| st.n_silenced),
+    };
     if x.comm.size() > 1 {
-        candidates = dist::sum_f64(x.comm, [candidates as f64])?[0] as usize;
+        let [t, c, s] =
+            dist::sum_f64(x.comm, [seen.tokens as f64, seen.candidates as f64, seen.silenced as f64])?;
+        seen = MiniBatchS2t { tokens: t as usize, candidates: c as usize, silenced: s as usize };
     }
     out.metrics.s2t_mini_batches += 1;
-    out.metrics.s2t_mini_batches_2plus += usize::from(candidates >= 2);
+    out.metrics.s2t_mini_batches_2plus += usize::from(seen.candidates >= 2);
+    out.metrics.s2t_by_mini_batch.push(seen);
     let mut tau_h = stats.and_then(|st| st.tau_h);
     let mut population = stats.and_then(|st| st.tau_h_population);
     if x.comm.size() > 1 {

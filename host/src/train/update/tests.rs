@@ -440,6 +440,12 @@ fn the_record_is_what_the_update_used() {
     // One S2T mini-batch, which silenced, so it had at least two candidates (a lone one never is).
     assert_eq!((met.s2t_mini_batches, met.s2t_mini_batches_2plus), (1, 1));
     assert_eq!(met.candidates_per_mini_batch, met.s2t_candidates as f32);
+    // The mini-batch's own figures: the active sequences' response tokens (groups 0-2: 4 + i + g
+    // tokens each), its candidates and silenced tokens.
+    let tokens: usize = (0..3).flat_map(|g| (0..4).map(move |i| 4 + i + g)).sum();
+    assert_eq!(tokens, met.response_tokens);
+    let seen = MiniBatchS2t { tokens, candidates: th.candidates, silenced };
+    assert_eq!(met.s2t_by_mini_batch, [seen]);
     let per_10k = met.silenced_tokens as f32 / met.response_tokens as f32 * 1e4;
     assert!((met.silenced_per_10k - per_10k).abs() < 1e-3, "{}", met.silenced_per_10k);
 
