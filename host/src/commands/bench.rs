@@ -73,6 +73,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
     }
+    if a.what == What::Rollout && a.partial.is_some() {
+        return super::bench_partial::run(&m, &a);
+    }
     if a.what == What::Rollout {
         return super::bench_rollout::run(&m, &a);
     }

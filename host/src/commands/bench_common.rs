@@ -23,7 +23,8 @@ pub enum What {
     /// Batched sampling with a KV cache.
     Generate,
     /// One rollout with forced lengths (`--lengths lognormal:LO:HI`): continuous
-    /// batching over the paged cache against the static policy at equal cache memory.
+    /// batching over the paged cache against the static policy at equal cache memory;
+    /// with `--steps S --partial off,on`, S steps' rollouts synchronous against partial.
     Rollout,
     /// candle CPU matmul for this shape's products in the layouts the step uses.
     Matmul,
@@ -149,6 +150,19 @@ pub struct BenchArgs {
     /// prompt's `--rollout-prompt` own tokens, so that prefix caching has something to find.
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
+    /// `rollout`: consecutive training steps' rollouts in each run of `--partial`.
+    #[arg(long, default_value_t = 1)]
+    pub steps: usize,
+    /// `rollout`: synchronous steps (`off`: each step samples `--prompts` prompts and
+    /// waits for all their responses) against partial rollouts (`on`: `--prompts` plus
+    /// `--extra-prompts` groups in flight, a step ends when `--prompts` groups are whole,
+    /// the rest continue in the next step); `off,on` runs both, `--steps` steps each,
+    /// interleaved over `--rounds`, same cache budget and rows.
+    #[arg(long)]
+    pub partial: Option<String>,
+    /// `rollout --partial on`: groups in flight beyond `--prompts` (default `--prompts`).
+    #[arg(long)]
+    pub extra_prompts: Option<usize>,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,

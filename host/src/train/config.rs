@@ -20,7 +20,7 @@ use crate::data::{DatasetOptions, PromptTemplate};
 use crate::model;
 use crate::overlay;
 use crate::reward::ExtractMode;
-use crate::rollout::{EngineConfig, SamplingParams};
+use crate::rollout::{EngineConfig, PartialConfig, SamplingParams};
 use crate::train::update::{under, ActorConfig};
 use crate::{Error, Result};
 
@@ -142,6 +142,10 @@ pub struct RolloutConfig {
     /// The rollout engine (`#{kv_cache_gb, max_rows, block_size}`): the paged KV cache's
     /// budget in GB, sequences decoded at once and tokens per cache block.
     pub engine: EngineConfig,
+    /// Partial rollouts (`#{enable, extra_prompts, max_staleness, on_stale}`): a step
+    /// ends when `data.prompts_per_step` groups are whole, the unfinished responses
+    /// continue in the next step under the updated weights ([`PartialConfig`]).
+    pub partial: PartialConfig,
 }
 
 impl Default for RolloutConfig {
@@ -151,6 +155,7 @@ impl Default for RolloutConfig {
             dtype: None,
             max_num_gen_batches: 10,
             engine: EngineConfig::default(),
+            partial: PartialConfig::default(),
         }
     }
 }

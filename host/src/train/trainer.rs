@@ -33,6 +33,7 @@
 mod dynamic;
 mod folder;
 mod metrics;
+mod partial;
 mod plan;
 mod policy;
 mod prompts;
@@ -52,7 +53,7 @@ use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
 use crate::guard::{check_folder_finite, signal, DivergenceWatch, NonFiniteStreak, OnDivergence, RunLock};
 use crate::model::Qwen3;
 use crate::reward;
-use crate::rollout::{GenerateOptions, PromptInfo, RolloutBatch};
+use crate::rollout::{GenerateOptions, PartialFigures, PromptInfo, RolloutBatch};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
@@ -62,6 +63,7 @@ pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
 pub use metrics::{RolloutFigures, StepMetrics};
+use partial::PartialSource;
 use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
@@ -97,6 +99,8 @@ pub struct Trainer {
     /// `guard.rollback_lr_scale`), and the rollbacks so far.
     lr_scale: f64,
     rollbacks: usize,
+    /// The groups in flight between steps under partial rollouts (`rollout.partial`).
+    partial: Option<PartialSource>,
     /// The run folder's lock (rank 0, which writes it), released on drop or exit.
     _lock: Option<RunLock>,
 }
@@ -246,6 +250,19 @@ impl Trainer {
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
         });
+        let carried = state.and_then(|s| s.partial.clone());
+        let partial = match (cfg.rollout.partial.enable, carried) {
+            (true, Some(p)) => Some(PartialSource::restore(p)?),
+            (true, None) => Some(PartialSource::default()),
+            (false, Some(p)) => {
+                pending.push(format!(
+                    "rollout.partial is off: the {} group(s) the checkpoint carried in flight are dropped",
+                    p.groups_in_flight()
+                ));
+                None
+            }
+            (false, None) => None,
+        };
         Ok(Self {
             objective,
             policy,
@@ -261,6 +278,7 @@ impl Trainer {
             diverged: None,
             lr_scale: state.map_or(1.0, |s| s.lr_scale),
             rollbacks: state.map_or(0, |s| s.rollbacks),
+            partial,
             _lock: None,
             cfg,
             comm,
@@ -361,9 +379,11 @@ impl Trainer {
         cancel: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<StepMetrics> {
         let (step, sampler) = (self.step, self.prompts.sampler_state());
+        let in_flight = self.partial.clone();
         let r = self.step_inner(plan, progress, cancel);
         if r.is_err() && self.step == step {
             self.prompts.restore_sampler(sampler)?;
+            self.partial = in_flight;
         }
         r
     }
@@ -469,6 +489,7 @@ impl Trainer {
             rollout_engine: batch.engine.clone(),
             gen_batches: batch.gen_batches,
             groups_dropped,
+            partial: batch.partial.clone(),
             eval_avg: None,
             eval_pass: None,
         };
@@ -610,7 +631,10 @@ impl Trainer {
         let mut last_round;
         loop {
             let t0 = Instant::now();
-            let round = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            let (round, partial) = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            if let Some(f) = partial {
+                b.partial.get_or_insert_with(Default::default).add(&f);
+            }
             b.rollout_secs += t0.elapsed().as_secs_f64();
             b.local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
             b.engine.add(&round.stats);
@@ -696,17 +720,15 @@ impl Trainer {
 
     /// Generation batch `round` of this step: the next `data.prompts_per_step` prompts, rolled
     /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
+    /// Under partial rollouts, the next `data.prompts_per_step` whole groups of those in
+    /// flight ([`PartialSource`]), with the partial figures.
     fn roll_out(
         &mut self,
         plan: &StepPlan,
         round: u64,
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&std::sync::atomic::AtomicBool>,
-    ) -> Result<Gathered> {
-        // Each rank samples its share of the global batch, with each response's seed from
-        // its global prompt index.
-        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, &*self.comm)?;
-        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
+    ) -> Result<(Gathered, Option<PartialFigures>)> {
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
@@ -721,9 +743,30 @@ impl Trainer {
             progress: Some(&progress_and_signal),
             cancel,
             engine: self.cfg.rollout.engine,
-            first_prompt_index: share.start,
             ..GenerateOptions::default()
         };
+        if let Some(source) = self.partial.as_mut() {
+            let model = self.policy.sampling_model();
+            let (mut g, figures) = source.next_groups(
+                &mut self.prompts,
+                &*self.comm,
+                model,
+                &self.cfg,
+                &sampling,
+                &opts,
+                step,
+            )?;
+            for s in &mut g.samples {
+                let v = reward::verify(&g.examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
+                s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+            }
+            return Ok((g, Some(figures)));
+        }
+        // Each rank samples its share of the global batch, with each response's seed from
+        // its global prompt index.
+        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, &*self.comm)?;
+        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
+        let opts = GenerateOptions { first_prompt_index: share.start, ..opts };
         let gen = self.prompts.generator(self.policy.sampling_model());
         let generated = gen.generate(&prompts, &sampling, &opts)?;
         let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
@@ -733,7 +776,7 @@ impl Trainer {
             // Group ids are global prompt indices (the update orders ranks' groups by them).
             s.group += share.start;
         }
-        Ok(Gathered { examples, texts, samples, stats })
+        Ok((Gathered { examples, texts, samples, stats }, None))
     }
 
     /// Evaluates on `data.test` (or `examples`) with the configured eval sampling.
@@ -821,6 +864,7 @@ impl Trainer {
             silenced_contexts: self.spurious.all_contexts().clone(),
             lr_scale: self.lr_scale,
             rollbacks: self.rollbacks,
+            partial: self.partial.as_ref().map(PartialSource::state),
         };
         let what = format!("checkpoint step-{:06}", self.step);
         let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {

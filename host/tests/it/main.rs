@@ -12,6 +12,7 @@ mod hf;
 mod kill;
 mod lora;
 mod model;
+mod partial;
 mod preempt;
 mod prompt;
 mod readme;

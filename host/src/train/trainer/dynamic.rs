@@ -8,7 +8,7 @@
 use super::metrics::RolloutFigures;
 use crate::data::Example;
 use crate::dist::{self, Comm};
-use crate::rollout::{EngineStats, Sample};
+use crate::rollout::{EngineStats, PartialFigures, Sample};
 use crate::train::update::Sequence;
 use crate::Result;
 
@@ -23,6 +23,8 @@ pub(super) struct StepBatch {
     pub(super) gen_batches: usize,
     pub(super) groups_dropped: usize,
     pub(super) engine: RolloutFigures,
+    /// Under partial rollouts: staleness, carried and recomputed responses.
+    pub(super) partial: Option<PartialFigures>,
 }
 
 /// The prompts and scored samples of a step, gathered over one or more generation
@@ -106,6 +108,7 @@ mod tests {
                     logprobs: vec![0.; 2],
                     old_logprobs: vec![0.; 2],
                     entropies: vec![0.; 2],
+                    versions: Vec::new(),
                     text: String::new(),
                     finish: Finish::Eos,
                     truncated: false,
