@@ -106,6 +106,9 @@ pub(super) fn run_requests(
     let max_rows = cfg.rows(model);
     let scheduler = Scheduler::new(opts.policy.build(), Queues::waiting(waiting), max_rows);
     let caching = cfg.enable_prefix_caching && scheduler.prefix_caching();
+    // The runner's fused projections first, so that a cache sized by the free
+    // memory leaves room for them.
+    let runner = ModelRunner::new(model, Sampler::new(params))?;
     let kv = KvCacheManager::new(model, &cfg, prompts, params, max_rows, caching)?;
     let stats = EngineStats {
         block_size: cfg.block_size,
@@ -117,7 +120,7 @@ pub(super) fn run_requests(
         reqs,
         scheduler,
         kv,
-        runner: ModelRunner::new(model, Sampler::new(params)),
+        runner,
         stops: StopRules::new(params, eos),
         decode,
         opts,
@@ -135,6 +138,7 @@ pub(super) fn run_requests(
         }
     }
     e.stats.peak_blocks = e.kv.pool.peak_used();
+    e.stats.decode_path = e.runner.path().to_string();
     e.stats.prefix_cache_evictions = e.kv.pool.evictions();
     e.stats.secs = start.elapsed().as_secs_f64();
     Ok((e.out, e.stats, e.reqs.rows))

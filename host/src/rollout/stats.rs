@@ -70,6 +70,11 @@ pub struct EngineStats {
     /// (per decoder layer among them) and copies to the host.
     #[serde(default)]
     pub decode_counts: budget::Counts,
+    /// The decode path that ran: `kernels, fused projections` (the fused CPU
+    /// kernels or the project's CUDA kernels over `model::DecodeWeights`) or
+    /// `composed` (`--kernels composed`).
+    #[serde(default)]
+    pub decode_path: String,
 }
 
 /// Seconds of a rollout spent in each phase of a step (see
