@@ -213,6 +213,8 @@ mod ffi2 {
             up: *const f32,
             out: *mut f32,
             n: u64,
+            cols: u64,
+            stride: u64,
         );
         pub fn cpu_swiglu_bf16(
             g: *const u32,
@@ -221,6 +223,8 @@ mod ffi2 {
             up: *const bf16,
             out: *mut bf16,
             n: u64,
+            cols: u64,
+            stride: u64,
         );
         pub fn cpu_norm_rope_f32(
             g: *const u32,
@@ -233,6 +237,7 @@ mod ffi2 {
             l: i32,
             nh: i32,
             d: i32,
+            xs: u64,
             eps: f32,
         );
         pub fn cpu_norm_rope_bf16(
@@ -246,6 +251,7 @@ mod ffi2 {
             l: i32,
             nh: i32,
             d: i32,
+            xs: u64,
             eps: f32,
         );
         pub fn cpu_norm_rope_write_kv_f32(
@@ -261,6 +267,7 @@ mod ffi2 {
             pv: *mut f32,
             nh: i32,
             d: i32,
+            kvs: u64,
             eps: f32,
         );
         pub fn cpu_norm_rope_write_kv_f32_bf16pool(
@@ -276,6 +283,7 @@ mod ffi2 {
             pv: *mut bf16,
             nh: i32,
             d: i32,
+            kvs: u64,
             eps: f32,
         );
         pub fn cpu_norm_rope_write_kv_bf16(
@@ -291,6 +299,7 @@ mod ffi2 {
             pv: *mut bf16,
             nh: i32,
             d: i32,
+            kvs: u64,
             eps: f32,
         );
         pub fn cpu_logp_entropy_tile_f32(
@@ -365,7 +374,7 @@ mod ffi2 {
 type RmsNormFn<T> = unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *mut T, i32, f32);
 type AddRmsNormFn<T> =
     unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *const T, *mut T, *mut T, i32, f32);
-type SwigluFn<T> = unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *mut T, u64);
+type SwigluFn<T> = unsafe extern "C" fn(*const u32, *const u32, *const T, *const T, *mut T, u64, u64, u64);
 type NormRopeFn<T> = unsafe extern "C" fn(
     *const u32,
     *const u32,
@@ -377,6 +386,7 @@ type NormRopeFn<T> = unsafe extern "C" fn(
     i32,
     i32,
     i32,
+    u64,
     f32,
 );
 type LogpTileFn<T> =
@@ -407,6 +417,7 @@ type WriteKvFn<T, P> = unsafe extern "C" fn(
     *mut P,
     i32,
     i32,
+    u64,
     f32,
 );
 
@@ -486,12 +497,28 @@ pub fn add_rms_norm<T: Float>(x: &[T], r: &[T], w: &[T], eps: f32) -> (Vec<T>, V
 /// SwiGLU's gating (`swiglu.cu`): `silu(gate) * up`.
 pub fn swiglu<T: Float>(gate: &[T], up: &[T]) -> Vec<T> {
     assert_eq!(gate.len(), up.len(), "swiglu: sizes");
+    let n = gate.len() as u64;
     let mut out = vec![T::default(); gate.len()];
     let g = dims(src::swiglu_grid(gate.len()));
     let b = [src::SWIGLU_THREADS, 1, 1];
-    // SAFETY: the grid-stride loop stays below `n`.
+    // SAFETY: the grid-stride loop stays below `n`; one row of `n`.
+    unsafe { T::SWIGLU(g.as_ptr(), b.as_ptr(), gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), n, n, n) };
+    out
+}
+
+/// SwiGLU's gating (`swiglu.cu`) of the rows of one product over
+/// `[Wgate; Wup]`: `gate_up` `(N, 2 * cols)`, each row's gate then up;
+/// returns `(N, cols)`.
+pub fn swiglu_rows<T: Float>(gate_up: &[T], cols: usize) -> Vec<T> {
+    assert!(cols > 0 && gate_up.len().is_multiple_of(2 * cols), "swiglu_rows: sizes");
+    let n = gate_up.len() / 2;
+    let mut out = vec![T::default(); n];
+    let g = dims(src::swiglu_grid(n));
+    let b = [src::SWIGLU_THREADS, 1, 1];
+    let (gate, up) = (gate_up.as_ptr(), gate_up[cols..].as_ptr());
+    // SAFETY: row r reads [r * 2 cols, r * 2 cols + cols) from each pointer, inside `gate_up`.
     unsafe {
-        T::SWIGLU(g.as_ptr(), b.as_ptr(), gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), gate.len() as u64)
+        T::SWIGLU(g.as_ptr(), b.as_ptr(), gate, up, out.as_mut_ptr(), n as u64, cols as u64, 2 * cols as u64)
     };
     out
 }
@@ -507,22 +534,42 @@ pub fn norm_rope<T: Float>(
     (b, l, h, d): (usize, usize, usize, usize),
     eps: f32,
 ) -> Vec<T> {
+    norm_rope_rows(x, (0, h * d), w, cos, sin, (b, l, h, d), eps)
+}
+
+/// [`norm_rope`] of heads read from wider rows: token `n`'s `H` heads of
+/// `D` start at `x[offset + n * stride]` (the queries inside the rows of
+/// one product over `[Wq; Wk; Wv]`: offset 0, stride `(Hq + 2 Hkv) D`).
+#[allow(clippy::too_many_arguments)]
+pub fn norm_rope_rows<T: Float>(
+    x: &[T],
+    (offset, stride): (usize, usize),
+    w: &[T],
+    cos: &[T],
+    sin: &[T],
+    (b, l, h, d): (usize, usize, usize, usize),
+    eps: f32,
+) -> Vec<T> {
     assert!(
         d.is_multiple_of(2) && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d,
         "norm_rope: head dim {d}"
     );
+    let n = b * l;
     assert!(
-        x.len() == b * l * h * d && cos.len() == b * l * d / 2 && sin.len() == cos.len(),
+        stride >= h * d
+            && (n == 0 || offset + (n - 1) * stride + h * d <= x.len())
+            && cos.len() == n * d / 2
+            && sin.len() == cos.len(),
         "norm_rope: sizes"
     );
-    let mut out = vec![T::default(); x.len()];
-    let (g, bl) = ([(b * l) as u32, h as u32, 1], [src::NORM_ROPE_THREADS, 1, 1]);
-    // SAFETY: one block per (token, head) inside the buffers checked above.
+    let mut out = vec![T::default(); n * h * d];
+    let (g, bl) = ([n as u32, h as u32, 1], [src::NORM_ROPE_THREADS, 1, 1]);
+    // SAFETY: one block per (token, head), reading inside `x` (checked above).
     unsafe {
         T::NORM_ROPE(
             g.as_ptr(),
             bl.as_ptr(),
-            x.as_ptr(),
+            x[offset..].as_ptr(),
             w.as_ptr(),
             cos.as_ptr(),
             sin.as_ptr(),
@@ -530,6 +577,7 @@ pub fn norm_rope<T: Float>(
             l as i32,
             h as i32,
             d as i32,
+            stride as u64,
             eps,
         )
     };
@@ -568,17 +616,57 @@ pub fn norm_rope_write_kv<T: KvTypes<P>, P>(
     (h, d): (usize, usize),
     eps: f32,
 ) {
+    assert!(k.len() == slots.len() * h * d && v.len() == k.len(), "norm_rope_write_kv: sizes");
+    write_kv((k, v, h * d), (w, cos, sin, eps), slots, pools, (h, d))
+}
+
+/// [`norm_rope_write_kv`] of keys and values read from the rows of one
+/// product over `[Wq; Wk; Wv]`, `qkv` `(T, stride)`: token `n`'s keys start
+/// at `qkv[k_offset + n * stride]`, its values at `qkv[v_offset + n * stride]`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_rope_write_kv_rows<T: KvTypes<P>, P>(
+    qkv: &[T],
+    (k_offset, v_offset, stride): (usize, usize, usize),
+    w: &[T],
+    cos: &[T],
+    sin: &[T],
+    slots: &[u32],
+    pools: (&mut [P], &mut [P]),
+    (h, d): (usize, usize),
+    eps: f32,
+) {
+    let t = slots.len();
+    assert!(
+        stride >= h * d && (t == 0 || k_offset.max(v_offset) + (t - 1) * stride + h * d <= qkv.len()),
+        "norm_rope_write_kv_rows: sizes"
+    );
+    write_kv((&qkv[k_offset..], &qkv[v_offset..], stride), (w, cos, sin, eps), slots, pools, (h, d))
+}
+
+/// The keys' norm weight, the rotary tables and epsilon of a cache write.
+type Rope<'a, T> = (&'a [T], &'a [T], &'a [T], f32);
+
+/// The launch of both: token `n`'s keys at `k[n * stride]`, its values at
+/// `v[n * stride]`.
+fn write_kv<T: KvTypes<P>, P>(
+    (k, v, stride): (&[T], &[T], usize),
+    (w, cos, sin, eps): Rope<'_, T>,
+    slots: &[u32],
+    pools: (&mut [P], &mut [P]),
+    (h, d): (usize, usize),
+) {
     let t = slots.len();
     assert!(
         d % 2 == 0 && d <= src::NORM_ROPE_MAX_HEAD_DIM && w.len() == d,
         "norm_rope_write_kv: head dim {d}"
     );
-    assert!(k.len() == t * h * d && v.len() == k.len() && cos.len() == t * d / 2 && sin.len() == cos.len());
+    let last = if t == 0 { 0 } else { (t - 1) * stride + h * d };
+    assert!(k.len() >= last && v.len() >= last && cos.len() == t * d / 2 && sin.len() == cos.len());
     assert!(
         pools.0.len() == pools.1.len() && slots.iter().all(|&s| (s as usize + 1) * h * d <= pools.0.len())
     );
     let (g, b) = ([t as u32, h as u32, 1], [src::NORM_ROPE_THREADS, 1, 1]);
-    // SAFETY: every slot lies inside the pools (checked above).
+    // SAFETY: every slot lies inside the pools and every row inside `k` and `v` (checked above).
     unsafe {
         T::WRITE_KV(
             g.as_ptr(),
@@ -593,6 +681,7 @@ pub fn norm_rope_write_kv<T: KvTypes<P>, P>(
             pools.1.as_mut_ptr(),
             h as i32,
             d as i32,
+            stride as u64,
             eps,
         )
     };

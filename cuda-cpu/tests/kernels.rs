@@ -243,8 +243,10 @@ fn main() {
     paged_attention(&mut report);
     rms_norm(&mut report);
     swiglu(&mut report);
+    swiglu_rows(&mut report);
     norm_rope(&mut report);
     norm_rope_write_kv(&mut report);
+    fused_qkv_rows(&mut report);
     logp_entropy(&mut report);
     sample(&mut report);
     println!();
@@ -317,6 +319,34 @@ fn swiglu(report: &mut Report) {
         let (gb, ub) = (to_bf16(&g), to_bf16(&u));
         let want = vals(&fused::swiglu(&t32(&widen(&gb), &[n]), &t32(&widen(&ub), &[n])).unwrap());
         report.check("swiglu_bf16", &case, &f64s(&widen(&cuda_cpu::swiglu(&gb, &ub))), &want, TOL_BF16);
+    }
+}
+
+/// SwiGLU over the rows of one product over `[Wgate; Wup]` (each row's
+/// gate, then its up) against the fused CPU kernel on the two halves copied
+/// out: one row and several, odd widths, rows wider than a block.
+fn swiglu_rows(report: &mut Report) {
+    for (rows, cols) in [(1usize, 1usize), (3, 31), (7, 1000), (2, 4099), (5, 3)] {
+        let mut rng = Rng(250 + (rows * cols) as u64);
+        let gu = rng.vec(rows * 2 * cols, 6.0);
+        let half = |gu: &[f32], at: usize| -> Vec<f32> {
+            (0..rows).flat_map(|r| gu[r * 2 * cols + at..r * 2 * cols + at + cols].to_vec()).collect()
+        };
+        let cpu = |gu: &[f32]| {
+            let n = [rows, cols];
+            vals(&fused::swiglu(&t32(&half(gu, 0), &n), &t32(&half(gu, cols), &n)).unwrap())
+        };
+        let case = format!("{rows} rows of gate and up of {cols}");
+        report.check(
+            "swiglu_f32 (fused gate/up rows)",
+            &case,
+            &f64s(&cuda_cpu::swiglu_rows(&gu, cols)),
+            &cpu(&gu),
+            TOL_F32,
+        );
+        let gb = to_bf16(&gu);
+        let got = widen(&cuda_cpu::swiglu_rows(&gb, cols));
+        report.check("swiglu_bf16 (fused gate/up rows)", &case, &f64s(&got), &cpu(&widen(&gb)), TOL_BF16);
     }
 }
 
@@ -423,6 +453,93 @@ fn norm_rope_write_kv(report: &mut Report) {
             expect(&widen(&kb), &widen(&vb), &widen(&wb), (&widen(&cb), &widen(&sb)), &widen(&pool_b));
         report.check("norm_rope_write_kv_bf16 (k)", &case, &f64s(&widen(&pk)), &wk, TOL_BF16);
         report.check("norm_rope_write_kv_bf16 (v)", &case, &f64s(&widen(&pv)), &wv, TOL_BF16);
+    }
+}
+
+/// The queries' norm + rope and the keys' with the cache write, each read
+/// from the rows of one product over `[Wq; Wk; Wv]` `(T, (Hq + 2 Hkv) D)`
+/// by offset and row stride (no copy of q, k or v out of it), against the
+/// fused CPU norm + rope of the q, k and v copied out and a write by hand:
+/// head dims 6, 72, 128 and 256, odd numbers of heads, grouped queries,
+/// scattered slots, f32 and bf16.
+fn fused_qkv_rows(report: &mut Report) {
+    for (t, hq, hkv, d, slots_in_pool, slots) in [
+        (3usize, 4usize, 2usize, 64usize, 40usize, vec![7u32, 8, 31]),
+        (1, 3, 1, 6, 5, vec![4]),
+        (5, 7, 1, 72, 20, vec![0, 19, 3, 4, 5]),
+        (2, 5, 5, 128, 8, vec![6, 1]),
+        (4, 2, 1, 256, 9, vec![8, 2, 3, 0]),
+    ] {
+        let stride = (hq + 2 * hkv) * d;
+        let mut rng = Rng(600 + d as u64 + t as u64);
+        let qkv = rng.vec(t * stride, 2.0);
+        let (wq, wk) = (rng.vec(d, 1.5), rng.vec(d, 1.5));
+        let pos: Vec<usize> = slots.iter().map(|&s| s as usize * 5 + 2).collect();
+        let (c, s) = rotary(&pos, d);
+        let pool0 = rng.vec(slots_in_pool * hkv * d, 1.0);
+        // The columns [at, at + w) of every row, copied out.
+        let cols = |x: &[f32], at: usize, w: usize| -> Vec<f32> {
+            (0..t).flat_map(|r| x[r * stride + at..r * stride + at + w].to_vec()).collect()
+        };
+        let (kq, kk, kv) = (0, hq * d, (hq + hkv) * d);
+        let expect = |x: &[f32], wq: &[f32], wk: &[f32], cs: (&[f32], &[f32]), pool: &[f32]| {
+            let q = cpu_norm_rope(&cols(x, kq, hq * d), wq, cs, (1, t, hq, d));
+            let roped = cpu_norm_rope(&cols(x, kk, hkv * d), wk, cs, (1, t, hkv, d));
+            let v = cols(x, kv, hkv * d);
+            let (mut pk, mut pv): (Vec<f64>, Vec<f64>) = (f64s(pool), f64s(pool));
+            for (tok, &slot) in slots.iter().enumerate() {
+                for hh in 0..hkv {
+                    for j in 0..d {
+                        let dst = (slot as usize * hkv + hh) * d + j;
+                        pk[dst] = roped[(hh * t + tok) * d + j];
+                        pv[dst] = f64::from(v[(tok * hkv + hh) * d + j]);
+                    }
+                }
+            }
+            (q, pk, pv)
+        };
+        let case = format!("{t} tokens, {hq} query and {hkv} kv heads of {d}, slots {slots:?}");
+        let got_q = cuda_cpu::norm_rope_rows(&qkv, (kq, stride), &wq, &c, &s, (1, t, hq, d), 1e-6);
+        let (mut pk, mut pv) = (pool0.clone(), pool0.clone());
+        let at = (kk, kv, stride);
+        cuda_cpu::norm_rope_write_kv_rows(&qkv, at, &wk, &c, &s, &slots, (&mut pk, &mut pv), (hkv, d), 1e-6);
+        let (wantq, wantk, wantv) = expect(&qkv, &wq, &wk, (&c, &s), &pool0);
+        report.check("norm_rope_f32 (q of fused q/k/v rows)", &case, &f64s(&got_q), &wantq, TOL_F32);
+        report.check("norm_rope_write_kv_f32 (k of fused rows)", &case, &f64s(&pk), &wantk, TOL_F32);
+        report.check("norm_rope_write_kv_f32 (v of fused rows)", &case, &f64s(&pv), &wantv, TOL_F32);
+
+        let (xb, wqb, wkb, cb, sb) = (to_bf16(&qkv), to_bf16(&wq), to_bf16(&wk), to_bf16(&c), to_bf16(&s));
+        let pool_b = to_bf16(&pool0);
+        let got_q = widen(&cuda_cpu::norm_rope_rows(&xb, (kq, stride), &wqb, &cb, &sb, (1, t, hq, d), 1e-6));
+        let (mut pk, mut pv) = (pool_b.clone(), pool_b.clone());
+        cuda_cpu::norm_rope_write_kv_rows(
+            &xb,
+            at,
+            &wkb,
+            &cb,
+            &sb,
+            &slots,
+            (&mut pk, &mut pv),
+            (hkv, d),
+            1e-6,
+        );
+        let (wantq, wantk, wantv) =
+            expect(&widen(&xb), &widen(&wqb), &widen(&wkb), (&widen(&cb), &widen(&sb)), &widen(&pool_b));
+        report.check("norm_rope_bf16 (q of fused q/k/v rows)", &case, &f64s(&got_q), &wantq, TOL_BF16);
+        report.check(
+            "norm_rope_write_kv_bf16 (k of fused rows)",
+            &case,
+            &f64s(&widen(&pk)),
+            &wantk,
+            TOL_BF16,
+        );
+        report.check(
+            "norm_rope_write_kv_bf16 (v of fused rows)",
+            &case,
+            &f64s(&widen(&pv)),
+            &wantv,
+            TOL_BF16,
+        );
     }
 }
 

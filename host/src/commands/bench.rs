@@ -46,6 +46,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.what == What::Optimizer {
         return bench_optimizer(cfg.num_params(), a.reps);
     }
+    if a.what == What::Gemm {
+        return super::bench_gemm::run(&cfg, &a, seq);
+    }
     let recompute = a.recompute.as_deref().map(|r| model::Recompute::parse(r, "--recompute")).transpose()?;
     let mut options = model::ModelOptions::process_default();
     if let Some(k) = &a.kernels {
@@ -75,6 +78,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
     if a.table_row {
         return table_row(&m, &cfg, &a, seq);
+    }
+    if a.what == What::Rollout && a.partial.is_some() {
+        return super::bench_partial::run(&m, &a);
     }
     if a.what == What::Rollout {
         return super::bench_rollout::run(&m, &a);

@@ -21,11 +21,12 @@ struct Timed {
 }
 
 pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.steps >= 2, "--steps: one step off needs at least 2 steps to overlap anything");
+    let steps = step_count(a);
+    anyhow::ensure!(steps >= 2, "--steps: one step off needs at least 2 steps to overlap anything");
     println!(
         "async: {} steps of {} prompts x {} samples, at most {} new tokens; rollout threads {}, train threads {} \
          (0: shared pool of {}); {} round(s)",
-        a.steps,
+        steps,
         a.prompts,
         a.samples,
         a.max_new,
@@ -39,7 +40,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
         for staleness in [0, 1] {
             let t = run_one(a, staleness, round)?;
             let name = if staleness == 0 { "synchronous" } else { "one step off" };
-            let per_hour = a.steps as f64 * 3600.0 / t.secs;
+            let per_hour = steps as f64 * 3600.0 / t.secs;
             let sum = |f: &dyn Fn(&StepMetrics) -> f64| t.metrics.iter().map(f).sum::<f64>();
             let mut line = format!(
                 "round {round} {name:>12}: {:.2} s, {per_hour:.1} steps/hour; rollouts {:.2} s, updates {:.2} s",
@@ -70,12 +71,17 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<()> {
     println!(
         "async: {:.2}x the synchronous steps/hour over {} steps",
         sync_secs / async_secs.max(1e-9),
-        a.steps
+        steps
     );
     Ok(())
 }
 
-/// `a.steps` steps of a fresh run at `staleness`.
+/// `--steps`, 4 when not given.
+fn step_count(a: &BenchArgs) -> u64 {
+    a.steps.unwrap_or(4) as u64
+}
+
+/// `--steps` steps of a fresh run at `staleness`.
 fn run_one(a: &BenchArgs, staleness: u32, round: usize) -> anyhow::Result<Timed> {
     let cfg = RunConfig::from_json(&serde_json::json!({
         "data": {"prompts_per_step": a.prompts},
@@ -93,10 +99,11 @@ fn run_one(a: &BenchArgs, staleness: u32, round: usize) -> anyhow::Result<Timed>
     let mut t = Trainer::new(cfg, &dir).with_context(|| {
         "bench async: run from the repository root (it trains models/tiny-qwen3 on data/arith)"
     })?;
-    t.set_final_step(a.steps);
+    let steps = step_count(a);
+    t.set_final_step(steps);
     let (cpu0, t0) = (cpu_seconds(), Instant::now());
     let mut metrics = Vec::new();
-    for _ in 0..a.steps {
+    for _ in 0..steps {
         metrics.push(t.step(&t.default_plan(), None, None)?);
     }
     let secs = t0.elapsed().as_secs_f64();

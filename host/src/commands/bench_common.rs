@@ -23,10 +23,16 @@ pub enum What {
     /// Batched sampling with a KV cache.
     Generate,
     /// One rollout with forced lengths (`--lengths lognormal:LO:HI`): continuous
-    /// batching over the paged cache against the static policy at equal cache memory.
+    /// batching over the paged cache against the static policy at equal cache memory;
+    /// with `--steps S --partial off,on`, S steps' rollouts synchronous against partial.
     Rollout,
     /// candle CPU matmul for this shape's products in the layouts the step uses.
     Matmul,
+    /// The large products of one update at this shape and batch (projections
+    /// forward, `dx` and `dw`, the head) on each library of this build: the
+    /// `gemm` crate, and the system's OpenBLAS with `--features blas`. Wall
+    /// and CPU time, GFLOP/s, and the largest difference between them.
+    Gemm,
     /// AdamW steps over this shape's parameter count (f32, CPU), ours against candle-nn's.
     Optimizer,
     /// Per-rank memory of full updates with the optimizer sharded (`--shard`), one
@@ -154,6 +160,20 @@ pub struct BenchArgs {
     /// prompt's `--rollout-prompt` own tokens, so that prefix caching has something to find.
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
+    /// `rollout --partial`: consecutive training steps' rollouts in each run (default 1);
+    /// `async`: training steps of each run (default 4).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// `rollout`: synchronous steps (`off`: each step samples `--prompts` prompts and
+    /// waits for all their responses) against partial rollouts (`on`: `--prompts` plus
+    /// `--extra-prompts` groups in flight, a step ends when `--prompts` groups are whole,
+    /// the rest continue in the next step); `off,on` runs both, `--steps` steps each,
+    /// interleaved over `--rounds`, same cache budget and rows.
+    #[arg(long)]
+    pub partial: Option<String>,
+    /// `rollout --partial on`: groups in flight beyond `--prompts` (default `--prompts`).
+    #[arg(long)]
+    pub extra_prompts: Option<usize>,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
@@ -165,9 +185,6 @@ pub struct BenchArgs {
     /// the most tokens/s on this machine.
     #[arg(long, value_delimiter = ',')]
     pub rows_sweep: Vec<usize>,
-    /// `async`: training steps of each run.
-    #[arg(long, default_value_t = 4)]
-    pub steps: u64,
     /// `async`: threads of the rollout drawn ahead (`rollout.async.rollout_threads`; 0: the
     /// process's pool, shared with the update).
     #[arg(long, default_value_t = 0)]

@@ -394,8 +394,9 @@ fn report(name: &str, s: &EngineStats) {
             None => String::new(),
         };
         println!(
-            "  decode: {} steps, {:.1} launches per layer ({:.0} per step in the model call), {:.1} copies to the \
-             host per step, {:.1} MB read per step at the least{bound}",
+            "  decode ({}): {} steps, {:.1} launches per layer ({:.0} per step in the model call), {:.1} copies \
+             to the host per step, {:.1} MB read per step at the least{bound}",
+            s.decode_path,
             s.decode_steps,
             c.launches_per_layer(),
             c.launches as f64 / s.decode_steps as f64,

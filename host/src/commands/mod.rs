@@ -3,7 +3,9 @@
 pub mod bench;
 pub mod bench_async;
 pub mod bench_common;
+pub mod bench_gemm;
 pub mod bench_lengths;
+pub mod bench_partial;
 pub mod bench_rollout;
 pub mod bench_shard;
 pub mod data_args;

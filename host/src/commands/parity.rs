@@ -308,9 +308,14 @@ fn paged_attention_check(check: &mut Check, m: &Qwen3, dtype: DType) -> anyhow::
     let logits = |k: model::Kernels| -> anyhow::Result<Vec<Vec<f32>>> {
         k.scope(|| {
             let cache = model::PagedKvCache::new(m, 8, 16)?;
+            // The kernels' run over the fused projections, as rollouts take them.
+            let fused = match k {
+                model::Kernels::Fused => Some(model::DecodeWeights::new(m)?),
+                model::Kernels::Composed => None,
+            };
             let mut out = Vec::new();
             for (tokens, seqs) in &calls {
-                let l = model::decode_paged(m, tokens, seqs, &cache)?;
+                let l = model::decode_paged(m, fused.as_ref(), tokens, seqs, &cache)?;
                 out.push(l.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
             }
             Ok(out)

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use stapo::script::{self, Console, Host, HostOptions, RunOutcome};
@@ -120,11 +120,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     }
     let cancel = stapo::guard::signal::install_preemption();
     let mut outcomes = Vec::new();
+    // The last script started and its run folder, for the message after a signal.
+    let mut last_folder: Option<(PathBuf, PathBuf)> = None;
     for path in &scripts {
         let run_dir = a.resume.clone().or_else(|| a.out.clone()).or_else(|| {
             Some(script::shared_state::default_run_dir(Some(path), std::path::Path::new("runs")))
         });
         let run_dir = stapo::dist::broadcast_json(&*world, 0, &run_dir)?;
+        last_folder = run_dir.clone().map(|d| (d, path.clone()));
         let opts = HostOptions {
             smoke,
             args: args.clone(),
@@ -157,7 +160,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     }
     if let Some(sig) = stapo::guard::signal::received() {
         if root {
-            eprintln!("{}", stopped_by_signal(sig, outcomes.last()));
+            let folder = last_folder.as_ref().map(|(d, p)| (d.as_path(), p.as_path()));
+            eprintln!("{}", stopped_by_signal(sig, outcomes.last(), folder));
         }
         stapo::dist::finalize();
         std::process::exit(128 + sig);
@@ -167,10 +171,20 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What a run stopped by signal `sig` left behind and how to continue it.
-fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>) -> String {
+/// What a run stopped by signal `sig` left behind and how to continue it. `folder`: the
+/// last script's run folder and the script, for a script that steps its runs itself
+/// (`trainer(cfg)` with a `name`), whose checkpoints are in named sub-folders.
+fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path, &Path)>) -> String {
     let name = stapo::guard::signal::name(sig);
     let Some(t) = last.and_then(|o| o.trains.last()) else {
+        if let Some((dir, script)) = folder.filter(|(d, _)| holds_named_checkpoints(d)) {
+            return format!(
+                "stopped by {name}: the runs in {0} keep their last checkpoints. Continue with: stapo run \
+                 --resume {0} {1}",
+                dir.display(),
+                script.display()
+            );
+        }
         return format!("stopped by {name} before training started; nothing to resume");
     };
     let at = if t.checkpoint.is_empty() {
@@ -179,6 +193,13 @@ fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>) -> String {
         format!("checkpoint {}", t.checkpoint)
     };
     format!("stopped by {name} after step {}: {at}. Continue with: stapo run --resume {}", t.steps, t.run_dir)
+}
+
+/// Whether a sub-folder of `dir` holds a run with a checkpoint.
+fn holds_named_checkpoints(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|es| es.flatten().any(|e| e.path().join("checkpoints").join("latest").is_file()))
+        .unwrap_or(false)
 }
 
 fn fmt_opt(x: Option<f64>) -> String {
@@ -214,5 +235,27 @@ fn print_summary(outcomes: &[RunOutcome]) {
                 o.trains.iter().map(|t| t.run_dir.clone()).collect::<Vec<_>>().join(", ")
             }
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A script that stepped named runs itself leaves no train() outcome: the message
+    /// points at its folder and script once a named run has a checkpoint, and says there is
+    /// nothing to resume before that.
+    #[test]
+    fn a_signal_names_the_folder_of_named_runs_to_resume() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = Path::new("scripts/long_stress.rhai");
+        let folder = Some((dir.path(), script));
+        let msg = stopped_by_signal(15, None, folder);
+        assert!(msg.contains("nothing to resume"), "{msg}");
+        std::fs::create_dir_all(dir.path().join("stapo-s0/checkpoints")).unwrap();
+        std::fs::write(dir.path().join("stapo-s0/checkpoints/latest"), "step-000010").unwrap();
+        let msg = stopped_by_signal(15, None, folder);
+        let want = format!("stapo run --resume {} scripts/long_stress.rhai", dir.path().display());
+        assert!(msg.contains("stopped by SIGTERM") && msg.contains(&want), "{msg}");
     }
 }

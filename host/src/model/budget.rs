@@ -123,6 +123,13 @@ pub fn cast_of(t: &Tensor, dtype: DType) -> usize {
     usize::from(t.dtype() != dtype)
 }
 
+/// What the CUDA norm + rope kernels' wrappers launch to lay out the rotary
+/// tables `cos` (and `sin`, alike) `(B, 1, L, D/2)` for `x`: a cast each when
+/// their dtype differs from `x`'s, a copy each when they are strided.
+pub fn rotary_of(cos: &Tensor, x: &Tensor) -> usize {
+    2 * (cast_of(cos, x.dtype()) + copy_of(cos))
+}
+
 /// Bytes a decode step of a model of `cfg` must read from device memory at
 /// the least: every weight once (in `weight_dtype`; the LM head's matrix, tied
 /// or not, but of the embedding table only the `rows` looked up), and the

@@ -373,6 +373,31 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
 struct Swiglu;
 
 impl Swiglu {
+    /// `n` outputs in rows of `cols`; row `r` of the gate and of up at
+    /// `r * stride` of `g` and `u` (see `swiglu.cu`).
+    fn launch<T: DeviceRepr + candle_core::WithDType>(
+        kernel: &str,
+        (g, u): (&CudaView<'_, T>, &CudaView<'_, T>),
+        (n, cols, stride): (usize, usize, usize),
+        dev: &CudaDevice,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        // SAFETY: the grid-stride loop writes every element.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        launch!(
+            SWIGLU,
+            dev,
+            kernel,
+            cfg(src::swiglu_grid(n), src::SWIGLU_THREADS),
+            g,
+            u,
+            &out,
+            &(n as u64),
+            &(cols.max(1) as u64),
+            &(stride.max(1) as u64)
+        );
+        Ok(out)
+    }
+
     fn run<T: DeviceRepr + candle_core::WithDType>(
         kernel: &str,
         (g, lg): (&CudaSlice<T>, &Layout),
@@ -384,19 +409,7 @@ impl Swiglu {
         }
         let n = lg.shape().elem_count();
         let (g, u) = (view(g, lg, "the gate")?, view(u, lu, "up")?);
-        // SAFETY: the grid-stride loop writes every element.
-        let out = unsafe { dev.alloc::<T>(n)? };
-        launch!(
-            SWIGLU,
-            dev,
-            kernel,
-            cfg(src::swiglu_grid(n), src::SWIGLU_THREADS),
-            &g,
-            &u,
-            &out,
-            &(n as u64)
-        );
-        Ok(out)
+        Self::launch(kernel, (&g, &u), (n, n, n), dev)
     }
 }
 
@@ -433,6 +446,63 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &Swiglu)?)
 }
 
+/// SwiGLU over the rows of one product over `[Wgate; Wup]`: each row holds
+/// the gate's `cols` values, then up's.
+struct SwigluRows {
+    cols: usize,
+}
+
+impl SwigluRows {
+    fn run<T: DeviceRepr + candle_core::WithDType>(
+        &self,
+        kernel: &str,
+        (x, lx): (&CudaSlice<T>, &Layout),
+        dev: &CudaDevice,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let c = self.cols;
+        if c == 0 || *lx.dims().last().unwrap_or(&0) != 2 * c {
+            candle_core::bail!("swiglu (CUDA): rows of {:?} are not gate and up of {c}", lx.dims());
+        }
+        let x = view(x, lx, "the gate/up rows")?;
+        let n = lx.shape().elem_count() / 2;
+        // Up starts `cols` after the gate in every row.
+        let Some(up) = x.try_slice(c..) else {
+            candle_core::bail!("swiglu (CUDA): no rows in {:?}", lx.dims())
+        };
+        Swiglu::launch(kernel, (&x, &up), (n, c, 2 * c), dev)
+    }
+}
+
+impl CustomOp1 for SwigluRows {
+    fn name(&self) -> &'static str {
+        "cuda-swiglu-rows"
+    }
+
+    cuda_only!(1);
+
+    fn cuda_fwd(&self, x: &CudaStorage, lx: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = x.device();
+        let slice = match &x.slice {
+            CudaStorageSlice::F32(x) => CudaStorageSlice::F32(self.run("swiglu_f32", (x, lx), dev)?),
+            CudaStorageSlice::BF16(x) => {
+                CudaStorageSlice::BF16(self.run::<bf16>("swiglu_bf16", (x, lx), dev)?)
+            }
+            _ => candle_core::bail!("swiglu (CUDA): no kernel for {:?}", x.dtype()),
+        };
+        let mut dims = lx.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = self.cols;
+        }
+        Ok((CudaStorage { slice, device: dev.clone() }, Shape::from(dims)))
+    }
+}
+
+/// `silu(gate) * up` of `gate_up` `(.., 2 * cols)`, whose rows hold the gate
+/// then up (one product over `[Wgate; Wup]`), in one kernel; `(.., cols)`.
+pub fn swiglu_rows(gate_up: &Tensor, cols: usize) -> Result<Tensor> {
+    Ok(gate_up.contiguous()?.apply_op1_no_bwd(&SwigluRows { cols })?)
+}
+
 // ---------------------------------------------------------------- norm + rope
 
 /// `cos`/`sin` `(B, 1, L, D/2)` as contiguous `(B * L, D/2)` tensors in `dtype`.
@@ -446,6 +516,9 @@ fn rotary_rows(cos: &Tensor, sin: &Tensor, dtype: DType) -> Result<(Tensor, Tens
 struct NormRope {
     sin: Tensor,
     dims: (usize, usize, usize, usize),
+    /// Where token 0's heads start in `x`, and the distance between tokens.
+    x_off: usize,
+    xs: usize,
     eps: f32,
 }
 
@@ -462,6 +535,11 @@ impl NormRope {
         let (sin_s, sin_l) = cuda_of(&self.sin, "sin")?;
         let sin = view(as_cuda(&sin_s).as_cuda_slice::<T>()?, sin_l, "sin")?;
         let (x, w, c) = (view(x, lx, "x")?, view(w, lw, "the weight")?, view(c, lc, "cos")?);
+        let n = b * l;
+        if n > 0 && self.x_off + (n - 1) * self.xs + h * d > x.len() {
+            candle_core::bail!("norm_rope (CUDA): {n} tokens of {h} heads past the {} values of x", x.len());
+        }
+        let x = x.slice(self.x_off..);
         // SAFETY: a block per (token, head) writes the head's D outputs.
         let out = unsafe { dev.alloc::<T>(b * l * h * d)? };
         launch!(
@@ -481,6 +559,7 @@ impl NormRope {
             &(l as i32),
             &(h as i32),
             &(d as i32),
+            &(self.xs as u64),
             &self.eps
         );
         Ok(out)
@@ -545,8 +624,27 @@ pub fn norm_rope(
 ) -> Result<Tensor> {
     let dims = head_dims(x, n_heads, w)?;
     let (c, s) = rotary_rows(cos, sin, x.dtype())?;
-    let op = NormRope { sin: s, dims, eps: eps as f32 };
+    let op = NormRope { sin: s, dims, x_off: 0, xs: dims.2 * dims.3, eps: eps as f32 };
     Ok(x.contiguous()?.apply_op3_no_bwd(&w.to_dtype(x.dtype())?.contiguous()?, &c, &op)?)
+}
+
+/// [`norm_rope`] of the `n_heads` heads that start at column `col` of the
+/// rows of `qkv` `(B, L, S)` (the output of one product over
+/// `[Wq; Wk; Wv]`), read in place: `(B, H, L, D)`, in one kernel.
+pub fn norm_rope_rows(
+    qkv: &Tensor,
+    col: usize,
+    n_heads: usize,
+    w: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    eps: f64,
+) -> Result<Tensor> {
+    let (b, l, s) = qkv.dims3()?;
+    let d = w.elem_count();
+    let dims = head_dims(&qkv.narrow(2, col, n_heads * d)?, n_heads, w)?;
+    let (c, sn) = rotary_rows(cos, sin, qkv.dtype())?;
+    let op = NormRope { sin: sn, dims: (b, l, dims.2, dims.3), x_off: col, xs: s, eps: eps as f32 };
+    Ok(qkv.contiguous()?.apply_op3_no_bwd(&w.to_dtype(qkv.dtype())?.contiguous()?, &c, &op)?)
 }
 
 /// The keys' norm + rope fused with the write of keys and values into their
@@ -563,6 +661,11 @@ struct WriteKv<'a> {
     pool_v: &'a Tensor,
     heads: usize,
     d: usize,
+    /// Where token 0's keys and values start in `k` and `v`, and the
+    /// distance between tokens.
+    k_off: usize,
+    v_off: usize,
+    stride: usize,
     eps: f32,
 }
 
@@ -587,6 +690,12 @@ impl WriteKv<'_> {
             guard_view::<T, _>(&v, "v")?,
             guard_view::<T, _>(&w, "the k norm")?,
         );
+        let row = self.heads * self.d;
+        let past = |off: usize, len: usize| tokens > 0 && off + (tokens - 1) * self.stride + row > len;
+        if past(self.k_off, kv.len()) || past(self.v_off, vv.len()) {
+            candle_core::bail!("cache write (CUDA): {tokens} tokens of keys or values past their rows");
+        }
+        let (kv, vv) = (kv.slice(self.k_off..), vv.slice(self.v_off..));
         let (cv, sv) = (guard_view::<T, _>(&c, "cos")?, guard_view::<T, _>(&s, "sin")?);
         let (slot_s, slot_l) = cuda_of(self.slots, "the slots")?;
         let slots = view(as_cuda(&slot_s).as_cuda_slice::<u32>()?, slot_l, "the slots")?;
@@ -612,6 +721,7 @@ impl WriteKv<'_> {
             &pv,
             &(self.heads as i32),
             &(self.d as i32),
+            &(self.stride as u64),
             &self.eps
         );
         Ok(())
@@ -674,7 +784,71 @@ pub fn norm_rope_write_kv(
     let (c, s) = rotary_rows(cos, sin, k.dtype())?;
     let (k, v) = (k.contiguous()?, v.contiguous()?);
     let w = w.to_dtype(k.dtype())?.contiguous()?;
-    let op = WriteKv { k: &k, v: &v, w: &w, cos: &c, sin: &s, slots, pool_v, heads: h, d, eps: eps as f32 };
+    let op = WriteKv {
+        k: &k,
+        v: &v,
+        w: &w,
+        cos: &c,
+        sin: &s,
+        slots,
+        pool_v,
+        heads: h,
+        d,
+        k_off: 0,
+        v_off: 0,
+        stride: h * d,
+        eps: eps as f32,
+    };
+    Ok(pool_k.inplace_op1(&op)?)
+}
+
+/// [`norm_rope_write_kv`] of keys and values read in place from the rows of
+/// `qkv` `(1, T, S)` (the output of one product over `[Wq; Wk; Wv]`): the
+/// keys' `n_heads` heads start at column `cols.0`, the values' at `cols.1`.
+pub fn norm_rope_write_kv_rows(
+    qkv: &Tensor,
+    cols: (usize, usize),
+    (n_heads, w, eps): (usize, &Tensor, f64),
+    (cos, sin): (&Tensor, &Tensor),
+    slots: &Tensor,
+    (pool_k, pool_v): (&Tensor, &Tensor),
+) -> Result<()> {
+    let (_, t, s) = qkv.dims3()?;
+    let d = w.elem_count();
+    let (_, _, h, d) = head_dims(&qkv.narrow(2, cols.0, n_heads * d)?, n_heads, w)?;
+    let tokens = slots.elem_count();
+    if qkv.elem_count() != tokens * s
+        || t != tokens
+        || cols.1 + h * d > s
+        || pool_k.dims() != pool_v.dims()
+        || pool_k.dims()[1..] != [h, d]
+    {
+        return Err(Error::invalid(format!(
+            "cache write (CUDA): q/k/v rows {:?} (keys at {}, values at {}) for {tokens} slots into pools {:?}",
+            qkv.dims(),
+            cols.0,
+            cols.1,
+            pool_k.dims()
+        )));
+    }
+    let (c, sn) = rotary_rows(cos, sin, qkv.dtype())?;
+    let x = qkv.contiguous()?;
+    let w = w.to_dtype(x.dtype())?.contiguous()?;
+    let op = WriteKv {
+        k: &x,
+        v: &x,
+        w: &w,
+        cos: &c,
+        sin: &sn,
+        slots,
+        pool_v,
+        heads: h,
+        d,
+        k_off: cols.0,
+        v_off: cols.1,
+        stride: s,
+        eps: eps as f32,
+    };
     Ok(pool_k.inplace_op1(&op)?)
 }
 

@@ -12,10 +12,14 @@
 //! 1. the MLP: `down`'s backward, SwiGLU's, then `gate` and `up` together
 //!    ([`fused::linear::linears_bwd`]: one `dx`, summed inside the products),
 //!    the post-attention norm's, and the residual;
-//! 2. attention: the output projection's backward, then attention's, through
-//!    a graph of the attention op alone (kept from the forward: q, k and v as
-//!    variables), then the per-head norm and rotary embedding of q and k, the
-//!    q, k and v projections together, the input norm's, and the residual.
+//! 2. attention: the output projection's backward, then attention's (the
+//!    kernel kept from the forward, [`fused::attention::attention_kept`]),
+//!    then the per-head norm and rotary embedding of q and k, the q, k and v
+//!    projections together, the input norm's, and the residual.
+//!
+//! Every pass runs on all cores: the residual adds happen inside the
+//! products of the forward and inside the norms' backwards, and the copies
+//! (the layer's output, v's gradient back to rows) are parallel.
 //!
 //! The weights' gradients reach the outer graph as for a recomputed layer
 //! ([`super::recompute`]): through a token computed from every weight, whose
@@ -29,8 +33,8 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 
 use super::config::Config;
 use super::fused;
+use super::fused::attention::AttentionKept;
 use super::layer::{Layer, LayerCtx};
-use super::ops;
 use super::precomputed::Held;
 use super::recompute::{weight_token, Stash};
 use crate::{Error, Result};
@@ -53,10 +57,8 @@ struct Kept {
     /// The q and k projections `(B, L, H · D)`, before their norm and rotary embedding.
     ql: Tensor,
     kl: Tensor,
-    /// q, k and v as variables of the attention graph, and its output `(B, L, Hq · D)`.
-    q: Var,
-    k: Var,
-    v: Var,
+    /// Attention over q, k and v (kept by the kernel), with its output `(B, L, Hq · D)`.
+    attn: AttentionKept,
     o: Tensor,
     /// The residual after attention, the MLP's input.
     x2: Tensor,
@@ -83,8 +85,10 @@ pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor>
     Ok(x.apply_op2(&token, op)?)
 }
 
-/// The layer's forward without a graph (attention's own aside), keeping what
-/// the backward reads.
+/// The layer's forward without a graph, keeping what the backward reads. The
+/// residual adds happen inside the output and down projections' products
+/// ([`fused::linear::linear_add`]); v reaches attention as the projection
+/// leaves it (a strided view, no copy).
 fn forward(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<(Tensor, Kept)> {
     let c = &ctx.cfg;
     let w = |v: &Var| v.as_tensor().detach();
@@ -96,21 +100,22 @@ fn forward(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<(Tensor, Kept)> 
     let vl = fused::linear(&h1, &w(&layer.v_proj))?;
     let q = fused::norm_rope(&ql, nq, &w(&layer.q_norm), (&ctx.cos, &ctx.sin), c.rms_norm_eps)?;
     let k = fused::norm_rope(&kl, nkv, &w(&layer.k_norm), (&ctx.cos, &ctx.sin), c.rms_norm_eps)?;
-    let v = vl.reshape((b, l, nkv, d))?.transpose(1, 2)?.contiguous()?;
-    let (q, k, v) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-    let o = ops::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ctx.mask, nkv)?;
-    let x2 = (x + fused::linear(&o.detach(), &w(&layer.o_proj))?)?;
+    let v = vl.reshape((b, l, nkv, d))?.transpose(1, 2)?;
+    let (o, attn) = fused::attention::attention_kept(&q, &k, &v, ctx.mask.kept())?;
+    let x2 = fused::linear::linear_add(x, &o, &w(&layer.o_proj))?;
     let h2 = fused::rms_norm(&x2, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
     let gate = fused::linear(&h2, &w(&layer.gate_proj))?;
     let up = fused::linear(&h2, &w(&layer.up_proj))?;
     let act = fused::swiglu(&gate, &up)?;
-    let y = (&x2 + fused::linear(&act, &w(&layer.down_proj))?)?;
-    let kept = Kept { x: x.clone(), h1, ql, kl, q, k, v, o, x2, h2, gate, up, act };
+    let y = fused::linear::linear_add(&x2, &act, &w(&layer.down_proj))?;
+    let kept = Kept { x: x.clone(), h1, ql, kl, attn, o, x2, h2, gate, up, act };
     Ok((y, kept))
 }
 
 /// The gradients of one layer from its kept activations and the gradient of
 /// its output `dy`: `dx` and the gradients of [`Layer::vars`], in that order.
+/// Each residual's gradient is added inside the backward of the norm that
+/// reads the stream ([`fused::norm::rms_norm_bwd_add`]).
 fn backward(
     layer: &Layer,
     c: &Config,
@@ -121,7 +126,6 @@ fn backward(
     let w = |v: &Var| v.as_tensor().detach();
     let eps = c.rms_norm_eps;
     let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-    let (b, l, _) = kept.x.dims3()?;
     let dy = dy.contiguous()?;
     // 1. The MLP.
     let (dact, dw_down) = one(fused::linear::linears_bwd(&kept.act, &[(&w(&layer.down_proj), &dy)])?)?;
@@ -130,30 +134,23 @@ fn backward(
     let (dh2, dw_gu) =
         fused::linear::linears_bwd(&kept.h2, &[(&w(&layer.gate_proj), &dgate), (&w(&layer.up_proj), &dup)])?;
     drop((dgate, dup, kept.h2));
-    let (dx2n, dw_post) =
-        fused::norm::rms_norm_bwd(&kept.x2, &w(&layer.post_attention_layernorm), eps, &dh2)?;
-    let dx2 = (&dy + dx2n)?;
+    let (dx2, dw_post) =
+        fused::norm::rms_norm_bwd_add(&kept.x2, &w(&layer.post_attention_layernorm), eps, &dh2, &dy)?;
+    drop((dh2, dy));
     // 2. Attention.
-    let (d_o, dw_o) = one(fused::linear::linears_bwd(&kept.o.detach(), &[(&w(&layer.o_proj), &dx2)])?)?;
-    let grads = (kept.o * d_o)?.sum_all()?.backward()?;
-    let grad = |v: &Var, what: &str| {
-        grads
-            .get(v.as_tensor())
-            .cloned()
-            .ok_or_else(|| Error::invalid(format!("decoder layer: no gradient for {what}")))
-    };
-    let (dq, dk, dv) = (grad(&kept.q, "q")?, grad(&kept.k, "k")?, grad(&kept.v, "v")?);
-    drop(grads);
+    let (d_o, dw_o) = one(fused::linear::linears_bwd(&kept.o, &[(&w(&layer.o_proj), &dx2)])?)?;
+    let (dq, dk, dv) = kept.attn.backward(&d_o)?;
+    drop(d_o);
     let cs = (&ctx.cos, &ctx.sin);
     let (dql, dw_qn) = fused::rope::norm_rope_bwd(&kept.ql, nq, &w(&layer.q_norm), cs, eps, &dq)?;
     let (dkl, dw_kn) = fused::rope::norm_rope_bwd(&kept.kl, nkv, &w(&layer.k_norm), cs, eps, &dk)?;
-    let dvl = dv.transpose(1, 2)?.contiguous()?.reshape((b, l, nkv * c.head_dim))?;
+    let dvl = fused::attention::heads_to_rows(&dv)?;
+    drop((dq, dk, dv));
     let (dh1, dw_qkv) = fused::linear::linears_bwd(
         &kept.h1,
         &[(&w(&layer.q_proj), &dql), (&w(&layer.k_proj), &dkl), (&w(&layer.v_proj), &dvl)],
     )?;
-    let (dxn, dw_in) = fused::norm::rms_norm_bwd(&kept.x, &w(&layer.input_layernorm), eps, &dh1)?;
-    let dx = (dx2 + dxn)?;
+    let (dx, dw_in) = fused::norm::rms_norm_bwd_add(&kept.x, &w(&layer.input_layernorm), eps, &dh1, &dx2)?;
     // In the order of `Layer::vars` (no biases, no adapters: see `serves`).
     let [dq_w, dk_w, dv_w]: [Tensor; 3] =
         dw_qkv.try_into().map_err(|_| Error::invalid("decoder layer: q, k, v"))?;

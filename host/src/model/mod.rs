@@ -7,6 +7,7 @@ pub mod config;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_ops;
+pub mod decode;
 pub mod frozen;
 pub mod fused;
 pub mod head;
@@ -29,6 +30,7 @@ pub mod rollout_copy;
 
 pub use checkpoint::{init, save};
 pub use config::{dtype_name, parse_device, parse_dtype, Config};
+pub use decode::DecodeWeights;
 pub use fused::Kernels;
 pub use head::{token_stats, TokenStats};
 pub use lora::{LoraConfig, Target as LoraTarget};

@@ -75,6 +75,8 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if super::cuda_ops::serves(x) && !w.track_op() {
+        // The kernel; x's copy when strided, the weight's cast.
+        budget::launch(1 + budget::copy_of(x) + budget::cast_of(w, x.dtype()));
         return super::cuda_ops::rms_norm(x, &w.to_dtype(x.dtype())?, eps);
     }
     rms_norm_composed(x, w, eps)
@@ -122,6 +124,9 @@ pub fn norm_rope(
     }
     #[cfg(feature = "cuda")]
     if super::cuda_ops::serves(x) && !w.track_op() {
+        // The kernel; x's copy when strided, the weight's and the tables' casts.
+        let casts = budget::cast_of(w, x.dtype()) + budget::rotary_of(cos, x);
+        budget::launch(1 + budget::copy_of(x) + casts);
         return super::cuda_ops::norm_rope(x, n_heads, w, cos, sin, eps);
     }
     let (b, l, hd) = x.dims3()?;
@@ -137,6 +142,8 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if super::cuda_ops::serves(gate) && super::cuda_ops::serves(up) {
+        // The kernel; the inputs' copies when strided.
+        budget::launch(1 + budget::copy_of(gate) + budget::copy_of(up));
         return super::cuda_ops::swiglu(gate, up);
     }
     budget::launch(2);
@@ -238,6 +245,14 @@ impl AttnMask {
     /// True when the blockwise kernel serves this mask.
     pub fn blockwise(&self) -> bool {
         self.dense.is_none()
+    }
+
+    /// This mask as the fused kernels' [`fused::attention::attention_kept`] takes it.
+    pub(super) fn kept(&self) -> fused::attention::KeptMask<'_> {
+        match &self.dense {
+            Some(m) => fused::attention::KeptMask::Dense(m),
+            None => fused::attention::KeptMask::Blockwise { key_bias: &self.key_bias, offset: self.offset },
+        }
     }
 }
 

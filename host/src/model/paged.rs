@@ -26,6 +26,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::Config;
+use super::decode::{self, DecodeWeights, FusedLayer};
 use super::layer::{mlp_block, o_proj, qkv, Layer};
 use super::ops::Grad;
 pub use super::paged_attention::PagedSeq;
@@ -163,12 +164,22 @@ impl Layout {
 /// into `cache`, and returns the logits at each sequence's last new
 /// token, `(seqs, vocab)`. The slots of the new tokens must be free for
 /// them (the caller's block tables say which).
+///
+/// With `weights` (`model`'s projections fused, [`DecodeWeights`]), the
+/// layers run on the fused CPU kernels or the project's CUDA kernels with
+/// two products fewer per layer (`fused_layer`); without them, or where
+/// neither serves (`--kernels composed`, other dtypes), each projection runs
+/// on its own.
 pub fn decode_paged(
     model: &Qwen3,
+    weights: Option<&DecodeWeights>,
     tokens: &[u32],
     seqs: &[PagedSeq],
     cache: &PagedKvCache,
 ) -> Result<Tensor> {
+    if let Some(w) = weights {
+        w.check(model)?;
+    }
     let layout = Layout::new(seqs, cache.block_size, cache.num_blocks * cache.block_size)?;
     if tokens.len() != layout.row.len() {
         return Err(Error::invalid(format!(
@@ -186,17 +197,29 @@ pub fn decode_paged(
     let mut x = model.embed(&ids)?;
     let before = budget::snapshot().launches;
     for (i, layer) in model.layers.iter().enumerate() {
-        x = paged_layer(layer, model.config(), &x, (&cos, &sin), (&cache.k[i], &cache.v[i]), &attn)?;
+        let pools = (&cache.k[i], &cache.v[i]);
+        x = match weights.map(|w| &w.layers[i]).filter(|_| attn.kernels()) {
+            Some(fused) => fused_layer(layer, fused, model.config(), &x, (&cos, &sin), pools, &attn)?,
+            None => paged_layer(layer, model.config(), &x, (&cos, &sin), pools, &attn)?,
+        };
     }
     budget::layers(model.layers.len(), budget::snapshot().launches - before);
-    let h = model.final_norm(&x)?.reshape((t, model.config().hidden_size))?;
     let last = Tensor::from_vec(layout.last.clone(), seqs.len(), dev)?;
+    if weights.is_some() && attn.kernels() {
+        // The final norm and the head by the kernels' ops, counted as on CUDA.
+        let (norm, head) = model.head_weights();
+        let h = decode::rms_norm(&x, &norm, model.config().rms_norm_eps)?;
+        budget::launch(1); // the last tokens' rows
+        let h = h.reshape((t, model.config().hidden_size))?.index_select(&last, 0)?;
+        return decode::linear(&h, &head, None);
+    }
+    let h = model.final_norm(&x)?.reshape((t, model.config().hidden_size))?;
     budget::launch(1); // the last tokens' rows
     model.lm_head(&h.index_select(&last, 0)?, Grad::Off)
 }
 
 /// One decoder layer over the new tokens of a paged call, `(1, T, hidden)`
-/// (or `(T, 1, hidden)`, see [`PagedAttn::per_row`]).
+/// (or `(T, 1, hidden)`, see [`PagedAttn::per_row`]), each projection on its own.
 fn paged_layer(
     layer: &Layer,
     cfg: &Config,
@@ -205,51 +228,50 @@ fn paged_layer(
     (pool_k, pool_v): (&Tensor, &Tensor),
     attn: &PagedAttn,
 ) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if let Some(slots) = attn.kernel_slots() {
-        return paged_layer_cuda(layer, cfg, x, (cos, sin), (pool_k, pool_v), attn, slots);
-    }
     let (q, k, v) = qkv(layer, cfg, x, cos, sin, Grad::Off)?;
-    attn.write(pool_k, &k)?;
-    attn.write(pool_v, &v)?;
+    attn.write(pool_k, &k, true)?;
+    attn.write(pool_v, &v, true)?;
     let o = attn.attend(&q, pool_k, pool_v, cfg.num_key_value_heads)?;
     budget::launch(1); // the residual add
     let x = (x + o_proj(layer, &o, Grad::Off)?)?;
     mlp_block(layer, cfg, &x, Grad::Off)
 }
 
-/// [`paged_layer`] on the project's CUDA kernels (`model/cuda/*.cu`): the
-/// keys' norm + rope fused with the write of keys and values into their
-/// slots, the paged-attention kernel, and the residual add fused with the
-/// MLP's RMSNorm (the queries' norm + rope, the input norm and SwiGLU take
-/// their kernels through [`ops`]).
-#[cfg(feature = "cuda")]
-fn paged_layer_cuda(
+/// [`paged_layer`] over the fused projections of `fused`, on the fused CPU
+/// kernels or the project's CUDA kernels (`model/cuda/*.cu`), as
+/// [`decode`]'s ops choose by device: the input norm; one product over
+/// `[Wq; Wk; Wv]`; the queries' norm + rope, and the keys' fused with the
+/// write of keys and values into their slots, each reading its heads from
+/// the product's rows in place; paged attention; the output projection; the
+/// residual add fused with the MLP's norm; one product over `[Wgate; Wup]`;
+/// SwiGLU over its rows; the down projection; the residual add. On CUDA
+/// each of these is one kernel launch (a bias adds one to its product), and
+/// the CPU counts the same ([`decode`], `model::budget`).
+fn fused_layer(
     layer: &Layer,
+    fused: &FusedLayer,
     cfg: &Config,
     x: &Tensor,
-    (cos, sin): (&Tensor, &Tensor),
-    (pool_k, pool_v): (&Tensor, &Tensor),
+    rotary: (&Tensor, &Tensor),
+    pools: (&Tensor, &Tensor),
     attn: &PagedAttn,
-    slots: &Tensor,
 ) -> Result<Tensor> {
     let eps = cfg.rms_norm_eps;
+    let (nq, nkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let w = |v: &candle_core::Var| ops::weight(v, Grad::Off);
-    let (q, k, v) = super::layer::qkv_proj(layer, x, eps, Grad::Off)?;
-    let q = ops::norm_rope(&q, cfg.num_attention_heads, &w(&layer.q_norm), cos, sin, eps)?;
-    let kv_heads = cfg.num_key_value_heads;
-    super::cuda_ops::norm_rope_write_kv(
-        &k,
-        &v,
-        (kv_heads, &w(&layer.k_norm), eps),
-        (cos, sin),
-        slots,
-        (pool_k, pool_v),
-    )?;
-    let o = o_proj(layer, &attn.attend(&q, pool_k, pool_v, kv_heads)?, Grad::Off)?;
-    let norm = w(&layer.post_attention_layernorm).to_dtype(x.dtype())?;
-    let (x, h) = super::cuda_ops::add_rms_norm(x, &o, &norm, eps)?;
-    super::layer::mlp_normed(layer, &x, &h, Grad::Off)
+    let h = decode::rms_norm(x, &w(&layer.input_layernorm), eps)?;
+    let qkv = decode::linear(&h, &fused.qkv, fused.qkv_bias.as_ref())?;
+    let q = decode::norm_rope_rows(&qkv, 0, nq, &w(&layer.q_norm), rotary, eps)?;
+    attn.write_kv_rows(&qkv, (nq * d, (nq + nkv) * d), (nkv, &w(&layer.k_norm), eps), rotary, pools)?;
+    let o = attn.attend_kernel(&q, pools, nkv)?;
+    let o_bias = layer.biases.as_ref().map(|bs| w(&bs[3]));
+    let o = decode::linear(&o, &fused.o, o_bias.as_ref())?;
+    let (x, h) = decode::add_rms_norm(x, &o, &w(&layer.post_attention_layernorm), eps)?;
+    let gate_up = decode::linear(&h, &fused.gate_up, None)?;
+    let a = decode::swiglu_rows(&gate_up, cfg.intermediate_size)?;
+    let mlp = decode::linear(&a, &fused.down, None)?;
+    budget::launch(1); // the residual add
+    Ok((x + mlp)?)
 }
 
 /// What attention over the pools needs, built once per call and shared by
@@ -354,36 +376,88 @@ impl<'a> PagedAttn<'a> {
         Ok(Attend::Composed(Gathers::new(seqs, layout, cache.block_size, dtype, dev)?))
     }
 
-    /// The new tokens' slots `(T)` when the layer runs on the CUDA kernels
-    /// (the paged-attention kernel serves the call and the cache write's
-    /// kernel the head size): see [`paged_layer_cuda`].
-    #[cfg(feature = "cuda")]
-    fn kernel_slots(&self) -> Option<&Tensor> {
+    /// Whether the fused CPU kernels or the project's CUDA kernels serve the
+    /// call (then [`fused_layer`] runs it when the projections are fused).
+    fn kernels(&self) -> bool {
         match self.path {
-            Attend::Cuda(_) => self.token_slots.as_ref(),
-            _ => None,
+            Attend::Cpu => true,
+            #[cfg(feature = "cuda")]
+            Attend::Cuda(_) => true,
+            Attend::Composed(_) => false,
         }
+    }
+
+    /// The keys' per-head norm + rope and the write of keys and values into
+    /// their slots, keys and values read from the rows of one product over
+    /// `[Wq; Wk; Wv]` `qkv` (`(1, T, S)`, per row `(T, 1, S)`) at columns
+    /// `cols`: one kernel on CUDA; on the CPU the fused norm + rope and the
+    /// writes of [`PagedAttn::write`], counted as the kernel.
+    fn write_kv_rows(
+        &self,
+        qkv: &Tensor,
+        cols: (usize, usize),
+        (n_kv, w, eps): (usize, &Tensor, f64),
+        (cos, sin): (&Tensor, &Tensor),
+        (pool_k, pool_v): (&Tensor, &Tensor),
+    ) -> Result<()> {
+        let casts = budget::cast_of(w, qkv.dtype()) + budget::rotary_of(cos, qkv);
+        budget::launch(1 + budget::copy_of(qkv) + casts);
+        #[cfg(feature = "cuda")]
+        if let (Attend::Cuda(_), Some(slots)) = (&self.path, self.token_slots.as_ref()) {
+            return super::cuda_ops::norm_rope_write_kv_rows(
+                qkv,
+                cols,
+                (n_kv, w, eps),
+                (cos, sin),
+                slots,
+                (pool_k, pool_v),
+            );
+        }
+        let (b, l, _) = qkv.dims3()?;
+        let d = w.elem_count();
+        let k = qkv.narrow(2, cols.0, n_kv * d)?;
+        let k = fused::norm_rope(&k, n_kv, &w.to_dtype(qkv.dtype())?, (cos, sin), eps)?;
+        let v = qkv.narrow(2, cols.1, n_kv * d)?.reshape((b, l, n_kv, d))?.transpose(1, 2)?;
+        self.write(pool_k, &k, false)?;
+        self.write(pool_v, &v, false)
+    }
+
+    /// [`PagedAttn::attend`] on the kernels ([`PagedAttn::kernels`]), counting
+    /// on the CPU what the CUDA kernel's call launches (its own count on CUDA).
+    fn attend_kernel(&self, q: &Tensor, (pool_k, pool_v): (&Tensor, &Tensor), n_kv: usize) -> Result<Tensor> {
+        if matches!(self.path, Attend::Cpu) {
+            // The queries' copy when strided, the kernel (as `paged_cuda` counts them).
+            budget::launch(budget::copy_of(q) + 1);
+        }
+        self.attend(q, pool_k, pool_v, n_kv)
     }
 
     /// Writes the new tokens' keys (or values) `(1, Hkv, T, D)` (per row:
     /// `(T, Hkv, 1, D)`) into `pool`:
     /// one copy per run of consecutive slots on the CPU, and on other devices one
     /// scatter when the runs are many (a decode step has one per sequence, and a
-    /// launch per run made a 256-row CUDA step launch-bound).
-    fn write(&self, pool: &Tensor, new: &Tensor) -> Result<()> {
+    /// launch per run made a 256-row CUDA step launch-bound). `count`: add
+    /// the launches to [`budget`] (not when the write stands in for a kernel
+    /// that counts itself).
+    fn write(&self, pool: &Tensor, new: &Tensor, count: bool) -> Result<()> {
+        let launch = |n: usize| {
+            if count {
+                budget::launch(n)
+            }
+        };
         let rows = if self.per_row { new.squeeze(2)? } else { new.squeeze(0)?.transpose(0, 1)? };
-        budget::launch(budget::cast_of(&rows, pool.dtype()));
+        launch(budget::cast_of(&rows, pool.dtype()));
         let rows = rows.to_dtype(pool.dtype())?;
-        budget::launch(budget::copy_of(&rows));
+        launch(budget::copy_of(&rows));
         let rows = rows.contiguous()?; // (T, Hkv, D)
         if let Some(slots) = self.token_slots.as_ref().filter(|_| self.runs.len() > 1) {
             let idx = slots.reshape((rows.dim(0)?, 1, 1))?.broadcast_as(rows.shape())?;
             // The index's copy (a broadcast is strided), the scatter.
-            budget::launch(budget::copy_of(&idx) + 1);
+            launch(budget::copy_of(&idx) + 1);
             pool.scatter_set(&idx.contiguous()?, &rows, 0)?;
             return Ok(());
         }
-        budget::launch(self.runs.len());
+        launch(self.runs.len());
         for &(t0, s0, n) in &self.runs {
             pool.slice_set(&rows.narrow(0, t0, n)?, 0, s0)?;
         }
@@ -515,9 +589,11 @@ mod tests {
     }
 
     /// One call adding `new[i]` to `seqs[i]` (blocks taken, a shared partial
-    /// block copied on write); returns the logits `(seqs, vocab)`.
+    /// block copied on write), over the fused projections `w` when given;
+    /// returns the logits `(seqs, vocab)`.
     fn feed(
         m: &Qwen3,
+        w: Option<&DecodeWeights>,
         cache: &PagedKvCache,
         pool: &mut BlockPool,
         seqs: &mut [&mut Seq],
@@ -534,18 +610,30 @@ mod tests {
             tokens.extend(add);
             paged.push(PagedSeq { blocks: s.table.blocks().to_vec(), len: s.ids.len(), new: add.len() });
         }
-        decode_paged(m, &tokens, &paged, cache).expect("decode_paged")
+        decode_paged(m, w, &tokens, &paged, cache).expect("decode_paged")
     }
 
     /// [`feed`], then checks every row's logits against the dense reference
     /// of the sequence so far.
-    fn call(m: &Qwen3, cache: &PagedKvCache, pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]) {
-        let logits = feed(m, cache, pool, seqs, new);
+    fn call(
+        m: &Qwen3,
+        w: Option<&DecodeWeights>,
+        cache: &PagedKvCache,
+        pool: &mut BlockPool,
+        seqs: &mut [&mut Seq],
+        new: &[Vec<u32>],
+    ) {
+        let logits = feed(m, w, cache, pool, seqs, new);
         for (r, s) in seqs.iter().enumerate() {
             let got = logits.narrow(0, r, 1).expect("row");
             let want = reference(m, &s.ids);
             let e = rel_err(&got, &want);
-            assert!(e < 1e-5, "{:?}: row {r} after {} tokens: error {e:e}", Kernels::current(), s.ids.len());
+            let (k, fused) = (Kernels::current(), w.is_some());
+            assert!(
+                e < 1e-5,
+                "{k:?} (fused projections {fused}): row {r} after {} tokens: error {e:e}",
+                s.ids.len()
+            );
         }
     }
 
@@ -556,26 +644,28 @@ mod tests {
     /// Chunked prefill, decode, shared prompt blocks with copy on write, a
     /// freed sequence's blocks refilled by another, and a preempted sequence
     /// recomputed: every logits row equals the dense forward within 1e-5, on
-    /// the fused kernel and on the composed (gather) path.
+    /// the fused kernel with and without the fused projections, and on the
+    /// composed (gather) path.
     #[test]
     fn paged_decode_matches_the_dense_forward() {
         let m = tiny(3);
-        for kernels in [Kernels::Fused, Kernels::Composed] {
+        let fw = DecodeWeights::new(&m).expect("fused projections");
+        for (kernels, w) in [(Kernels::Fused, Some(&fw)), (Kernels::Fused, None), (Kernels::Composed, None)] {
             kernels.scope(|| {
                 let cache = PagedKvCache::new(&m, 24, 4).expect("cache");
                 let mut pool = BlockPool::new(24, 4).expect("pool");
                 let (mut a, mut b) = (Seq::default(), Seq::default());
                 let prompt_a = toks(1, 9);
                 // A's prompt in two chunks; B's whole prompt with A's first chunk.
-                call(&m, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[..5].to_vec(), toks(2, 3)]);
-                call(&m, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[5..].to_vec(), vec![7]]);
+                call(&m, w, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[..5].to_vec(), toks(2, 3)]);
+                call(&m, w, &cache, &mut pool, &mut [&mut a, &mut b], &[prompt_a[5..].to_vec(), vec![7]]);
                 // Two samples of A share its blocks (the last one has 1 of 4 slots filled).
                 let mut a1 = Seq { ids: a.ids.clone(), table: a.table.fork(&mut pool) };
                 let mut a2 = Seq { ids: a.ids.clone(), table: a.table.fork(&mut pool) };
                 a.table.release(&mut pool);
                 for step in 0..6u32 {
                     let new = [vec![step + 40], vec![step + 60], vec![step + 80]];
-                    call(&m, &cache, &mut pool, &mut [&mut a1, &mut a2, &mut b], &new);
+                    call(&m, w, &cache, &mut pool, &mut [&mut a1, &mut a2, &mut b], &new);
                 }
                 assert_ne!(a1.table.blocks()[2], a2.table.blocks()[2], "the shared partial block was copied");
                 assert_eq!(a1.table.blocks()[..2], a2.table.blocks()[..2], "full prompt blocks stay shared");
@@ -585,6 +675,7 @@ mod tests {
                 let mut c = Seq::default();
                 call(
                     &m,
+                    w,
                     &cache,
                     &mut pool,
                     &mut [&mut a1, &mut c, &mut a2],
@@ -594,7 +685,7 @@ mod tests {
                 // A2 preempted and recomputed: all its tokens again, in one chunk.
                 a2.table.release(&mut pool);
                 let ids = std::mem::take(&mut a2.ids);
-                call(&m, &cache, &mut pool, &mut [&mut c, &mut a2, &mut a1], &[vec![9], ids, vec![3]]);
+                call(&m, w, &cache, &mut pool, &mut [&mut c, &mut a2, &mut a1], &[vec![9], ids, vec![3]]);
             });
         }
     }
@@ -610,10 +701,19 @@ mod tests {
     fn a_decoding_rows_logits_do_not_depend_on_the_other_rows() {
         for dtype in [DType::F32, DType::BF16] {
             let m = tiny_in(7, dtype);
+            let fw = DecodeWeights::new(&m).expect("fused projections");
+            let w = Some(&fw);
             let cache = PagedKvCache::new(&m, 32, 4).expect("cache");
             let mut pool = BlockPool::new(32, 4).expect("pool");
             let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
-            feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[toks(1, 6), toks(2, 9), toks(3, 3)]);
+            feed(
+                &m,
+                w,
+                &cache,
+                &mut pool,
+                &mut [&mut a, &mut b, &mut c],
+                &[toks(1, 6), toks(2, 9), toks(3, 3)],
+            );
             // Room for one more token each, then the same step three ways:
             // A alone, A between B and C, and A beside C's next prompt chunk.
             let mut next = |s: &mut Seq, t: u32| {
@@ -622,9 +722,12 @@ mod tests {
                 PagedSeq { blocks: s.table.blocks().to_vec(), len: s.ids.len(), new: 1 }
             };
             let (pa, pb, pc) = (next(&mut a, 11), next(&mut b, 12), next(&mut c, 13));
-            let alone = decode_paged(&m, &[11], std::slice::from_ref(&pa), &cache).expect("alone");
-            let among = decode_paged(&m, &[12, 11, 13], &[pb, pa.clone(), pc], &cache).expect("among");
             let bits = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("logits");
+            // Each projection on its own first (it writes the same keys and values).
+            let unfused = decode_paged(&m, None, &[11], std::slice::from_ref(&pa), &cache).expect("unfused");
+            let alone = decode_paged(&m, w, &[11], std::slice::from_ref(&pa), &cache).expect("alone");
+            assert_eq!(bits(&alone), bits(&unfused), "{dtype:?}: fused projections moved A's logits");
+            let among = decode_paged(&m, w, &[12, 11, 13], &[pb, pa.clone(), pc], &cache).expect("among");
             let row = |t: &Tensor, r: usize| t.narrow(0, r, 1).expect("row");
             assert_eq!(
                 bits(&alone),
@@ -635,7 +738,7 @@ mod tests {
             let e = rel_err(&alone.to_dtype(DType::F32).expect("f32"), &want);
             assert!(e < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?}: error {e:e}");
             let chunk = PagedSeq { new: 2, ..next(&mut c, 14) };
-            let mixed = decode_paged(&m, &[11, 13, 14], &[pa, chunk], &cache).expect("mixed");
+            let mixed = decode_paged(&m, w, &[11, 13, 14], &[pa, chunk], &cache).expect("mixed");
             let e = rel_err(&row(&mixed, 0).to_dtype(DType::F32).expect("f32"), &want);
             assert!(e < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?}: mixed call, error {e:e}");
         }
@@ -680,10 +783,23 @@ mod tests {
             let cache = PagedKvCache::new(&m, 32, 4).expect("cache");
             let mut pool = BlockPool::new(32, 4).expect("pool");
             let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
-            feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[toks(1, 6), toks(2, 9), toks(3, 3)]);
+            feed(
+                &m,
+                None,
+                &cache,
+                &mut pool,
+                &mut [&mut a, &mut b, &mut c],
+                &[toks(1, 6), toks(2, 9), toks(3, 3)],
+            );
             let before = budget::snapshot();
-            let logits =
-                feed(&m, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &[vec![5], vec![6], vec![7]]);
+            let logits = feed(
+                &m,
+                None,
+                &cache,
+                &mut pool,
+                &mut [&mut a, &mut b, &mut c],
+                &[vec![5], vec![6], vec![7]],
+            );
             let sampler =
                 Sampler::new(&crate::rollout::SamplingParams { temperature: 1.0, ..Default::default() });
             let blocked = Blocked::new(&logits, &sampler).expect("device pass");
@@ -698,6 +814,117 @@ mod tests {
         });
     }
 
+    /// The budget of a decode step on the kernels' path over the fused
+    /// projections (what CUDA runs with the project's kernels), counted on
+    /// the CPU, where the same layer ([`fused_layer`]) runs the fused CPU
+    /// kernels in their place and counts the launches of the CUDA ones
+    /// (`model::decode`): three rows of the tiny f32 model add one token each.
+    /// Per layer, by hand: the input norm 1, the product over `[Wq; Wk; Wv]`
+    /// 1, the queries' norm + rope 1, the keys' norm + rope with the write of
+    /// keys and values 1, paged attention 1, the output projection 1, the
+    /// residual add with the MLP's norm 1, the product over `[Wgate; Wup]` 1,
+    /// SwiGLU 1, the down projection 1, the residual add 1: 11 (the goal is
+    /// at most 12). Outside the layers: the embedding 1, the rotary tables 4,
+    /// the final norm 1, the last tokens' rows 1, the LM head 1: 8;
+    /// 2 x 11 + 8 = 30 a step. The model call copies nothing to the host,
+    /// the step's draws copy once (here the logits' read; on CUDA the four
+    /// numbers per row of the sampling kernel, `cuda_ops::sample`). The
+    /// logits match the dense forward and are the same bits as the step
+    /// with each projection on its own, which draws the same tokens.
+    #[test]
+    fn a_kernel_decode_step_launches_at_most_12_kernels_per_layer_and_copies_once() {
+        use crate::model::budget;
+        use crate::rollout::device::StepLogits;
+        use crate::rollout::{Sampler, SamplingParams};
+        use rand::SeedableRng;
+        let m = tiny_in(3, DType::F32);
+        let fw = DecodeWeights::new(&m).expect("fused projections");
+        let sampler = Sampler::new(&SamplingParams { temperature: 1.0, ..Default::default() });
+        let run = |w: Option<&DecodeWeights>| {
+            let cache = PagedKvCache::new(&m, 32, 4).expect("cache");
+            let mut pool = BlockPool::new(32, 4).expect("pool");
+            let (mut a, mut b, mut c) = (Seq::default(), Seq::default(), Seq::default());
+            let prompts = [toks(1, 6), toks(2, 9), toks(3, 3)];
+            feed(&m, w, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &prompts);
+            let before = budget::snapshot();
+            let next = [vec![5], vec![6], vec![7]];
+            let logits = feed(&m, w, &cache, &mut pool, &mut [&mut a, &mut b, &mut c], &next);
+            let call = budget::snapshot().since(&before);
+            let step = StepLogits::new(&logits, &sampler).expect("step logits");
+            let mut rngs: Vec<rand::rngs::StdRng> = (0..3).map(rand::rngs::StdRng::seed_from_u64).collect();
+            let draws = step.draw(&sampler, rngs.iter_mut().enumerate().collect()).expect("draw");
+            let ids: Vec<u32> = draws.iter().map(|d| d.id).collect();
+            let logps: Vec<f32> = draws.iter().map(|d| d.logprob).collect();
+            let seqs = [a.ids, b.ids, c.ids];
+            (logits, call, budget::snapshot().since(&before), ids, logps, seqs)
+        };
+        let (logits, call, step, ids, logps, seqs) = Kernels::Fused.scope(|| run(Some(&fw)));
+        assert_eq!(step.layers, 2);
+        assert_eq!(step.layer_launches, 2 * 11, "launches in the layers");
+        assert!(step.launches_per_layer() <= 12.0);
+        assert_eq!(step.launches, 2 * 11 + 8, "launches of the step");
+        assert_eq!(call.host_copies, 0, "copies to the host in the model call");
+        assert_eq!(step.host_copies, 1, "copies to the host in the step");
+        for (r, ids) in seqs.iter().enumerate() {
+            let e = rel_err(&logits.narrow(0, r, 1).expect("row"), &reference(&m, ids));
+            assert!(e < 1e-5, "row {r}: error {e:e} against the dense forward");
+        }
+        let (unfused, _, _, ids_unfused, logps_unfused, _) = Kernels::Fused.scope(|| run(None));
+        let bits = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("logits");
+        assert_eq!(bits(&logits), bits(&unfused), "fused projections moved the logits");
+        assert_eq!(ids, ids_unfused, "fused projections drew other tokens");
+        assert_eq!(logps, logps_unfused);
+    }
+
+    /// The fused projections of a model with LoRA adapters on every
+    /// projection (merged into the stacked copies, `W + scale B A`): the
+    /// logits of a prefill and of decode steps match each projection on its
+    /// own with its adapter term within 1e-5. Copies built before the
+    /// adapters change are stale, and copies built after match again: why a
+    /// generation builds its own.
+    #[test]
+    fn fused_projections_hold_merged_adapters() {
+        use crate::model::fused::test_util::randn;
+        use crate::model::LoraConfig;
+        let mut adapted = tiny(12);
+        adapted.add_lora(&LoraConfig::new(3), 5).expect("lora");
+        let randomize = |m: &Qwen3, seed: u64| {
+            for (k, (_, v)) in m.lora_params().iter().enumerate() {
+                let r = randn(v.dims(), v.dtype(), seed + k as u64);
+                v.set(&(r.as_tensor() * 0.3).expect("scale")).expect("set");
+            }
+        };
+        randomize(&adapted, 100);
+        // Logits of a prefill of two sequences and three decode steps.
+        let run = |m: &Qwen3, w: Option<&DecodeWeights>| {
+            Kernels::Fused.scope(|| {
+                let cache = PagedKvCache::new(m, 16, 4).expect("cache");
+                let mut pool = BlockPool::new(16, 4).expect("pool");
+                let (mut a, mut b) = (Seq::default(), Seq::default());
+                let prompts = [toks(1, 7), toks(2, 4)];
+                let mut out = vec![feed(m, w, &cache, &mut pool, &mut [&mut a, &mut b], &prompts)];
+                for t in 0..3u32 {
+                    let next = [vec![t + 3], vec![t + 9]];
+                    out.push(feed(m, w, &cache, &mut pool, &mut [&mut a, &mut b], &next));
+                }
+                out
+            })
+        };
+        let worst =
+            |x: &[Tensor], y: &[Tensor]| x.iter().zip(y).map(|(x, y)| rel_err(x, y)).fold(0f64, f64::max);
+        let fw = DecodeWeights::new(&adapted).expect("fused projections");
+        let e = worst(&run(&adapted, Some(&fw)), &run(&adapted, None));
+        assert!(e < 1e-5, "fused against separate projections with adapters: {e:e}");
+        let stale = DecodeWeights::new(&adapted).expect("fused projections");
+        randomize(&adapted, 200);
+        let separate = run(&adapted, None);
+        let e = worst(&run(&adapted, Some(&stale)), &separate);
+        assert!(e > 1e-3, "copies built before the adapters changed should differ: {e:e}");
+        let fresh = DecodeWeights::new(&adapted).expect("fused projections");
+        let e = worst(&run(&adapted, Some(&fresh)), &separate);
+        assert!(e < 1e-5, "copies built after the change: {e:e}");
+    }
+
     /// A bf16 cache under an f32 model (`kv_cache_dtype = "bfloat16"`): the
     /// pools hold the keys and values rounded to bf16, and the fused kernel
     /// (widening them) equals the composed path over the same pools (which
@@ -707,7 +934,9 @@ mod tests {
     #[test]
     fn a_bf16_cache_reads_its_rounded_values() {
         let m = tiny(5);
+        let fw = DecodeWeights::new(&m).expect("fused projections");
         let run = |kernels: Kernels| {
+            let w = (kernels == Kernels::Fused).then_some(&fw);
             kernels.scope(|| {
                 let cache = PagedKvCache::with_dtype(&m, 16, 4, Some(DType::BF16)).expect("cache");
                 assert_eq!(cache.dtype(), DType::BF16);
@@ -715,7 +944,7 @@ mod tests {
                 let (mut a, mut b) = (Seq::default(), Seq::default());
                 let mut out = Vec::new();
                 let mut step = |pool: &mut BlockPool, seqs: &mut [&mut Seq], new: &[Vec<u32>]| {
-                    let logits = feed(&m, &cache, pool, seqs, new);
+                    let logits = feed(&m, w, &cache, pool, seqs, new);
                     for (r, s) in seqs.iter().enumerate() {
                         out.push((logits.narrow(0, r, 1).expect("row"), reference(&m, &s.ids)));
                     }
@@ -745,17 +974,17 @@ mod tests {
         let m = tiny(4);
         let cache = PagedKvCache::new(&m, 2, 4).expect("cache");
         let seq = |blocks: Vec<u32>, len, new| PagedSeq { blocks, len, new };
-        let ok = decode_paged(&m, &[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
+        let ok = decode_paged(&m, None, &[1, 2], &[seq(vec![0], 2, 2)], &cache).expect("a valid call");
         assert_eq!(ok.dims(), &[1, 97]);
         for (s, what) in [
             (seq(vec![0], 5, 2), "1 blocks of 4"),
             (seq(vec![0], 2, 0), "adds 0 tokens"),
             (seq(vec![7], 2, 2), "past the pool"),
         ] {
-            let err = decode_paged(&m, &[1, 2], &[s], &cache).expect_err(what).to_string();
+            let err = decode_paged(&m, None, &[1, 2], &[s], &cache).expect_err(what).to_string();
             assert!(err.contains(what), "{err}");
         }
-        let err = decode_paged(&m, &[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
+        let err = decode_paged(&m, None, &[1], &[seq(vec![0], 2, 2)], &cache).expect_err("count").to_string();
         assert!(err.contains("1 tokens given for 2"), "{err}");
     }
 }

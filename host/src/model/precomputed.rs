@@ -16,6 +16,8 @@ use std::sync::Mutex;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, MetalStorage, Shape, Storage, Tensor};
 
+use super::fused::par_copy;
+
 /// A precomputed op output, taken by the op's forward (once).
 pub(super) struct Held {
     y: Mutex<Option<Tensor>>,
@@ -32,14 +34,18 @@ impl Held {
         candle_core::Error::Msg(format!("{}: {e}", self.what))
     }
 
+    /// The output, taken (once).
+    fn take(&self) -> candle_core::Result<Tensor> {
+        self.y.lock().map_err(|e| self.err(e))?.take().ok_or_else(|| self.err("forward ran twice"))
+    }
+
     /// A fresh storage of the backend `pick` selects holding the output, and its shape.
     fn out<S>(&self, pick: impl Fn(&Storage) -> Option<&S>) -> candle_core::Result<(S, Shape)>
     where
         S: BackendStorage,
         S::Device: BackendDevice<Storage = S>,
     {
-        let y =
-            self.y.lock().map_err(|e| self.err(e))?.take().ok_or_else(|| self.err("forward ran twice"))?;
+        let y = self.take()?;
         let (storage, layout) = y.storage_and_layout();
         let src = pick(&storage).ok_or_else(|| self.err("output on another device than the inputs"))?;
         // SAFETY: every element of `dst` is written by the strided copy below.
@@ -48,8 +54,21 @@ impl Held {
         Ok((dst, layout.shape().clone()))
     }
 
-    /// The output for `cpu_fwd`.
+    /// The output for `cpu_fwd`: a contiguous f32 or f64 output copied in
+    /// parallel, any other through the backend's strided copy.
     pub(super) fn cpu(&self) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self.take()?;
+        let (storage, layout) = y.storage_and_layout();
+        let copied = match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(CpuStorage::F32(par_copy(&v[a..b]))),
+            (Storage::Cpu(CpuStorage::F64(v)), Some((a, b))) => Some(CpuStorage::F64(par_copy(&v[a..b]))),
+            _ => None,
+        };
+        if let Some(c) = copied {
+            return Ok((c, layout.shape().clone()));
+        }
+        drop(storage);
+        *self.y.lock().map_err(|e| self.err(e))? = Some(y);
         self.out(|s| match s {
             Storage::Cpu(s) => Some(s),
             _ => None,

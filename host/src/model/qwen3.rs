@@ -494,6 +494,15 @@ impl Qwen3 {
         Ok(x.to_dtype(self.activation_dtype())?)
     }
 
+    /// The final RMSNorm's weight and the LM head's matrix (the embedding
+    /// table when tied), detached, for inference.
+    pub(super) fn head_weights(&self) -> (Tensor, Tensor) {
+        (
+            self.w(&self.norm, Grad::Off),
+            self.w(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), Grad::Off),
+        )
+    }
+
     /// The final RMSNorm, for inference.
     pub(super) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         ops::rms_norm(x, &self.w(&self.norm, Grad::Off), self.cfg.rms_norm_eps)

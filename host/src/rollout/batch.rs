@@ -59,6 +59,10 @@ pub struct Sample {
     pub old_logprobs: Vec<f32>,
     /// Per token: entropy (nats) of the untempered full-vocabulary distribution.
     pub entropies: Vec<f32>,
+    /// Per token: the policy version (updates applied) whose weights drew it,
+    /// under partial rollouts (`rollout.partial`); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub versions: Vec<u64>,
     /// The decoded response (stop token or stop string included).
     pub text: String,
     /// Why generation stopped.
@@ -313,6 +317,7 @@ impl Fields<'_> {
             logprobs: self.req("logprobs")?,
             old_logprobs: self.req("old_logprobs")?,
             entropies: self.req("entropies")?,
+            versions: self.opt("versions")?.unwrap_or_default(),
             text: self.req("text")?,
             finish: self.req("finish")?,
             truncated: self.req("truncated")?,
@@ -327,6 +332,9 @@ impl Fields<'_> {
             if len != n {
                 return Err(format!("field `{field}`: {len} values for {n} response tokens"));
             }
+        }
+        if !s.versions.is_empty() && s.versions.len() != n {
+            return Err(format!("field `versions`: {} values for {n} response tokens", s.versions.len()));
         }
         Ok(s)
     }
@@ -362,6 +370,7 @@ mod tests {
                     logprobs: (0..len).map(|_| f()).collect(),
                     old_logprobs: (0..len).map(|_| f()).collect(),
                     entropies: (0..len).map(|_| f()).collect(),
+                    versions: if i % 2 == 0 { Vec::new() } else { (0..len as u64).map(|t| t / 2).collect() },
                     text: format!("line \"{i}\"\n\tunicode: é ∑ 😀"),
                     finish: [Finish::Eos, Finish::Stop, Finish::StopString, Finish::Length][i % 4],
                     truncated: i % 4 == 3,

@@ -16,6 +16,7 @@
 //! token, so what it samples does not depend on the schedule: not on its
 //! neighbours, on preemption, or on the policy.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -23,8 +24,8 @@ use super::batch::{Finish, Sample};
 use super::config::EngineConfig;
 use super::kv_cache_manager::KvCacheManager;
 use super::model_runner::ModelRunner;
-use super::request::Requests;
-use super::row::StopRules;
+use super::request::{prompts_waiting, Kind, Queues, Requests};
+use super::row::{Row, StopRules};
 use super::sampler::Sampler;
 use super::scheduler::{SchedulePolicy, Scheduler};
 use super::stats::EngineStats;
@@ -52,6 +53,9 @@ pub struct GenerateOptions<'a> {
     /// Forced lengths (benchmarks): response `(global prompt index, sample
     /// index)` ends, as truncated, at this many tokens (at most `max_new_tokens`).
     pub lengths: Option<&'a dyn Fn(usize, usize) -> usize>,
+    /// The policy version (updates applied) of the weights sampling; when set,
+    /// every token records it (`Sample::versions`: partial rollouts).
+    pub version: Option<u64>,
 }
 
 /// One call of `run`: the responses, the scheduler, the cache and the model.
@@ -78,12 +82,33 @@ pub(super) fn run(
     opts: &GenerateOptions,
     eos: Option<u32>,
 ) -> Result<(Vec<Sample>, EngineStats)> {
+    let reqs = Requests::new(prompts, params, opts.first_prompt_index);
+    let (out, stats, _) = run_requests(model, reqs, prompts_waiting(prompts.len()), decode, opts, eos)?;
+    Ok((out, stats))
+}
+
+/// [`run`] over responses already set up (`reqs`: some may have drawn tokens,
+/// or ended) with `waiting` queued in this order; returns the responses that
+/// ended (in order of completion), the figures, and every row (an unfinished
+/// one as the call left it).
+pub(super) fn run_requests(
+    model: &Qwen3,
+    reqs: Requests,
+    waiting: VecDeque<Kind>,
+    decode: &dyn Fn(&[u32]) -> String,
+    opts: &GenerateOptions,
+    eos: Option<u32>,
+) -> Result<(Vec<Sample>, EngineStats, Vec<Row>)> {
     let start = Instant::now();
+    let (prompts, params) = (reqs.prompts, reqs.params);
     let cfg = opts.engine;
     cfg.validate()?;
     let max_rows = cfg.rows(model);
-    let scheduler = Scheduler::new(opts.policy.build(), prompts.len(), max_rows);
+    let scheduler = Scheduler::new(opts.policy.build(), Queues::waiting(waiting), max_rows);
     let caching = cfg.enable_prefix_caching && scheduler.prefix_caching();
+    // The runner's fused projections first, so that a cache sized by the free
+    // memory leaves room for them.
+    let runner = ModelRunner::new(model, Sampler::new(params))?;
     let kv = KvCacheManager::new(model, &cfg, prompts, params, max_rows, caching)?;
     let stats = EngineStats {
         block_size: cfg.block_size,
@@ -92,10 +117,10 @@ pub(super) fn run(
         ..EngineStats::default()
     };
     let mut e = Engine {
-        reqs: Requests::new(prompts, params, opts.first_prompt_index),
+        reqs,
         scheduler,
         kv,
-        runner: ModelRunner::new(model, Sampler::new(params)),
+        runner,
         stops: StopRules::new(params, eos),
         decode,
         opts,
@@ -113,9 +138,10 @@ pub(super) fn run(
         }
     }
     e.stats.peak_blocks = e.kv.pool.peak_used();
+    e.stats.decode_path = e.runner.path().to_string();
     e.stats.prefix_cache_evictions = e.kv.pool.evictions();
     e.stats.secs = start.elapsed().as_secs_f64();
-    Ok((e.out, e.stats))
+    Ok((e.out, e.stats, e.reqs.rows))
 }
 
 impl Engine<'_> {
@@ -134,8 +160,9 @@ impl Engine<'_> {
         let t0 = Instant::now();
         let ready = self.scheduler.ready(&sched, &mut self.kv, &self.reqs);
         let draws = self.runner.sample(&logits, &ready.draws, &mut self.reqs.rows)?;
+        let drew = self.reqs.params.temperature != 0.0;
         for (&(_, id), d) in ready.draws.iter().zip(draws) {
-            self.reqs.rows[id].push(d);
+            self.reqs.rows[id].push(d, drew, self.opts.version);
             self.stats.tokens += 1;
             self.check_finish(id);
         }
@@ -145,6 +172,7 @@ impl Engine<'_> {
             let m = self.runner.model();
             let s = &mut self.stats;
             s.decode_steps += 1;
+            s.decode_rows.push(sched.len() as u32);
             s.decode_secs += start.elapsed().as_secs_f64();
             s.decode_counts.add(&budget::snapshot().since(&counts));
             s.decode_bytes += budget::decode_step_bytes(
@@ -163,7 +191,7 @@ impl Engine<'_> {
         let (n, max_new) = (self.reqs.n(), self.reqs.params.max_new_tokens);
         let row = &self.reqs.rows[id];
         let cap = match self.opts.lengths {
-            Some(f) => f(self.opts.first_prompt_index + id / n, id % n).clamp(1, max_new),
+            Some(f) => f(self.reqs.global[id / n], id % n).clamp(1, max_new),
             None => max_new,
         };
         let finish = self
@@ -174,6 +202,9 @@ impl Engine<'_> {
             let prompts = self.reqs.prompts;
             let s = self.reqs.rows[id].finish(finish, &prompts[id / n], self.decode);
             self.out.push(s);
+            if self.reqs.group_done(id) {
+                self.reqs.groups_done += 1;
+            }
         }
     }
 }

@@ -12,7 +12,8 @@ use crate::Result;
 
 use super::batch::Sample;
 use super::engine::GenerateOptions;
-use super::generate_tokens::generate_stats;
+use super::generate_tokens::{generate_partial, generate_stats};
+use super::partial::{PartialRollout, PartialStep};
 use super::stats::EngineStats;
 use super::SamplingParams;
 
@@ -110,16 +111,39 @@ impl<'a> Generator<'a> {
         opts: &GenerateOptions,
     ) -> Result<Generation> {
         let (ids, prompt_texts) = self.encode(prompts)?;
+        let params = self.with_eos_stops(params);
+        let tok = self.tokenizer;
+        let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
+        let (samples, stats) = generate_stats(self.model, &ids, &params, tok.pad_id(), &decode, opts)?;
+        Ok(Generation { samples, prompt_texts, stats })
+    }
+
+    /// One step of partial rollouts ([`generate_partial`]) over the groups in
+    /// flight in `partial` (admitted with [`Generator::encode`]'s token ids), the
+    /// tokenizer's end-of-sequence ids added to `params.stop_token_ids`.
+    pub fn generate_partial(
+        &self,
+        partial: &mut PartialRollout,
+        params: &SamplingParams,
+        opts: &GenerateOptions,
+        version: u64,
+        wanted: usize,
+    ) -> Result<PartialStep> {
+        let params = self.with_eos_stops(params);
+        let tok = self.tokenizer;
+        let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
+        generate_partial(self.model, partial, &params, tok.pad_id(), &decode, opts, version, wanted)
+    }
+
+    /// `params` with the tokenizer's end-of-sequence ids among its stop tokens.
+    fn with_eos_stops(&self, params: &SamplingParams) -> SamplingParams {
         let mut params = params.clone();
         for &e in self.tokenizer.eos_ids() {
             if !params.stop_token_ids.contains(&e) {
                 params.stop_token_ids.push(e);
             }
         }
-        let tok = self.tokenizer;
-        let decode = |x: &[u32]| tok.decode(x, true).unwrap_or_default();
-        let (samples, stats) = generate_stats(self.model, &ids, &params, tok.pad_id(), &decode, opts)?;
-        Ok(Generation { samples, prompt_texts, stats })
+        params
     }
 }
 

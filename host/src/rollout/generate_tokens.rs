@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use super::batch::Sample;
 use super::config::EngineConfig;
 use super::engine::{self, GenerateOptions};
+use super::partial::{PartialRollout, PartialStep};
 use super::stats::EngineStats;
 use super::SamplingParams;
 use crate::model::Qwen3;
@@ -65,6 +66,21 @@ pub fn generate_stats(
     decode: &dyn Fn(&[u32]) -> String,
     opts: &GenerateOptions,
 ) -> Result<(Vec<Sample>, EngineStats)> {
+    let eos = check_inputs(model, prompts, params, pad_id)?;
+    let (mut out, stats) = engine::run(model, prompts, params, decode, opts, eos)?;
+    out.sort_by_key(|s| (s.prompt_index, s.sample_index));
+    Ok((out, stats))
+}
+
+/// Checks a generation's inputs (sampling, pad id, prompts against the
+/// vocabulary, lengths against the model and the machine); returns the EOS id
+/// that ends a response (`None` with `ignore_eos`).
+fn check_inputs(
+    model: &Qwen3,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    pad_id: u32,
+) -> Result<Option<u32>> {
     let vocab = model.config().vocab_size;
     params.validate(vocab)?;
     if pad_id as usize >= vocab {
@@ -93,9 +109,28 @@ pub fn generate_stats(
         1,
     )?;
     let eos = if params.ignore_eos { None } else { model.config().eos_token_id };
-    let (mut out, stats) = engine::run(model, prompts, params, decode, opts, eos)?;
-    out.sort_by_key(|s| (s.prompt_index, s.sample_index));
-    Ok((out, stats))
+    Ok(eos)
+}
+
+/// One step of partial rollouts at policy `version`: the groups in flight in
+/// `partial` run (continuous batching) until `wanted` of them have all their
+/// responses, which are returned (`rollout::partial`); the unfinished ones stay
+/// in `partial` for the next call. `opts.policy` is replaced by the partial
+/// policy; every token records `version`.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_partial(
+    model: &Qwen3,
+    partial: &mut PartialRollout,
+    params: &SamplingParams,
+    pad_id: u32,
+    decode: &dyn Fn(&[u32]) -> String,
+    opts: &GenerateOptions,
+    version: u64,
+    wanted: usize,
+) -> Result<PartialStep> {
+    let prompts: Vec<Vec<u32>> = partial.groups().iter().map(|g| g.prompt_ids.clone()).collect();
+    let eos = check_inputs(model, &prompts, params, pad_id)?;
+    partial.step(model, params, decode, opts, eos, version, wanted)
 }
 
 /// Generation throughput in sampled tokens per second, prefill included:

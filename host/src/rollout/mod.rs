@@ -19,7 +19,11 @@
 //!
 //! Two entry points: [`generate_tokens`] takes token ids (and checks them),
 //! [`generate_text`]'s [`Generator`] takes problems (template, tokens, stop
-//! ids, generation, decoded text) and is what every caller uses.
+//! ids, generation, decoded text) and is what every caller uses. Partial
+//! rollouts ([`partial`]) keep unfinished responses between calls: a
+//! [`PartialRollout`] holds the groups in flight, and each call
+//! ([`generate_partial`], `Generator::generate_partial`) returns the groups
+//! that finished whole.
 
 pub mod batch;
 pub mod blocks;
@@ -36,6 +40,9 @@ pub mod generate_tokens;
 pub mod kv_cache_manager;
 mod model_runner;
 pub mod params;
+pub mod partial;
+#[cfg(test)]
+mod partial_tests;
 mod request;
 mod row;
 pub mod sampler;
@@ -46,8 +53,10 @@ pub use batch::{Finish, PromptInfo, RolloutBatch, Sample};
 pub use config::{EngineConfig, KvCacheDtype};
 pub use engine::GenerateOptions;
 pub use generate_text::{check_vocab, Generation, Generator};
-pub use generate_tokens::{bench_generate, generate, generate_stats, generate_with};
+pub use generate_tokens::{bench_generate, generate, generate_partial, generate_stats, generate_with};
 pub use params::SamplingParams;
+pub use partial::{OnStale, PartialConfig, PartialFigures, PartialRollout, PartialStep};
+pub use row::CarriedResponse;
 pub use sampler::{row_seed, Sampler, TokenDraw};
 pub use scheduler::{SchedulePolicy, PREFILL_TOKENS};
 pub use stats::{EngineStats, Phases};

@@ -11,12 +11,17 @@ use super::request::{Requests, Unit};
 use super::row::Row;
 use super::sampler::{Sampler, TokenDraw};
 use super::stats::EngineStats;
-use crate::model::{self, PagedKvCache, PagedSeq, Qwen3};
+use crate::model::{self, DecodeWeights, Kernels, PagedKvCache, PagedSeq, Qwen3};
 use crate::Result;
 
-/// The sampling model and its sampling transform.
+/// The sampling model, its projections fused for decoding, and its sampling
+/// transform.
 pub(super) struct ModelRunner<'a> {
     model: &'a Qwen3,
+    /// `model`'s projections fused ([`DecodeWeights`]), taken from its
+    /// weights when the runner is made, i.e. when a generation starts: the
+    /// weights do not change while it runs. `None` under `--kernels composed`.
+    weights: Option<DecodeWeights>,
     sampler: Sampler,
 }
 
@@ -26,8 +31,21 @@ impl<'a> ModelRunner<'a> {
         self.model
     }
 
-    pub(super) fn new(model: &'a Qwen3, sampler: Sampler) -> Self {
-        Self { model, sampler }
+    pub(super) fn new(model: &'a Qwen3, sampler: Sampler) -> Result<Self> {
+        let weights = match Kernels::current() {
+            Kernels::Fused => Some(DecodeWeights::new(model)?),
+            Kernels::Composed => None,
+        };
+        Ok(Self { model, weights, sampler })
+    }
+
+    /// The decode path it runs (see [`super::EngineStats::decode_path`]).
+    pub(super) fn path(&self) -> &'static str {
+        if self.weights.is_some() {
+            "kernels, fused projections"
+        } else {
+            "composed"
+        }
     }
 
     /// One model call over the scheduled `(running index, tokens)` pairs;
@@ -54,7 +72,7 @@ impl<'a> ModelRunner<'a> {
         stats.model_calls += 1;
         stats.rows_fed += sched.len();
         let t0 = Instant::now();
-        let logits = model::decode_paged(self.model, &tokens, &seqs, cache)?;
+        let logits = model::decode_paged(self.model, self.weights.as_ref(), &tokens, &seqs, cache)?;
         let t1 = Instant::now();
         let step = StepLogits::new(&logits, &self.sampler)?;
         stats.phases.model += (t1 - t0).as_secs_f64();

@@ -9,9 +9,6 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use rand::rngs::StdRng;
-use rand::SeedableRng;
-
 use super::blocks::BlockTable;
 use super::row::Row;
 use super::sampler::row_seed;
@@ -51,9 +48,9 @@ pub(super) struct Queues {
 }
 
 impl Queues {
-    /// Every group of `prompts` prompts waiting, nothing running.
-    pub(super) fn new(prompts: usize) -> Self {
-        Self { waiting: (0..prompts).map(Kind::Group).collect(), running: Vec::new() }
+    /// `waiting` in this order, nothing running.
+    pub(super) fn waiting(waiting: VecDeque<Kind>) -> Self {
+        Self { waiting, running: Vec::new() }
     }
 
     /// True when nothing waits and nothing runs.
@@ -62,12 +59,23 @@ impl Queues {
     }
 }
 
+/// Every group of `prompts` prompts, in order.
+pub(super) fn prompts_waiting(prompts: usize) -> VecDeque<Kind> {
+    (0..prompts).map(Kind::Group).collect()
+}
+
 /// The prompts of one call and every response being drawn from them.
 pub(super) struct Requests<'a> {
     pub(super) prompts: &'a [Vec<u32>],
     pub(super) params: &'a SamplingParams,
     /// One per response, by id `prompt * n + sample`.
     pub(super) rows: Vec<Row>,
+    /// Each prompt's index in the whole batch (forced lengths are per global index).
+    pub(super) global: Vec<usize>,
+    /// Groups whose every response has ended in this call, and how many end the
+    /// call (a policy that stops early, when enough groups are whole, reads them).
+    pub(super) groups_done: usize,
+    pub(super) groups_wanted: Option<usize>,
 }
 
 impl<'a> Requests<'a> {
@@ -82,10 +90,28 @@ impl<'a> Requests<'a> {
         let rows = (0..prompts.len() * n)
             .map(|id| {
                 let seed = row_seed(params.seed, first_prompt_index + id / n, id % n);
-                Row::new(id / n, id % n, StdRng::seed_from_u64(seed), params.max_new_tokens)
+                Row::new(id / n, id % n, seed, params.max_new_tokens)
             })
             .collect();
-        Self { prompts, params, rows }
+        let global = (first_prompt_index..first_prompt_index + prompts.len()).collect();
+        Self::with_rows(prompts, params, rows, global)
+    }
+
+    /// The responses `rows` (`prompts.len() * n`, by id) of `prompts`, whose
+    /// global indices are `global`.
+    pub(super) fn with_rows(
+        prompts: &'a [Vec<u32>],
+        params: &'a SamplingParams,
+        rows: Vec<Row>,
+        global: Vec<usize>,
+    ) -> Self {
+        Self { prompts, params, rows, global, groups_done: 0, groups_wanted: None }
+    }
+
+    /// Whether every response of the group of response `id` has ended.
+    pub(super) fn group_done(&self, id: usize) -> bool {
+        let p = id / self.n();
+        self.rows[p * self.n()..(p + 1) * self.n()].iter().all(|r| r.done)
     }
 
     /// Samples per prompt.

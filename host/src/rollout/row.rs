@@ -1,7 +1,12 @@
 //! One response being generated ([`Row`]: its generator and draws so far) and
 //! when a response ends ([`StopRules`]): what the engine keeps per sequence.
+//! A row's generator is rebuilt from its seed and the numbers it has drawn, so
+//! an unfinished response can leave the engine between calls and a checkpoint
+//! ([`CarriedResponse`]) and continue exactly where it stopped.
 
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
 
 use super::batch::{Finish, Sample};
 use super::sampler::TokenDraw;
@@ -56,36 +61,114 @@ pub(super) struct Row {
     prompt_index: usize,
     sample_index: usize,
     pub(super) rng: StdRng,
+    /// The seed of `rng` and the numbers drawn from it so far.
+    seed: u64,
+    draws: u64,
     pub(super) ids: Vec<u32>,
     logprobs: Vec<f32>,
     old_logprobs: Vec<f32>,
     entropies: Vec<f32>,
+    /// The policy version that drew each token (empty when the caller tracks none).
+    versions: Vec<u64>,
     pub(super) done: bool,
+}
+
+/// An unfinished response outside the engine: its tokens, their log-probs,
+/// entropies and policy versions, and where its generator stands (`seed`,
+/// `draws`: the numbers drawn so far). Saved with a checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CarriedResponse {
+    /// The seed of the response's generator (`rollout::row_seed`).
+    pub seed: u64,
+    /// Numbers the generator has drawn (one per token sampled at a temperature above 0).
+    pub draws: u64,
+    /// The tokens drawn so far.
+    pub ids: Vec<u32>,
+    /// Per token: the log-prob under the distribution it was sampled from.
+    pub logprobs: Vec<f32>,
+    /// Per token: the untempered log-prob of the policy version that drew it.
+    pub old_logprobs: Vec<f32>,
+    /// Per token: the untempered distribution's entropy.
+    pub entropies: Vec<f32>,
+    /// Per token: the policy version that drew it.
+    pub versions: Vec<u64>,
+}
+
+impl CarriedResponse {
+    /// A response not begun, drawing from `seed`.
+    pub fn fresh(seed: u64) -> Self {
+        Self { seed, ..Self::default() }
+    }
 }
 
 impl Row {
     /// An empty response of prompt `prompt_index` (local), sample
-    /// `sample_index`, drawing from `rng`, with room for `cap` tokens.
-    pub(super) fn new(prompt_index: usize, sample_index: usize, rng: StdRng, cap: usize) -> Self {
+    /// `sample_index`, drawing from a generator seeded with `seed`, with room
+    /// for `cap` tokens.
+    pub(super) fn new(prompt_index: usize, sample_index: usize, seed: u64, cap: usize) -> Self {
         // Reserve a little: most responses end long before `max_new_tokens`.
         let cap = cap.min(256);
         Self {
             prompt_index,
             sample_index,
-            rng,
+            rng: StdRng::seed_from_u64(seed),
+            seed,
+            draws: 0,
             ids: Vec::with_capacity(cap),
             logprobs: Vec::with_capacity(cap),
             old_logprobs: Vec::with_capacity(cap),
             entropies: Vec::with_capacity(cap),
+            versions: Vec::new(),
             done: false,
         }
     }
 
-    pub(super) fn push(&mut self, d: TokenDraw) {
+    /// Response `c` continued: its generator seeded again and advanced past the
+    /// numbers it had drawn.
+    pub(super) fn resume(prompt_index: usize, sample_index: usize, c: CarriedResponse) -> Self {
+        let mut rng = StdRng::seed_from_u64(c.seed);
+        for _ in 0..c.draws {
+            let _: f64 = rng.random();
+        }
+        Self {
+            prompt_index,
+            sample_index,
+            rng,
+            seed: c.seed,
+            draws: c.draws,
+            ids: c.ids,
+            logprobs: c.logprobs,
+            old_logprobs: c.old_logprobs,
+            entropies: c.entropies,
+            versions: c.versions,
+            done: false,
+        }
+    }
+
+    /// Moves the unfinished response out of the engine.
+    pub(super) fn carry(&mut self) -> CarriedResponse {
+        CarriedResponse {
+            seed: self.seed,
+            draws: self.draws,
+            ids: std::mem::take(&mut self.ids),
+            logprobs: std::mem::take(&mut self.logprobs),
+            old_logprobs: std::mem::take(&mut self.old_logprobs),
+            entropies: std::mem::take(&mut self.entropies),
+            versions: std::mem::take(&mut self.versions),
+        }
+    }
+
+    /// Appends a draw; `drew`: it took a number from the generator (not
+    /// greedy); `version`: the policy version that drew it, when tracked.
+    pub(super) fn push(&mut self, d: TokenDraw, drew: bool, version: Option<u64>) {
         self.ids.push(d.id);
         self.logprobs.push(d.logprob);
         self.old_logprobs.push(d.logprob_raw);
         self.entropies.push(d.entropy);
+        self.draws += u64::from(drew);
+        if let Some(v) = version {
+            self.versions.push(v);
+        }
     }
 
     /// Moves the response out into a [`Sample`].
@@ -107,6 +190,7 @@ impl Row {
             logprobs: std::mem::take(&mut self.logprobs),
             old_logprobs: std::mem::take(&mut self.old_logprobs),
             entropies: std::mem::take(&mut self.entropies),
+            versions: std::mem::take(&mut self.versions),
             finish,
             truncated: finish == Finish::Length,
             reward: None,

@@ -58,6 +58,10 @@ pub struct EngineStats {
     /// Seconds of the decode steps (model call, logits and draws).
     #[serde(default)]
     pub decode_secs: f64,
+    /// Rows of each decode step, in order (for the rows per call at the end of
+    /// a rollout, where the long responses run alone); not serialized.
+    #[serde(skip)]
+    pub decode_rows: Vec<u32>,
     /// Bytes the decode steps had to read at the least: weights and live
     /// keys and values ([`budget::decode_step_bytes`]), summed over the steps.
     #[serde(default)]
@@ -66,6 +70,11 @@ pub struct EngineStats {
     /// (per decoder layer among them) and copies to the host.
     #[serde(default)]
     pub decode_counts: budget::Counts,
+    /// The decode path that ran: `kernels, fused projections` (the fused CPU
+    /// kernels or the project's CUDA kernels over `model::DecodeWeights`) or
+    /// `composed` (`--kernels composed`).
+    #[serde(default)]
+    pub decode_path: String,
 }
 
 /// Seconds of a rollout spent in each phase of a step (see
@@ -124,6 +133,12 @@ impl EngineStats {
         self.prefix_cache_hit_tokens as f64 / self.prefix_cache_queried_tokens.max(1) as f64
     }
 
+    /// Rows per decode step over the last `share` of the decode steps (at least
+    /// one step; 0 without any): [`rows_per_call_tail`] of [`EngineStats::decode_rows`].
+    pub fn decode_rows_tail(&self, share: f64) -> f64 {
+        rows_per_call_tail(&self.decode_rows, share)
+    }
+
     /// Sequences per model call.
     pub fn mean_rows(&self) -> f64 {
         self.rows_fed as f64 / self.model_calls.max(1) as f64
@@ -133,5 +148,37 @@ impl EngineStats {
     /// most reserved (what its dense cache allocated).
     pub fn peak_cache_bytes(&self) -> usize {
         self.peak_blocks.max(self.peak_reserved_blocks) * self.block_size * self.bytes_per_token
+    }
+}
+
+/// Mean of `rows` over its last `share` (at least one entry; 0 when empty):
+/// rows per decode call at the end of a rollout.
+pub fn rows_per_call_tail(rows: &[u32], share: f64) -> f64 {
+    if rows.is_empty() {
+        return 0.0;
+    }
+    let k = ((rows.len() as f64 * share).ceil() as usize).clamp(1, rows.len());
+    rows[rows.len() - k..].iter().map(|&r| r as f64).sum::<f64>() / k as f64
+}
+
+/// Mean of `rows` (0 when empty).
+pub fn rows_per_call(rows: &[u32]) -> f64 {
+    rows.iter().map(|&r| r as f64).sum::<f64>() / rows.len().max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_per_call_over_the_last_tenth() {
+        // 20 calls: the last 2 (10%) decode 1 and 3 rows.
+        let mut rows = vec![64u32; 18];
+        rows.extend([1, 3]);
+        assert_eq!(rows_per_call_tail(&rows, 0.1), 2.0);
+        assert_eq!(rows_per_call(&rows), (18.0 * 64.0 + 4.0) / 20.0);
+        // 5 calls: 10% rounds up to one call.
+        assert_eq!(rows_per_call_tail(&[9, 9, 9, 9, 5], 0.1), 5.0);
+        assert_eq!((rows_per_call_tail(&[], 0.1), rows_per_call(&[])), (0.0, 0.0));
     }
 }

@@ -20,7 +20,7 @@ use crate::data::{DatasetOptions, PromptTemplate};
 use crate::model;
 use crate::overlay;
 use crate::reward::ExtractMode;
-use crate::rollout::{EngineConfig, SamplingParams};
+use crate::rollout::{EngineConfig, PartialConfig, SamplingParams};
 use crate::train::update::{under, ActorConfig};
 use crate::{Error, Result};
 
@@ -142,6 +142,10 @@ pub struct RolloutConfig {
     /// The rollout engine (`#{kv_cache_gb, max_rows, block_size}`): the paged KV cache's
     /// budget in GB, sequences decoded at once and tokens per cache block.
     pub engine: EngineConfig,
+    /// Partial rollouts (`#{enable, extra_prompts, max_staleness, on_stale}`): a step
+    /// ends when `data.prompts_per_step` groups are whole, the unfinished responses
+    /// continue in the next step under the updated weights ([`PartialConfig`]).
+    pub partial: PartialConfig,
     /// One-step-off asynchronous training (`#{staleness, rollout_threads, train_threads}`):
     /// with `staleness: 1` the rollout of step k+1 runs while step k's update does.
     #[serde(rename = "async")]
@@ -194,19 +198,32 @@ impl Default for RolloutConfig {
             dtype: None,
             max_num_gen_batches: 10,
             engine: EngineConfig::default(),
+            partial: PartialConfig::default(),
             asynchronous: AsyncConfig::default(),
         }
     }
 }
 
 impl RolloutConfig {
-    /// Checks the sampling (the vocabulary is checked when the model is loaded) and dtype.
+    /// Checks the sampling (the vocabulary is checked when the model is loaded), the dtype,
+    /// `async` and that it is not combined with `partial`.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate(usize::MAX).map_err(|e| under("rollout", "sampling", e))?;
         if let Some(d) = &self.dtype {
             model::parse_dtype(d).map_err(|e| under("rollout", "dtype", e))?;
         }
         self.asynchronous.validate()?;
+        if self.asynchronous.enabled() && self.partial.enable {
+            // Both carry rollouts across updates, each with its own staleness bookkeeping:
+            // the rollout drawn ahead would continue groups the step before still holds.
+            return Err(Error::Config {
+                file: "run config".into(),
+                field: "rollout.async.staleness".into(),
+                msg: "one-step-off training (rollout.async.staleness 1) and partial rollouts \
+                      (rollout.partial.enable) cannot be combined: turn one of them off"
+                    .into(),
+            });
+        }
         // Its errors already name `rollout.engine.<field>`.
         self.engine.validate()
     }

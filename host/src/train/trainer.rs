@@ -22,6 +22,8 @@
 //! - `plan.rs`: the step plan ([`StepPlan`]) and the per-step seeds;
 //! - `dynamic.rs`: a step's rollouts (`Roller`) and dynamic sampling (the groups with
 //!   mixed rewards gathered over generation batches);
+//! - `partial.rs`: partial rollouts (`rollout.partial`): the groups in flight between
+//!   steps (`PartialSource`), saved with each checkpoint;
 //! - `ahead.rs`: one-step-off training (`rollout.async`): the next step's rollout drawn
 //!   in a second thread beside the update, the staleness check, the async metrics;
 //! - `metrics.rs`: what a step reports ([`StepMetrics`]) and the warnings on their way;
@@ -36,6 +38,7 @@ mod ahead;
 mod dynamic;
 mod folder;
 mod metrics;
+mod partial;
 mod plan;
 mod policy;
 mod prompts;
@@ -66,6 +69,7 @@ pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
 pub use metrics::{AsyncFigures, RolloutFigures, StepMetrics};
+use partial::PartialSource;
 use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
@@ -101,6 +105,8 @@ pub struct Trainer {
     /// `guard.rollback_lr_scale`), and the rollbacks so far.
     lr_scale: f64,
     rollbacks: usize,
+    /// The groups in flight between steps under partial rollouts (`rollout.partial`).
+    partial: Option<PartialSource>,
     /// `rollout.async`: the next step's rollout, drawn beside this step's update.
     ahead: Option<Ahead>,
     /// `rollout.async`: the copy of the weights the rollout drawn ahead samples.
@@ -260,6 +266,19 @@ impl Trainer {
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
         });
+        let carried = state.and_then(|s| s.partial.clone());
+        let partial = match (cfg.rollout.partial.enable, carried) {
+            (true, Some(p)) => Some(PartialSource::restore(p)?),
+            (true, None) => Some(PartialSource::default()),
+            (false, Some(p)) => {
+                pending.push(format!(
+                    "rollout.partial is off: the {} group(s) the checkpoint carried in flight are dropped",
+                    p.groups_in_flight()
+                ));
+                None
+            }
+            (false, None) => None,
+        };
         Ok(Self {
             objective,
             policy,
@@ -275,6 +294,7 @@ impl Trainer {
             diverged: None,
             lr_scale: state.map_or(1.0, |s| s.lr_scale),
             rollbacks: state.map_or(0, |s| s.rollbacks),
+            partial,
             ahead: None,
             behind: None,
             pools: Pools::new(&cfg.rollout.asynchronous)?,
@@ -393,10 +413,12 @@ impl Trainer {
         // both back, and the step runs again rolling out its prompts itself.
         let sampler = self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before);
         let step = self.step;
+        let in_flight = self.partial.clone();
         let r = self.step_inner(plan, progress, cancel);
         if r.is_err() && self.step == step {
             self.ahead = None;
             self.prompts.restore_sampler(sampler)?;
+            self.partial = in_flight;
         }
         r
     }
@@ -514,6 +536,7 @@ impl Trainer {
             rollout_engine: batch.engine.clone(),
             gen_batches: batch.gen_batches,
             groups_dropped,
+            partial: batch.partial.clone(),
             asynchronous: figures,
             eval_avg: None,
             eval_pass: None,
@@ -694,6 +717,7 @@ impl Trainer {
             comm: &*self.comm,
             model: self.policy.sampling_model(),
             step: self.step,
+            partial: self.partial.as_mut(),
         };
         Ok((r.gather(plan, progress, cancel, warnings)?, self.step))
     }
@@ -740,6 +764,8 @@ impl Trainer {
             comm,
             model: self.behind.as_ref().map(|b| b.model()).ok_or_else(|| Error::invalid("no weight copy"))?,
             step: next,
+            // Partial rollouts are refused under `rollout.async` (`RolloutConfig::validate`).
+            partial: None,
         };
         let (outcome, update_took, (ahead, ahead_warnings, rollout_took)) = std::thread::scope(|s| {
             let rollout = s.spawn(|| {
@@ -884,6 +910,7 @@ impl Trainer {
             silenced_contexts: self.spurious.all_contexts().clone(),
             lr_scale: self.lr_scale,
             rollbacks: self.rollbacks,
+            partial: self.partial.as_ref().map(PartialSource::state),
         };
         let what = format!("checkpoint step-{:06}", self.step);
         let path = self.folder.checkpoint(&state, self.cfg.checkpoint.keep, |tmp| {

@@ -277,3 +277,21 @@ fn staleness_above_one_and_async_over_ranks_are_refused() {
     let e = RunConfig::from_json(&v).unwrap_err().to_string();
     assert!(e.contains("stalenes"), "{e}");
 }
+
+/// One step off and partial rollouts both carry rollouts across updates: the configuration
+/// refuses them together, naming both fields; each alone (or partial rollouts with
+/// staleness 0) is accepted.
+#[test]
+fn one_step_off_with_partial_rollouts_is_refused() {
+    let dir = tempdir();
+    let mut v = serde_json::to_value(config(dir.path(), Some(1))).unwrap();
+    v["rollout"]["partial"]["enable"] = true.into();
+    let e = RunConfig::from_json(&v).unwrap_err().to_string();
+    assert!(e.contains("rollout.async.staleness") && e.contains("rollout.partial.enable"), "{e}");
+    v["rollout"]["async"]["staleness"] = 0.into();
+    let cfg = RunConfig::from_json(&v).unwrap();
+    assert!(cfg.rollout.partial.enable && !cfg.rollout.asynchronous.enabled());
+    v["rollout"]["async"]["staleness"] = 1.into();
+    v["rollout"]["partial"]["enable"] = false.into();
+    assert!(RunConfig::from_json(&v).unwrap().rollout.asynchronous.enabled());
+}

@@ -13,6 +13,7 @@ mod hf;
 mod kill;
 mod lora;
 mod model;
+mod partial;
 mod preempt;
 mod prompt;
 mod readme;

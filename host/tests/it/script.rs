@@ -591,6 +591,24 @@ fn batch_runs_report_a_summary_and_fail_if_any_script_fails() {
     assert!(stdout.contains("runs/good-"), "the good script ran into its own folder: {stdout}");
 }
 
+/// The run `<m>-s<seed>` of a paired stress script's folder: same start model, the
+/// `stapo` preset, its seed, and evaluations at steps 0, 1, 2 at T 1.0 (eval.jsonl) and at
+/// T 0.7 / top-p 0.9 (apart). Returns its run_config.json.
+fn check_paired_run(run_dir: &Path, f: &Fixture, m: &str, seed: u64) -> serde_json::Value {
+    let d = run_dir.join(format!("{m}-s{seed}"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()), (Some(seed), Some("stapo")), "{m}");
+    assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+    for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
+        let rows = jsonl(&d, file);
+        let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+        assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
+        assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
+    }
+    cfg
+}
+
 /// scripts/stress.rhai in smoke mode: both arms (justrl, stapo) for two seeds from the
 /// same start, evaluated at both sampling settings, one row per run, one pairing row per
 /// seed and one band figure; then the collect mode rebuilds the same rows from the folders.
@@ -605,34 +623,13 @@ fn stress_script_smoke_pairs_the_arms_over_seeds() {
     let arms = ["justrl", "stapo"];
     for m in arms {
         for seed in 0..2 {
-            let d = run_dir.join(format!("{m}-s{seed}"));
-            let cfg: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
-            assert_eq!(
-                (cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()),
-                (Some(seed), Some("stapo")),
-                "{m}"
-            );
-            assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
+            let cfg = check_paired_run(&run_dir, &f, m, seed);
             let tau_h = &cfg["actor"]["objective"]["mask"]["tau_h"];
             assert_eq!(tau_h.as_f64() == Some(-1.0), m == "justrl", "{m}: {cfg}");
-            // Step 0 and both steps, at T 1.0 in eval.jsonl and at T 0.7 / top-p 0.9 apart.
-            for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
-                let text = std::fs::read_to_string(d.join(file))
-                    .unwrap_or_else(|e| panic!("{m}-s{seed} {file}: {e}"));
-                let rows: Vec<serde_json::Value> =
-                    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-                let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
-                assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
-                assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
-            }
         }
         assert!(printed.lines().any(|l| l.starts_with(m) && l.contains(" ± ")), "{m} row:\n{printed}");
     }
-    let read = |name: &str| -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(run_dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
-    };
+    let read = |name: &str| jsonl(&run_dir, name);
     let rows = read("stress.jsonl");
     assert_eq!(rows.len(), 4);
     for r in &rows {
@@ -689,15 +686,8 @@ fn long_stress_script_smoke_trains_the_pairs_reports_and_resumes() {
     let mut sums = Vec::new();
     for m in ["justrl", "stapo"] {
         for seed in 0..2u64 {
+            let cfg = check_paired_run(&run_dir, &f, m, seed);
             let d = run_dir.join(format!("{m}-s{seed}"));
-            let cfg: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(d.join("run_config.json")).unwrap()).unwrap();
-            assert_eq!(
-                (cfg["seed"].as_u64(), cfg["actor"]["preset"].as_str()),
-                (Some(seed), Some("stapo")),
-                "{m}"
-            );
-            assert_eq!(cfg["model"]["path"].as_str(), Some(f.model.to_str().unwrap()), "{m}: same start");
             let mask = &cfg["actor"]["objective"]["mask"];
             if m == "justrl" {
                 assert_eq!(mask["tau_h"].as_f64(), Some(-1.0), "{cfg}");
@@ -711,12 +701,6 @@ fn long_stress_script_smoke_trains_the_pairs_reports_and_resumes() {
                 assert_eq!(mask["tau_h"]["over"].as_str(), Some("candidates"), "{cfg}");
             }
             assert_eq!(cfg["actor"]["mini_batch"], 2, "two mini-batches of a smoke step");
-            for (file, t) in [("eval.jsonl", 1.0), ("eval-t0.7-p0.9.jsonl", 0.7)] {
-                let rows = jsonl(&d, file);
-                let steps: Vec<u64> = rows.iter().map(|r| r["step"].as_u64().unwrap()).collect();
-                assert_eq!(steps, [0, 1, 2], "{m}-s{seed} {file}");
-                assert!(rows.iter().all(|r| r["temperature"] == t), "{m}-s{seed} {file}");
-            }
             // Each step: two S2T mini-batches whose tokens are the step's response tokens.
             let (mut tokens, mut cand, mut mbs, mut two) = (0u64, 0u64, 0u64, 0u64);
             for row in jsonl(&d, "metrics.jsonl") {

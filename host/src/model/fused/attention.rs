@@ -9,10 +9,12 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, Layout, Shape, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{mm, one, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr};
+use super::{
+    mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr,
+};
 use crate::Result;
 
 /// Grouped-query attention with an additive mask (see [`super::ops::attention`]).
@@ -110,7 +112,7 @@ fn backward<T: Real>(
 ) -> Out<T> {
     let (kh, vh) = (Host::of(k, what)?, Host::of(v, what)?);
     let io = Qkv::<T>::of([ins[0], kh.input(), vh.input()])?;
-    let mut out = vec![zero::<T>(); io.q.len() + 2 * io.kv_len()];
+    let mut out = par_zeros::<T>(io.q.len() + 2 * io.kv_len());
     f(&io, ins[1].data::<T>()?, SendPtr(out.as_mut_ptr()))?;
     let len = out.len();
     Ok((out, Shape::from(len)))
@@ -363,7 +365,7 @@ impl Kernel<3> for Attention {
         let qkv = Qkv::<T>::of(ins)?;
         let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = qkv;
         let scale = T::from_f64(self.scale);
-        let mut out = vec![zero::<T>(); b * l * nq * d];
+        let mut out = par_zeros::<T>(b * l * nq * d);
         let optr = SendPtr(out.as_mut_ptr());
         #[cfg(target_arch = "x86_64")]
         if decode::serves::<T>(l, d) {
@@ -465,14 +467,127 @@ impl Kernel<2> for AttentionBwd {
 /// k/v `(B, Hkv, S, D)`, additive mask broadcastable to `(B, 1, L, S)`.
 /// Returns `(B, L, Hq * D)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let op = dense_op(q, k, mask)?;
+    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
+}
+
+/// k or v as the kernels read them: unit stride over D (a copy otherwise).
+fn unit_d(t: &Tensor) -> Result<Tensor> {
+    Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? })
+}
+
+/// The dense kernel for q `(B, Hq, L, D)` and k `(B, Hkv, S, D)` under `mask`.
+fn dense_op(q: &Tensor, k: &Tensor, mask: &Tensor) -> Result<Attention> {
     let (b, _, l, d) = q.dims4()?;
     let s = k.dim(2)?;
-    let unit_d =
-        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? }) };
     let mask =
         mask.broadcast_as((b, 1, l, s))?.to_dtype(q.dtype())?.contiguous()?.reshape((b, l, s))?.detach();
-    let op = Attention { mask, scale: 1.0 / (d as f64).sqrt() };
-    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
+    Ok(Attention { mask, scale: 1.0 / (d as f64).sqrt() })
+}
+
+/// The mask of one [`attention_kept`] call: the dense bias `(B, 1, L, S)`
+/// ([`attention`]) or the key bias and offset of [`attention_blockwise`].
+pub enum KeptMask<'a> {
+    /// The dense additive bias, broadcastable to `(B, 1, L, S)`.
+    Dense(&'a Tensor),
+    /// Causal blocks after `offset` cached keys, with a bias per key `(B, S)`.
+    Blockwise {
+        /// The additive bias of every key.
+        key_bias: &'a Tensor,
+        /// Keys before the first query.
+        offset: usize,
+    },
+}
+
+/// The kernel one [`attention_kept`] call ran, with what it left for the backward.
+enum KeptOp {
+    Dense(Op<Attention>),
+    Blockwise(Op<Blockwise>),
+}
+
+/// Attention run without a graph by [`attention_kept`], holding what its
+/// backward reads: the inputs, the output and the kernel (the blockwise one
+/// keeps its log-sum-exps).
+pub struct AttentionKept {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    op: KeptOp,
+}
+
+/// [`attention`] or [`attention_blockwise`] (by `mask`) without a graph: the
+/// output `(B, L, Hq * D)` and what [`AttentionKept::backward`] needs, so a
+/// hand-written backward takes the gradients of q, k and v without making
+/// them variables (a copy each) or recording a graph. k and v may be strided
+/// views with unit stride over D (v as the projection leaves it, transposed).
+pub fn attention_kept(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: KeptMask<'_>,
+) -> Result<(Tensor, AttentionKept)> {
+    let (q, k, v) = (q.contiguous()?.detach(), unit_d(&k.detach())?, unit_d(&v.detach())?);
+    let (o, op) = match mask {
+        KeptMask::Dense(m) => {
+            let op = Op(dense_op(&q, &k, m)?);
+            (q.apply_op3_no_bwd(&k, &v, &op)?, KeptOp::Dense(op))
+        }
+        KeptMask::Blockwise { key_bias, offset } => {
+            let op = Op(blockwise_op(&q, &k, key_bias, offset, BLOCKS)?);
+            (q.apply_op3_no_bwd(&k, &v, &op)?, KeptOp::Blockwise(op))
+        }
+    };
+    Ok((o.clone(), AttentionKept { q, k, v, o, op }))
+}
+
+impl AttentionKept {
+    /// The gradients of q, k and v from the output's gradient `d_o`
+    /// `(B, L, Hq * D)`: dq `(B, Hq, L, D)`, dk and dv `(B, Hkv, S, D)`, all
+    /// contiguous.
+    pub fn backward(self, d_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let ins = [&self.q, &self.k, &self.v];
+        let [dq, dk, dv] = match &self.op {
+            KeptOp::Dense(op) => op.0.bwd(ins, &self.o, d_o)?,
+            KeptOp::Blockwise(op) => op.0.bwd(ins, &self.o, d_o)?,
+        };
+        let some =
+            |t: Option<Tensor>| t.ok_or_else(|| crate::Error::invalid("attention: a gradient missing"));
+        Ok((some(dq)?, some(dk)?, some(dv)?))
+    }
+}
+
+/// `(B, H, L, D)` heads as rows `(B, L, H · D)` (the layout the projections
+/// read), copied in parallel over the rows; `t` contiguous, f32 or f64.
+pub fn heads_to_rows(t: &Tensor) -> Result<Tensor> {
+    let (b, h, l, d) = t.dims4()?;
+    let t = t.contiguous()?;
+    let out = match t.dtype() {
+        DType::F32 => Tensor::from_vec(
+            with_host::<f32, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?,
+            (b, l, h * d),
+            t.device(),
+        )?,
+        DType::F64 => Tensor::from_vec(
+            with_host::<f64, _>(&t, "heads-to-rows", |s| Ok(merge(s, (b, h, l, d))))?,
+            (b, l, h * d),
+            t.device(),
+        )?,
+        dt => return Err(crate::Error::invalid(format!("heads_to_rows: {dt:?} is not served"))),
+    };
+    Ok(out)
+}
+
+fn merge<T: Copy + Default + Send + Sync>(src: &[T], (b, h, l, d): (usize, usize, usize, usize)) -> Vec<T> {
+    let mut out = vec![T::default(); b * l * h * d];
+    out.par_chunks_mut(h * d).enumerate().for_each(|(row, dst)| {
+        let (bi, li) = (row / l.max(1), row % l.max(1));
+        for (hi, dst) in dst.chunks_exact_mut(d.max(1)).enumerate() {
+            let at = ((bi * h + hi) * l + li) * d;
+            dst.copy_from_slice(&src[at..at + d]);
+        }
+    });
+    out
 }
 
 /// Default block sizes of [`attention_blockwise`]: query rows and keys per block.
@@ -556,8 +671,8 @@ impl Kernel<3> for Blockwise {
         let Qkv { q, k, v, kv, vv, b, nq, g, l, s, d, .. } = Qkv::<T>::of(ins)?;
         let dm = Dims { l, s, offset: self.offset, bq: self.blocks.0, bk: self.blocks.1 };
         let scale = T::from_f64(self.scale);
-        let mut out = vec![zero::<T>(); b * l * nq * d];
-        let mut lse = vec![zero::<T>(); b * nq * l];
+        let mut out = par_zeros::<T>(b * l * nq * d);
+        let mut lse = par_zeros::<T>(b * nq * l);
         let (optr, lptr) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
         let nqb = dm.n_qblocks();
         with_host::<T, _>(&self.key_bias, Self::NAME, |bias| {
@@ -734,7 +849,7 @@ pub fn attention_blockwise(
     offset: usize,
     blocks: (usize, usize),
 ) -> Result<Tensor> {
-    let (b, nq, l, d) = q.dims4()?;
+    let (_, nq, l, _) = q.dims4()?;
     let (nkv, s) = (k.dim(1)?, k.dim(2)?);
     if nkv == 0 || nq % nkv != 0 || offset + l > s || blocks.0 == 0 || blocks.1 == 0 {
         return Err(crate::Error::invalid(format!(
@@ -743,12 +858,23 @@ pub fn attention_blockwise(
             k.dims()
         )));
     }
-    let unit_d =
-        |t: &Tensor| -> Result<Tensor> { Ok(if t.stride()[3] == 1 { t.clone() } else { t.contiguous()? }) };
+    let op = blockwise_op(q, k, key_bias, offset, blocks)?;
+    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
+}
+
+/// The blockwise kernel for q `(B, Hq, L, D)` and k `(B, Hkv, S, D)`.
+fn blockwise_op(
+    q: &Tensor,
+    k: &Tensor,
+    key_bias: &Tensor,
+    offset: usize,
+    blocks: (usize, usize),
+) -> Result<Blockwise> {
+    let (b, _, _, d) = q.dims4()?;
+    let s = k.dim(2)?;
     let key_bias =
         key_bias.reshape(((), s))?.broadcast_as((b, s))?.to_dtype(q.dtype())?.contiguous()?.detach();
-    let op = Blockwise { key_bias, offset, scale: 1.0 / (d as f64).sqrt(), blocks, lse: Mutex::new(None) };
-    Ok(q.contiguous()?.apply_op3(&unit_d(k)?, &unit_d(v)?, Op(op))?)
+    Ok(Blockwise { key_bias, offset, scale: 1.0 / (d as f64).sqrt(), blocks, lse: Mutex::new(None) })
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use candle_core::{bail, DType, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// Per row of logits `x (N, V)` and target `t`: `[x_t - lse, H, lse]` with
@@ -63,7 +63,7 @@ impl Kernel<2> for LogpEntropy {
             bail!("fused logprob_entropy: target {t} outside a vocabulary of {vocab}")
         }
         let x = ins[0].data::<T>()?;
-        let mut out = vec![zero::<T>(); 3 * n];
+        let mut out = par_zeros::<T>(3 * n);
         out.par_chunks_mut(3).zip(x.par_chunks(vocab)).zip(targets.par_iter()).for_each(|((o, row), &t)| {
             let (lse, mean) = lse_and_mean(row);
             o[0] = T::from_f64(row[t as usize].to_f64() - lse);
@@ -91,7 +91,7 @@ impl Kernel<3> for LogpEntropyBwd {
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let vocab = *ins[0].layout.dims().last().unwrap_or(&1);
         let [x, res, dres] = data::<T, 3>(&ins)?;
-        let mut dx = vec![zero::<T>(); x.len()];
+        let mut dx = par_zeros::<T>(x.len());
         with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             dx.par_chunks_mut(vocab).zip(x.par_chunks(vocab)).enumerate().for_each(|(i, (dr, xr))| {
                 let (h, lse) = (res[3 * i + 1], res[3 * i + 2]);

@@ -6,7 +6,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::{
-    all_threads, data, gemv, mm_bf16, mm_par, simd, split_like, zero, Grads, Input, Kernel, Op, Out, Real,
+    all_threads, data, gemv, mm_bf16, mm_par, par_copy, par_zeros, simd, split_like, zero, Grads, Input,
+    Kernel, Op, Out, Real,
 };
 use crate::Result;
 
@@ -89,15 +90,24 @@ fn bf16_weights(ins: [Input<'_>; 2], (n, o, k): (usize, usize, usize), decode: b
 /// `x w^T` for `x` (n×k) and `w` (o×k), one gemm over all threads: the product
 /// of every projection too large for the decoding gemv.
 pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) -> Vec<T> {
-    debug_assert!(x.len() == n * k && w.len() == o * k, "x_wt: operands do not match ({n}, {o}, {k})");
-    let mut y = vec![zero::<T>(); n * o];
-    // SAFETY: x is n×k, w is o×k (the callers' layouts), y is n×o, all contiguous and owned here.
+    let mut y = par_zeros::<T>(n * o);
+    x_wt_into(x, w, &mut y, (n, o, k), false);
+    y
+}
+
+/// [`x_wt`] into `y` (n×o), added to what `y` holds when `accumulate`.
+fn x_wt_into<T: Real>(x: &[T], w: &[T], y: &mut [T], (n, o, k): (usize, usize, usize), accumulate: bool) {
+    assert!(
+        x.len() == n * k && w.len() == o * k && y.len() == n * o,
+        "x_wt: operands do not match ({n}, {o}, {k})"
+    );
+    // SAFETY: x is n×k, w is o×k, y is n×o (checked above), all contiguous; y is an exclusive borrow.
     unsafe {
         mm_par(
             (n, o, k),
             y.as_mut_ptr(),
             o,
-            false,
+            accumulate,
             x.as_ptr(),
             (k, 1),
             w.as_ptr(),
@@ -106,7 +116,6 @@ pub(crate) fn x_wt<T: Real>(x: &[T], w: &[T], (n, o, k): (usize, usize, usize)) 
             all_threads(),
         );
     }
-    y
 }
 
 /// What [`bf16_weights`] returns.
@@ -130,7 +139,7 @@ impl Kernel<3> for LinearBwd {
                 dy.len()
             )
         }
-        let mut out = vec![zero::<T>(); n * k + o * k];
+        let mut out = par_zeros::<T>(n * k + o * k);
         let (dx, dw) = out.split_at_mut(n * k);
         bwd_into((x, w, dy), (dx, false), dw, (n, o, k));
         let len = out.len();
@@ -308,6 +317,40 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, Op(Linear))?)
 }
 
+/// `res + x w^T` over `(res, x, w)`: the product added into a copy of the
+/// residual inside the gemm call (no separate pass for the add).
+struct LinearAdd;
+
+impl Kernel<3> for LinearAdd {
+    const NAME: &'static str = "fused-linear-add";
+
+    fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
+        let (o, k) = ins[2].layout.shape().dims2()?;
+        let [res, x, w] = data::<T, 3>(&ins)?;
+        let n = x.len().checked_div(k).unwrap_or(0);
+        if x.len() != n * k || res.len() != n * o || ins[1].layout.dims().last() != Some(&k) {
+            bail!(
+                "fused linear-add: res ({}), x {:?} and w ({o}, {k}) do not match",
+                res.len(),
+                ins[1].layout.dims()
+            )
+        }
+        if w.len() != o * k {
+            bail!("fused linear-add: w holds {} elements, not ({o}, {k})", w.len())
+        }
+        let mut y = par_copy(res);
+        x_wt_into(x, w, &mut y, (n, o, k), true);
+        Ok((y, ins[0].layout.shape().clone()))
+    }
+}
+
+/// `res + x @ w^T` without a graph, for `x (.., in)`, `w (out, in)` and `res`
+/// `(.., out)` of one dtype (f32 or f64): a residual stream and the
+/// projection added to it, the sum formed inside the product.
+pub fn linear_add(res: &Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(res.contiguous()?.apply_op3_no_bwd(&x.contiguous()?, &w.contiguous()?, &Op(LinearAdd))?)
+}
+
 /// The backward of several projections of one input without a graph, `y_i =
 /// x w_i^T` for `parts` `(w_i, dy_i)`: `dx = sum_i dy_i w_i`, summed inside
 /// the products (each adds into the same `dx`), and `dw_i = dy_i^T x`, each
@@ -345,7 +388,7 @@ fn linears_bwd_t<T: Real>(
         x.contiguous()?,
         parts.iter().map(|(w, dy)| Ok((w.contiguous()?, dy.contiguous()?))).collect::<Result<_>>()?,
     );
-    let mut dx = vec![zero::<T>(); n * k];
+    let mut dx = par_zeros::<T>(n * k);
     let mut dws = Vec::with_capacity(parts.len());
     super::with_host::<T, _>(&x, "linears-bwd", |xs| {
         for (i, (w, dy)) in parts.iter().enumerate() {
@@ -509,6 +552,27 @@ mod tests {
         let [ex, ew] =
             worst(&xs, &ws, &dys, &dxv, &rw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), (n, o, k));
         assert!(ex <= tolerance(o, false) && ew <= tolerance(n, false), "{ex:e} {ew:e}");
+    }
+
+    /// The residual added inside the product equals the residual plus the
+    /// projection, to f32's (f64's) rounding, in both dtypes.
+    #[test]
+    fn linear_add_is_the_residual_plus_the_projection() {
+        for dtype in [DType::F64, DType::F32] {
+            let (x, w, res) =
+                (randn(&[3, 7, 40], dtype, 1), randn(&[24, 40], dtype, 2), randn(&[3, 7, 24], dtype, 3));
+            let (x, w, res) = (x.as_tensor(), w.as_tensor(), res.as_tensor());
+            let y = linear_add(res, x, w).unwrap();
+            let want = (res + x.broadcast_matmul(&w.t().unwrap()).unwrap()).unwrap();
+            assert_eq!(y.dims(), res.dims());
+            assert!(rel_err(&y, &want) < tol(dtype), "{dtype:?}: {:e}", rel_err(&y, &want));
+        }
+        let e = linear_add(
+            &Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap(),
+            &Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap(),
+            &Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap(),
+        );
+        assert!(e.is_err());
     }
 
     #[test]

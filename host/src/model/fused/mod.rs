@@ -262,6 +262,8 @@ fn split_like<const N: usize>(flat: &Tensor, like: [&Tensor; N]) -> Grads<N> {
 }
 
 pub mod attention;
+#[cfg(feature = "blas")]
+mod blas;
 pub mod cpu;
 pub mod gemv;
 pub mod head;
@@ -342,6 +344,34 @@ unsafe fn mm_par<T: Real>(
     beta: T,
     par: Parallelism,
 ) {
+    #[cfg(feature = "blas")]
+    if !matches!(par, Parallelism::None)
+        && m * n * k >= blas::MIN_MACS
+        && blas::serves::<T>((m, n, k), dst_rs, (lhs_rs, lhs_cs), (rhs_rs, rhs_cs))
+    {
+        blas::gemm((m, n, k), dst, dst_rs, accumulate, lhs, (lhs_rs, lhs_cs), rhs, (rhs_rs, rhs_cs), beta);
+        return;
+    }
+    mm_crate((m, n, k), dst, dst_rs, accumulate, lhs, (lhs_rs, lhs_cs), rhs, (rhs_rs, rhs_cs), beta, par)
+}
+
+/// [`mm_par`] on the `gemm` crate, whatever the build.
+///
+/// # Safety
+/// As for [`mm`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm_crate<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const T,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const T,
+    (rhs_rs, rhs_cs): (usize, usize),
+    beta: T,
+    par: Parallelism,
+) {
     let alpha = if accumulate { T::from_f64(1.0) } else { zero() };
     gemm::gemm(
         m,
@@ -374,7 +404,138 @@ fn all_threads() -> Parallelism {
     }
 }
 
+/// `len` zeros written by every thread: the kernels' outputs, so that the
+/// first touch of their pages (the kernel's zeroing, the page faults) and
+/// the fill are spread over the cores instead of running on the caller's.
+pub(crate) fn par_zeros<T: Real>(len: usize) -> Vec<T> {
+    use rayon::prelude::*;
+    (0..len).into_par_iter().with_min_len(1 << 16).map(|_| zero::<T>()).collect()
+}
+
+/// A copy of `src` made in parallel, in pieces of at least 64K elements.
+pub(crate) fn par_copy<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+    use rayon::prelude::*;
+    src.par_iter().with_min_len(1 << 16).copied().collect()
+}
+
 /// Rows per rayon task for row-wise kernels of width `n`: about 32K elements.
 fn rows_per_task(n: usize) -> usize {
     (32 * 1024 / n.max(1)).max(1)
+}
+
+/// The library that runs the large products ([`product`]): the `gemm` crate
+/// (every build), or the system's OpenBLAS (`--features blas`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmLib {
+    /// The `gemm` crate over rayon's threads.
+    Crate,
+    /// OpenBLAS, one single-threaded call per rayon thread.
+    Blas,
+}
+
+impl GemmLib {
+    /// The libraries this build has, the crate first.
+    pub fn available() -> &'static [GemmLib] {
+        if cfg!(feature = "blas") {
+            &[GemmLib::Crate, GemmLib::Blas]
+        } else {
+            &[GemmLib::Crate]
+        }
+    }
+
+    /// The name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmLib::Crate => "gemm crate",
+            GemmLib::Blas => "OpenBLAS",
+        }
+    }
+
+    /// The library that serves the large products of this build.
+    pub fn in_use() -> GemmLib {
+        if cfg!(feature = "blas") {
+            GemmLib::Blas
+        } else {
+            GemmLib::Crate
+        }
+    }
+}
+
+/// `c (m×n) = op(a) · op(b)` over all of rayon's threads on `lib`, all
+/// row-major and contiguous: `a` is `m×k` (stored `k×m` when `trans_a`), `b`
+/// is `k×n` (stored `n×k` when `trans_b`). The projections' products as the
+/// kernels call them, for benchmarks and tests; an error for a library this
+/// build lacks or operands that do not match.
+pub fn product<T: WithDType>(
+    lib: GemmLib,
+    (trans_a, trans_b): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+) -> crate::Result<()> {
+    if a.len() != m * k || b.len() != k * n || c.len() != m * n {
+        return Err(crate::Error::invalid(format!(
+            "product: a ({}), b ({}) and c ({}) do not match ({m}, {n}, {k})",
+            a.len(),
+            b.len(),
+            c.len()
+        )));
+    }
+    match T::DTYPE {
+        // SAFETY: T is f32 (f64) in its arm, so the slices reinterpret to themselves.
+        DType::F32 => unsafe {
+            let f = |s: &[T]| std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len());
+            let c = std::slice::from_raw_parts_mut(c.as_mut_ptr() as *mut f32, c.len());
+            product_t::<f32>(lib, (trans_a, trans_b), (m, n, k), f(a), f(b), c)
+        },
+        // SAFETY: as above.
+        DType::F64 => unsafe {
+            let f = |s: &[T]| std::slice::from_raw_parts(s.as_ptr() as *const f64, s.len());
+            let c = std::slice::from_raw_parts_mut(c.as_mut_ptr() as *mut f64, c.len());
+            product_t::<f64>(lib, (trans_a, trans_b), (m, n, k), f(a), f(b), c)
+        },
+        d => Err(crate::Error::invalid(format!("product: {d:?} is not served"))),
+    }
+}
+
+fn product_t<T: Real>(
+    lib: GemmLib,
+    (trans_a, trans_b): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+) -> crate::Result<()> {
+    let a_st = if trans_a { (1, m) } else { (k, 1) };
+    let b_st = if trans_b { (1, k) } else { (n, 1) };
+    let one = T::from_f64(1.0);
+    match lib {
+        // SAFETY: the lengths were checked against (m, n, k) by `product`.
+        GemmLib::Crate => unsafe {
+            mm_crate(
+                (m, n, k),
+                c.as_mut_ptr(),
+                n,
+                false,
+                a.as_ptr(),
+                a_st,
+                b.as_ptr(),
+                b_st,
+                one,
+                all_threads(),
+            )
+        },
+        #[cfg(feature = "blas")]
+        // SAFETY: as above; `serves` is checked first.
+        GemmLib::Blas if blas::serves::<T>((m, n, k), n, a_st, b_st) => unsafe {
+            blas::gemm((m, n, k), c.as_mut_ptr(), n, false, a.as_ptr(), a_st, b.as_ptr(), b_st, one)
+        },
+        GemmLib::Blas => {
+            return Err(crate::Error::invalid(format!(
+                "product: OpenBLAS does not serve ({m}, {n}, {k}) in this build (`--features blas`)"
+            )))
+        }
+    }
+    Ok(())
 }

@@ -5,7 +5,7 @@ use candle_core::{Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::norm::inv_rms;
-use super::{data, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// q/k preparation in one pass: per-head RMSNorm over D with weight `w`, then
@@ -38,7 +38,7 @@ impl Kernel<2> for NormRope {
         let (b, l, nh, d) = self.dims;
         let [x, w] = data::<T, 2>(&ins)?;
         let eps = T::from_f64(self.eps);
-        let mut y = vec![zero::<T>(); x.len()];
+        let mut y = par_zeros::<T>(x.len());
         with_host::<T, _>(&self.cs, Self::NAME, |cs| {
             // One task per (b, h): output rows (b, h, 0..L) are contiguous.
             y.par_chunks_mut(l * d).enumerate().for_each(|(bh, yc)| {
@@ -79,7 +79,7 @@ impl Kernel<3> for NormRopeBwd {
         let (_, l, nh, d) = self.dims;
         let [x, w, dy] = data::<T, 3>(&ins)?;
         let eps = T::from_f64(self.eps);
-        let mut out = vec![zero::<T>(); x.len() + d];
+        let mut out = par_zeros::<T>(x.len() + d);
         let dw = with_host::<T, _>(&self.cs, Self::NAME, |cs| {
             // One task per (b, l): dx rows (b, l, 0..H) are contiguous.
             Ok(out[..x.len()]

@@ -3,7 +3,7 @@
 use candle_core::{Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, split_like, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, split_like, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `silu(gate) * up`, elementwise.
@@ -19,7 +19,7 @@ impl Kernel<2> for SwiGlu {
 
     fn fwd<T: Real>(&self, ins: [Input<'_>; 2]) -> Out<T> {
         let [g, u] = data::<T, 2>(&ins)?;
-        let mut y = vec![zero::<T>(); g.len()];
+        let mut y = par_zeros::<T>(g.len());
         y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
             |(y, (g, u))| {
                 for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
@@ -45,7 +45,7 @@ impl Kernel<3> for SwiGluBwd {
     fn fwd<T: Real>(&self, ins: [Input<'_>; 3]) -> Out<T> {
         let [g, u, dy] = data::<T, 3>(&ins)?;
         let n = g.len();
-        let mut out = vec![zero::<T>(); 2 * n];
+        let mut out = par_zeros::<T>(2 * n);
         let (dg, du) = out.split_at_mut(n);
         let c = 32 * 1024;
         dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).enumerate().for_each(|(i, (dg, du))| {

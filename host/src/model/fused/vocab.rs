@@ -15,7 +15,9 @@ use candle_core::{bail, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::head::row_stats;
-use super::{all_threads, data, mm_par, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{
+    all_threads, data, mm_par, par_zeros, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real,
+};
 use crate::Result;
 
 /// Columns of the op's output per position.
@@ -75,7 +77,7 @@ impl Kernel<2> for VocabStats {
         with_host::<u32, _>(&self.targets, Self::NAME, |targets| {
             let (n, hd, v) = dims(ins[0].layout, ins[1].layout, targets)?;
             let [h, w] = data::<T, 2>(&ins)?;
-            let mut out = vec![zero::<T>(); STATS * n];
+            let mut out = par_zeros::<T>(STATS * n);
             let c = self.tiles.fwd_rows.clamp(1, n.max(1));
             let mut buf = vec![zero::<T>(); c * v];
             for r0 in (0..n).step_by(c) {

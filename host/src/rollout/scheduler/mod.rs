@@ -60,6 +60,10 @@ policies! {
     /// `max_rows / n` prompts, every sequence's maximum length reserved, no
     /// refill until the chunk ends.
     Static => static_batch::StaticBatch;
+    /// Partial rollouts: continuous batching over more groups than a training
+    /// step needs; the call ends as soon as the wanted number of groups have
+    /// all their responses, the unfinished ones left for the next call.
+    Partial => partial::Partial;
 }
 
 pub use continuous::PREFILL_TOKENS;
@@ -79,9 +83,9 @@ pub(super) struct Ready {
 }
 
 impl Scheduler {
-    /// Every one of `prompts` groups waiting under `policy`.
-    pub(super) fn new(policy: Box<dyn Scheduling>, prompts: usize, max_rows: usize) -> Self {
-        Self { queues: Queues::new(prompts), policy, max_rows }
+    /// `queues` (what waits, nothing running yet) under `policy`.
+    pub(super) fn new(policy: Box<dyn Scheduling>, queues: Queues, max_rows: usize) -> Self {
+        Self { queues, policy, max_rows }
     }
 
     /// Whether the policy lets prefix caching run.

@@ -1,5 +1,6 @@
 //! A step's rollouts and dynamic sampling (DAPO, verl's `filter_groups`): `Roller`
-//! draws the prompts, rolls them out and scores them, one generation batch after another;
+//! draws the prompts, rolls them out and scores them, one generation batch after another
+//! (under partial rollouts it takes the whole groups of those in flight, `partial.rs`);
 //! the prompts and scored samples of a step gathered over those batches (`Gathered`)
 //! keep only groups whose rewards are mixed until the step's target is held over all
 //! ranks; `StepBatch` is what the gathering collected for the step. A `Roller` borrows
@@ -13,6 +14,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use super::metrics::RolloutFigures;
+use super::partial::PartialSource;
 use super::plan::{mix, StepPlan};
 use super::prompts::PromptSource;
 use crate::data::{Example, Prompt};
@@ -20,7 +22,7 @@ use crate::dist::{self, Comm};
 use crate::guard::signal;
 use crate::model::Qwen3;
 use crate::reward;
-use crate::rollout::{EngineStats, GenerateOptions, Sample};
+use crate::rollout::{EngineStats, GenerateOptions, PartialFigures, Sample};
 use crate::train::update::Sequence;
 use crate::train::RunConfig;
 use crate::Result;
@@ -32,8 +34,12 @@ pub(super) struct Roller<'a> {
     pub(super) prompts: &'a mut PromptSource,
     pub(super) comm: &'a dyn Comm,
     pub(super) model: &'a Qwen3,
-    /// The step the rollouts are for (it seeds them).
+    /// The step the rollouts are for (it seeds them; under partial rollouts, the policy
+    /// version that samples them).
     pub(super) step: u64,
+    /// Under partial rollouts (`rollout.partial`): the groups in flight between steps,
+    /// which the step's groups come from.
+    pub(super) partial: Option<&'a mut PartialSource>,
 }
 
 impl Roller<'_> {
@@ -55,7 +61,10 @@ impl Roller<'_> {
         let mut last_round;
         loop {
             let t0 = Instant::now();
-            let round = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            let (round, partial) = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            if let Some(f) = partial {
+                b.partial.get_or_insert_with(Default::default).add(&f);
+            }
             b.rollout_secs += t0.elapsed().as_secs_f64();
             b.local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
             b.engine.add(&round.stats);
@@ -96,17 +105,15 @@ impl Roller<'_> {
 
     /// Generation batch `round` of the step: the next `data.prompts_per_step` prompts, rolled
     /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
+    /// Under partial rollouts, the next `data.prompts_per_step` whole groups of those in
+    /// flight ([`PartialSource`]), with the partial figures.
     fn roll_out(
         &mut self,
         plan: &StepPlan,
         round: u64,
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&AtomicBool>,
-    ) -> Result<Gathered> {
-        // Each rank samples its share of the global batch, with each response's seed from
-        // its global prompt index.
-        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, self.comm)?;
-        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
+    ) -> Result<(Gathered, Option<PartialFigures>)> {
         let mut sampling = plan.sampling.clone();
         let seed = mix(self.cfg.seed, self.step);
         sampling.seed = if round == 0 { seed } else { mix(seed, round) };
@@ -121,9 +128,22 @@ impl Roller<'_> {
             progress: Some(&progress_and_signal),
             cancel,
             engine: self.cfg.rollout.engine,
-            first_prompt_index: share.start,
             ..GenerateOptions::default()
         };
+        if let Some(source) = self.partial.as_deref_mut() {
+            let (mut g, figures) =
+                source.next_groups(self.prompts, self.comm, self.model, self.cfg, &sampling, &opts, step)?;
+            for s in &mut g.samples {
+                let v = reward::verify(&g.examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
+                s.reward = Some(if v.correct { 1.0 } else { 0.0 });
+            }
+            return Ok((g, Some(figures)));
+        }
+        // Each rank samples its share of the global batch, with each response's seed from
+        // its global prompt index.
+        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, self.comm)?;
+        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
+        let opts = GenerateOptions { first_prompt_index: share.start, ..opts };
         let gen = self.prompts.generator(self.model);
         let generated = gen.generate(&prompts, &sampling, &opts)?;
         let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
@@ -133,7 +153,7 @@ impl Roller<'_> {
             // Group ids are global prompt indices (the update orders ranks' groups by them).
             s.group += share.start;
         }
-        Ok(Gathered { examples, texts, samples, stats })
+        Ok((Gathered { examples, texts, samples, stats }, None))
     }
 }
 
@@ -148,6 +168,8 @@ pub(super) struct StepBatch {
     pub(super) gen_batches: usize,
     pub(super) groups_dropped: usize,
     pub(super) engine: RolloutFigures,
+    /// Under partial rollouts: staleness, carried and recomputed responses.
+    pub(super) partial: Option<PartialFigures>,
 }
 
 /// The prompts and scored samples of a step, gathered over one or more generation
@@ -231,6 +253,7 @@ mod tests {
                     logprobs: vec![0.; 2],
                     old_logprobs: vec![0.; 2],
                     entropies: vec![0.; 2],
+                    versions: Vec::new(),
                     text: String::new(),
                     finish: Finish::Eos,
                     truncated: false,

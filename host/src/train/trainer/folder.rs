@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::metrics::StepMetrics;
+use super::partial::PartialState;
 use crate::data::SamplerState;
 use crate::eval::{self, EvalReport};
 use crate::files::{append_line, write_file_atomically};
@@ -43,6 +44,10 @@ pub(super) struct TrainerState {
     /// Rollbacks so far.
     #[serde(default)]
     pub rollbacks: usize,
+    /// Under partial rollouts: the groups in flight, their unfinished responses and
+    /// problems, continued by a resumed run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial: Option<PartialState>,
 }
 
 fn one() -> f64 {

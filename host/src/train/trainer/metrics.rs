@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rollout::EngineStats;
+use crate::rollout::stats::{rows_per_call, rows_per_call_tail};
+use crate::rollout::{EngineStats, PartialFigures};
 use crate::train::update::UpdateMetrics;
 
 /// Per-step metrics: the update's, plus rollout and timing figures.
@@ -43,6 +44,11 @@ pub struct StepMetrics {
     /// Groups dynamic sampling dropped before the update (all rewards equal).
     #[serde(default)]
     pub groups_dropped: usize,
+    /// Under partial rollouts (`rollout.partial`): the staleness of the tokens the update
+    /// used (mean, max, histogram), the share drawn by an older policy, the responses
+    /// carried over, resumed, recomputed, restarted and dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial: Option<PartialFigures>,
     /// `rollout.async`: staleness and waits (absent from synchronous runs).
     #[serde(rename = "async", default, skip_serializing_if = "Option::is_none")]
     pub asynchronous: Option<AsyncFigures>,
@@ -121,6 +127,14 @@ pub struct RolloutFigures {
     pub prefix_cache_hit_tokens: usize,
     /// `prefix_cache_hit_tokens / prefix_cache_queried_tokens` (0 when nothing was looked up).
     pub prefix_cache_hit_rate: f64,
+    /// Rows per decode call (every row adding one token) over the step.
+    pub rows_per_decode_call: f64,
+    /// Rows per decode call over the step's last 10% of decode calls: where the
+    /// longest responses run alone.
+    pub rows_per_decode_call_last10: f64,
+    /// Rows of each decode call of the step (not written).
+    #[serde(skip)]
+    decode_rows: Vec<u32>,
 }
 
 impl RolloutFigures {
@@ -139,6 +153,9 @@ impl RolloutFigures {
         self.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens;
         self.prefix_cache_hit_rate =
             self.prefix_cache_hit_tokens as f64 / self.prefix_cache_queried_tokens.max(1) as f64;
+        self.decode_rows.extend_from_slice(&s.decode_rows);
+        self.rows_per_decode_call = rows_per_call(&self.decode_rows);
+        self.rows_per_decode_call_last10 = rows_per_call_tail(&self.decode_rows, 0.1);
     }
 }
 

@@ -51,6 +51,16 @@ pub(super) fn check_ranks(cfg: &RunConfig, comm: &dyn Comm) -> Result<()> {
             ),
         });
     }
+    if cfg.rollout.partial.enable && comm.size() > 1 {
+        return Err(Error::Config {
+            file: "run config".into(),
+            field: "rollout.partial.enable".into(),
+            msg: format!(
+                "partial rollouts run in one process; this run has {} ranks (turn them off, or run one rank)",
+                comm.size()
+            ),
+        });
+    }
     Ok(())
 }
 
