@@ -20,8 +20,9 @@
 //! - `prompts.rs`: [`PromptSource`] (data, epoch sampler, tokenizer, template);
 //! - `folder.rs`: [`RunFolder`] (every file of the run folder and TensorBoard);
 //! - `plan.rs`: the step plan ([`StepPlan`]) and the per-step seeds;
-//! - `dynamic.rs`: a step's rollouts (`Roller`) and dynamic sampling (the groups with
-//!   mixed rewards gathered over generation batches);
+//! - `roller.rs`: a step's rollouts (`Roller`: prompts drawn, rolled out, scored);
+//! - `dynamic.rs`: dynamic sampling (the groups with mixed rewards gathered over
+//!   generation batches);
 //! - `partial.rs`: partial rollouts (`rollout.partial`): the groups in flight between
 //!   steps (`PartialSource`), saved with each checkpoint;
 //! - `ahead.rs`: one-step-off training (`rollout.async`): the next step's rollout drawn
@@ -42,6 +43,7 @@ mod partial;
 mod plan;
 mod policy;
 mod prompts;
+mod roller;
 mod setup;
 
 use std::collections::HashSet;
@@ -64,7 +66,7 @@ use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRe
 use crate::train::RunConfig;
 use crate::{Error, Result};
 use ahead::{Ahead, Pools};
-use dynamic::{Gathered, Roller, StepBatch};
+use dynamic::{Gathered, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
@@ -74,6 +76,7 @@ use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
 pub use prompts::PromptSource;
+use roller::Roller;
 use setup::{check_eval_sampling, check_ranks, load_model};
 
 /// A training run in progress, composed of its parts: the policy (model, optimizer,
