@@ -1,6 +1,6 @@
 //! Partial rollouts (Kimi k1.5 §2.6.2; slime's `--partial-rollout`; AReaL's
 //! interruptible rollouts): the groups in flight between a run's steps
-//! ([`PartialRollout`]) and one step of them ([`PartialRollout::step`]).
+//! ([`PartialRollout`]) and one step of them (`PartialRollout::step`).
 //!
 //! A training step waits for its longest response; with partial rollouts the
 //! engine holds more groups than the step needs (`rollout.partial.extra_prompts`)
