@@ -21,6 +21,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if a.what == What::Kernels {
         return bench_kernels(a.reps);
     }
+    if a.what == What::Async {
+        return super::bench_async::run(&a);
+    }
     let (device, dtype) = a.device.resolve()?;
     let cfg = a.shape.config()?;
     let seq = *a.seqs.first().context("--seq: give at least one length")?;

@@ -42,6 +42,11 @@ pub enum What {
     /// (AMX, AVX-512 BF16, AVX2, portable) against f64, with GFLOP/s and the
     /// roofline peaks; exits non-zero on a mismatch. No model is built.
     Kernels,
+    /// Steps per hour of a training run on the bundled tiny model and arithmetic task,
+    /// synchronous against one step off (`rollout.async`), on the same cores:
+    /// `--steps` steps of `--prompts` prompts x `--samples` samples of at most
+    /// `--max-new` tokens each, `--rounds` rounds of (synchronous, asynchronous).
+    Async,
     /// Everything.
     All,
 }
@@ -155,9 +160,10 @@ pub struct BenchArgs {
     /// prompt's `--rollout-prompt` own tokens, so that prefix caching has something to find.
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
-    /// `rollout`: consecutive training steps' rollouts in each run of `--partial`.
-    #[arg(long, default_value_t = 1)]
-    pub steps: usize,
+    /// `rollout --partial`: consecutive training steps' rollouts in each run (default 1);
+    /// `async`: training steps of each run (default 4).
+    #[arg(long)]
+    pub steps: Option<usize>,
     /// `rollout`: synchronous steps (`off`: each step samples `--prompts` prompts and
     /// waits for all their responses) against partial rollouts (`on`: `--prompts` plus
     /// `--extra-prompts` groups in flight, a step ends when `--prompts` groups are whole,
@@ -179,6 +185,13 @@ pub struct BenchArgs {
     /// the most tokens/s on this machine.
     #[arg(long, value_delimiter = ',')]
     pub rows_sweep: Vec<usize>,
+    /// `async`: threads of the rollout drawn ahead (`rollout.async.rollout_threads`; 0: the
+    /// process's pool, shared with the update).
+    #[arg(long, default_value_t = 0)]
+    pub rollout_threads: usize,
+    /// `async`: threads of the update beside it (`rollout.async.train_threads`).
+    #[arg(long, default_value_t = 0)]
+    pub train_threads: usize,
     /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
     #[arg(long, default_value = "none")]
     pub shard: String,

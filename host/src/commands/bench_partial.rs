@@ -88,12 +88,13 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     })?;
     let dist = LogNormal::parse(spec)?;
     let modes = modes(a.partial.as_deref().unwrap_or("off,on"))?;
-    anyhow::ensure!(a.steps >= 1, "--steps: at least 1");
+    let steps = a.steps.unwrap_or(1);
+    anyhow::ensure!(steps >= 1, "--steps: at least 1");
     anyhow::ensure!(a.rollout_prompt >= 1, "--rollout-prompt: at least 1 token");
     let (per_step, n) = (a.prompts.max(1), a.samples.max(1));
     let extra = a.extra_prompts.unwrap_or(per_step);
     let max_new = a.max_new.max(dist.hi);
-    let prompts_needed = (a.steps + 1) * per_step + extra;
+    let prompts_needed = (steps + 1) * per_step + extra;
     let setup = Setup {
         prompt_len: a.rollout_prompt,
         vocab: m.config().vocab_size as u32,
@@ -112,12 +113,12 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         },
         per_step,
         extra,
-        steps: a.steps,
+        steps,
     };
     println!(
         "partial rollouts: {} steps of {per_step} prompts x {n} of {} tokens, lengths {spec}, max {max_new} new; \
          partial keeps {} groups in flight; {} rows, cache {}",
-        a.steps,
+        steps,
         a.rollout_prompt,
         per_step + extra,
         setup.engine.rows(m),
@@ -154,7 +155,7 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
             "{}: {:.0} tok/s over {} steps x {} rounds, {:.1} rows per decode call, {:.1} in the steps' last 10%",
             name(on),
             t.tokens_per_sec(),
-            a.steps,
+            steps,
             a.rounds.max(1),
             rows_per_call(&t.decode_rows),
             t.tail_rows()
@@ -166,7 +167,7 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         println!(
             "partial: {:.2}x the synchronous tokens/s over {} steps, rows per call {:.1} vs {:.1}",
             p.tokens_per_sec() / s.tokens_per_sec().max(1e-9),
-            a.steps,
+            steps,
             p.tail_rows(),
             s.tail_rows()
         );

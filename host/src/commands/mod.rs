@@ -1,6 +1,7 @@
 //! Command-line definitions (clap) and the code behind each subcommand.
 
 pub mod bench;
+pub mod bench_async;
 pub mod bench_common;
 pub mod bench_gemm;
 pub mod bench_lengths;

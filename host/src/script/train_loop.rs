@@ -612,6 +612,7 @@ fn run_steps(
     let run_name =
         trainer.run_dir().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let cancel = host.cancel_flag();
+    trainer.set_final_step(steps);
     while trainer.step_count() < steps {
         if host.cancelled() {
             return Err(Error::invalid(format!(

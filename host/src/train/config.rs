@@ -146,6 +146,49 @@ pub struct RolloutConfig {
     /// ends when `data.prompts_per_step` groups are whole, the unfinished responses
     /// continue in the next step under the updated weights ([`PartialConfig`]).
     pub partial: PartialConfig,
+    /// One-step-off asynchronous training (`#{staleness, rollout_threads, train_threads}`):
+    /// with `staleness: 1` the rollout of step k+1 runs while step k's update does.
+    #[serde(rename = "async")]
+    pub asynchronous: AsyncConfig,
+}
+
+/// `rollout.async`: one-step-off asynchronous training (verl's `one_step_off_policy`).
+///
+/// With `staleness: 1`, the rollout of step k+1 starts when the update of step k starts, in
+/// a second thread of the process, sampling a copy of the weights update k starts from (the
+/// weights update k-1 produced); step k+1 then trains on it, one policy version behind. The
+/// default, `staleness: 0`, is the synchronous run: each step rolls out and then updates.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncConfig {
+    /// Policy versions a rollout may lag behind the weights that train on it: 0 or 1.
+    pub staleness: u32,
+    /// Threads of the rollout thread's pool while it runs beside an update (0: the
+    /// process's pool, shared with the update).
+    pub rollout_threads: usize,
+    /// Threads of the update's pool while a rollout runs beside it (0: the process's pool).
+    pub train_threads: usize,
+}
+
+impl AsyncConfig {
+    /// Whether rollouts run one step ahead of the updates.
+    pub fn enabled(&self) -> bool {
+        self.staleness > 0
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.staleness > 1 {
+            return Err(under(
+                "rollout.async",
+                "staleness",
+                Error::invalid(format!(
+                    "expected 0 (synchronous) or 1 (one step off), found {}",
+                    self.staleness
+                )),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for RolloutConfig {
@@ -156,16 +199,30 @@ impl Default for RolloutConfig {
             max_num_gen_batches: 10,
             engine: EngineConfig::default(),
             partial: PartialConfig::default(),
+            asynchronous: AsyncConfig::default(),
         }
     }
 }
 
 impl RolloutConfig {
-    /// Checks the sampling (the vocabulary is checked when the model is loaded) and dtype.
+    /// Checks the sampling (the vocabulary is checked when the model is loaded), the dtype,
+    /// `async` and that it is not combined with `partial`.
     pub fn validate(&self) -> Result<()> {
         self.sampling.validate(usize::MAX).map_err(|e| under("rollout", "sampling", e))?;
         if let Some(d) = &self.dtype {
             model::parse_dtype(d).map_err(|e| under("rollout", "dtype", e))?;
+        }
+        self.asynchronous.validate()?;
+        if self.asynchronous.enabled() && self.partial.enable {
+            // Both carry rollouts across updates, each with its own staleness bookkeeping:
+            // the rollout drawn ahead would continue groups the step before still holds.
+            return Err(Error::Config {
+                file: "run config".into(),
+                field: "rollout.async.staleness".into(),
+                msg: "one-step-off training (rollout.async.staleness 1) and partial rollouts \
+                      (rollout.partial.enable) cannot be combined: turn one of them off"
+                    .into(),
+            });
         }
         // Its errors already name `rollout.engine.<field>`.
         self.engine.validate()

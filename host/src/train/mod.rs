@@ -11,13 +11,14 @@ pub mod trainer;
 pub mod update;
 
 pub use config::{
-    CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig,
+    AsyncConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, RolloutConfig,
+    RunConfig,
 };
 pub use optim::{
     is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, Optimizer, ShardMode, ShardedAdamW, StepReport,
 };
 pub use sft::{pretrain_tiny, sft_loss, sft_step, SftMetrics, TinyConfig, TinyReport};
-pub use trainer::{ResumeOptions, RolloutFigures, StepMetrics, StepPlan, Trainer};
+pub use trainer::{AsyncFigures, ResumeOptions, RolloutFigures, StepMetrics, StepPlan, Trainer};
 pub use update::{
     token_analysis, update, ActorConfig, AppliedThresholds, OldLogp, Sequence, TokenAnalysis, UpdateConfig,
     UpdateMetrics, UpdateOptions, UpdateOutcome, UpdateRecord,

@@ -198,6 +198,7 @@ const VERL_ALIASES: &[(&str, &str)] = &[
     ("response_length/clip_ratio", "truncation_rate"),
     ("timing_s/gen", "rollout_secs"),
     ("timing_s/update_actor", "update_secs"),
+    ("timing_s/wait_prev_gen", "async/wait_rollout_secs"),
     ("rollout_corr/kl", "rollout_corr/kl"),
     ("rollout_corr/k3_kl", "rollout_corr/k3_kl"),
     ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_mean"),

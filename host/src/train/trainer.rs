@@ -20,8 +20,13 @@
 //! - `prompts.rs`: [`PromptSource`] (data, epoch sampler, tokenizer, template);
 //! - `folder.rs`: [`RunFolder`] (every file of the run folder and TensorBoard);
 //! - `plan.rs`: the step plan ([`StepPlan`]) and the per-step seeds;
+//! - `roller.rs`: a step's rollouts (`Roller`: prompts drawn, rolled out, scored);
 //! - `dynamic.rs`: dynamic sampling (the groups with mixed rewards gathered over
 //!   generation batches);
+//! - `partial.rs`: partial rollouts (`rollout.partial`): the groups in flight between
+//!   steps (`PartialSource`), saved with each checkpoint;
+//! - `ahead.rs`: one-step-off training (`rollout.async`): the next step's rollout drawn
+//!   in a second thread beside the update, the staleness check, the async metrics;
 //! - `metrics.rs`: what a step reports ([`StepMetrics`]) and the warnings on their way;
 //! - `setup.rs`: configuration glue (device and model of a rank, checks of the config);
 //!
@@ -30,6 +35,7 @@
 //! and checkpoints. It depends on every part, on `rollout`, `eval`, `reward`, `guard`,
 //! `dist` and `train::update`; the configuration tree is [`RunConfig`] (`train/config.rs`).
 
+mod ahead;
 mod dynamic;
 mod folder;
 mod metrics;
@@ -37,37 +43,40 @@ mod partial;
 mod plan;
 mod policy;
 mod prompts;
+mod roller;
 mod setup;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::algo::{ObjectiveConfig, S2tThresholds};
-use crate::data::{Example, Prompt, Tokenizer};
+use crate::data::{Example, Tokenizer};
 use crate::dist::{self, Comm};
 use crate::eval::{self, EvalReport};
 use crate::guard::divergence::{Finding, StepSigns};
 use crate::guard::folder::{claim_new_run_folder, remove_leftovers};
 use crate::guard::{check_folder_finite, signal, DivergenceWatch, NonFiniteStreak, OnDivergence, RunLock};
-use crate::model::Qwen3;
-use crate::reward;
-use crate::rollout::{GenerateOptions, PartialFigures, PromptInfo, RolloutBatch};
+use crate::model::{Qwen3, RolloutCopy};
+use crate::rollout::{PromptInfo, RolloutBatch};
 use crate::train::spurious::{SpuriousLog, SpuriousPoints};
 use crate::train::update::{self, Sequence, UpdateConfig, UpdateMetrics, UpdateRecord};
 use crate::train::RunConfig;
 use crate::{Error, Result};
+use ahead::{Ahead, Pools};
 use dynamic::{Gathered, StepBatch};
 pub use folder::RunFolder;
 use folder::TrainerState;
 use metrics::Notes;
-pub use metrics::{RolloutFigures, StepMetrics};
+pub use metrics::{AsyncFigures, RolloutFigures, StepMetrics};
 use partial::PartialSource;
 use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
 pub use prompts::PromptSource;
+use roller::Roller;
 use setup::{check_eval_sampling, check_ranks, load_model};
 
 /// A training run in progress, composed of its parts: the policy (model, optimizer,
@@ -101,6 +110,14 @@ pub struct Trainer {
     rollbacks: usize,
     /// The groups in flight between steps under partial rollouts (`rollout.partial`).
     partial: Option<PartialSource>,
+    /// `rollout.async`: the next step's rollout, drawn beside this step's update.
+    ahead: Option<Ahead>,
+    /// `rollout.async`: the copy of the weights the rollout drawn ahead samples.
+    behind: Option<RolloutCopy>,
+    /// `rollout.async`: the thread pools of the rollout and the update.
+    pools: Pools,
+    /// The step the run ends before (no rollout is drawn ahead for it); `None`: unknown.
+    final_step: Option<u64>,
     /// The run folder's lock (rank 0, which writes it), released on drop or exit.
     _lock: Option<RunLock>,
 }
@@ -120,6 +137,8 @@ struct LastStep {
     rollout: Option<RolloutBatch>,
     /// What the last update used, one entry per sample of `rollout`.
     update: Option<UpdateRecord>,
+    /// The policy version that sampled `rollout`.
+    version: Option<u64>,
     eval: Option<EvalReport>,
 }
 
@@ -279,6 +298,10 @@ impl Trainer {
             lr_scale: state.map_or(1.0, |s| s.lr_scale),
             rollbacks: state.map_or(0, |s| s.rollbacks),
             partial,
+            ahead: None,
+            behind: None,
+            pools: Pools::new(&cfg.rollout.asynchronous)?,
+            final_step: None,
             _lock: None,
             cfg,
             comm,
@@ -347,6 +370,17 @@ impl Trainer {
         self.spurious.points()
     }
 
+    /// Tells the trainer the run ends before step `steps`, so that under `rollout.async` no
+    /// rollout is drawn ahead for a step that will not run.
+    pub fn set_final_step(&mut self, steps: u64) {
+        self.final_step = Some(steps);
+    }
+
+    /// The policy version (updates applied) that sampled the last step's rollout.
+    pub fn last_rollout_version(&self) -> Option<u64> {
+        self.last.version
+    }
+
     /// The configuration's plan for the next step (schedules applied).
     pub fn default_plan(&self) -> StepPlan {
         StepPlan::from_config(&self.cfg, &self.objective, self.step)
@@ -378,10 +412,14 @@ impl Trainer {
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<StepMetrics> {
-        let (step, sampler) = (self.step, self.prompts.sampler_state());
+        // A rollout drawn ahead holds prompts drawn after the step's own: a failed step gives
+        // both back, and the step runs again rolling out its prompts itself.
+        let sampler = self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before);
+        let step = self.step;
         let in_flight = self.partial.clone();
         let r = self.step_inner(plan, progress, cancel);
         if r.is_err() && self.step == step {
+            self.ahead = None;
             self.prompts.restore_sampler(sampler)?;
             self.partial = in_flight;
         }
@@ -404,7 +442,16 @@ impl Trainer {
             self.evaluate(None)?;
         }
         let mut warnings = std::mem::take(&mut self.notes.pending);
-        let batch = self.gather(plan, progress, cancel, &mut warnings)?;
+        let t0 = Instant::now();
+        let (batch, version) = self.take_rollout(plan, progress, cancel, &mut warnings)?;
+        let asynchronous = &self.cfg.rollout.asynchronous;
+        let lag = ahead::check_staleness(step, version, asynchronous.staleness)?;
+        let mut figures = asynchronous.enabled().then(|| {
+            let mut f = AsyncFigures::with_lag(lag, batch.local_tokens);
+            // A rollout drawn now, not ahead, is waited for whole.
+            f.wait_rollout_secs = if version == step { t0.elapsed().as_secs_f64() } else { 0.0 };
+            f
+        });
         let Gathered { examples, texts: prompt_texts, samples, .. } = batch.kept;
         let seqs: Vec<Sequence> =
             samples.iter().map(|s| Sequence::from_sample(s, s.reward.unwrap_or(0.0))).collect();
@@ -417,7 +464,9 @@ impl Trainer {
             None if watch_norm => self.trainable_norm()?,
             None => 0.0,
         };
-        let (outcome, objective) = self.train_on(plan, &seqs, &mut warnings)?;
+        let ucfg = self.update_config(plan, lag, &mut warnings)?;
+        let outcome = self.update_step(plan, &seqs, &ucfg, cancel, figures.as_mut(), &mut warnings)?;
+        let objective = ucfg.actor.objective;
         self.weight_norm = if watch_norm { Some(self.trainable_norm()?) } else { None };
         // A skipped update left the weights as they were; too many in a row stop the run
         // (after this step's metrics are logged).
@@ -454,6 +503,7 @@ impl Trainer {
             .collect();
         self.last.rollout = Some(RolloutBatch::new(samples, prompts_info));
         self.last.update = Some(outcome.record);
+        self.last.version = Some(version);
         self.step += 1;
 
         let signs = StepSigns {
@@ -490,6 +540,7 @@ impl Trainer {
             gen_batches: batch.gen_batches,
             groups_dropped,
             partial: batch.partial.clone(),
+            asynchronous: figures,
             eval_avg: None,
             eval_pass: None,
         };
@@ -558,6 +609,7 @@ impl Trainer {
                 let mut t = Trainer::resume_on(comm, &dir)?;
                 t.lr_scale = lr_scale;
                 t.rollbacks = rollbacks;
+                t.final_step = self.final_step;
                 let note = format!(
                     "{what}; rolled back to step-{g:06} with the learning rate scaled by {lr_scale} \
                      (rollback {rollbacks} of at most {}, guard.rollback_lr_scale = {})",
@@ -613,91 +665,148 @@ impl Trainer {
         Ok(())
     }
 
-    /// The step's rollouts, scored. With dynamic sampling, keeps generating batches of
-    /// prompts until `data.prompts_per_step` groups have mixed rewards (verl `filter_groups`),
-    /// at most `rollout.max_num_gen_batches` batches (0 = no limit).
-    fn gather(
+    /// The configuration of this step's update (the objective fitted to the run's response
+    /// budget, logits divided by the sampling temperature as verl does, so that the ratio
+    /// is on-policy; T <= 0 is greedy: none; the rollout correction resolved for rollouts
+    /// sampled by a copy in another dtype or `lag` policy versions ago), its notes passed on.
+    fn update_config(
         &mut self,
         plan: &StepPlan,
-        progress: Option<&dyn Fn(usize)>,
-        cancel: Option<&std::sync::atomic::AtomicBool>,
+        lag: u64,
         warnings: &mut Vec<String>,
-    ) -> Result<StepBatch> {
-        let target = self.cfg.data.prompts_per_step;
-        let dynamic = plan.objective.dynamic_sampling;
-        let mut b = StepBatch::default();
-        // Mixed groups held over all ranks.
-        let mut held = 0usize;
-        let mut last_round;
-        loop {
-            let t0 = Instant::now();
-            let (round, partial) = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
-            if let Some(f) = partial {
-                b.partial.get_or_insert_with(Default::default).add(&f);
-            }
-            b.rollout_secs += t0.elapsed().as_secs_f64();
-            b.local_tokens += round.samples.iter().map(|s| s.response_ids.len()).sum::<usize>();
-            b.engine.add(&round.stats);
-            let offset = b.all_seqs.len();
-            b.all_seqs.extend(round.samples.iter().map(|s| {
-                let mut q = Sequence::from_sample(s, s.reward.unwrap_or(0.0));
-                q.group += offset; // unique across batches, for the batch metrics
-                q
-            }));
-            b.gen_batches += 1;
-            if !dynamic {
-                b.kept = round;
-                return Ok(b);
-            }
-            let (dropped, now) = b.kept.add_mixed(&*self.comm, &round, target, held)?;
-            b.groups_dropped += dropped;
-            held = now;
-            last_round = round;
-            if held >= target {
-                break;
-            }
-            let max_batches = self.cfg.rollout.max_num_gen_batches;
-            if max_batches > 0 && b.gen_batches >= max_batches {
-                warnings.push(format!(
-                    "dynamic sampling: {held} of {target} groups with mixed rewards after {} \
-                     generation batches (max_num_gen_batches); updating on fewer",
-                    b.gen_batches
-                ));
-                break;
-            }
-        }
-        if held == 0 {
-            // No group had mixed rewards: the update drops them all and reports it.
-            b.kept = last_round;
-        }
-        Ok(b)
-    }
-
-    /// The update of this step on `seqs` (the objective fitted to the run's response budget,
-    /// logits divided by the sampling temperature as verl does, so that the ratio is
-    /// on-policy; T <= 0 is greedy: none), then the rollout copy refreshed.
-    fn train_on(
-        &mut self,
-        plan: &StepPlan,
-        seqs: &[Sequence],
-        warnings: &mut Vec<String>,
-    ) -> Result<(update::UpdateOutcome, ObjectiveConfig)> {
+    ) -> Result<UpdateConfig> {
         let mut actor = self.cfg.actor.clone();
         actor.objective = plan.objective.clone();
         let (ucfg, notes) = UpdateConfig::build(
             actor,
             Some(plan.sampling.max_new_tokens),
             plan.sampling.temperature,
-            self.policy.samples_from_copy(),
+            self.policy.samples_from_copy() || lag > 0,
             mix(self.cfg.seed ^ 0x5eed, self.step),
             self.cfg.logging.token_grad_norms,
         )?;
         for note in notes {
             self.notes.once(note, warnings);
         }
+        Ok(ucfg)
+    }
+
+    /// The rollout this step trains on and the policy version that sampled it: the one
+    /// drawn ahead during the last step when it was drawn with this plan's sampling, else
+    /// rolled out now under the current weights (version `self.step`).
+    fn take_rollout(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&AtomicBool>,
+        warnings: &mut Vec<String>,
+    ) -> Result<(StepBatch, u64)> {
+        if let Some(a) = self.ahead.take() {
+            if a.drawn_with(plan) {
+                warnings.extend(a.warnings);
+                return Ok((a.batch, a.version));
+            }
+            self.prompts.restore_sampler(a.sampler_before)?;
+            self.notes.once(
+                "rollout.async: the step's sampling settings differ from those the rollout drawn ahead \
+                 used; it was discarded and the step rolled out again under the current weights"
+                    .into(),
+                warnings,
+            );
+        }
+        let mut r = Roller {
+            cfg: &self.cfg,
+            prompts: &mut self.prompts,
+            comm: &*self.comm,
+            model: self.policy.sampling_model(),
+            step: self.step,
+            partial: self.partial.as_mut(),
+        };
+        Ok((r.gather(plan, progress, cancel, warnings)?, self.step))
+    }
+
+    /// Whether this step draws the next step's rollout beside its update.
+    fn draws_ahead(&self) -> bool {
+        self.cfg.rollout.asynchronous.enabled() && self.final_step.is_none_or(|f| self.step + 1 < f)
+    }
+
+    /// The update of this step on `seqs` under `ucfg`, then the rollout copy refreshed;
+    /// under `rollout.async` with a next step to come, the next step's rollout runs beside
+    /// it in a second thread, on a copy of the weights the update starts from, and is kept
+    /// for that step (`Ahead`; given up, its prompts put back, when cancelled or failed).
+    fn update_step(
+        &mut self,
+        plan: &StepPlan,
+        seqs: &[Sequence],
+        ucfg: &UpdateConfig,
+        cancel: Option<&AtomicBool>,
+        figures: Option<&mut AsyncFigures>,
+        warnings: &mut Vec<String>,
+    ) -> Result<update::UpdateOutcome> {
         let pad_id = self.prompts.tokenizer().pad_id();
-        let outcome = self.policy.update(&*self.comm, seqs, &ucfg, plan.lr * self.lr_scale, pad_id)?;
-        Ok((outcome, ucfg.actor.objective))
+        let lr = plan.lr * self.lr_scale;
+        let Some(figures) = figures.filter(|_| self.draws_ahead()) else {
+            return self.pools.train(|| self.policy.update(&*self.comm, seqs, ucfg, lr, pad_id));
+        };
+        // The copy the rollout thread samples: the weights this update starts from.
+        let t = Instant::now();
+        match &self.behind {
+            Some(b) => b.refresh(self.policy.model())?,
+            None => {
+                let dtype = self.policy.sampling_model().dtype();
+                self.behind = Some(RolloutCopy::new(self.policy.model(), dtype)?);
+            }
+        }
+        figures.weight_copy_secs = t.elapsed().as_secs_f64();
+        let sampler_before = self.prompts.sampler_state();
+        let (version, next) = (self.step, self.step + 1);
+        let (policy, pools, comm) = (&mut self.policy, &self.pools, &*self.comm);
+        let mut roller = Roller {
+            cfg: &self.cfg,
+            prompts: &mut self.prompts,
+            comm,
+            model: self.behind.as_ref().map(|b| b.model()).ok_or_else(|| Error::invalid("no weight copy"))?,
+            step: next,
+            // Partial rollouts are refused under `rollout.async` (`RolloutConfig::validate`).
+            partial: None,
+        };
+        let (outcome, update_took, (ahead, ahead_warnings, rollout_took)) = std::thread::scope(|s| {
+            let rollout = s.spawn(|| {
+                let t = Instant::now();
+                let mut w = Vec::new();
+                let r = pools.rollout(|| roller.gather(plan, None, cancel, &mut w));
+                (r, w, t.elapsed())
+            });
+            let t = Instant::now();
+            let outcome = pools.train(|| policy.update(comm, seqs, ucfg, lr, pad_id));
+            let took = t.elapsed();
+            let joined = rollout.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (outcome, took, joined)
+        });
+        figures.overlap(update_took, rollout_took);
+        match ahead {
+            Ok(batch) => {
+                self.ahead = Some(Ahead {
+                    batch,
+                    version,
+                    sampling: plan.sampling.clone(),
+                    dynamic_sampling: plan.objective.dynamic_sampling,
+                    sampler_before,
+                    warnings: ahead_warnings,
+                })
+            }
+            Err(e) => {
+                // Its prompts are drawn again by the step that needs them.
+                self.prompts.restore_sampler(sampler_before)?;
+                if !cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+                    warnings.push(format!(
+                        "rollout.async: the rollout of step {next} drawn ahead failed ({e}); that step \
+                         rolls out again when it runs"
+                    ));
+                }
+            }
+        }
+        outcome
     }
 
     /// The batch metrics, computed once over everything sampled this step (also the groups
@@ -716,67 +825,6 @@ impl Trainer {
         update::batch_metrics(&*self.comm, all_seqs, &scored_all, um)?;
         um.dropped_seqs += (n_all - n_seqs) as usize;
         Ok(dropped as usize)
-    }
-
-    /// Generation batch `round` of this step: the next `data.prompts_per_step` prompts, rolled
-    /// out under `plan` and scored. Batch 0 is seeded as a step without refills always was.
-    /// Under partial rollouts, the next `data.prompts_per_step` whole groups of those in
-    /// flight ([`PartialSource`]), with the partial figures.
-    fn roll_out(
-        &mut self,
-        plan: &StepPlan,
-        round: u64,
-        progress: Option<&dyn Fn(usize)>,
-        cancel: Option<&std::sync::atomic::AtomicBool>,
-    ) -> Result<(Gathered, Option<PartialFigures>)> {
-        let mut sampling = plan.sampling.clone();
-        let seed = mix(self.cfg.seed, self.step);
-        sampling.seed = if round == 0 { seed } else { mix(seed, round) };
-        let step = self.step;
-        let progress_and_signal = |n: usize| {
-            signal::reached("rollout", step);
-            if let Some(p) = progress {
-                p(n);
-            }
-        };
-        let opts = GenerateOptions {
-            progress: Some(&progress_and_signal),
-            cancel,
-            engine: self.cfg.rollout.engine,
-            ..GenerateOptions::default()
-        };
-        if let Some(source) = self.partial.as_mut() {
-            let model = self.policy.sampling_model();
-            let (mut g, figures) = source.next_groups(
-                &mut self.prompts,
-                &*self.comm,
-                model,
-                &self.cfg,
-                &sampling,
-                &opts,
-                step,
-            )?;
-            for s in &mut g.samples {
-                let v = reward::verify(&g.examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
-                s.reward = Some(if v.correct { 1.0 } else { 0.0 });
-            }
-            return Ok((g, Some(figures)));
-        }
-        // Each rank samples its share of the global batch, with each response's seed from
-        // its global prompt index.
-        let (examples, share) = self.prompts.next_share(self.cfg.data.prompts_per_step, &*self.comm)?;
-        let prompts: Vec<Prompt> = examples.iter().map(|e| e.prompt()).collect();
-        let opts = GenerateOptions { first_prompt_index: share.start, ..opts };
-        let gen = self.prompts.generator(self.policy.sampling_model());
-        let generated = gen.generate(&prompts, &sampling, &opts)?;
-        let (mut samples, texts, stats) = (generated.samples, generated.prompt_texts, generated.stats);
-        for s in &mut samples {
-            let v = reward::verify(&examples[s.prompt_index].answer, &s.text, self.cfg.data.extract);
-            s.reward = Some(if v.correct { 1.0 } else { 0.0 });
-            // Group ids are global prompt indices (the update orders ranks' groups by them).
-            s.group += share.start;
-        }
-        Ok((Gathered { examples, texts, samples, stats }, None))
     }
 
     /// Evaluates on `data.test` (or `examples`) with the configured eval sampling.
@@ -859,7 +907,8 @@ impl Trainer {
     fn write_checkpoint(&self, staging: &Path) -> Result<PathBuf> {
         let state = TrainerState {
             step: self.step,
-            sampler: self.prompts.sampler_state(),
+            // A rollout drawn ahead is not saved: a resumed run draws its prompts again.
+            sampler: self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before),
             silenced_totals: self.spurious.totals(),
             silenced_contexts: self.spurious.all_contexts().clone(),
             lr_scale: self.lr_scale,

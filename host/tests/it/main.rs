@@ -2,6 +2,7 @@
 
 mod acyclic;
 mod architecture;
+mod asynchronous;
 mod causes;
 mod common;
 mod dataset;

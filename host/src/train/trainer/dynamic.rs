@@ -12,7 +12,7 @@ use crate::rollout::{EngineStats, PartialFigures, Sample};
 use crate::train::update::Sequence;
 use crate::Result;
 
-/// What [`Trainer::gather`] collected: the samples the update trains on, everything
+/// What `roller.rs`'s `Roller::gather` collected: the samples the update trains on, everything
 /// sampled (for the batch metrics) and the rollout figures.
 #[derive(Debug, Default)]
 pub(super) struct StepBatch {

@@ -6,6 +6,7 @@
 //! statistics).
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -48,10 +49,61 @@ pub struct StepMetrics {
     /// carried over, resumed, recomputed, restarted and dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial: Option<PartialFigures>,
+    /// `rollout.async`: staleness and waits (absent from synchronous runs).
+    #[serde(rename = "async", default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<AsyncFigures>,
     /// Held-out avg@n when this step evaluated.
     pub eval_avg: Option<f64>,
     /// Held-out pass@n when this step evaluated.
     pub eval_pass: Option<f64>,
+}
+
+/// What asynchrony did in a step (`metrics.jsonl`'s `async`, TensorBoard `stapo/async/...`);
+/// absent from synchronous runs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AsyncFigures {
+    /// Policy versions between the weights that sampled each response token this step
+    /// trained on and those its update started from: mean over tokens.
+    pub staleness_mean: f64,
+    /// Their largest value.
+    pub staleness_max: u64,
+    /// Response tokens per staleness (index 0: on-policy, 1: one version behind).
+    pub staleness_hist: Vec<usize>,
+    /// Share of the response tokens sampled by an older policy version.
+    pub off_policy_token_share: f64,
+    /// Seconds the trainer waited for rollouts: a rollout the step drew itself, plus the
+    /// time the rollout ahead ran on after the update ended (verl `timing_s/wait_prev_gen`).
+    pub wait_rollout_secs: f64,
+    /// Seconds the rollout ahead, done, waited for the update and its weights.
+    pub wait_weights_secs: f64,
+    /// Seconds of the rollout drawn ahead beside the update (0 when none was drawn).
+    pub ahead_rollout_secs: f64,
+    /// Seconds to copy the weights the rollout ahead samples.
+    pub weight_copy_secs: f64,
+}
+
+impl AsyncFigures {
+    /// The staleness figures of a step whose `tokens` response tokens are all `lag`
+    /// versions behind.
+    pub(super) fn with_lag(lag: u64, tokens: usize) -> Self {
+        let mut hist = vec![0; lag as usize + 1];
+        hist[lag as usize] = tokens;
+        Self {
+            staleness_mean: if tokens > 0 { lag as f64 } else { 0.0 },
+            staleness_max: if tokens > 0 { lag } else { 0 },
+            staleness_hist: hist,
+            off_policy_token_share: if tokens > 0 && lag > 0 { 1.0 } else { 0.0 },
+            ..Self::default()
+        }
+    }
+
+    /// Records the overlap of the update and the rollout ahead: each ran this long.
+    pub(super) fn overlap(&mut self, update: Duration, rollout: Duration) {
+        self.ahead_rollout_secs = rollout.as_secs_f64();
+        self.wait_rollout_secs += rollout.saturating_sub(update).as_secs_f64();
+        self.wait_weights_secs = update.saturating_sub(rollout).as_secs_f64();
+    }
 }
 
 /// The engine's figures over a training step's generation batches, for
@@ -168,5 +220,19 @@ mod tests {
         let mut none = RolloutFigures::default();
         none.add(&EngineStats::default());
         assert_eq!((none.rows_per_step, none.prefix_cache_hit_rate), (0.0, 0.0));
+    }
+
+    #[test]
+    fn waits_split_the_overlap_between_the_two_roles() {
+        let mut f = AsyncFigures::with_lag(1, 10);
+        assert_eq!((f.staleness_mean, f.staleness_max, f.off_policy_token_share), (1.0, 1, 1.0));
+        assert_eq!(f.staleness_hist, [0, 10]);
+        f.wait_rollout_secs = 0.5; // a rollout drawn synchronously first
+        f.overlap(Duration::from_secs(3), Duration::from_secs(5));
+        assert_eq!((f.wait_rollout_secs, f.wait_weights_secs, f.ahead_rollout_secs), (2.5, 0.0, 5.0));
+        f.overlap(Duration::from_secs(5), Duration::from_secs(3));
+        assert_eq!((f.wait_rollout_secs, f.wait_weights_secs), (2.5, 2.0));
+        let on = AsyncFigures::with_lag(0, 4);
+        assert_eq!((on.staleness_hist.as_slice(), on.off_policy_token_share), (&[4][..], 0.0));
     }
 }

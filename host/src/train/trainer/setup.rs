@@ -39,6 +39,18 @@ pub(super) fn check_ranks(cfg: &RunConfig, comm: &dyn Comm) -> Result<()> {
             ),
         });
     }
+    if cfg.rollout.asynchronous.enabled() && comm.size() > 1 {
+        return Err(Error::Config {
+            file: "run config".into(),
+            field: "rollout.async.staleness".into(),
+            msg: format!(
+                "one-step-off training runs its rollout in a second thread of one process; with {} \
+                 ranks the rollout's collectives would interleave with the update's: run one process, \
+                 or staleness 0",
+                comm.size()
+            ),
+        });
+    }
     if cfg.rollout.partial.enable && comm.size() > 1 {
         return Err(Error::Config {
             file: "run config".into(),

@@ -187,7 +187,8 @@ impl UpdateConfig {
     /// budget `max_tokens` ([`ObjectiveConfig::fit_to_run`]), the logits divided by the
     /// sampling temperature `sampled_at` when `actor.scale_logits_by_temperature` (verl;
     /// greedy, `sampled_at <= 0`, divides by 1), and the rollout correction resolved for
-    /// rollouts drawn from a copy in another dtype (`from_copy`). Returns the notes of
+    /// rollouts drawn by other weights than the master's (`from_copy`: a copy in another
+    /// dtype, or an older policy version under `rollout.async`). Returns the notes of
     /// the fit and of the resolution, for the user.
     pub fn build(
         mut actor: ActorConfig,
