@@ -65,7 +65,13 @@ fn outcome(run: &Path, step: u64) -> Outcome {
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
             let keep = ["loss", "reward_mean", "entropy", "grad_norm", "approx_kl", "response_len_mean"];
-            let figures: Vec<String> = keep.iter().map(|k| v["update"][k].to_string()).collect();
+            let figures: Vec<String> = keep
+                .iter()
+                .map(|k| {
+                    assert!(!v[k].is_null(), "{}: a metrics line without {k}", run.display());
+                    v[k].to_string()
+                })
+                .collect();
             (v["step"].as_u64().unwrap(), figures.join(" "))
         })
         .collect();
