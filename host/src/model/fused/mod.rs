@@ -328,9 +328,6 @@ unsafe fn mm<T: Real>(
 /// # Safety
 /// Every pointer must address the full strided matrix it describes, and `dst`
 /// must not overlap `lhs` or `rhs` nor be written concurrently by anyone else.
-///
-/// # Safety
-/// As for [`mm`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn mm_par<T: Real>(
     (m, n, k): (usize, usize, usize),
