@@ -103,6 +103,9 @@ pub struct TinyConfig {
     /// Measure the saved model on the whole test set (avg@k at T = 1 and greedy)
     /// and put the numbers in the model card.
     pub final_eval: bool,
+    /// How many test problems (the first ones) the final measurement uses;
+    /// 0: the whole test set.
+    pub final_eval_problems: usize,
     /// Continue from this model folder (weights and tokenizer) instead of a
     /// random init and a new tokenizer: a second SFT stage. Use a different
     /// `sft_seed` so that the stage sees new problems.
@@ -149,6 +152,7 @@ impl Default for TinyConfig {
             max_seconds: 900.0,
             eval_seed: 1,
             final_eval: true,
+            final_eval_problems: 0,
             init_from: None,
             stop_at_step: 0,
         }
@@ -190,9 +194,9 @@ pub struct TinyReport {
     pub final_loss: f32,
     /// `(step, loss, periodic avg@k)` at every evaluation.
     pub evals: Vec<(usize, f32, f32)>,
-    /// On the whole test set at temperature 1.0 (when `final_eval`).
+    /// On the test set (or its first `final_eval_problems`) at temperature 1.0 (when `final_eval`).
     pub test_sampled: Option<EvalReport>,
-    /// On the whole test set, greedy (when `final_eval`).
+    /// On the same test problems, greedy (when `final_eval`).
     pub test_greedy: Option<EvalReport>,
 }
 
@@ -435,18 +439,22 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     // 5. Final measurement on the held-out test set, model card, atomic save.
     if cfg.final_eval {
         let t0 = Instant::now();
+        let test = match cfg.final_eval_problems {
+            0 => &test[..],
+            n => &test[..n.min(test.len())],
+        };
         report.test_sampled = Some(evaluate(
             &model,
             &tok,
             &template,
-            &test,
+            test,
             cfg.eval_samples,
             1.0,
             cfg.max_new_tokens,
             cfg.eval_seed,
         )?);
         report.test_greedy =
-            Some(evaluate(&model, &tok, &template, &test, 1, 0.0, cfg.max_new_tokens, cfg.eval_seed)?);
+            Some(evaluate(&model, &tok, &template, test, 1, 0.0, cfg.max_new_tokens, cfg.eval_seed)?);
         log(&format!(
             "test: avg@{} (T=1.0) {:.3}, greedy {:.3} ({:.0}s)",
             cfg.eval_samples,
@@ -603,7 +611,7 @@ prompt:   Compute 17+25-9.
 response: 17+25=42\n42-9=33\n\boxed{{33}}<|endoftext|>
 ```
 
-## Accuracy on `data/arith/test.jsonl` ({n_test} held-out problems, max {max_new} new tokens)
+## Accuracy on `{test_file}` ({n_eval} held-out problems, max {max_new} new tokens)
 
 - avg@{k} at temperature 1.0, top-p 1.0: {sampled}
 - greedy: {greedy}
@@ -646,7 +654,14 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         vocab = mcfg.vocab_size,
         target = 100.0 * cfg.target_accuracy,
         eos = mcfg.eos_token_id.unwrap_or(0),
-        n_test = cfg.n_test,
+        test_file = cfg
+            .data_dir
+            .as_ref()
+            .map_or_else(|| "the test set".to_string(), |d| d.join("test.jsonl").display().to_string()),
+        n_eval = match cfg.final_eval_problems {
+            0 => cfg.n_test,
+            n => n.min(cfg.n_test),
+        },
         max_new = cfg.max_new_tokens,
         k = cfg.eval_samples,
         sampled = fmt_eval(&r.test_sampled),
