@@ -242,16 +242,6 @@ fn limits(k: &Kernel, u: &Usage, arch: &Arch) -> (Vec<String>, u32) {
     (broken, blocks * warps)
 }
 
-fn kib(bytes: u32) -> String {
-    if bytes == 0 {
-        "0".to_string()
-    } else if bytes.is_multiple_of(1024) {
-        format!("{} KiB", bytes / 1024)
-    } else {
-        format!("{:.1} KiB", bytes as f64 / 1024.0)
-    }
-}
-
 struct Args {
     nvrtc: PathBuf,
     ptxas: PathBuf,
@@ -371,7 +361,7 @@ fn check_source(
                     u.registers.to_string(),
                     format!("{} / {}", u.spill_stores, u.spill_loads),
                     u.stack.to_string(),
-                    kib(u.smem),
+                    u.smem.to_string(),
                     format!("{warps} / {WARPS_PER_SM}"),
                     if broken.is_empty() { flags.join("; ") } else { format!("FAILS: {}", flags.join("; ")) },
                 ],
@@ -430,7 +420,7 @@ fn main() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     for arch in &archs {
-        println!("\n{}: registers, spill stores / loads (bytes), stack (bytes), static shared memory, theoretical occupancy (resident warps per SM)\n", arch.name);
+        println!("\n{}: registers, spill stores / loads (bytes), stack (bytes), static shared memory (bytes), theoretical occupancy (resident warps per SM)\n", arch.name);
         println!("| kernel | source | threads | registers | spills (st / ld) | stack | shared | occupancy | flags |");
         println!("|---|---|---|---|---|---|---|---|---|");
         for (_, row) in report.rows.iter().filter(|(n, _)| *n == arch.name) {

@@ -250,7 +250,12 @@ mod tests {
                     s.file,
                     k.name
                 );
-                assert!(k.threads.is_multiple_of(32) && (32..=1024).contains(&k.threads), "{}: {}", k.name, k.threads);
+                assert!(
+                    k.threads.is_multiple_of(32) && (32..=1024).contains(&k.threads),
+                    "{}: {}",
+                    k.name,
+                    k.threads
+                );
             }
             all.extend(listed);
         }
