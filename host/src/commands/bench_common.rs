@@ -174,6 +174,11 @@ pub struct BenchArgs {
     /// `rollout --partial on`: groups in flight beyond `--prompts` (default `--prompts`).
     #[arg(long)]
     pub extra_prompts: Option<usize>,
+    /// `rollout --partial on`: what the unfinished responses' keys and values do between
+    /// steps, as `rollout.partial.kv`: `recompute` (prefilled again at the next step) or
+    /// `keep` (kept in the pool, decoding goes on over them).
+    #[arg(long, default_value = "recompute")]
+    pub partial_kv: String,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
