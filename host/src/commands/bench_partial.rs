@@ -21,7 +21,7 @@ use stapo::rollout::{
     PartialRollout, SamplingParams,
 };
 
-use super::bench_common::BenchArgs;
+use super::bench_common::{BenchArgs, PartialKvArg};
 use super::bench_lengths::LogNormal;
 
 /// One mode's steps, summed.
@@ -96,10 +96,9 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.rollout_prompt >= 1, "--rollout-prompt: at least 1 token");
     let (per_step, n) = (a.prompts.max(1), a.samples.max(1));
     let extra = a.extra_prompts.unwrap_or(per_step);
-    let kv = match a.partial_kv.trim() {
-        "recompute" => PartialKv::Recompute,
-        "keep" => PartialKv::Keep,
-        other => anyhow::bail!("--partial-kv: expected recompute or keep, got {other:?}"),
+    let kv = match a.partial_kv {
+        PartialKvArg::Recompute => PartialKv::Recompute,
+        PartialKvArg::Keep => PartialKv::Keep,
     };
     let max_new = a.max_new.max(dist.hi);
     let prompts_needed = (steps + 1) * per_step + extra;

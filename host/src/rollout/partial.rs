@@ -26,7 +26,7 @@
 //!   of each carried response per step, reported as `recomputed_tokens`.
 //! - `keep`: they stay (PipelineRL's in-flight weight updates). The call's
 //!   pool of blocks and the units holding blocks in it outlive the call
-//!   ([`KeptCache`]); the next call takes them back, and its decoding
+//!   (`KeptCache`); the next call takes them back, and its decoding
 //!   continues under the new weights over the old keys and values, with no
 //!   prefill, reported as `kept_tokens`. Only a response whose blocks the pool
 //!   cannot keep (a pool that no longer serves the call: another model shape,

@@ -356,7 +356,7 @@ fn kept_keys_and_values_of_the_old_weights_are_what_the_new_weights_attend_to() 
 #[test]
 fn kept_blocks_all_return_to_the_pool() {
     let model = tiny_model(None, 9);
-    let lengths = |p: usize, s: usize| if p % 3 == 0 { 30 } else { 3 + (p * 7 + s * 5) % 11 };
+    let lengths = |p: usize, s: usize| if p.is_multiple_of(3) { 30 } else { 3 + (p * 7 + s * 5) % 11 };
     for on_stale in [OnStale::Restart, OnStale::Drop] {
         let cfg =
             PartialConfig { max_staleness: 1, on_stale, kv: PartialKv::Keep, ..PartialConfig::default() };
