@@ -189,9 +189,7 @@ impl Style {
     /// unsaid in the alternative style).
     fn digit_and_carry(&mut self, v: u64, last: bool) -> String {
         let w = self.write();
-        if last {
-            format!(", {w} {v}\n")
-        } else if v / 10 == 0 && self.alt() {
+        if last || (v / 10 == 0 && self.alt()) {
             format!(", {w} {v}\n")
         } else {
             format!(", {w} {}, carry {}\n", v % 10, v / 10)
