@@ -17,6 +17,13 @@
 //!
 //! Every collective must be called by all ranks in the same order; results are
 //! identical on every rank (sums are taken in rank order, so bitwise equal).
+//!
+//! For jobs whose ranks play different roles (`rollout.async.roles`: rollout ranks
+//! and trainer ranks) a communicator splits into groups ([`Comm::split`],
+//! `MPI_Comm_split`), each a communicator of its own with the same collectives, and
+//! two ranks exchange messages point to point ([`Comm::send_bytes`] /
+//! [`Comm::recv_bytes`], `MPI_Send`/`MPI_Recv`; messages from one rank to another
+//! arrive in the order they were sent).
 
 mod blocks;
 mod threads;
@@ -78,6 +85,41 @@ pub trait Comm: Send + Sync {
     fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
         all_gather_tensor_host(self, t)
     }
+    /// The groups of a split (`MPI_Comm_split`): ranks that pass the same `color` form
+    /// one communicator, ranked by `key`, then by their rank here. Collective: every
+    /// rank of this communicator calls it.
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Comm>>;
+    /// Sends `buf` to rank `dest` (`MPI_Send`); it may wait until `dest` receives it.
+    fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()>;
+    /// The next message rank `src` sent to this rank (`MPI_Recv`), waiting for it.
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>>;
+    /// Sends f32 values to rank `dest` (see [`Comm::send_bytes`]).
+    fn send_f32(&self, dest: usize, buf: &[f32]) -> Result<()> {
+        self.send_bytes(dest, &f32_bytes(buf))
+    }
+    /// The next f32 values rank `src` sent to this rank (see [`Comm::recv_bytes`]).
+    fn recv_f32(&self, src: usize) -> Result<Vec<f32>> {
+        let b = self.recv_bytes(src)?;
+        if b.len() % 4 != 0 {
+            return Err(Error::invalid(format!("receive: {} bytes from rank {src} are not f32 values", b.len())));
+        }
+        Ok(bytes_f32(&b))
+    }
+    /// Replaces `buf` on every rank by `root`'s `buf`, which has the same length on
+    /// every rank.
+    fn broadcast_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
+        let mut bytes = if self.rank() == root { f32_bytes(buf) } else { Vec::new() };
+        self.broadcast_bytes(root, &mut bytes)?;
+        if bytes.len() != 4 * buf.len() {
+            return Err(Error::invalid(format!(
+                "broadcast: {} values from rank {root}, {} expected",
+                bytes.len() / 4,
+                buf.len()
+            )));
+        }
+        buf.copy_from_slice(&bytes_f32(&bytes));
+        Ok(())
+    }
     /// Sums `tensors` over ranks in place, flattened into buckets of at most
     /// `bucket_elems` elements (one collective per bucket). The default copies
     /// each bucket through host memory as f32; NCCL reduces on the device.
@@ -129,6 +171,15 @@ impl Comm for Local {
     }
     fn all_reduce_tensors(&self, _tensors: &mut [Tensor], _bucket_elems: usize) -> Result<()> {
         Ok(())
+    }
+    fn split(&self, _color: usize, _key: usize) -> Result<Arc<dyn Comm>> {
+        Ok(Arc::new(Local))
+    }
+    fn send_bytes(&self, dest: usize, _buf: &[u8]) -> Result<()> {
+        Err(Error::invalid(format!("send: no rank {dest} in a single process")))
+    }
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
+        Err(Error::invalid(format!("receive: no rank {src} in a single process")))
     }
 }
 
