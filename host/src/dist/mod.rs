@@ -101,7 +101,10 @@ pub trait Comm: Send + Sync {
     fn recv_f32(&self, src: usize) -> Result<Vec<f32>> {
         let b = self.recv_bytes(src)?;
         if b.len() % 4 != 0 {
-            return Err(Error::invalid(format!("receive: {} bytes from rank {src} are not f32 values", b.len())));
+            return Err(Error::invalid(format!(
+                "receive: {} bytes from rank {src} are not f32 values",
+                b.len()
+            )));
         }
         Ok(bytes_f32(&b))
     }

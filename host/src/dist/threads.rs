@@ -240,7 +240,9 @@ impl Comm for ThreadComm {
         entry.1 += 1;
         let taken = entry.1;
         let comm = entry.0.get_mut(index).and_then(Option::take).ok_or_else(|| {
-            Error::invalid(format!("thread communicator: split {n}: rank {index} of colour {color} taken twice"))
+            Error::invalid(format!(
+                "thread communicator: split {n}: rank {index} of colour {color} taken twice"
+            ))
         })?;
         if taken == members.len() {
             st.splits.remove(&(n, color));
