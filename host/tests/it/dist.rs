@@ -441,8 +441,10 @@ for staleness in [0, 1] {{
         let (a, b) = (ck(&one), ck(&two));
         assert_eq!(a.len(), b.len());
         for (name, t) in &a {
-            let x = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let y = b[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let f = |t: &candle_core::Tensor| {
+                t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            let (x, y) = (f(t), f(&b[name]));
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
             assert_eq!(bits(&x), bits(&y), "{run}: {name} differs");
         }
