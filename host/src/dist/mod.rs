@@ -451,6 +451,24 @@ pub fn local_rank() -> usize {
         .unwrap_or(0)
 }
 
+/// An error unless `peer` is another rank of `size` than `rank` (for point-to-point).
+pub(crate) fn check_peer(rank: usize, size: usize, peer: usize, what: &str) -> Result<()> {
+    if peer >= size || peer == rank {
+        return Err(Error::invalid(format!(
+            "{what}: rank {peer} is not another rank of {size} (this is rank {rank})"
+        )));
+    }
+    Ok(())
+}
+
+/// An error unless `root` is one of `size` ranks (for broadcasts).
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::invalid(format!("broadcast: root {root} of {size} ranks")));
+    }
+    Ok(())
+}
+
 /// Bytes of `f32`s / from bytes, little-endian (for byte-level transports).
 pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()

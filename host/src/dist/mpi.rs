@@ -17,7 +17,7 @@ use mpi::{Count, Threading};
 use half::bf16;
 
 use super::blocks::{block_len, narrow, widen};
-use super::Comm;
+use super::{check_peer, check_root, Comm};
 use crate::{Error, Result};
 
 /// Kept until [`finalize`]; dropping it calls `MPI_Finalize`.
@@ -103,18 +103,6 @@ impl Mpi {
     }
 }
 
-impl Mpi {
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.size || peer == self.rank {
-            return Err(Error::invalid(format!(
-                "{what}: rank {peer} is not another rank of {} (this is rank {})",
-                self.size, self.rank
-            )));
-        }
-        Ok(())
-    }
-}
-
 impl Comm for Mpi {
     fn rank(&self) -> usize {
         self.rank
@@ -166,9 +154,7 @@ impl Comm for Mpi {
         })
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
-        }
+        check_root(root, self.size)?;
         self.with(|w| {
             let p = w.process_at_rank(root as i32);
             let mut n = buf.len() as u64;
@@ -217,7 +203,7 @@ impl Comm for Mpi {
         Ok(Arc::new(Mpi { comm: Handle(group), rank, size }))
     }
     fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()> {
-        self.check_peer(dest, "send")?;
+        check_peer(self.rank, self.size, dest, "send")?;
         self.with(|w| {
             let p = w.process_at_rank(dest as i32);
             // The length first, then the bytes in calls of at most `CHUNK`.
@@ -229,7 +215,7 @@ impl Comm for Mpi {
         })
     }
     fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
-        self.check_peer(src, "receive")?;
+        check_peer(self.rank, self.size, src, "receive")?;
         self.with(|w| {
             let p = w.process_at_rank(src as i32);
             let (n, _) = p.receive::<u64>();
@@ -251,9 +237,7 @@ impl Comm for Mpi {
         })
     }
     fn broadcast_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
-        }
+        check_root(root, self.size)?;
         self.with(|w| {
             let p = w.process_at_rank(root as i32);
             // Every rank must pass the same length; agree on it first.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use half::bf16;
 
 use super::blocks::{narrow, sum_block, widen};
-use super::{bytes_f32, bytes_f64, f32_bytes, f64_bytes, Comm};
+use super::{bytes_f32, bytes_f64, check_peer, check_root, f32_bytes, f64_bytes, Comm};
 use crate::{Error, Result};
 
 /// How long a rank waits for the others at a collective before it gives up
@@ -126,16 +126,6 @@ impl ThreadComm {
         }
     }
 
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.size || peer == self.rank {
-            return Err(Error::invalid(format!(
-                "{what}: rank {peer} is not another rank of {} (this is rank {})",
-                self.size, self.rank
-            )));
-        }
-        Ok(())
-    }
-
     /// Every rank's bytes, in rank order. Two barriers: all deposits are in
     /// before anyone reads, and all reads are done before anyone deposits again.
     fn exchange(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
@@ -208,9 +198,7 @@ impl Comm for ThreadComm {
         self.exchange(local.to_vec())
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
-        }
+        check_root(root, self.size)?;
         let mine = if self.rank == root { std::mem::take(buf) } else { Vec::new() };
         *buf = self.exchange(mine)?.swap_remove(root);
         Ok(())
@@ -250,7 +238,7 @@ impl Comm for ThreadComm {
         Ok(Arc::new(comm))
     }
     fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()> {
-        self.check_peer(dest, "send")?;
+        check_peer(self.rank, self.size, dest, "send")?;
         self.calls.fetch_add(1, Ordering::Relaxed);
         let mut st = self.lock()?;
         if st.left {
@@ -261,7 +249,7 @@ impl Comm for ThreadComm {
         Ok(())
     }
     fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
-        self.check_peer(src, "receive")?;
+        check_peer(self.rank, self.size, src, "receive")?;
         self.calls.fetch_add(1, Ordering::Relaxed);
         let mut st = self.lock()?;
         let deadline = Instant::now() + ARRIVAL_TIMEOUT;
