@@ -415,15 +415,21 @@ for staleness in [0, 1] {{
     std::fs::write(&two_rhai, script(", roles: #{ rollout_ranks: 1 }")).unwrap();
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_stapo"));
     let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    // One thread per process on both sides: the same kernels, the same sums.
+    let threads = [("CANDLE_NUM_THREADS", "1"), ("RAYON_NUM_THREADS", "1")];
     let out = Command::new(&exe)
         .args(["run", "--quiet", "--out"])
         .arg(&one)
         .arg(&one_rhai)
+        .envs(threads)
         .output()
         .expect("stapo");
     assert!(out.status.success(), "one process: {}", String::from_utf8_lossy(&out.stderr));
     let (two_s, two_rhai_s) = (two.display().to_string(), two_rhai.display().to_string());
-    let out = mpirun(2, &exe, &["run", "--quiet", "--out", &two_s, &two_rhai_s]).output().expect("mpirun");
+    let out = mpirun(2, &exe, &["run", "--quiet", "--out", &two_s, &two_rhai_s])
+        .envs(threads)
+        .output()
+        .expect("mpirun");
     assert!(
         out.status.success(),
         "rollout and trainer ranks: {}\n{}",
