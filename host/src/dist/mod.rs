@@ -322,6 +322,64 @@ pub fn broadcast_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     serde_json::from_slice(&buf).map_err(|e| Error::invalid(format!("broadcast: {e}")))
 }
 
+/// A serde value as bytes that [`exact_json_value`] turns back into the same value,
+/// every float bit for bit: JSON, then the bits of each of its floats in order
+/// (a JSON reader may round a float's last bit).
+pub fn exact_json_bytes<T: serde::Serialize>(value: &T) -> Result<Vec<u8>> {
+    let v = serde_json::to_value(value).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut bits = Vec::new();
+    visit_floats(&v, &mut |x| bits.push(x));
+    let json = serde_json::to_vec(&v).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut out = Vec::with_capacity(8 + json.len() + 8 * bits.len());
+    out.extend((json.len() as u64).to_le_bytes());
+    out.extend(json);
+    out.extend(bits.iter().flat_map(|b: &f64| b.to_le_bytes()));
+    Ok(out)
+}
+
+/// The value [`exact_json_bytes`] wrote.
+pub fn exact_json_value<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    let bad = || Error::invalid("message: cut short");
+    let n = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(bad)? as usize;
+    let json = bytes.get(8..8 + n).ok_or_else(bad)?;
+    let mut v: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut floats = bytes_f64(bytes.get(8 + n..).ok_or_else(bad)?).into_iter();
+    let mut short = false;
+    set_floats(&mut v, &mut || {
+        floats.next().or_else(|| {
+            short = true;
+            None
+        })
+    });
+    if short || floats.next().is_some() {
+        return Err(Error::invalid("message: its floats do not match its JSON"));
+    }
+    serde_json::from_value(v).map_err(|e| Error::invalid(format!("message: {e}")))
+}
+
+fn visit_floats(v: &serde_json::Value, f: &mut impl FnMut(f64)) {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => f(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::Array(a) => a.iter().for_each(|x| visit_floats(x, f)),
+        serde_json::Value::Object(o) => o.values().for_each(|x| visit_floats(x, f)),
+        _ => {}
+    }
+}
+
+fn set_floats(v: &mut serde_json::Value, next: &mut impl FnMut() -> Option<f64>) {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            if let Some(x) = next().and_then(serde_json::Number::from_f64) {
+                *n = x;
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| set_floats(x, next)),
+        serde_json::Value::Object(o) => o.values_mut().for_each(|x| set_floats(x, next)),
+        _ => {}
+    }
+}
+
 /// Every rank's value of a serde value, in rank order.
 pub fn all_gather_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     comm: &dyn Comm,
@@ -636,6 +694,30 @@ mod tests {
         assert_eq!(errs[0], "disk full");
         assert_eq!(errs[1], "rank 0 failed: disk full");
         assert_eq!(errs[2], "rank 0 failed: disk full");
+    }
+
+    /// Floats whose shortest decimal a JSON reader may round come back bit for bit,
+    /// in nested maps and lists, f32 and f64, next to integers and strings.
+    #[test]
+    fn exact_json_keeps_every_float_bit() {
+        #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+        struct M {
+            a: f64,
+            b: Vec<f32>,
+            c: std::collections::BTreeMap<String, (u64, f64)>,
+            d: Option<f64>,
+        }
+        let mut c = std::collections::BTreeMap::new();
+        c.insert("x".to_string(), (7, 11.545454545454545));
+        c.insert("y".to_string(), (u64::MAX, 1.0));
+        let m = M { a: 0.1 + 0.2, b: vec![1e-45, 3.4e38, -0.0, 2.5], c, d: Some(5e-324) };
+        let back: M = exact_json_value(&exact_json_bytes(&m).unwrap()).unwrap();
+        assert_eq!(back.a.to_bits(), m.a.to_bits());
+        assert_eq!(back.c["x"].1.to_bits(), 11.545454545454545f64.to_bits());
+        assert_eq!(back, m);
+        let mut cut = exact_json_bytes(&m).unwrap();
+        cut.truncate(cut.len() - 4);
+        assert!(exact_json_value::<M>(&cut).is_err());
     }
 
     #[test]

@@ -334,8 +334,7 @@ impl Roles {
             Ok(m) => Outcome { metrics: Some(m.clone()), error: None },
             Err(e) => Outcome { metrics: None, error: Some(e.to_string()) },
         };
-        let mut bytes =
-            serde_json::to_vec(&msg).map_err(|e| Error::invalid(format!("roles: step outcome: {e}")))?;
+        let mut bytes = dist::exact_json_bytes(&msg)?;
         fan.broadcast_bytes(0, &mut bytes)?;
         if outcome.is_ok() {
             let params: Vec<Tensor> = master.merged_params()?.into_iter().map(|(_, t)| t).collect();
@@ -359,7 +358,7 @@ impl Roles {
             .ok_or_else(|| Error::invalid("roles: a trainer has no outcome to wait for"))?;
         let mut bytes = Vec::new();
         fan.broadcast_bytes(0, &mut bytes)?;
-        let msg: Outcome = serde_json::from_slice(&bytes)
+        let msg: Outcome = dist::exact_json_value(&bytes)
             .map_err(|e| Error::invalid(format!("roles: the step outcome from rank 0: {e}")))?;
         let metrics = match (msg.metrics, msg.error) {
             (Some(m), None) => m,
@@ -414,9 +413,10 @@ struct Part {
 }
 
 impl Part {
-    /// JSON with the per-token f32 vectors (log-probs, entropies) taken out and sent as
-    /// their bits after it, so that every value arrives exactly (NaN and infinities
-    /// too): `[u64 JSON length][JSON][u64 count][u64 lengths...][f32 values...]`.
+    /// The message without the per-token f32 vectors (log-probs, entropies), in
+    /// [`dist::exact_json_bytes`], then those vectors as their bits, so that every value
+    /// arrives exactly (NaN and infinities too): `[u64 length][message][u64 count]
+    /// [u64 lengths...][f32 values...]`.
     fn encode(mut self) -> Result<Vec<u8>> {
         let mut floats: Vec<Vec<f32>> = Vec::new();
         for (_, _, members) in &mut self.groups {
@@ -429,8 +429,7 @@ impl Part {
         for q in &mut self.all_seqs {
             floats.push(q.rollout_logprobs.take().unwrap_or_default());
         }
-        let json =
-            serde_json::to_vec(&self).map_err(|e| Error::invalid(format!("roles: rollout message: {e}")))?;
+        let json = dist::exact_json_bytes(&self)?;
         let mut out = Vec::with_capacity(json.len() + 16);
         out.extend((json.len() as u64).to_le_bytes());
         out.extend(json);
@@ -455,7 +454,7 @@ impl Part {
         let n = word(&mut at)?;
         let json = bytes.get(at..at + n).ok_or_else(bad)?;
         at += n;
-        let mut part: Part = serde_json::from_slice(json)
+        let mut part: Part = dist::exact_json_value(json)
             .map_err(|e| Error::invalid(format!("roles: rollout message: {e}")))?;
         let count = word(&mut at)?;
         let lens = (0..count).map(|_| word(&mut at)).collect::<Result<Vec<usize>>>()?;
