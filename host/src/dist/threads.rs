@@ -39,8 +39,11 @@ struct State {
     mail: HashMap<(usize, usize), VecDeque<Vec<u8>>>,
     /// The groups of splits in progress, by (split number, colour): made by the
     /// first member to arrive, taken by each member, removed by the last.
-    splits: HashMap<(usize, usize), (Vec<Option<ThreadComm>>, usize)>,
+    splits: HashMap<(usize, usize), Split>,
 }
+
+/// The ranks of one group of a split not yet taken, and how many were taken.
+type Split = (Vec<Option<ThreadComm>>, usize);
 
 /// One rank of an in-process group made by [`ThreadComm::group`]; give each
 /// rank to its own thread.
