@@ -51,6 +51,15 @@ pub enum What {
     All,
 }
 
+/// `--partial-kv`: `rollout.partial.kv` for the benchmark's partial steps.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartialKvArg {
+    /// Prefilled again at the next step.
+    Recompute,
+    /// Kept in the pool across steps.
+    Keep,
+}
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// What to time.
@@ -174,6 +183,11 @@ pub struct BenchArgs {
     /// `rollout --partial on`: groups in flight beyond `--prompts` (default `--prompts`).
     #[arg(long)]
     pub extra_prompts: Option<usize>,
+    /// `rollout --partial on`: what the unfinished responses' keys and values do between
+    /// steps, as `rollout.partial.kv`: `recompute` (prefilled again at the next step) or
+    /// `keep` (kept in the pool, decoding goes on over them).
+    #[arg(long, value_enum, default_value_t = PartialKvArg::Recompute)]
+    pub partial_kv: PartialKvArg,
     /// `rollout`: rounds of (static, paged), interleaved.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,

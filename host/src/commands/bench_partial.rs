@@ -4,23 +4,24 @@
 //! log-normal, EOS ignored), synchronous (`off`: each step samples its own prompts and
 //! waits for its longest response) against partial rollouts (`on`: `--prompts` +
 //! `--extra-prompts` groups in flight, a step ends when `--prompts` of them are whole,
-//! the unfinished responses continue in the next step after being prefilled again, as
-//! they are under new weights in training), in one process, interleaved over
-//! `--rounds`, same engine settings. Prompt `i` and its lengths are the same in both
-//! modes. Reports tokens/s over the S steps (every token sampled, the unfinished ones'
-//! included), rows per decode call over the steps and in each step's last 10% of decode
-//! calls, the tokens recomputed. Its last line reads `partial: R.RRx the synchronous
-//! tokens/s over S steps, rows per call A.A vs B.B` (A partial, B synchronous, in the
-//! steps' last 10% of decode calls).
+//! the unfinished responses continue in the next step: with `--partial-kv recompute`
+//! (the default, as `rollout.partial.kv`) after being prefilled again, as they are under
+//! new weights in training; with `--partial-kv keep` over the keys and values kept in
+//! the pool), in one process, interleaved over `--rounds`, same engine settings. Prompt
+//! `i` and its lengths are the same in both modes. Reports tokens/s over the S steps
+//! (every token sampled, the unfinished ones' included), rows per decode call over the
+//! steps and in each step's last 10% of decode calls, the tokens recomputed and kept.
+//! Its last line reads `partial: R.RRx the synchronous tokens/s over S steps, rows per
+//! call A.A vs B.B` (A partial, B synchronous, in the steps' last 10% of decode calls).
 
 use stapo::model::Qwen3;
 use stapo::rollout::stats::rows_per_call;
 use stapo::rollout::{
-    generate_partial, generate_stats, row_seed, EngineConfig, EngineStats, GenerateOptions, PartialRollout,
-    SamplingParams,
+    generate_partial, generate_stats, row_seed, EngineConfig, EngineStats, GenerateOptions, PartialKv,
+    PartialRollout, SamplingParams,
 };
 
-use super::bench_common::BenchArgs;
+use super::bench_common::{BenchArgs, PartialKvArg};
 use super::bench_lengths::LogNormal;
 
 /// One mode's steps, summed.
@@ -32,6 +33,7 @@ struct Totals {
     /// Each step's rows per decode call over its last 10% of decode calls.
     tail: Vec<f64>,
     recomputed: usize,
+    kept: usize,
     carried_at_end: usize,
 }
 
@@ -65,6 +67,7 @@ struct Setup {
     per_step: usize,
     extra: usize,
     steps: usize,
+    kv: PartialKv,
 }
 
 impl Setup {
@@ -93,6 +96,10 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.rollout_prompt >= 1, "--rollout-prompt: at least 1 token");
     let (per_step, n) = (a.prompts.max(1), a.samples.max(1));
     let extra = a.extra_prompts.unwrap_or(per_step);
+    let kv = match a.partial_kv {
+        PartialKvArg::Recompute => PartialKv::Recompute,
+        PartialKvArg::Keep => PartialKv::Keep,
+    };
     let max_new = a.max_new.max(dist.hi);
     let prompts_needed = (steps + 1) * per_step + extra;
     let setup = Setup {
@@ -114,13 +121,18 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
         per_step,
         extra,
         steps,
+        kv,
     };
     println!(
         "partial rollouts: {} steps of {per_step} prompts x {n} of {} tokens, lengths {spec}, max {max_new} new; \
-         partial keeps {} groups in flight; {} rows, cache {}",
+         partial keeps {} groups in flight, their KV cache {}; {} rows, cache {}",
         steps,
         a.rollout_prompt,
         per_step + extra,
+        match kv {
+            PartialKv::Recompute => "recomputed after each step",
+            PartialKv::Keep => "kept across steps",
+        },
         setup.engine.rows(m),
         a.kv_cache_gb.map_or("the engine's default".to_string(), |g| format!("{g} GB")),
     );
@@ -138,7 +150,10 @@ pub fn run(m: &Qwen3, a: &BenchArgs) -> anyhow::Result<()> {
                 rows_per_call(&r.decode_rows),
                 r.tail_rows(),
                 if on {
-                    format!(", {} tokens recomputed, {} responses in flight at the end", r.recomputed, r.carried_at_end)
+                    format!(
+                        ", {} tokens recomputed, {} kept, {} responses in flight at the end",
+                        r.recomputed, r.kept, r.carried_at_end
+                    )
                 } else {
                     String::new()
                 }
@@ -219,6 +234,7 @@ fn partial_steps(m: &Qwen3, u: &Setup) -> anyhow::Result<Totals> {
     let mut t = Totals::default();
     let forced = |p: usize, s: usize| u.length(p, s);
     let mut partial = PartialRollout::default();
+    partial.set_kv(u.kv);
     let mut next = 0usize;
     for k in 0..u.steps {
         while partial.in_flight() < u.per_step + u.extra {
@@ -236,6 +252,7 @@ fn partial_steps(m: &Qwen3, u: &Setup) -> anyhow::Result<Totals> {
         );
         t.add(&step.stats);
         t.recomputed += step.figures.recomputed_tokens;
+        t.kept += step.figures.kept_tokens;
     }
     t.carried_at_end = partial.unfinished();
     Ok(t)

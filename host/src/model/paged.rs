@@ -84,6 +84,18 @@ impl PagedKvCache {
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes()
     }
 
+    /// Whether these pools can serve `model` with pools in `dtype` (`None`: its
+    /// activation dtype): the same layers, key/value heads, head size, dtype and
+    /// device. A pool kept from one generation to the next is used again only then.
+    pub fn serves(&self, model: &Qwen3, dtype: Option<DType>) -> bool {
+        let c = model.config();
+        let want = (self.num_blocks * self.block_size, c.num_key_value_heads, c.head_dim);
+        self.k.len() == c.num_hidden_layers
+            && self.k.iter().chain(&self.v).all(|t| t.dims3().is_ok_and(|d| d == want))
+            && self.dtype() == Self::pool_dtype(model, dtype)
+            && self.k[0].device().same_device(model.device())
+    }
+
     /// The pools' dtype.
     pub fn dtype(&self) -> DType {
         self.k[0].dtype()

@@ -248,6 +248,24 @@ impl BlockPool {
         true
     }
 
+    /// Drops every name of the prefix cache: held blocks stay held, free cached
+    /// ones become empty. For a pool kept across a weight update, whose blocks
+    /// hold keys and values of the weights before it: no later sequence may
+    /// share them as if the new weights had computed them.
+    pub fn forget_names(&mut self) {
+        while let Some(b) = self.lru.pop_front() {
+            self.free.push(b);
+        }
+        self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.cached.clear();
+    }
+
+    /// Starts counting [`peak_used`](Self::peak_used) again from the blocks held now
+    /// (a pool kept from one call to the next reports each call's peak).
+    pub fn reset_peak(&mut self) {
+        self.peak_used = self.used_blocks();
+    }
+
     fn note_peak(&mut self) {
         self.peak_used = self.peak_used.max(self.used_blocks());
     }
@@ -312,6 +330,8 @@ pub struct BlockTable {
     blocks: Vec<u32>,
     len: usize,
     hashes: Vec<BlockHash>,
+    /// Names none of its blocks any more ([`stop_naming`](Self::stop_naming)).
+    unnamed: bool,
 }
 
 impl BlockTable {
@@ -323,7 +343,12 @@ impl BlockTable {
         for &b in blocks {
             pool.share(b);
         }
-        BlockTable { blocks: blocks.to_vec(), len: blocks.len() * pool.block_size, hashes: hashes.to_vec() }
+        BlockTable {
+            blocks: blocks.to_vec(),
+            len: blocks.len() * pool.block_size,
+            hashes: hashes.to_vec(),
+            unnamed: false,
+        }
     }
 
     /// Tokens with a slot.
@@ -349,7 +374,17 @@ impl BlockTable {
     /// Positions of the tokens in full blocks not yet named: the tokens
     /// [`register_full`](Self::register_full) wants.
     pub fn unnamed_full(&self, block_size: usize) -> std::ops::Range<usize> {
+        if self.unnamed {
+            return 0..0;
+        }
         self.hashes.len() * block_size..self.len / block_size * block_size
+    }
+
+    /// Names no more of its blocks in the prefix cache: a sequence whose
+    /// earlier keys and values an older policy computed (kept across a weight
+    /// update) writes blocks no other sequence must share.
+    pub fn stop_naming(&mut self) {
+        self.unnamed = true;
     }
 
     /// Names the full blocks not yet named, given their `tokens` (the
@@ -425,6 +460,7 @@ impl BlockTable {
         self.blocks.clear();
         self.hashes.clear();
         self.len = 0;
+        self.unnamed = false;
     }
 }
 

@@ -24,7 +24,7 @@ use super::batch::{Finish, Sample};
 use super::config::EngineConfig;
 use super::kv_cache_manager::KvCacheManager;
 use super::model_runner::ModelRunner;
-use super::request::{prompts_waiting, Kind, Queues, Requests};
+use super::request::{prompts_waiting, Kind, Queues, Requests, Unit};
 use super::row::{Row, StopRules};
 use super::sampler::Sampler;
 use super::scheduler::{SchedulePolicy, Scheduler};
@@ -71,6 +71,25 @@ struct Engine<'a> {
     stats: EngineStats,
 }
 
+/// The KV cache of a call and the units holding blocks in it when the call
+/// ended: what a partial rollout that keeps its cache (`rollout.partial.kv =
+/// "keep"`) hands from one call to the next. `running` is oldest first, its
+/// kinds those of the call that ended.
+pub(super) struct CacheState {
+    pub(super) kv: KvCacheManager,
+    pub(super) running: Vec<Unit>,
+}
+
+/// What [`run_requests`] returns: the responses that ended (in order of
+/// completion), the figures, every row (an unfinished one as the call left it)
+/// and the cache with the units still in it.
+pub(super) struct CallEnd {
+    pub(super) out: Vec<Sample>,
+    pub(super) stats: EngineStats,
+    pub(super) rows: Vec<Row>,
+    pub(super) cache: CacheState,
+}
+
 /// Samples `params.n` responses for each of `prompts` (validated by the
 /// caller) with the engine; returns them in order of completion and the
 /// rollout's figures.
@@ -83,33 +102,50 @@ pub(super) fn run(
     eos: Option<u32>,
 ) -> Result<(Vec<Sample>, EngineStats)> {
     let reqs = Requests::new(prompts, params, opts.first_prompt_index);
-    let (out, stats, _) = run_requests(model, reqs, prompts_waiting(prompts.len()), decode, opts, eos)?;
-    Ok((out, stats))
+    let end = run_requests(model, reqs, prompts_waiting(prompts.len()), None, decode, opts, eos)?;
+    Ok((end.out, end.stats))
+}
+
+/// Whether prefix caching runs in a call under `opts`.
+pub(super) fn caching(opts: &GenerateOptions) -> bool {
+    opts.engine.enable_prefix_caching && opts.policy.build().prefix_caching()
 }
 
 /// [`run`] over responses already set up (`reqs`: some may have drawn tokens,
-/// or ended) with `waiting` queued in this order; returns the responses that
-/// ended (in order of completion), the figures, and every row (an unfinished
-/// one as the call left it).
+/// or ended) with `waiting` queued in this order and, from `kept`, a cache
+/// whose running units (their kinds those of `reqs`) continue first, oldest
+/// first; the caller checked that the cache serves this call
+/// (`KvCacheManager::serves`). Without `kept` the call makes its own cache.
 pub(super) fn run_requests(
     model: &Qwen3,
     reqs: Requests,
     waiting: VecDeque<Kind>,
+    kept: Option<CacheState>,
     decode: &dyn Fn(&[u32]) -> String,
     opts: &GenerateOptions,
     eos: Option<u32>,
-) -> Result<(Vec<Sample>, EngineStats, Vec<Row>)> {
+) -> Result<CallEnd> {
     let start = Instant::now();
     let (prompts, params) = (reqs.prompts, reqs.params);
     let cfg = opts.engine;
     cfg.validate()?;
     let max_rows = cfg.rows(model);
-    let scheduler = Scheduler::new(opts.policy.build(), Queues::waiting(waiting), max_rows);
+    let (kept, running) = match kept {
+        Some(k) => (Some(k.kv), k.running),
+        None => (None, Vec::new()),
+    };
+    let queues = Queues { waiting, running };
+    let scheduler = Scheduler::new(opts.policy.build(), queues, max_rows);
     let caching = cfg.enable_prefix_caching && scheduler.prefix_caching();
     // The runner's fused projections first, so that a cache sized by the free
     // memory leaves room for them.
     let runner = ModelRunner::new(model, Sampler::new(params))?;
-    let kv = KvCacheManager::new(model, &cfg, prompts, params, max_rows, caching)?;
+    let mut kv = match kept {
+        Some(kv) => kv,
+        None => KvCacheManager::new(model, &cfg, prompts, params, max_rows, caching)?,
+    };
+    kv.pool.reset_peak();
+    let evictions = kv.pool.evictions();
     let stats = EngineStats {
         block_size: cfg.block_size,
         pool_blocks: kv.pool.num_blocks(),
@@ -139,9 +175,10 @@ pub(super) fn run_requests(
     }
     e.stats.peak_blocks = e.kv.pool.peak_used();
     e.stats.decode_path = e.runner.path().to_string();
-    e.stats.prefix_cache_evictions = e.kv.pool.evictions();
+    e.stats.prefix_cache_evictions = e.kv.pool.evictions() - evictions;
     e.stats.secs = start.elapsed().as_secs_f64();
-    Ok((e.out, e.stats, e.reqs.rows))
+    let running = std::mem::take(&mut e.scheduler.queues.running);
+    Ok(CallEnd { out: e.out, stats: e.stats, rows: e.reqs.rows, cache: CacheState { kv: e.kv, running } })
 }
 
 impl Engine<'_> {

@@ -53,6 +53,31 @@ impl KvCacheManager {
         })
     }
 
+    /// Whether this pool, kept from an earlier call, can serve a call of
+    /// `prompts` under `cfg` with prefix caching `caching`: the same model shape,
+    /// cache dtype, device, block size and caching, every sequence of the call
+    /// fits it, and it is within `kv_cache_gb` when that is set. (With the budget
+    /// unset, the share of the free memory it was sized by is not asked again:
+    /// the pool itself is what now occupies that memory.)
+    pub(super) fn serves(
+        &self,
+        model: &Qwen3,
+        cfg: &EngineConfig,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        caching: bool,
+    ) -> bool {
+        let bs = cfg.block_size;
+        let longest = prompts.iter().map(|p| p.len() + params.max_new_tokens - 1).max().unwrap_or(0);
+        let bytes = (self.pool.num_blocks() * bs * self.bytes_per_token) as f64;
+        self.cache.serves(model, cfg.kv_cache_dtype.dtype())
+            && self.pool.block_size() == bs
+            && self.cache.block_size() == bs
+            && self.caching == caching
+            && blocks_for(longest, bs) <= self.pool.num_blocks()
+            && cfg.kv_cache_gb.is_none_or(|gb| bytes <= gb * 1e9 * (1.0 + 1e-9))
+    }
+
     /// The cache tensors the model call reads and writes.
     pub(super) fn cache(&self) -> &PagedKvCache {
         &self.cache

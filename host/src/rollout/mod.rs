@@ -55,7 +55,7 @@ pub use engine::GenerateOptions;
 pub use generate_text::{check_vocab, Generation, Generator};
 pub use generate_tokens::{bench_generate, generate, generate_partial, generate_stats, generate_with};
 pub use params::SamplingParams;
-pub use partial::{OnStale, PartialConfig, PartialFigures, PartialRollout, PartialStep};
+pub use partial::{OnStale, PartialConfig, PartialFigures, PartialKv, PartialRollout, PartialStep};
 pub use row::CarriedResponse;
 pub use sampler::{row_seed, Sampler, TokenDraw};
 pub use scheduler::{SchedulePolicy, PREFILL_TOKENS};

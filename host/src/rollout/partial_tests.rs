@@ -3,10 +3,10 @@
 
 use candle_core::Tensor;
 
-use super::partial::{OnStale, PartialConfig, PartialRollout, PartialStep};
+use super::partial::{OnStale, PartialConfig, PartialKv, PartialRollout, PartialStep};
 use super::test_support::{angle_decode, tiny_model};
 use super::{generate_partial, generate_with, row_seed, GenerateOptions, Sample, SamplingParams};
-use crate::model::{logprob_entropy, Grad, Qwen3, TokenBatch};
+use crate::model::{logprob_entropy, Grad, KvCache, Qwen3, TokenBatch};
 
 fn prompts() -> Vec<Vec<u32>> {
     vec![vec![5, 9, 13], vec![2, 40, 41, 42, 43], vec![77], vec![60, 61, 3, 3, 8], vec![11, 12]]
@@ -217,7 +217,13 @@ fn the_staleness_limit_restarts_or_drops() {
     // Prompt 0 needs 40 tokens; each later one 3.
     let lengths = |p: usize, _s: usize| if p == 0 { 40 } else { 3 };
     for on_stale in [OnStale::Restart, OnStale::Drop] {
-        let cfg = PartialConfig { enable: true, extra_prompts: Some(1), max_staleness: 1, on_stale };
+        let cfg = PartialConfig {
+            enable: true,
+            extra_prompts: Some(1),
+            max_staleness: 1,
+            on_stale,
+            ..PartialConfig::default()
+        };
         let mut partial = PartialRollout::default();
         admit(&mut partial, 0, &params());
         let (mut restarted, mut dropped) = (0, Vec::new());
@@ -246,4 +252,177 @@ fn the_staleness_limit_restarts_or_drops() {
             }
         }
     }
+}
+
+/// Lengths by prompt for the kept-cache tests: prompt 0 answers in 4 tokens, the
+/// others in 12, so a step that wants one group ends with the others part-way.
+fn short_then_long(p: usize, _s: usize) -> usize {
+    if p == 0 {
+        4
+    } else {
+        12
+    }
+}
+
+/// Prompts `0..k` in flight, their keys and values kept between calls.
+fn kept_in_flight(k: usize) -> PartialRollout {
+    let mut partial = in_flight(k, &params());
+    partial.set_kv(PartialKv::Keep);
+    partial
+}
+
+/// The blocks of the kept pool are all accounted for by its units (no block
+/// leaked, no reference lost); returns the blocks held.
+fn accounted(partial: &PartialRollout) -> usize {
+    match partial.kept_accounting() {
+        None => 0,
+        Some((used, distinct, refs, made)) => {
+            assert_eq!((used, refs), (distinct, made), "kept pool: held vs the units' blocks and references");
+            used
+        }
+    }
+}
+
+/// With the keys and values kept and the weights unchanged, a response carried
+/// over kept blocks continues exactly as an uninterrupted call draws it: the
+/// second call decodes the same rows over the same cache as the uninterrupted
+/// call's later steps, so tokens, log-probs and entropies agree bit for bit.
+#[test]
+fn kept_blocks_continue_an_uninterrupted_generation_bit_for_bit() {
+    let model = tiny_model(None, 8);
+    let mut partial = kept_in_flight(2);
+    let first = step(&model, &mut partial, &short_then_long, 0, 1);
+    assert_eq!(first.groups[0].0, 0);
+    assert_eq!(first.figures.carried_responses, 2);
+    assert!(partial.kept_blocks() > 0, "the unfinished responses' blocks stay");
+    let second = step(&model, &mut partial, &short_then_long, 1, 1);
+    let f = &second.figures;
+    assert_eq!((f.resumed_responses, f.kept_tokens, f.recomputed_tokens), (2, 8, 0), "{f:?}");
+    let got: Vec<Sample> =
+        first.groups.iter().chain(&second.groups).flat_map(|(_, g)| g.iter().cloned()).collect();
+    let opts = GenerateOptions { lengths: Some(&short_then_long), ..GenerateOptions::default() };
+    let want = generate_with(&model, &prompts()[..2], &params(), 0, &angle_decode, &opts).expect("generate");
+    assert_eq!(got.len(), want.len());
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(a.prompt_ids, b.prompt_ids);
+        assert_eq!(a.response_ids, b.response_ids);
+        assert_eq!(
+            (&a.logprobs, &a.old_logprobs, &a.entropies),
+            (&b.logprobs, &b.old_logprobs, &b.entropies)
+        );
+    }
+    assert_eq!((partial.in_flight(), accounted(&partial)), (0, 0), "every block back in the pool");
+}
+
+/// After a weight update a response whose keys and values were kept draws its
+/// next tokens from the new weights attending to the old weights' keys and
+/// values: the reference prefills the prompt and the tokens drawn before the
+/// update through the old model's contiguous cache (`Qwen3::decode`, not the
+/// paged engine), then feeds each later token through the new model over that
+/// same cache. Recomputing (the new weights' keys and values throughout) gives
+/// other log-probs.
+#[test]
+fn kept_keys_and_values_of_the_old_weights_are_what_the_new_weights_attend_to() {
+    let (a, b) = (tiny_model(None, 1), tiny_model(None, 2));
+    let mut partial = kept_in_flight(2);
+    step(&a, &mut partial, &short_then_long, 0, 1);
+    let second = step(&b, &mut partial, &short_then_long, 1, 1);
+    assert_eq!((second.figures.kept_tokens, second.figures.recomputed_tokens), (8, 0));
+    let mut differ = 0.0f32;
+    for s in &second.groups[0].1 {
+        let old = s.versions.iter().filter(|&&v| v == 0).count();
+        assert_eq!((old, s.response_len()), (4, 12), "{:?}", s.versions);
+        let mut cache = KvCache::new(&a, 1, 64).expect("cache");
+        let head: Vec<u32> = s.prompt_ids.iter().chain(&s.response_ids[..old - 1]).copied().collect();
+        let ids = |t: &[u32]| Tensor::new(t, a.device()).and_then(|x| x.unsqueeze(0)).expect("ids");
+        a.decode(&ids(&head), None, &mut cache).expect("old weights over the prefix");
+        let recomputed = forward_logprobs(&b, s);
+        for t in old..s.response_len() {
+            let logits = b.decode(&ids(&s.response_ids[t - 1..t]), None, &mut cache).expect("new weights");
+            let logits: Vec<f32> = logits.flatten_all().and_then(|x| x.to_vec1()).expect("logits");
+            let max = logits.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+            let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let want = (logits[s.response_ids[t] as usize] as f64 - lse) as f32;
+            assert!((s.old_logprobs[t] - want).abs() < 1e-4, "token {t}: {} vs {want}", s.old_logprobs[t]);
+            differ = differ.max((want - recomputed[t]).abs());
+        }
+    }
+    assert!(differ > 1e-3, "keeping and recomputing must differ under new weights ({differ})");
+}
+
+/// Kept blocks are all returned: over steps that admit groups, restart or drop
+/// stale responses and finish the rest, the pool holds exactly its units'
+/// blocks after every step, and nothing once no group is in flight.
+#[test]
+fn kept_blocks_all_return_to_the_pool() {
+    let model = tiny_model(None, 9);
+    let lengths = |p: usize, s: usize| if p.is_multiple_of(3) { 30 } else { 3 + (p * 7 + s * 5) % 11 };
+    for on_stale in [OnStale::Restart, OnStale::Drop] {
+        let cfg =
+            PartialConfig { max_staleness: 1, on_stale, kv: PartialKv::Keep, ..PartialConfig::default() };
+        let mut partial = PartialRollout::default();
+        partial.set_kv(cfg.kv);
+        let (mut next, mut held_max, mut kept, mut stale) = (0usize, 0, 0, 0);
+        for v in 0..12u64 {
+            let o = partial.enforce_staleness(v, &cfg);
+            stale += o.restarted + o.dropped.len();
+            accounted(&partial);
+            while v < 6 && partial.in_flight() < 4 {
+                let p = next % 5;
+                let seeds: Vec<u64> = (0..2).map(|s| row_seed(21, next, s)).collect();
+                partial.admit(next as u64, p, prompts()[p].clone(), &seeds);
+                next += 1;
+            }
+            if partial.in_flight() == 0 {
+                break;
+            }
+            let out = step(&model, &mut partial, &lengths, v, 1);
+            kept += out.figures.kept_tokens;
+            held_max = held_max.max(accounted(&partial));
+        }
+        assert!(
+            stale > 0 && kept > 0 && held_max > 0,
+            "{on_stale:?}: {stale} stale, {kept} kept, {held_max}"
+        );
+        assert_eq!((partial.in_flight(), accounted(&partial)), (0, 0), "{on_stale:?}: blocks leaked");
+    }
+}
+
+/// A checkpoint holds no kept blocks: a rollout loaded from a saved state
+/// recomputes the carried responses' keys and values once (then keeps them
+/// again), and draws the same tokens as the one that kept them, the weights
+/// being unchanged. A pool that no longer serves the call (another block size)
+/// is dropped the same way.
+#[test]
+fn a_resumed_rollout_recomputes_what_was_kept() {
+    let model = tiny_model(None, 5);
+    let mut partial = kept_in_flight(5);
+    step(&model, &mut partial, &staggered, 0, 2);
+    assert!(partial.kept_blocks() > 0);
+    let json = serde_json::to_string(&partial).expect("save");
+    let mut loaded: PartialRollout = serde_json::from_str(&json).expect("load");
+    assert_eq!(loaded.kept_blocks(), 0, "no blocks in a checkpoint");
+    loaded.set_kv(PartialKv::Keep);
+    let (x, y) = (step(&model, &mut partial, &staggered, 1, 1), step(&model, &mut loaded, &staggered, 1, 1));
+    assert!(x.figures.kept_tokens > 0 && x.figures.recomputed_tokens == 0, "{:?}", x.figures);
+    assert_eq!((y.figures.kept_tokens, y.figures.recomputed_tokens), (0, x.figures.kept_tokens));
+    for ((_, gx), (_, gy)) in x.groups.iter().zip(&y.groups) {
+        for (a, b) in gx.iter().zip(gy) {
+            assert_eq!(a.response_ids, b.response_ids);
+            for (p, q) in a.old_logprobs.iter().zip(&b.old_logprobs) {
+                assert!((p - q).abs() < 1e-4, "{p} vs {q}");
+            }
+        }
+    }
+    let z = step(&model, &mut loaded, &staggered, 2, 1);
+    assert!(z.figures.kept_tokens > 0 && z.figures.recomputed_tokens == 0, "{:?}", z.figures);
+    // Another block size: the kept pool cannot serve the call.
+    let opts = GenerateOptions {
+        lengths: Some(&staggered),
+        engine: crate::rollout::EngineConfig { block_size: 8, ..Default::default() },
+        ..GenerateOptions::default()
+    };
+    let w = generate_partial(&model, &mut loaded, &params(), 0, &angle_decode, &opts, 3, 1).expect("step");
+    assert!(w.figures.kept_tokens == 0 && w.figures.recomputed_tokens > 0, "{:?}", w.figures);
+    accounted(&loaded);
 }

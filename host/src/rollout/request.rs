@@ -48,11 +48,6 @@ pub(super) struct Queues {
 }
 
 impl Queues {
-    /// `waiting` in this order, nothing running.
-    pub(super) fn waiting(waiting: VecDeque<Kind>) -> Self {
-        Self { waiting, running: Vec::new() }
-    }
-
     /// True when nothing waits and nothing runs.
     pub(super) fn is_empty(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()

@@ -1,6 +1,7 @@
 //! Partial rollouts in the training loop: with no extra groups in flight they train
 //! as the synchronous loop, weight for weight; a run resumed from a checkpoint that
-//! holds unfinished responses equals the uninterrupted one.
+//! holds unfinished responses equals the uninterrupted one; a cache kept across updates
+//! is not in the checkpoint, so the resumed run recomputes it once.
 
 use serde_json::{json, Value};
 use stapo::reward::ExtractMode;
@@ -117,4 +118,48 @@ fn a_resumed_run_continues_its_unfinished_responses() {
     assert_eq!(weight_bits(&a), weight_bits(&b), "weights differ after resume");
     same_metrics(&ma[4], mb.last().unwrap());
     assert_eq!(ma[4].partial, mb.last().unwrap().partial);
+}
+
+/// With `rollout.partial.kv = "keep"` the unfinished responses' keys and values stay in
+/// the cache across updates (`partial.kept_tokens`, nothing recomputed); a checkpoint
+/// holds no cache, so the run resumed from it recomputes the carried responses once
+/// and then keeps them again.
+#[test]
+fn kept_caches_are_not_in_checkpoints_and_a_resumed_run_recomputes() {
+    let dir = tempdir();
+    let mut cfg =
+        config(dir.path(), json!({"enable": true, "extra_prompts": 3, "max_staleness": 2, "kv": "keep"}));
+    (cfg.checkpoint.save_every, cfg.checkpoint.keep) = (1, 10);
+    assert_eq!(cfg.rollout.partial.kv, stapo::rollout::PartialKv::Keep);
+    let run = dir.path().join("run");
+    let mut a = Trainer::new(cfg, &run).unwrap();
+    let mut kept = 0;
+    let mut saved = false;
+    for s in 1..=4u64 {
+        let m = a.step(&a.default_plan(), None, None).unwrap();
+        let f = m.partial.expect("partial figures");
+        assert_eq!(f.recomputed_tokens, 0, "step {s}: nothing recomputed while the cache is kept: {f:?}");
+        kept += f.kept_tokens;
+        let state: Value = serde_json::from_str(
+            &std::fs::read_to_string(run.join(format!("checkpoints/step-{s:06}/trainer_state.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        let groups = state["partial"]["rollout"]["groups"].as_array().expect("groups in flight").clone();
+        saved = groups
+            .iter()
+            .flat_map(|g| g["responses"].as_array().unwrap().clone())
+            .filter_map(|r| r.get("running").cloned())
+            .any(|r| !r["ids"].as_array().unwrap().is_empty());
+        if saved && kept > 0 {
+            break;
+        }
+    }
+    assert!(saved && kept > 0, "no step kept a cache over a checkpoint with unfinished responses");
+    drop(a);
+    let mut b = Trainer::resume(&run).unwrap();
+    let first = b.step(&b.default_plan(), None, None).unwrap().partial.expect("partial figures");
+    assert!(first.recomputed_tokens > 0 && first.kept_tokens == 0, "{first:?}");
+    let later: Vec<_> = steps(&mut b, 2).into_iter().map(|m| m.partial.expect("partial figures")).collect();
+    assert!(later.iter().all(|f| f.recomputed_tokens == 0), "{later:?}");
 }

@@ -5,7 +5,8 @@
 //! up with new prompts from the [`PromptSource`] to `prompts_per_step +
 //! extra_prompts`, restarts or drops the responses older than `max_staleness`, and
 //! hands the step its whole groups. Its state ([`PartialState`]) is saved with each
-//! checkpoint. Depends on `rollout` (the partial engine), `data` (the examples),
+//! checkpoint; a KV cache kept between steps (`rollout.partial.kv = "keep"`) is not, so
+//! a resumed run recomputes the carried responses' keys and values once. Depends on `rollout` (the partial engine), `data` (the examples),
 //! `dist` and the run configuration.
 
 use std::collections::BTreeMap;
@@ -88,6 +89,7 @@ impl PartialSource {
     ) -> Result<(Gathered, PartialFigures)> {
         let pcfg = &cfg.rollout.partial;
         let target = cfg.data.prompts_per_step;
+        self.rollout.set_kv(pcfg.kv);
         let stale = self.rollout.enforce_staleness(version, pcfg);
         for k in &stale.dropped {
             self.problems.remove(k);
