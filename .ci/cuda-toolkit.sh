@@ -15,12 +15,30 @@
 #
 # NCCL 2.32 (nvidia-nccl-cu13) comes along for `--features cuda,nccl` builds.
 #
-# With STAPO_CUDA_PIECES=compiler only what `cargo check --features cuda` needs
-# is installed (nvcc and its front ends, the runtime headers, CCCL: about a
-# fifth of the download), into its own folder; linking needs the full set.
+# With STAPO_CUDA_PIECES=compiler only what `cargo check --features cuda` and
+# the kernels' NVRTC check need is installed (nvcc and its front ends, ptxas,
+# the runtime headers, CCCL, and NVRTC in a folder of its own), into its own
+# folder; linking needs the full set.
 #
 # Env: STAPO_CUDA_HOME (default ~/.cache/stapo-cuda), CUDA_COMPUTE_CAP (90),
 #      STAPO_CUDA_PIECES (all | compiler; default all).
+
+# Installs the wheels named into folder $1 (once: a stamp names what is there).
+stapo_cuda_pip() {
+    local py="$1"
+    shift
+    local stamp="$py/.stapo-installed"
+    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$*" ]]; then
+        echo "cuda-toolkit: installing $* into $py"
+        rm -rf "$py"
+        mkdir -p "$(dirname "$py")"
+        # Status 3: the toolkit could not be fetched (no python3/pip, no PyPI): nothing was checked.
+        command -v python3 >/dev/null 2>&1 || { echo "cuda-toolkit: no python3 to install it with" >&2; return 3; }
+        python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$py" "$@" ||
+            { echo "cuda-toolkit: pip could not install $*" >&2; return 3; }
+        echo "$*" >"$stamp"
+    fi
+}
 
 stapo_cuda_setup() {
     local home="${STAPO_CUDA_HOME:-$HOME/.cache/stapo-cuda}"
@@ -39,16 +57,15 @@ stapo_cuda_setup() {
         ;;
     esac
     local root="$py/nvidia/cu13"
-    local stamp="$py/.stapo-installed"
-    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${pkgs[*]}" ]]; then
-        echo "cuda-toolkit: installing ${pkgs[*]} into $py"
-        rm -rf "$py"
-        mkdir -p "$home"
-        # Status 3: the toolkit could not be fetched (no python3/pip, no PyPI): nothing was checked.
-        command -v python3 >/dev/null 2>&1 || { echo "cuda-toolkit: no python3 to install it with" >&2; return 3; }
-        python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$py" "${pkgs[@]}" ||
-            { echo "cuda-toolkit: pip could not install ${pkgs[*]}" >&2; return 3; }
-        echo "${pkgs[*]}" >"$stamp"
+    stapo_cuda_pip "$py" "${pkgs[@]}" || return
+    # NVRTC for the kernels' compile check (.ci/cuda-check --check): the compiler pieces take it
+    # from a folder of its own (so that adding it left their folder as it was), linked beside them.
+    if [[ $pieces == compiler ]]; then
+        local nv="$home/py13.0-nvrtc"
+        stapo_cuda_pip "$nv" nvidia-cuda-nvrtc==13.0.88 || return
+        for f in "$nv"/nvidia/cu13/lib/libnvrtc*.so*; do
+            [[ -e "$root/lib/$(basename "$f")" ]] || ln -s "$f" "$root/lib/$(basename "$f")"
+        done
     fi
     # NCCL (for `--features cuda,nccl`) ships in its own folder: put it beside the rest.
     if [[ -d "$py/nvidia/nccl/lib" ]]; then

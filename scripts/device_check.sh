@@ -318,7 +318,9 @@ bench_rollout() {
     local bound
     bound=$(grep -oE "[0-9.]+% of the bandwidth bound" "$LOG_DIR/$name.log" | tail -n 1 | sed 's/ of the bandwidth bound/ of bw bound/')
     local budget
-    budget=$(grep -oE "[0-9.]+ launches per layer .*, [0-9.]+ copies to the host per step" "$LOG_DIR/$name.log" | tail -n 1)
+    # The decode path (`kernels, fused projections` by default: 11 launches per layer) and its counts.
+    budget=$(grep -oE "decode \([^)]*\): [0-9]+ steps, [0-9.]+ launches per layer .*, [0-9.]+ copies to the host per step" \
+        "$LOG_DIR/$name.log" | tail -n 1)
     [[ -n "$budget" ]] && echo "   decode budget: $budget"
     if [[ $RC -eq 0 && -n "$tps" ]]; then
         row "rollout bf16 $name" "$np x 8, $lengths" "$tps" "${WALL}" "${PEAK_MIB} MiB" "${bound:-not measured}"

@@ -28,35 +28,40 @@ use super::cuda as src;
 pub use super::cuda::SampleParams;
 use crate::{Error, Result};
 
-/// One kernel source: its module name in candle's device and its PTX,
-/// compiled once per process by NVRTC (no GPU needed to compile).
+/// One kernel source ([`src::Source`]): its module in candle's device and
+/// its PTX, compiled once per process by NVRTC with [`src::NVRTC_OPTIONS`]
+/// (no GPU needed to compile; `.ci/cuda-check --check` compiles the same
+/// text with the same options and runs ptxas over it).
 pub struct Module {
-    name: &'static str,
-    source: &'static str,
+    source: &'static src::Source,
     ptx: OnceLock<std::result::Result<String, String>>,
 }
 
 impl Module {
-    const fn new(name: &'static str, source: &'static str) -> Self {
-        Self { name, source, ptx: OnceLock::new() }
+    const fn new(source: &'static src::Source) -> Self {
+        Self { source, ptx: OnceLock::new() }
     }
 
     /// The module's name in candle's device.
     pub fn name(&self) -> &'static str {
-        self.name
+        self.source.module
     }
 
     /// The PTX of the source.
     pub fn ptx(&self) -> Result<&str> {
         self.ptx
             .get_or_init(|| {
-                nvrtc::compile_ptx(self.source)
+                let opts = nvrtc::CompileOptions {
+                    options: src::NVRTC_OPTIONS.iter().map(|o| o.to_string()).collect(),
+                    ..Default::default()
+                };
+                nvrtc::compile_ptx_with_opts(self.source.text, opts)
                     .map(|p| p.to_src())
                     .map_err(|e| format!("NVRTC could not compile it: {e:?}"))
             })
             .as_ref()
             .map(|s| s.as_str())
-            .map_err(|e| Error::invalid(format!("CUDA kernel module {}: {e}", self.name)))
+            .map_err(|e| Error::invalid(format!("CUDA kernel module {}: {e}", self.source.module)))
     }
 
     /// The PTX, as a candle error.
@@ -66,45 +71,20 @@ impl Module {
 }
 
 /// Paged attention (`paged_attention.cu`, launched by [`super::paged_cuda`]).
-pub static PAGED_ATTENTION: Module = Module::new("stapo_paged_attention", src::PAGED_ATTENTION);
+pub static PAGED_ATTENTION: Module = Module::new(&src::PAGED_ATTENTION_SOURCE);
 /// RMSNorm (`rms_norm.cu`).
-pub static RMS_NORM: Module = Module::new("stapo_rms_norm", src::RMS_NORM);
+pub static RMS_NORM: Module = Module::new(&src::RMS_NORM_SOURCE);
 /// SwiGLU (`swiglu.cu`).
-pub static SWIGLU: Module = Module::new("stapo_swiglu", src::SWIGLU);
+pub static SWIGLU: Module = Module::new(&src::SWIGLU_SOURCE);
 /// Norm + rope and the cache write (`norm_rope.cu`).
-pub static NORM_ROPE: Module = Module::new("stapo_norm_rope", src::NORM_ROPE);
+pub static NORM_ROPE: Module = Module::new(&src::NORM_ROPE_SOURCE);
 /// Log-softmax statistics (`logp_entropy.cu`).
-pub static LOGP_ENTROPY: Module = Module::new("stapo_logp_entropy", src::LOGP_ENTROPY);
+pub static LOGP_ENTROPY: Module = Module::new(&src::LOGP_ENTROPY_SOURCE);
 /// Sampling (`sample.cu`).
-pub static SAMPLE: Module = Module::new("stapo_sample", src::SAMPLE);
+pub static SAMPLE: Module = Module::new(&src::SAMPLE_SOURCE);
 
-/// Every module of this file with its kernels (the NVRTC test checks each).
-pub const MODULES: [(&Module, &[&str]); 6] = [
-    (&PAGED_ATTENTION, &["paged_attention_f32", "paged_attention_f32_bf16kv", "paged_attention_bf16"]),
-    (&RMS_NORM, &["rms_norm_f32", "rms_norm_bf16", "add_rms_norm_f32", "add_rms_norm_bf16"]),
-    (&SWIGLU, &["swiglu_f32", "swiglu_bf16"]),
-    (
-        &NORM_ROPE,
-        &[
-            "norm_rope_f32",
-            "norm_rope_bf16",
-            "norm_rope_write_kv_f32",
-            "norm_rope_write_kv_f32_bf16pool",
-            "norm_rope_write_kv_bf16",
-        ],
-    ),
-    (
-        &LOGP_ENTROPY,
-        &[
-            "logp_entropy_tile_f32",
-            "logp_entropy_tile_bf16",
-            "logp_entropy_finish",
-            "logp_entropy_bwd_tile_f32",
-            "logp_entropy_bwd_tile_bf16",
-        ],
-    ),
-    (&SAMPLE, &["sample_rows"]),
-];
+/// Every module of this file (the NVRTC test checks each of its kernels).
+pub const MODULES: [&Module; 6] = [&PAGED_ATTENTION, &RMS_NORM, &SWIGLU, &NORM_ROPE, &LOGP_ENTROPY, &SAMPLE];
 
 /// True when the inference kernels serve `t`: a CUDA tensor in f32 or bf16
 /// that carries no gradient, and `--kernels fused` (the default).
@@ -195,7 +175,7 @@ fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
 /// Launches kernel `$kernel` of `$module` on `$dev` with the arguments given.
 macro_rules! launch {
     ($module:expr, $dev:expr, $kernel:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
-        let func = $dev.get_or_load_custom_func($kernel, $module.name, $module.ptx_or_bail()?)?;
+        let func = $dev.get_or_load_custom_func($kernel, $module.name(), $module.ptx_or_bail()?)?;
         let mut b = func.builder();
         $(
             // A binding, so that a temporary argument lives until the launch.
@@ -1090,9 +1070,9 @@ mod tests {
     /// error fails here, not on a lent device.
     #[test]
     fn every_kernel_compiles() {
-        for (module, kernels) in super::MODULES {
+        for module in super::MODULES {
             let ptx = module.ptx().unwrap_or_else(|e| panic!("{}: {e}", module.name()));
-            for name in kernels {
+            for name in module.source.kernels.iter().map(|k| k.name) {
                 assert!(
                     ptx.contains(&format!(".entry {name}(")),
                     "{name} missing from the PTX of {}",

@@ -3,6 +3,10 @@
 // in one pass. One block per (token, head), each thread one or more pairs
 // (j, j + D/2); sums in f32.
 //
+// Each thread keeps its pairs in registers: the loops over them run to
+// MAX_PAIRS (unrolled, so the arrays need no local memory), a pair past the
+// head's half skipped; the host keeps d <= 2 * MAX_PAIRS * blockDim.x.
+//
 // norm_rope_*: x (N, H, D) as the projection leaves it (N = B * L tokens),
 //   token n's heads at x + n * xs (xs = H * D for a projection of its own,
 //   the fused q/k/v row's width when x points at the queries inside the
@@ -14,13 +18,16 @@
 //   once to the pools' type. Token n's keys and values start at k + n * kvs
 //   and v + n * kvs (kvs = H * D, or the fused q/k/v row's width).
 
+#define MAX_PAIRS 4
+
 template <typename T>
 __device__ __forceinline__ void norm_rope_head(const T* __restrict__ xr, const T* __restrict__ w,
                                                const T* __restrict__ cs, const T* __restrict__ sn, int d,
-                                               float eps, float* a_out, float* b_out, int npairs) {
+                                               float eps, float* a_out, float* b_out) {
     const int half = d / 2;
     float ss = 0.f;
-    for (int k = 0; k < npairs; ++k) {
+#pragma unroll
+    for (int k = 0; k < MAX_PAIRS; ++k) {
         const int j = threadIdx.x + k * blockDim.x;
         if (j < half) {
             const float a = to_f(xr[j]), b = to_f(xr[j + half]);
@@ -28,7 +35,8 @@ __device__ __forceinline__ void norm_rope_head(const T* __restrict__ xr, const T
         }
     }
     const float inv = 1.f / sqrtf(block_sum(ss) / (float)d + eps);
-    for (int k = 0; k < npairs; ++k) {
+#pragma unroll
+    for (int k = 0; k < MAX_PAIRS; ++k) {
         const int j = threadIdx.x + k * blockDim.x;
         if (j < half) {
             const float a = to_f(w[j]) * (to_f(xr[j]) * inv), b = to_f(w[j + half]) * (to_f(xr[j + half]) * inv);
@@ -39,20 +47,17 @@ __device__ __forceinline__ void norm_rope_head(const T* __restrict__ xr, const T
     }
 }
 
-#define MAX_PAIRS 4
-
 template <typename T>
 __device__ void norm_rope(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ cs,
                           const T* __restrict__ sn, T* __restrict__ out, int l, int nh, int d, u64 xs,
                           float eps) {
     const int tok = blockIdx.x, h = blockIdx.y, half = d / 2;
-    const int npairs = (half + blockDim.x - 1) / blockDim.x;
     float a[MAX_PAIRS], b[MAX_PAIRS];
-    norm_rope_head(x + (u64)tok * xs + (u64)h * d, w, cs + (u64)tok * half, sn + (u64)tok * half, d, eps, a, b,
-                   npairs);
+    norm_rope_head(x + (u64)tok * xs + (u64)h * d, w, cs + (u64)tok * half, sn + (u64)tok * half, d, eps, a, b);
     const int bi = tok / l, li = tok % l;
     T* o = out + (((u64)bi * nh + h) * l + li) * d;
-    for (int k = 0; k < npairs; ++k) {
+#pragma unroll
+    for (int k = 0; k < MAX_PAIRS; ++k) {
         const int j = threadIdx.x + k * blockDim.x;
         if (j < half) {
             store(&o[j], a[k]);
@@ -67,11 +72,11 @@ __device__ void norm_rope_write_kv(const T* __restrict__ k, const T* __restrict_
                                    const unsigned int* __restrict__ slots, P* __restrict__ pk, P* __restrict__ pv,
                                    int nh, int d, u64 kvs, float eps) {
     const int tok = blockIdx.x, h = blockIdx.y, half = d / 2;
-    const int npairs = (half + blockDim.x - 1) / blockDim.x;
     float a[MAX_PAIRS], b[MAX_PAIRS];
     const u64 src = (u64)tok * kvs + (u64)h * d, dst = ((u64)slots[tok] * nh + h) * d;
-    norm_rope_head(k + src, w, cs + (u64)tok * half, sn + (u64)tok * half, d, eps, a, b, npairs);
-    for (int kk = 0; kk < npairs; ++kk) {
+    norm_rope_head(k + src, w, cs + (u64)tok * half, sn + (u64)tok * half, d, eps, a, b);
+#pragma unroll
+    for (int kk = 0; kk < MAX_PAIRS; ++kk) {
         const int j = threadIdx.x + kk * blockDim.x;
         if (j < half) {
             store(&pk[dst + j], a[kk]);
