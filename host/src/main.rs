@@ -37,7 +37,8 @@ fn main() -> ExitCode {
         }
     }
     // Under an MPI launcher every rank runs this same command; only `run`, `update`
-    // (each rank its share of the rollouts, rank 0 writes) and `bench shard` are
+    // (each rank its share of the rollouts, rank 0 writes), `bench shard` and `bench async
+    // --rollout-ranks` are
     // data-parallel, so the others would repeat each other's work and files.
     let world = match stapo::dist::init() {
         Ok(w) => w,
@@ -48,12 +49,16 @@ fn main() -> ExitCode {
     };
     let parallel = match &cli.command {
         Command::Run(_) | Command::Update(_) => true,
-        Command::Bench(a) => a.what == commands::bench::What::Shard,
+        Command::Bench(a) => {
+            a.what == commands::bench::What::Shard
+                || (a.what == commands::bench::What::Async && a.rollout_ranks > 0)
+        }
         _ => false,
     };
     if world.size() > 1 && !parallel {
         eprintln!(
-            "error: only `stapo run`, `stapo update` and `stapo bench shard` run on several MPI ranks; \
+            "error: only `stapo run`, `stapo update`, `stapo bench shard` and `stapo bench async \
+             --rollout-ranks` run on several MPI ranks; \
              start other commands without mpirun"
         );
         stapo::dist::finalize();

@@ -206,6 +206,12 @@ pub struct BenchArgs {
     /// `async`: threads of the update beside it (`rollout.async.train_threads`).
     #[arg(long, default_value_t = 0)]
     pub train_threads: usize,
+    /// `async` under `mpirun -np N`: rollout ranks of the role split
+    /// (`rollout.async.roles.rollout_ranks`); compares N data-parallel ranks, synchronous,
+    /// with R rollout ranks and N - R trainer ranks at staleness 0 and 1 (0: one process,
+    /// two threads).
+    #[arg(long, default_value_t = 0)]
+    pub rollout_ranks: usize,
     /// For `shard`: none, optimizer (ZeRO-1) or gradients (ZeRO-2).
     #[arg(long, default_value = "none")]
     pub shard: String,

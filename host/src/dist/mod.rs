@@ -17,6 +17,13 @@
 //!
 //! Every collective must be called by all ranks in the same order; results are
 //! identical on every rank (sums are taken in rank order, so bitwise equal).
+//!
+//! For jobs whose ranks play different roles (`rollout.async.roles`: rollout ranks
+//! and trainer ranks) a communicator splits into groups ([`Comm::split`],
+//! `MPI_Comm_split`), each a communicator of its own with the same collectives, and
+//! two ranks exchange messages point to point ([`Comm::send_bytes`] /
+//! [`Comm::recv_bytes`], `MPI_Send`/`MPI_Recv`; messages from one rank to another
+//! arrive in the order they were sent).
 
 mod blocks;
 mod threads;
@@ -78,6 +85,44 @@ pub trait Comm: Send + Sync {
     fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
         all_gather_tensor_host(self, t)
     }
+    /// The groups of a split (`MPI_Comm_split`): ranks that pass the same `color` form
+    /// one communicator, ranked by `key`, then by their rank here. Collective: every
+    /// rank of this communicator calls it.
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Comm>>;
+    /// Sends `buf` to rank `dest` (`MPI_Send`); it may wait until `dest` receives it.
+    fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()>;
+    /// The next message rank `src` sent to this rank (`MPI_Recv`), waiting for it.
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>>;
+    /// Sends f32 values to rank `dest` (see [`Comm::send_bytes`]).
+    fn send_f32(&self, dest: usize, buf: &[f32]) -> Result<()> {
+        self.send_bytes(dest, &f32_bytes(buf))
+    }
+    /// The next f32 values rank `src` sent to this rank (see [`Comm::recv_bytes`]).
+    fn recv_f32(&self, src: usize) -> Result<Vec<f32>> {
+        let b = self.recv_bytes(src)?;
+        if b.len() % 4 != 0 {
+            return Err(Error::invalid(format!(
+                "receive: {} bytes from rank {src} are not f32 values",
+                b.len()
+            )));
+        }
+        Ok(bytes_f32(&b))
+    }
+    /// Replaces `buf` on every rank by `root`'s `buf`, which has the same length on
+    /// every rank.
+    fn broadcast_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
+        let mut bytes = if self.rank() == root { f32_bytes(buf) } else { Vec::new() };
+        self.broadcast_bytes(root, &mut bytes)?;
+        if bytes.len() != 4 * buf.len() {
+            return Err(Error::invalid(format!(
+                "broadcast: {} values from rank {root}, {} expected",
+                bytes.len() / 4,
+                buf.len()
+            )));
+        }
+        buf.copy_from_slice(&bytes_f32(&bytes));
+        Ok(())
+    }
     /// Sums `tensors` over ranks in place, flattened into buckets of at most
     /// `bucket_elems` elements (one collective per bucket). The default copies
     /// each bucket through host memory as f32; NCCL reduces on the device.
@@ -129,6 +174,15 @@ impl Comm for Local {
     }
     fn all_reduce_tensors(&self, _tensors: &mut [Tensor], _bucket_elems: usize) -> Result<()> {
         Ok(())
+    }
+    fn split(&self, _color: usize, _key: usize) -> Result<Arc<dyn Comm>> {
+        Ok(Arc::new(Local))
+    }
+    fn send_bytes(&self, dest: usize, _buf: &[u8]) -> Result<()> {
+        Err(Error::invalid(format!("send: no rank {dest} in a single process")))
+    }
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
+        Err(Error::invalid(format!("receive: no rank {src} in a single process")))
     }
 }
 
@@ -268,6 +322,64 @@ pub fn broadcast_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     serde_json::from_slice(&buf).map_err(|e| Error::invalid(format!("broadcast: {e}")))
 }
 
+/// A serde value as bytes that [`exact_json_value`] turns back into the same value,
+/// every float bit for bit: JSON, then the bits of each of its floats in order
+/// (a JSON reader may round a float's last bit).
+pub fn exact_json_bytes<T: serde::Serialize>(value: &T) -> Result<Vec<u8>> {
+    let v = serde_json::to_value(value).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut bits = Vec::new();
+    visit_floats(&v, &mut |x| bits.push(x));
+    let json = serde_json::to_vec(&v).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut out = Vec::with_capacity(8 + json.len() + 8 * bits.len());
+    out.extend((json.len() as u64).to_le_bytes());
+    out.extend(json);
+    out.extend(bits.iter().flat_map(|b: &f64| b.to_le_bytes()));
+    Ok(out)
+}
+
+/// The value [`exact_json_bytes`] wrote.
+pub fn exact_json_value<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    let bad = || Error::invalid("message: cut short");
+    let n = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(bad)? as usize;
+    let json = bytes.get(8..8 + n).ok_or_else(bad)?;
+    let mut v: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| Error::invalid(format!("message: {e}")))?;
+    let mut floats = bytes_f64(bytes.get(8 + n..).ok_or_else(bad)?).into_iter();
+    let mut short = false;
+    set_floats(&mut v, &mut || {
+        floats.next().or_else(|| {
+            short = true;
+            None
+        })
+    });
+    if short || floats.next().is_some() {
+        return Err(Error::invalid("message: its floats do not match its JSON"));
+    }
+    serde_json::from_value(v).map_err(|e| Error::invalid(format!("message: {e}")))
+}
+
+fn visit_floats(v: &serde_json::Value, f: &mut impl FnMut(f64)) {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => f(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::Array(a) => a.iter().for_each(|x| visit_floats(x, f)),
+        serde_json::Value::Object(o) => o.values().for_each(|x| visit_floats(x, f)),
+        _ => {}
+    }
+}
+
+fn set_floats(v: &mut serde_json::Value, next: &mut impl FnMut() -> Option<f64>) {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            if let Some(x) = next().and_then(serde_json::Number::from_f64) {
+                *n = x;
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| set_floats(x, next)),
+        serde_json::Value::Object(o) => o.values_mut().for_each(|x| set_floats(x, next)),
+        _ => {}
+    }
+}
+
 /// Every rank's value of a serde value, in rank order.
 pub fn all_gather_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     comm: &dyn Comm,
@@ -395,6 +507,24 @@ pub fn local_rank() -> usize {
         .iter()
         .find_map(|k| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok()))
         .unwrap_or(0)
+}
+
+/// An error unless `peer` is another rank of `size` than `rank` (for point-to-point).
+pub(crate) fn check_peer(rank: usize, size: usize, peer: usize, what: &str) -> Result<()> {
+    if peer >= size || peer == rank {
+        return Err(Error::invalid(format!(
+            "{what}: rank {peer} is not another rank of {size} (this is rank {rank})"
+        )));
+    }
+    Ok(())
+}
+
+/// An error unless `root` is one of `size` ranks (for broadcasts).
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::invalid(format!("broadcast: root {root} of {size} ranks")));
+    }
+    Ok(())
 }
 
 /// Bytes of `f32`s / from bytes, little-endian (for byte-level transports).
@@ -564,6 +694,30 @@ mod tests {
         assert_eq!(errs[0], "disk full");
         assert_eq!(errs[1], "rank 0 failed: disk full");
         assert_eq!(errs[2], "rank 0 failed: disk full");
+    }
+
+    /// Floats whose shortest decimal a JSON reader may round come back bit for bit,
+    /// in nested maps and lists, f32 and f64, next to integers and strings.
+    #[test]
+    fn exact_json_keeps_every_float_bit() {
+        #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+        struct M {
+            a: f64,
+            b: Vec<f32>,
+            c: std::collections::BTreeMap<String, (u64, f64)>,
+            d: Option<f64>,
+        }
+        let mut c = std::collections::BTreeMap::new();
+        c.insert("x".to_string(), (7, 11.545454545454545));
+        c.insert("y".to_string(), (u64::MAX, 1.0));
+        let m = M { a: 0.1 + 0.2, b: vec![1e-45, 3.4e38, -0.0, 2.5], c, d: Some(5e-324) };
+        let back: M = exact_json_value(&exact_json_bytes(&m).unwrap()).unwrap();
+        assert_eq!(back.a.to_bits(), m.a.to_bits());
+        assert_eq!(back.c["x"].1.to_bits(), 11.545454545454545f64.to_bits());
+        assert_eq!(back, m);
+        let mut cut = exact_json_bytes(&m).unwrap();
+        cut.truncate(cut.len() - 4);
+        assert!(exact_json_value::<M>(&cut).is_err());
     }
 
     #[test]

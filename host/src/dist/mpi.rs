@@ -1,41 +1,51 @@
 //! The MPI world (rsmpi over the system's MPI library, e.g. Debian's Open MPI).
 //!
-//! MPI is initialised with `MPI_THREAD_SERIALIZED` and every call goes through
-//! one mutex, so the library's threads (rayon, the script watcher) may call in
-//! from anywhere without two calls ever overlapping.
+//! MPI is initialised with `MPI_THREAD_SERIALIZED` and every call, on the world
+//! or on a group split from it, goes through one process-wide mutex, so the
+//! library's threads (rayon, the script watcher) may call in from anywhere
+//! without two calls ever overlapping.
 
 use std::sync::{Arc, Mutex};
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::{Count, Threading};
 
 use half::bf16;
 
 use super::blocks::{block_len, narrow, widen};
-use super::Comm;
+use super::{check_peer, check_root, Comm};
 use crate::{Error, Result};
 
 /// Kept until [`finalize`]; dropping it calls `MPI_Finalize`.
 static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
 
-/// The world communicator. rsmpi's handle is a raw MPI pointer and so not
-/// `Send`; it is only touched under the mutex, and MPI runs in
+/// Held during every MPI call of the process, whichever communicator it is on.
+static CALLS: Mutex<()> = Mutex::new(());
+
+/// A communicator. rsmpi's handle is a raw MPI pointer and so neither `Send`
+/// nor `Sync`; it is only touched under [`CALLS`], and MPI runs in
 /// `MPI_THREAD_SERIALIZED` mode, which allows calls from any thread as long
 /// as they do not overlap.
-struct World(SimpleCommunicator);
-// SAFETY: see `World`: serialized access under `Mpi::world`'s mutex.
-unsafe impl Send for World {}
+struct Handle(SimpleCommunicator);
+// SAFETY: see `Handle`: every use is serialized under `CALLS`.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
 
-/// MPI's `MPI_COMM_WORLD`.
+/// MPI's `MPI_COMM_WORLD`, or a group split from it.
 pub(super) struct Mpi {
-    world: Mutex<World>,
+    comm: Handle,
     rank: usize,
     size: usize,
 }
+
+/// Largest number of elements one MPI call carries here (below `i32::MAX`);
+/// longer buffers go in several calls.
+const CHUNK: usize = 1 << 28;
 
 pub(super) fn init_world() -> Result<Arc<dyn Comm>> {
     let mut slot = UNIVERSE.lock().map_err(|_| Error::invalid("mpi: init lock poisoned"))?;
@@ -49,7 +59,7 @@ pub(super) fn init_world() -> Result<Arc<dyn Comm>> {
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     *slot = Some(universe);
-    Ok(Arc::new(Mpi { world: Mutex::new(World(world)), rank, size }))
+    Ok(Arc::new(Mpi { comm: Handle(world), rank, size }))
 }
 
 pub(super) fn finalize() {
@@ -74,8 +84,8 @@ fn count(n: usize, what: &str) -> Result<Count> {
 
 impl Mpi {
     fn with<T>(&self, f: impl FnOnce(&SimpleCommunicator) -> Result<T>) -> Result<T> {
-        let w = self.world.lock().map_err(|_| Error::invalid("mpi: communicator lock poisoned"))?;
-        f(&w.0)
+        let _held = CALLS.lock().map_err(|_| Error::invalid("mpi: communicator lock poisoned"))?;
+        f(&self.comm.0)
     }
 
     /// Lengths of every rank's `n`.
@@ -144,9 +154,7 @@ impl Comm for Mpi {
         })
     }
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::invalid(format!("broadcast: root {root} of {} ranks", self.size)));
-        }
+        check_root(root, self.size)?;
         self.with(|w| {
             let p = w.process_at_rank(root as i32);
             let mut n = buf.len() as u64;
@@ -183,6 +191,70 @@ impl Comm for Mpi {
     }
     fn reduce_scatter_bf16(&self, buf: &[bf16]) -> Result<Vec<bf16>> {
         Ok(narrow(&self.reduce_scatter_f32(&widen(buf))?))
+    }
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Comm>> {
+        let c = i32::try_from(color).map_err(|_| Error::invalid(format!("mpi: split colour {color}")))?;
+        let k = i32::try_from(key).map_err(|_| Error::invalid(format!("mpi: split key {key}")))?;
+        let group = self.with(|w| {
+            w.split_by_color_with_key(Color::with_value(c), k)
+                .ok_or_else(|| Error::invalid("mpi: MPI_Comm_split gave this rank no group"))
+        })?;
+        let (rank, size) = (group.rank() as usize, group.size() as usize);
+        Ok(Arc::new(Mpi { comm: Handle(group), rank, size }))
+    }
+    fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()> {
+        check_peer(self.rank, self.size, dest, "send")?;
+        self.with(|w| {
+            let p = w.process_at_rank(dest as i32);
+            // The length first, then the bytes in calls of at most `CHUNK`.
+            p.send(&(buf.len() as u64));
+            for c in buf.chunks(CHUNK) {
+                p.send(c);
+            }
+            Ok(())
+        })
+    }
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
+        check_peer(self.rank, self.size, src, "receive")?;
+        self.with(|w| {
+            let p = w.process_at_rank(src as i32);
+            let (n, _) = p.receive::<u64>();
+            let mut out = Vec::with_capacity(n as usize);
+            while out.len() < n as usize {
+                let (c, _) = p.receive_vec::<u8>();
+                if c.is_empty() {
+                    return Err(Error::invalid(format!("mpi: an empty piece of a message from rank {src}")));
+                }
+                out.extend_from_slice(&c);
+            }
+            if out.len() != n as usize {
+                return Err(Error::invalid(format!(
+                    "mpi: {} bytes from rank {src}, {n} announced",
+                    out.len()
+                )));
+            }
+            Ok(out)
+        })
+    }
+    fn broadcast_f32(&self, root: usize, buf: &mut [f32]) -> Result<()> {
+        check_root(root, self.size)?;
+        self.with(|w| {
+            let p = w.process_at_rank(root as i32);
+            // Every rank must pass the same length; agree on it first.
+            let mut n = buf.len() as u64;
+            p.broadcast_into(&mut n);
+            if n as usize != buf.len() {
+                return Err(Error::invalid(format!(
+                    "broadcast: {n} values from rank {root}, {} expected on rank {}",
+                    buf.len(),
+                    self.rank
+                )));
+            }
+            for c in buf.chunks_mut(CHUNK) {
+                p.broadcast_into(c);
+            }
+            Ok(())
+        })
     }
     fn all_gather_bf16(&self, local: &[bf16]) -> Result<Vec<bf16>> {
         // bf16 travels as its bit pattern (MPI has no bf16 type; nothing is summed).

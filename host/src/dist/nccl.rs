@@ -197,6 +197,16 @@ impl Comm for MpiNccl {
     fn barrier(&self) -> Result<()> {
         self.mpi.barrier()
     }
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Comm>> {
+        // The groups talk over MPI; a group that trains sets up its own NCCL (`for_device`).
+        self.mpi.split(color, key)
+    }
+    fn send_bytes(&self, dest: usize, buf: &[u8]) -> Result<()> {
+        self.mpi.send_bytes(dest, buf)
+    }
+    fn recv_bytes(&self, src: usize) -> Result<Vec<u8>> {
+        self.mpi.recv_bytes(src)
+    }
     fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>> {
         self.mpi.reduce_scatter_f32(buf)
     }

@@ -191,3 +191,37 @@ fn a_shared_full_last_block_is_not_copied() {
     assert_ne!(a.blocks()[2], b.blocks()[2]);
     assert_eq!(blocks_for(9, 4), 3);
 }
+
+/// Forgetting the prefix cache's names (a pool kept across a weight update):
+/// nothing is found any more, held blocks stay held, cached free blocks become
+/// empty free ones, and a table that stopped naming fills blocks no one finds.
+#[test]
+fn forgotten_names_are_found_no_more_and_stopped_tables_name_nothing() {
+    let a = [1u32, 2, 3, 4, 5, 6, 7, 8];
+    let b = [11u32, 12, 13, 14];
+    let mut pool = BlockPool::new(8, 4).expect("pool");
+    let mut held = filled(&mut pool, &a);
+    let mut freed = filled(&mut pool, &b);
+    freed.release(&mut pool);
+    assert_eq!((pool.used_blocks(), pool.cached_free_blocks(), pool.cached_blocks()), (2, 1, 3));
+    pool.forget_names();
+    assert_eq!((pool.used_blocks(), pool.cached_free_blocks(), pool.cached_blocks()), (2, 0, 0));
+    assert_eq!(pool.free_blocks(), 6);
+    assert!(pool.longest_cached(&hash_blocks(None, &a, 4)).is_empty());
+    assert!(pool.longest_cached(&hash_blocks(None, &b, 4)).is_empty());
+    // The held table goes on and stops naming: four more tokens fill a block no one finds.
+    held.stop_naming();
+    held.append(&mut pool, 4).expect("room");
+    assert_eq!(held.unnamed_full(4), 0..0);
+    held.register_full(&mut pool, &[]);
+    assert_eq!(pool.cached_blocks(), 0);
+    // A new table over the same tokens computes them again, and names its blocks.
+    let fresh = filled(&mut pool, &a);
+    assert_eq!(pool.cached_blocks(), 2);
+    assert!(fresh.blocks().iter().all(|b| !held.blocks().contains(b)));
+    held.release(&mut pool);
+    let mut again = held.clone();
+    again.append(&mut pool, 4).expect("room");
+    assert_eq!(again.unnamed_full(4), 0..4, "a released table names again");
+    assert_eq!(pool.evictions(), 0, "forgetting is not evicting");
+}

@@ -320,14 +320,35 @@ fn kept_blocks_continue_an_uninterrupted_generation_bit_for_bit() {
 /// update through the old model's contiguous cache (`Qwen3::decode`, not the
 /// paged engine), then feeds each later token through the new model over that
 /// same cache. Recomputing (the new weights' keys and values throughout) gives
-/// other log-probs.
+/// other log-probs. A group admitted after the update with the same prompt does
+/// not share the old weights' cached prompt blocks: it draws from the new
+/// weights alone.
 #[test]
 fn kept_keys_and_values_of_the_old_weights_are_what_the_new_weights_attend_to() {
     let (a, b) = (tiny_model(None, 1), tiny_model(None, 2));
     let mut partial = kept_in_flight(2);
-    step(&a, &mut partial, &short_then_long, 0, 1);
-    let second = step(&b, &mut partial, &short_then_long, 1, 1);
+    // Blocks of 2 tokens, so that the prompts fill blocks the prefix cache names.
+    let opts = GenerateOptions {
+        lengths: Some(&short_then_long),
+        engine: crate::rollout::EngineConfig { block_size: 2, ..Default::default() },
+        ..GenerateOptions::default()
+    };
+    let call = |m: &Qwen3, partial: &mut PartialRollout, v: u64, wanted: usize| {
+        generate_partial(m, partial, &params(), 0, &angle_decode, &opts, v, wanted).expect("partial step")
+    };
+    call(&a, &mut partial, 0, 1);
+    // Prompt 1 again, as a new group (forced lengths of prompt 0: 4 tokens).
+    let seeds: Vec<u64> = (0..2).map(|s| row_seed(21, 7, s)).collect();
+    partial.admit(7, 0, prompts()[1].clone(), &seeds);
+    let second = call(&b, &mut partial, 1, 2);
     assert_eq!((second.figures.kept_tokens, second.figures.recomputed_tokens), (8, 0));
+    assert_eq!(second.groups.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 7]);
+    for s in &second.groups[1].1 {
+        let want = forward_logprobs(&b, s);
+        for (t, (x, y)) in s.old_logprobs.iter().zip(&want).enumerate() {
+            assert!((x - y).abs() < 1e-4, "new group, token {t}: {x} vs {y}");
+        }
+    }
     let mut differ = 0.0f32;
     for s in &second.groups[0].1 {
         let old = s.versions.iter().filter(|&&v| v == 0).count();

@@ -158,6 +158,13 @@ pub struct RolloutConfig {
 /// a second thread of the process, sampling a copy of the weights update k starts from (the
 /// weights update k-1 produced); step k+1 then trains on it, one policy version behind. The
 /// default, `staleness: 0`, is the synchronous run: each step rolls out and then updates.
+///
+/// With `roles`, the ranks of an MPI job split into rollout ranks and trainer ranks
+/// instead (slime's and AReaL's disaggregated placement): the rollout ranks generate
+/// and score each step's groups and send them to the trainer ranks, which update
+/// data-parallel among themselves and send the new weights back after each update.
+/// Under `staleness: 1` the rollout ranks generate step k+1 under the weights of step k
+/// while the trainers update step k; under `staleness: 0` they wait for the new weights.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AsyncConfig {
@@ -168,6 +175,20 @@ pub struct AsyncConfig {
     pub rollout_threads: usize,
     /// Threads of the update's pool while a rollout runs beside it (0: the process's pool).
     pub train_threads: usize,
+    /// Rollout and trainer roles over the ranks of the job (absent: every rank rolls
+    /// out and trains, in one or two threads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub roles: Option<RolesConfig>,
+}
+
+/// `rollout.async.roles`: of the job's N ranks, the last `rollout_ranks` generate
+/// (the step's prompts shared among them, each GRPO group whole on one rank) and the
+/// first N - `rollout_ranks` train. Rank 0, the first trainer, writes the run folder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolesConfig {
+    /// Ranks that generate: 1 to N - 1.
+    pub rollout_ranks: usize,
 }
 
 impl AsyncConfig {
@@ -177,6 +198,29 @@ impl AsyncConfig {
     }
 
     fn validate(&self) -> Result<()> {
+        if let Some(r) = &self.roles {
+            let field = |f: &str, msg: String| Error::Config {
+                file: "run config".into(),
+                field: format!("rollout.async.{f}"),
+                msg,
+            };
+            if r.rollout_ranks == 0 {
+                return Err(field(
+                    "roles.rollout_ranks",
+                    "expected at least 1 rollout rank (remove `roles` to roll out on every rank)".into(),
+                ));
+            }
+            for (f, n) in [("rollout_threads", self.rollout_threads), ("train_threads", self.train_threads)] {
+                if n > 0 {
+                    return Err(field(
+                        f,
+                        format!(
+                            "{n} threads: this setting shares one process between the two roles; under                              `roles` each rank plays one role with all its threads (set it to 0)"
+                        ),
+                    ));
+                }
+            }
+        }
         if self.staleness > 1 {
             return Err(under(
                 "rollout.async",
@@ -221,6 +265,16 @@ impl RolloutConfig {
                 field: "rollout.async.staleness".into(),
                 msg: "one-step-off training (rollout.async.staleness 1) and partial rollouts \
                       (rollout.partial.enable) cannot be combined: turn one of them off"
+                    .into(),
+            });
+        }
+        if self.asynchronous.roles.is_some() && self.partial.enable {
+            return Err(Error::Config {
+                file: "run config".into(),
+                field: "rollout.async.roles".into(),
+                msg: "rollout and trainer roles (rollout.async.roles) and partial rollouts \
+                      (rollout.partial.enable) cannot be combined: the groups in flight would live on \
+                      the rollout ranks across updates; turn one of them off"
                     .into(),
             });
         }

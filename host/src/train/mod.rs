@@ -11,8 +11,8 @@ pub mod trainer;
 pub mod update;
 
 pub use config::{
-    AsyncConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, RolloutConfig,
-    RunConfig,
+    AsyncConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, RolesConfig,
+    RolloutConfig, RunConfig,
 };
 pub use optim::{
     is_norm_or_bias, AdamW, AdamWConfig, LrSchedule, Optimizer, ShardMode, ShardedAdamW, StepReport,

@@ -27,6 +27,8 @@
 //!   steps (`PartialSource`), saved with each checkpoint;
 //! - `ahead.rs`: one-step-off training (`rollout.async`): the next step's rollout drawn
 //!   in a second thread beside the update, the staleness check, the async metrics;
+//! - `roles.rs`: rollout ranks and trainer ranks (`rollout.async.roles`): the job's
+//!   ranks split into the two roles, the groups sent to the trainers, the weights back;
 //! - `metrics.rs`: what a step reports ([`StepMetrics`]) and the warnings on their way;
 //! - `setup.rs`: configuration glue (device and model of a rank, checks of the config);
 //!
@@ -43,6 +45,7 @@ mod partial;
 mod plan;
 mod policy;
 mod prompts;
+mod roles;
 mod roller;
 mod setup;
 
@@ -76,6 +79,7 @@ use plan::mix;
 pub use plan::StepPlan;
 pub use policy::PolicyState;
 pub use prompts::PromptSource;
+use roles::Roles;
 use roller::Roller;
 use setup::{check_eval_sampling, check_ranks, load_model};
 
@@ -116,6 +120,9 @@ pub struct Trainer {
     behind: Option<RolloutCopy>,
     /// `rollout.async`: the thread pools of the rollout and the update.
     pools: Pools,
+    /// `rollout.async.roles`: this rank's role in a job split into rollout and trainer
+    /// ranks (`comm` is then the group of its role).
+    roles: Option<Roles>,
     /// The step the run ends before (no rollout is drawn ahead for it); `None`: unknown.
     final_step: Option<u64>,
     /// The run folder's lock (rank 0, which writes it), released on drop or exit.
@@ -254,7 +261,9 @@ impl Trainer {
     ) -> Result<Self> {
         cfg.validate()?;
         let objective = cfg.actor.objective.clone();
-        check_ranks(&cfg, &*comm)?;
+        // Under roles, the rest of the trainer sees the group of this rank's role.
+        let (mut roles, comm) = roles::split(comm, &cfg)?;
+        check_ranks(&cfg, &*comm, roles.is_some())?;
         // NCCL for gradients when the model is on a GPU (collective: every rank is here).
         let comm = dist::for_device(comm, m.device())?;
         let (prompts, mut pending) = PromptSource::load(&cfg, state.map(|s| s.sampler))?;
@@ -266,6 +275,9 @@ impl Trainer {
         )?;
         pending.extend(crate::guard::take_notes());
         let policy = PolicyState::new(&cfg, &objective, m, &*comm)?;
+        if let Some(r) = roles.as_mut() {
+            r.keep_copy(policy.model(), policy.sampling_model().dtype())?;
+        }
         let spurious = state.map_or_else(SpuriousLog::default, |s| {
             SpuriousLog::restore(&s.silenced_totals, s.silenced_contexts.clone())
         });
@@ -301,6 +313,7 @@ impl Trainer {
             ahead: None,
             behind: None,
             pools: Pools::new(&cfg.rollout.asynchronous)?,
+            roles,
             final_step: None,
             _lock: None,
             cfg,
@@ -412,18 +425,90 @@ impl Trainer {
         progress: Option<&dyn Fn(usize)>,
         cancel: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<StepMetrics> {
+        if self.rolls_out() {
+            return self.rollout_rank_step(plan, progress, cancel);
+        }
         // A rollout drawn ahead holds prompts drawn after the step's own: a failed step gives
         // both back, and the step runs again rolling out its prompts itself.
         let sampler = self.ahead.as_ref().map_or_else(|| self.prompts.sampler_state(), |a| a.sampler_before);
         let step = self.step;
         let in_flight = self.partial.clone();
         let r = self.step_inner(plan, progress, cancel);
+        if let Some(roles) = &self.roles {
+            // The outcome and the new weights to the rollout ranks.
+            let sent = roles.publish(&r, self.policy.model());
+            if r.is_ok() {
+                sent?;
+            }
+        }
         if r.is_err() && self.step == step {
             self.ahead = None;
             self.prompts.restore_sampler(sampler)?;
             self.partial = in_flight;
         }
         r
+    }
+
+    /// Whether this rank is a rollout rank of a job split into roles.
+    fn rolls_out(&self) -> bool {
+        self.roles.as_ref().is_some_and(Roles::rolls_out)
+    }
+
+    /// A step on a rollout rank (`rollout.async.roles`): the step's groups generated
+    /// under the weights it holds and sent to the trainers (unless they were drawn ahead
+    /// during the last step under this plan), under `staleness: 1` the next step's groups
+    /// generated and sent too, then the step's outcome and the new weights received from
+    /// trainer 0. Returns the step's metrics as the trainers logged them.
+    fn rollout_rank_step(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<StepMetrics> {
+        let step = self.step;
+        let draws_ahead = self.draws_ahead();
+        let Self { cfg, prompts, comm, roles, notes, .. } = self;
+        let roles = roles.as_mut().ok_or_else(|| Error::invalid("roles: not a rollout rank"))?;
+        let mut failed = false;
+        match roles.sent_ahead.take() {
+            Some(a) if a.serves(plan) => {}
+            other => {
+                if let Some(a) = other {
+                    prompts.restore_sampler(a.sampler_before)?;
+                }
+                let mut warnings = std::mem::take(&mut notes.pending);
+                let mut r =
+                    Roller { cfg, prompts, comm: &**comm, model: roles.model()?, step, partial: None };
+                let batch = r.gather(plan, progress, cancel, &mut warnings);
+                failed = batch.is_err();
+                roles.send(&**comm, batch.map(Some), step, prompts.sampler_state(), warnings)?;
+            }
+        }
+        if draws_ahead && !failed {
+            let before = prompts.sampler_state();
+            let mut warnings = Vec::new();
+            let mut r =
+                Roller { cfg, prompts, comm: &**comm, model: roles.model()?, step: step + 1, partial: None };
+            let got = r.gather(plan, None, cancel, &mut warnings);
+            // Given up on every rollout rank when it failed on one.
+            let [failures] = dist::sum_f64(&**comm, [f64::from(u8::from(got.is_err()))])?;
+            let given_up = failures > 0.0;
+            if let Err(e) = &got {
+                if !cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+                    notes.pending.push(format!(
+                        "rollout.async: the rollout of step {} drawn ahead failed ({e}); that step rolls \
+                         out again when it runs",
+                        step + 1
+                    ));
+                }
+            }
+            let batch = if given_up { Ok(None) } else { got.map(Some) };
+            roles.send(&**comm, batch, step, prompts.sampler_state(), warnings)?;
+            roles.sent_ahead(plan, before, given_up);
+        }
+        let m = roles.receive_outcome()?;
+        self.step += 1;
+        Ok(m)
     }
 
     fn step_inner(
@@ -665,6 +750,17 @@ impl Trainer {
         Ok(())
     }
 
+    /// An error for what only the trainer ranks do, called on a rollout rank.
+    fn not_on_rollout_rank(&self, what: &str) -> Result<()> {
+        if self.rolls_out() {
+            return Err(Error::invalid(format!(
+                "{what}: this is a rollout rank (rollout.async.roles); the trainer ranks evaluate, and \
+                 each step's metrics carry the evaluations due (evaluation.every)"
+            )));
+        }
+        Ok(())
+    }
+
     /// The configuration of this step's update (the objective fitted to the run's response
     /// budget, logits divided by the sampling temperature as verl does, so that the ratio
     /// is on-policy; T <= 0 is greedy: none; the rollout correction resolved for rollouts
@@ -701,6 +797,28 @@ impl Trainer {
         cancel: Option<&AtomicBool>,
         warnings: &mut Vec<String>,
     ) -> Result<(StepBatch, u64)> {
+        if let Some(roles) = self.roles.as_mut() {
+            // A trainer rank: the groups the rollout ranks drew ahead under this plan, else
+            // those they draw now.
+            let held = roles.held.take();
+            if held.as_ref().is_some_and(|h| !h.drawn_with(plan)) {
+                self.notes.once(
+                    "rollout.async: the step's sampling settings differ from those the rollout drawn \
+                     ahead used; it was discarded and the step rolled out again under the current weights"
+                        .into(),
+                    warnings,
+                );
+            }
+            let got = match held.and_then(|h| h.serving(plan)) {
+                Some(r) => r,
+                None => roles.receive()?.ok_or_else(|| {
+                    Error::invalid("roles: the rollout ranks gave up the step's own rollout")
+                })?,
+            };
+            self.prompts.restore_sampler(got.sampler_after)?;
+            warnings.extend(got.warnings);
+            return Ok((got.batch, got.version));
+        }
         if let Some(a) = self.ahead.take() {
             if a.drawn_with(plan) {
                 warnings.extend(a.warnings);
@@ -745,6 +863,21 @@ impl Trainer {
     ) -> Result<update::UpdateOutcome> {
         let pad_id = self.prompts.tokenizer().pad_id();
         let lr = plan.lr * self.lr_scale;
+        if self.roles.is_some() {
+            // A trainer rank: the update, then the next step's groups, which the rollout
+            // ranks drew beside it.
+            let ahead = self.draws_ahead();
+            let outcome = self.policy.update(&*self.comm, seqs, ucfg, lr, pad_id);
+            if let Some(roles) = self.roles.as_mut().filter(|_| ahead) {
+                let t = Instant::now();
+                roles.hold(plan)?;
+                if let Some(f) = figures {
+                    f.wait_rollout_secs += t.elapsed().as_secs_f64();
+                    f.ahead_rollout_secs = roles.held_rollout_secs();
+                }
+            }
+            return outcome;
+        }
         let Some(figures) = figures.filter(|_| self.draws_ahead()) else {
             return self.pools.train(|| self.policy.update(&*self.comm, seqs, ucfg, lr, pad_id));
         };
@@ -829,6 +962,7 @@ impl Trainer {
 
     /// Evaluates on `data.test` (or `examples`) with the configured eval sampling.
     pub fn evaluate(&mut self, examples: Option<&[Example]>) -> Result<EvalReport> {
+        self.not_on_rollout_rank("evaluate")?;
         let s = &self.cfg.evaluation.sampling;
         let report = self.evaluate_once(examples, (s.temperature, s.top_p), false)?;
         self.folder.note_eval(self.step, &report);
@@ -846,6 +980,7 @@ impl Trainer {
         temperature: f64,
         top_p: f64,
     ) -> Result<EvalReport> {
+        self.not_on_rollout_rank("evaluate")?;
         if (temperature, top_p)
             == (self.cfg.evaluation.sampling.temperature, self.cfg.evaluation.sampling.top_p)
         {
@@ -896,6 +1031,10 @@ impl Trainer {
     /// its share of the last rollout as the sample rollouts.
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
         let path = self.run_dir().join("checkpoints").join(format!("step-{:06}", self.step));
+        if self.rolls_out() {
+            // The trainers write it (rank 0); a rollout rank holds nothing a checkpoint needs.
+            return Ok(path);
+        }
         let comm = self.comm.clone();
         // A sharded optimizer: every rank writes its file, rank 0 moves them into place.
         let staging = self.run_dir().join("checkpoints").join(format!(".optimizer-step-{:06}", self.step));

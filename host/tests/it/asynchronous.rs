@@ -8,7 +8,7 @@ use candle_core::DType;
 use stapo::model::RolloutCopy;
 use stapo::reward::ExtractMode;
 use stapo::train::update::RolloutCorrMode;
-use stapo::train::{token_analysis, RunConfig, Sequence, StepMetrics, Trainer};
+use stapo::train::{token_analysis, RolesConfig, RunConfig, Sequence, StepMetrics, Trainer};
 
 use crate::common::{arith_fixture, tempdir, weight_bits};
 
@@ -294,4 +294,175 @@ fn one_step_off_with_partial_rollouts_is_refused() {
     v["rollout"]["async"]["staleness"] = 1.into();
     v["rollout"]["partial"]["enable"] = false.into();
     assert!(RunConfig::from_json(&v).unwrap().rollout.asynchronous.enabled());
+}
+
+/// `rollout.async.roles` with `rollout_ranks` rollout ranks, over `ranks` ranks on threads:
+/// `steps` steps; each rank's metrics, its weights and whether it rolled out.
+fn role_run(
+    cfg: &RunConfig,
+    ranks: usize,
+    rollout_ranks: usize,
+    run: &std::path::Path,
+    steps: u64,
+) -> Vec<RankRun> {
+    let mut cfg = cfg.clone();
+    cfg.rollout.asynchronous.roles = Some(RolesConfig { rollout_ranks });
+    let comms = stapo::dist::ThreadComm::group(ranks);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let mut t = Trainer::new_on(std::sync::Arc::new(c), cfg, run).unwrap();
+                    t.set_final_step(steps);
+                    let metrics =
+                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+                    RankRun { metrics, weights: weight_bits(&t), versions: t.last_rollout_version() }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+struct RankRun {
+    metrics: Vec<StepMetrics>,
+    weights: Vec<u32>,
+    versions: Option<u64>,
+}
+
+/// The reference: one process under `rollout.async` with `staleness`, `steps` steps.
+fn one_process(cfg: RunConfig, run: &std::path::Path, steps: u64) -> (Vec<StepMetrics>, Vec<u32>) {
+    let mut t = Trainer::new(cfg, run).unwrap();
+    t.set_final_step(steps);
+    let m = (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+    (m, weight_bits(&t))
+}
+
+/// One rollout rank and one trainer rank train what one process trains under
+/// `rollout.async` with the same staleness, weight for weight: the same rollouts (drawn
+/// under the same policy versions), the same updates. Both ranks report the trainer's
+/// metrics, which equal the one process's (timings aside); the trainer alone writes the
+/// run folder.
+#[test]
+fn one_rollout_rank_and_one_trainer_rank_train_as_one_process() {
+    let dir = tempdir();
+    for staleness in [0, 1] {
+        let cfg = config(dir.path(), Some(staleness));
+        let (want_m, want_w) = one_process(cfg.clone(), &dir.path().join(format!("one-{staleness}")), 3);
+        let run = dir.path().join(format!("roles-{staleness}"));
+        let ranks = role_run(&cfg, 2, 1, &run, 3);
+        let (trainer, rollout) = (&ranks[0], &ranks[1]);
+        assert_eq!(trainer.weights, want_w, "staleness {staleness}: the trainer's weights");
+        assert_ne!(rollout.weights, want_w, "a rollout rank does not train its own master copy");
+        for (k, ((a, b), c)) in want_m.iter().zip(&trainer.metrics).zip(&rollout.metrics).enumerate() {
+            assert_eq!(
+                metrics_without_timing(a),
+                metrics_without_timing(b),
+                "staleness {staleness} step {k}"
+            );
+            assert_eq!(
+                b, c,
+                "staleness {staleness} step {k}: the rollout rank reports the trainer's metrics"
+            );
+            let lag = if staleness == 1 && k > 0 { 1 } else { 0 };
+            match (&a.asynchronous, &b.asynchronous) {
+                (None, None) => assert_eq!(staleness, 0),
+                (Some(x), Some(y)) => {
+                    assert_eq!((x.staleness_max, y.staleness_max), (lag, lag), "step {k}");
+                    assert_eq!(x.staleness_hist, y.staleness_hist, "step {k}");
+                }
+                _ => panic!("staleness {staleness} step {k}: async figures on one side only"),
+            }
+        }
+        assert_eq!(trainer.versions, Some(if staleness == 1 { 1 } else { 2 }));
+        let lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 3, "one line per step, written by the trainer");
+    }
+}
+
+/// Two rollout ranks (the step's prompts split between them, groups whole) and two
+/// trainer ranks (each updating on its share, gradients summed over the two): the
+/// weights are the one process's up to float summation order.
+#[test]
+fn two_rollout_ranks_and_two_trainer_ranks_train_as_one_process() {
+    let dir = tempdir();
+    let mut cfg = config(dir.path(), Some(1));
+    cfg.data.prompts_per_step = 4;
+    let (_, want) = one_process(cfg.clone(), &dir.path().join("one"), 3);
+    let ranks = role_run(&cfg, 4, 2, &dir.path().join("roles"), 3);
+    let f = |bits: &[u32]| bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<f32>>();
+    let (want, got) = (f(&want), f(&ranks[0].weights));
+    let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 2e-5, "weights differ by {worst}");
+    assert_eq!(ranks[0].weights, ranks[1].weights, "the two trainers hold the same weights");
+    assert_eq!(ranks[2].metrics, ranks[0].metrics);
+    assert_eq!(ranks[3].metrics, ranks[0].metrics);
+}
+
+/// Bad role settings are refused naming the field: no rollout rank, as many rollout
+/// ranks as ranks (or one process), with partial rollouts, with the threads of the
+/// one-process form, with rollbacks, with fewer prompts than ranks of a role.
+#[test]
+fn bad_role_settings_name_the_field() {
+    let dir = tempdir();
+    let mut v = serde_json::to_value(config(dir.path(), Some(1))).unwrap();
+    v["rollout"]["async"]["roles"] = serde_json::json!({"rollout_ranks": 0});
+    let e = RunConfig::from_json(&v).unwrap_err().to_string();
+    assert!(e.contains("rollout.async.roles.rollout_ranks") && e.contains("at least 1"), "{e}");
+    v["rollout"]["async"]["roles"] = serde_json::json!({"rollout_rank": 1});
+    let e = RunConfig::from_json(&v).unwrap_err().to_string();
+    assert!(e.contains("rollout_rank"), "{e}");
+    v["rollout"]["async"]["roles"] = serde_json::json!({"rollout_ranks": 1});
+    v["rollout"]["partial"]["enable"] = true.into();
+    v["rollout"]["async"]["staleness"] = 0.into();
+    let e = RunConfig::from_json(&v).unwrap_err().to_string();
+    assert!(e.contains("rollout.async.roles") && e.contains("rollout.partial.enable"), "{e}");
+    v["rollout"]["partial"]["enable"] = false.into();
+    v["rollout"]["async"]["rollout_threads"] = 2.into();
+    let e = RunConfig::from_json(&v).unwrap_err().to_string();
+    assert!(e.contains("rollout.async.rollout_threads"), "{e}");
+    v["rollout"]["async"]["rollout_threads"] = 0.into();
+    assert!(RunConfig::from_json(&v).unwrap().rollout.asynchronous.roles.is_some());
+
+    // Checked against the job's ranks when the run starts, on every rank.
+    let start = |cfg: &RunConfig, ranks: usize| -> Vec<String> {
+        let comms = stapo::dist::ThreadComm::group(ranks);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    let (cfg, run) = (cfg.clone(), dir.path().join("refused"));
+                    s.spawn(move || {
+                        Trainer::new_on(std::sync::Arc::new(c), cfg, &run).err().unwrap().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let with_roles = |r: usize| {
+        let mut c = config(dir.path(), Some(1));
+        c.rollout.asynchronous.roles = Some(RolesConfig { rollout_ranks: r });
+        c
+    };
+    for e in start(&with_roles(2), 2) {
+        assert!(
+            e.contains("rollout.async.roles.rollout_ranks") && e.contains("2 rollout rank(s) in a job of 2"),
+            "{e}"
+        );
+    }
+    let e = Trainer::new(with_roles(1), &dir.path().join("alone")).err().unwrap().to_string();
+    assert!(e.contains("rollout.async.roles.rollout_ranks") && e.contains("at least 2 ranks"), "{e}");
+    let mut few = with_roles(2);
+    few.data.prompts_per_step = 1;
+    for e in start(&few, 3) {
+        assert!(e.contains("data.prompts_per_step") && e.contains("2 rollout rank(s)"), "{e}");
+    }
+    let mut rollback = with_roles(1);
+    rollback.guard.on_divergence = stapo::guard::OnDivergence::Rollback;
+    for e in start(&rollback, 2) {
+        assert!(e.contains("guard.on_divergence"), "{e}");
+    }
 }

@@ -380,6 +380,85 @@ for run in ["stapo", "dapo", "grpo", "grpo-zero2"] {{
     }
 }
 
+/// `rollout.async.roles` between real processes: `mpirun -np 2 stapo run` with one
+/// rollout rank and one trainer rank trains, for staleness 0 and 1, the weights `stapo
+/// run` trains in one process under `rollout.async` with the same staleness; rank 0
+/// (the trainer) writes the run folder with one metrics line per step.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_rollout_and_trainer_ranks_train_as_one_process() {
+    use candle_core::Device;
+
+    let dir = tempdir();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let s = |p: &str| root.join(p).display().to_string().replace('\\', "/");
+    let script = |roles: &str| {
+        format!(
+            r#"
+for staleness in [0, 1] {{
+    train(#{{
+        name: `s${{staleness}}`, model: #{{ path: "{m}" }},
+        data: #{{ train: "{d}", template: #{{ kind: "raw", suffix: "" }}, prompts_per_step: 3 }},
+        rollout: #{{ sampling: #{{ n: 4, max_tokens: 12 }}, "async": #{{ staleness: staleness{roles} }} }},
+        actor: #{{ preset: "dapo_s2t", optim: #{{ lr: 1e-2 }},
+                   objective: #{{ mask: #{{ tau_p: 0.05 }}, dynamic_sampling: false }} }},
+        seed: 5, checkpoint: #{{ save_every: 3 }},
+    }}, 3);
+}}
+"#,
+            m = s("models/tiny-qwen3"),
+            d = s("data/arith/train.jsonl")
+        )
+    };
+    let (one_rhai, two_rhai) = (dir.path().join("one.rhai"), dir.path().join("two.rhai"));
+    std::fs::write(&one_rhai, script("")).unwrap();
+    std::fs::write(&two_rhai, script(", roles: #{ rollout_ranks: 1 }")).unwrap();
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_stapo"));
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    // One thread per process on both sides: the same kernels, the same sums.
+    let threads = [("CANDLE_NUM_THREADS", "1"), ("RAYON_NUM_THREADS", "1")];
+    let out = Command::new(&exe)
+        .args(["run", "--quiet", "--out"])
+        .arg(&one)
+        .arg(&one_rhai)
+        .envs(threads)
+        .output()
+        .expect("stapo");
+    assert!(out.status.success(), "one process: {}", String::from_utf8_lossy(&out.stderr));
+    let (two_s, two_rhai_s) = (two.display().to_string(), two_rhai.display().to_string());
+    let out = mpirun(2, &exe, &["run", "--quiet", "--out", &two_s, &two_rhai_s])
+        .envs(threads)
+        .output()
+        .expect("mpirun");
+    assert!(
+        out.status.success(),
+        "rollout and trainer ranks: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for run in ["s0", "s1"] {
+        let ck = |d: &Path| {
+            candle_core::safetensors::load(
+                d.join(run).join("checkpoints/step-000003/model.safetensors"),
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let (a, b) = (ck(&one), ck(&two));
+        assert_eq!(a.len(), b.len());
+        for (name, t) in &a {
+            let f = |t: &candle_core::Tensor| {
+                t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            let (x, y) = (f(t), f(&b[name]));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&x), bits(&y), "{run}: {name} differs");
+        }
+        let lines = std::fs::read_to_string(two.join(run).join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 3, "{run}: rank 0 writes one line per step");
+    }
+}
+
 /// Every rank's trainable weights: the adapters with LoRA, else all weights.
 fn trainable(t: &Trainer) -> Vec<f32> {
     let ps = if t.model().has_lora() { t.model().lora_params() } else { t.model().params() };

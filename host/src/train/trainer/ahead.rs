@@ -42,10 +42,16 @@ impl Ahead {
     /// Whether the rollout was drawn as `plan` says (the sampling, its seed aside, and
     /// dynamic sampling).
     pub(super) fn drawn_with(&self, plan: &StepPlan) -> bool {
-        let (mut a, mut b) = (self.sampling.clone(), plan.sampling.clone());
-        (a.seed, b.seed) = (0, 0);
-        a == b && self.dynamic_sampling == plan.objective.dynamic_sampling
+        drawn_with(&self.sampling, self.dynamic_sampling, plan)
     }
+}
+
+/// Whether a rollout drawn with `sampling` (its seed aside) and `dynamic_sampling` is
+/// what `plan` asks for.
+pub(super) fn drawn_with(sampling: &SamplingParams, dynamic_sampling: bool, plan: &StepPlan) -> bool {
+    let (mut a, mut b) = (sampling.clone(), plan.sampling.clone());
+    (a.seed, b.seed) = (0, 0);
+    a == b && dynamic_sampling == plan.objective.dynamic_sampling
 }
 
 /// Checks that the rollout a step trains on is at most `allowed` policy versions behind:

@@ -26,8 +26,9 @@ pub(super) fn load_model(cfg: &RunConfig, dir: &Path, comm: &dyn Comm) -> Result
     model::load(dir, dtype, &device)
 }
 
-/// Checks that every rank of `comm` gets at least one of the step's prompts.
-pub(super) fn check_ranks(cfg: &RunConfig, comm: &dyn Comm) -> Result<()> {
+/// Checks that every rank of `comm` gets at least one of the step's prompts, and that
+/// one-step-off training over several ranks splits them into roles (`roles`).
+pub(super) fn check_ranks(cfg: &RunConfig, comm: &dyn Comm, roles: bool) -> Result<()> {
     if cfg.data.prompts_per_step < comm.size() {
         return Err(Error::Config {
             file: "run config".into(),
@@ -39,14 +40,15 @@ pub(super) fn check_ranks(cfg: &RunConfig, comm: &dyn Comm) -> Result<()> {
             ),
         });
     }
-    if cfg.rollout.asynchronous.enabled() && comm.size() > 1 {
+    if cfg.rollout.asynchronous.enabled() && comm.size() > 1 && !roles {
         return Err(Error::Config {
             file: "run config".into(),
             field: "rollout.async.staleness".into(),
             msg: format!(
                 "one-step-off training runs its rollout in a second thread of one process; with {} \
                  ranks the rollout's collectives would interleave with the update's: run one process, \
-                 or staleness 0",
+                 staleness 0, or split the ranks into rollout and trainer roles \
+                 (rollout.async.roles.rollout_ranks)",
                 comm.size()
             ),
         });
