@@ -28,6 +28,16 @@
 //!           \boxed{1692}
 //! ```
 //!
+//! With `variety_percent` > 0 a solution is written in one of several
+//! equivalent styles, each choice drawn independently with that chance: a
+//! product with a carry in two steps (`7*6=42, 42+4=46`), factors and addends
+//! in the other order (`6*7`, `0+2`), `put` for `write`, a zero carry left
+//! unsaid, a borrow announced first (`borrow for 2-7: 12-7=5`). The arithmetic
+//! is the same; a model trained on the mix keeps real choices in its wording
+//! (sampling entropy on its own answers) after it has learned the arithmetic,
+//! as a language model does. The choices are seeded by the problem's numbers, so
+//! the problems themselves do not change with the setting.
+//!
 //! The difficulty of a problem is the number of digits of its operands, drawn
 //! uniformly from the configured range, so that one set spans easy and hard
 //! problems (and a starting model solves some, not all). Deterministic for a
@@ -35,7 +45,8 @@
 
 use std::collections::HashSet;
 
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::task::Problem;
@@ -61,6 +72,9 @@ pub struct LongTaskConfig {
     pub max_multiplier_digits: usize,
     /// Largest number Euclid's algorithm starts from (the smaller one is below it).
     pub max_gcd: u64,
+    /// Chance, in percent, that each step is written in its alternative style (see the
+    /// module docs); 0 writes every solution in the one plain style.
+    pub variety_percent: u32,
 }
 
 impl Default for LongTaskConfig {
@@ -68,7 +82,14 @@ impl Default for LongTaskConfig {
     /// digits, Euclid from numbers below 2000: worked solutions of ~150-550
     /// tokens (`data/long`).
     fn default() -> Self {
-        Self { weights: [4, 2, 2, 2], min_digits: 2, max_digits: 4, max_multiplier_digits: 3, max_gcd: 2000 }
+        Self {
+            weights: [4, 2, 2, 2],
+            min_digits: 2,
+            max_digits: 4,
+            max_multiplier_digits: 3,
+            max_gcd: 2000,
+            variety_percent: 0,
+        }
     }
 }
 
@@ -99,6 +120,9 @@ impl LongTaskConfig {
         if !(10..=1_000_000).contains(&self.max_gcd) {
             return bad("max_gcd", format!("expected 10..=1000000, found {}", self.max_gcd));
         }
+        if self.variety_percent > 100 {
+            return bad("variety_percent", format!("expected 0..=100, found {}", self.variety_percent));
+        }
         Ok(())
     }
 }
@@ -116,6 +140,63 @@ fn digits(n: u64) -> Vec<u64> {
     }
 }
 
+/// The choices between equivalent ways of writing a step (`variety_percent`).
+struct Style {
+    /// `None` when every step takes the plain style.
+    rng: Option<StdRng>,
+    chance: f64,
+}
+
+impl Style {
+    /// Choices seeded by `key` (the problem's kind and numbers).
+    fn new(cfg: &LongTaskConfig, key: &[u64]) -> Self {
+        if cfg.variety_percent == 0 {
+            return Self { rng: None, chance: 0.0 };
+        }
+        // FNV-1a over the key's bytes: a seed that depends on the problem alone.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in key.iter().flat_map(|k| k.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        Self { rng: Some(StdRng::seed_from_u64(h)), chance: f64::from(cfg.variety_percent) / 100.0 }
+    }
+
+    /// Whether this step takes its alternative style.
+    fn alt(&mut self) -> bool {
+        let chance = self.chance;
+        self.rng.as_mut().is_some_and(|r| r.random_bool(chance))
+    }
+
+    /// `x*y`, or `y*x` in the alternative style.
+    fn product(&mut self, x: u64, y: u64) -> String {
+        if self.alt() {
+            format!("{y}*{x}")
+        } else {
+            format!("{x}*{y}")
+        }
+    }
+
+    /// `write`, or `put` in the alternative style.
+    fn write(&mut self) -> &'static str {
+        if self.alt() {
+            "put"
+        } else {
+            "write"
+        }
+    }
+
+    /// The end of a column's line: the digit written and the carry (a zero carry may go
+    /// unsaid in the alternative style).
+    fn digit_and_carry(&mut self, v: u64, last: bool) -> String {
+        let w = self.write();
+        if last || (v / 10 == 0 && self.alt()) {
+            format!(", {w} {v}\n")
+        } else {
+            format!(", {w} {}, carry {}\n", v % 10, v / 10)
+        }
+    }
+}
+
 /// A number of `k` digits, `k` uniform in `[lo_k, hi_k]`.
 fn with_digits(rng: &mut impl Rng, lo_k: usize, hi_k: usize) -> u64 {
     let k = rng.random_range(lo_k..=hi_k);
@@ -124,18 +205,21 @@ fn with_digits(rng: &mut impl Rng, lo_k: usize, hi_k: usize) -> u64 {
 }
 
 /// `a * d` for one digit `d`, each column written with its carry; returns the product.
-fn times_digit(out: &mut String, a: u64, d: u64) -> u64 {
+fn times_digit(out: &mut String, st: &mut Style, a: u64, d: u64) -> u64 {
     out.push_str(&format!("{a}*{d}:\n"));
     let ad = digits(a);
     let mut carry = 0;
     for (i, &x) in ad.iter().enumerate() {
         let v = x * d + carry;
-        let expr = if carry > 0 { format!("{x}*{d}+{carry}={v}") } else { format!("{x}*{d}={v}") };
-        if i + 1 == ad.len() {
-            out.push_str(&format!("{expr}, write {v}\n"));
-        } else {
-            out.push_str(&format!("{expr}, write {}, carry {}\n", v % 10, v / 10));
-        }
+        let xd = st.product(x, d);
+        let expr = match carry {
+            0 => format!("{xd}={v}"),
+            // The product first, then the carry added: the same step in two.
+            _ if st.alt() => format!("{xd}={}, {}+{carry}={v}", x * d, x * d),
+            _ => format!("{xd}+{carry}={v}"),
+        };
+        out.push_str(&expr);
+        out.push_str(&st.digit_and_carry(v, i + 1 == ad.len()));
         carry = v / 10;
     }
     let p = a * d;
@@ -144,7 +228,7 @@ fn times_digit(out: &mut String, a: u64, d: u64) -> u64 {
 }
 
 /// `a + b` column by column; returns the sum.
-fn add_columns(out: &mut String, a: u64, b: u64) -> u64 {
+fn add_columns(out: &mut String, st: &mut Style, a: u64, b: u64) -> u64 {
     out.push_str(&format!("{a}+{b}:\n"));
     let (da, db) = (digits(a), digits(b));
     let n = da.len().max(db.len());
@@ -152,12 +236,10 @@ fn add_columns(out: &mut String, a: u64, b: u64) -> u64 {
     for i in 0..n {
         let (x, y) = (da.get(i).copied().unwrap_or(0), db.get(i).copied().unwrap_or(0));
         let v = x + y + carry;
+        let (x, y) = if st.alt() { (y, x) } else { (x, y) };
         let expr = if carry > 0 { format!("{x}+{y}+{carry}={v}") } else { format!("{x}+{y}={v}") };
-        if i + 1 == n {
-            out.push_str(&format!("{expr}, write {v}\n"));
-        } else {
-            out.push_str(&format!("{expr}, write {}, carry {}\n", v % 10, v / 10));
-        }
+        out.push_str(&expr);
+        out.push_str(&st.digit_and_carry(v, i + 1 == n));
         carry = v / 10;
     }
     let s = a + b;
@@ -166,7 +248,7 @@ fn add_columns(out: &mut String, a: u64, b: u64) -> u64 {
 }
 
 /// `a - b` (with `a >= b`) column by column, borrowing; returns the difference.
-fn sub_columns(out: &mut String, a: u64, b: u64) -> u64 {
+fn sub_columns(out: &mut String, st: &mut Style, a: u64, b: u64) -> u64 {
     debug_assert!(a >= b);
     out.push_str(&format!("{a}-{b}:\n"));
     let (da, db) = (digits(a), digits(b));
@@ -177,7 +259,11 @@ fn sub_columns(out: &mut String, a: u64, b: u64) -> u64 {
             out.push_str(&format!("{x}-{y}={}\n", x - y));
             borrow = 0;
         } else {
-            out.push_str(&format!("{x}-{y}: borrow, {}-{y}={}\n", x + 10, x + 10 - y));
+            if st.alt() {
+                out.push_str(&format!("borrow for {x}-{y}: {}-{y}={}\n", x + 10, x + 10 - y));
+            } else {
+                out.push_str(&format!("{x}-{y}: borrow, {}-{y}={}\n", x + 10, x + 10 - y));
+            }
             borrow = 1;
         }
     }
@@ -187,10 +273,10 @@ fn sub_columns(out: &mut String, a: u64, b: u64) -> u64 {
 }
 
 /// The long multiplication `a * b`, worked; returns the product.
-fn long_mul(out: &mut String, a: u64, b: u64) -> u64 {
+fn long_mul(out: &mut String, st: &mut Style, a: u64, b: u64) -> u64 {
     let mut rows = Vec::new();
     for (shift, d) in digits(b).into_iter().enumerate() {
-        let p = times_digit(out, a, d);
+        let p = times_digit(out, st, a, d);
         let row = p * 10u64.pow(shift as u32);
         if shift > 0 {
             out.push_str(&format!("shift {shift}: {row}\n"));
@@ -199,13 +285,13 @@ fn long_mul(out: &mut String, a: u64, b: u64) -> u64 {
     }
     let mut total = rows[0];
     for &r in &rows[1..] {
-        total = add_columns(out, total, r);
+        total = add_columns(out, st, total, r);
     }
     total
 }
 
 /// `a // b` by long division (one line per digit brought down); returns the quotient.
-fn long_div(out: &mut String, a: u64, b: u64) -> (u64, u64) {
+fn long_div(out: &mut String, st: &mut Style, a: u64, b: u64) -> (u64, u64) {
     out.push_str(&format!("{a}//{b}:\n"));
     let mut rem = 0;
     let mut q = 0;
@@ -213,7 +299,8 @@ fn long_div(out: &mut String, a: u64, b: u64) -> (u64, u64) {
         let cur = rem * 10 + d;
         let qd = cur / b;
         rem = cur - qd * b;
-        out.push_str(&format!("bring {d}: {cur}//{b}={qd}, {qd}*{b}={}, {cur}-{}={rem}\n", qd * b, qd * b));
+        let qb = st.product(qd, b);
+        out.push_str(&format!("bring {d}: {cur}//{b}={qd}, {qb}={}, {cur}-{}={rem}\n", qd * b, qd * b));
         q = q * 10 + qd;
     }
     out.push_str(&format!("quotient {q}, remainder {rem}\n"));
@@ -222,11 +309,12 @@ fn long_div(out: &mut String, a: u64, b: u64) -> (u64, u64) {
 
 /// `a mod b` the way a person checks it: the quotient by trial products, then
 /// the subtraction worked; returns the remainder.
-fn euclid_step(out: &mut String, a: u64, b: u64) -> u64 {
+fn euclid_step(out: &mut String, st: &mut Style, a: u64, b: u64) -> u64 {
     let q = a / b;
     let p = q * b;
-    out.push_str(&format!("{a}//{b}={q}, {q}*{b}={p}\n"));
-    let r = if p == a { 0 } else { sub_columns(out, a, p) };
+    let qb = st.product(q, b);
+    out.push_str(&format!("{a}//{b}={q}, {qb}={p}\n"));
+    let r = if p == a { 0 } else { sub_columns(out, st, a, p) };
     out.push_str(&format!("gcd({a},{b})=gcd({b},{r})\n"));
     r
 }
@@ -235,7 +323,7 @@ fn draw_mul(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) {
     let a = with_digits(rng, cfg.min_digits.max(2), cfg.max_digits.max(2));
     let b = with_digits(rng, 2, cfg.max_multiplier_digits);
     let mut s = String::new();
-    let v = long_mul(&mut s, a, b);
+    let v = long_mul(&mut s, &mut Style::new(cfg, &[0, a, b]), a, b);
     (format!("Compute {a}*{b}."), v, s)
 }
 
@@ -244,7 +332,7 @@ fn draw_div(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) {
     let q = with_digits(rng, cfg.min_digits + 1, cfg.max_digits + 2);
     let a = q * b + rng.random_range(0..b);
     let mut s = String::new();
-    let (v, _) = long_div(&mut s, a, b);
+    let (v, _) = long_div(&mut s, &mut Style::new(cfg, &[1, a, b]), a, b);
     (format!("Compute {a}//{b} (the quotient, rounded down)."), v, s)
 }
 
@@ -259,9 +347,10 @@ fn draw_gcd(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) {
             continue;
         }
         let mut s = String::new();
+        let mut st = Style::new(cfg, &[2, a, b]);
         let (mut x, mut y, mut steps) = (a, b, 0);
         while y > 0 {
-            let r = euclid_step(&mut s, x, y);
+            let r = euclid_step(&mut s, &mut st, x, y);
             (x, y) = (y, r);
             steps += 1;
         }
@@ -304,8 +393,9 @@ fn draw_word(rng: &mut impl Rng, cfg: &LongTaskConfig) -> (String, u64, String) 
         story.replace("{a}", &a.to_string()).replace("{b}", &b.to_string()).replace("{c}", &c.to_string())
     );
     let mut s = String::new();
-    let m = long_mul(&mut s, a, b);
-    let v = if take { sub_columns(&mut s, m, c) } else { add_columns(&mut s, m, c) };
+    let mut st = Style::new(cfg, &[3, a, b, c]);
+    let m = long_mul(&mut s, &mut st, a, b);
+    let v = if take { sub_columns(&mut s, &mut st, m, c) } else { add_columns(&mut s, &mut st, m, c) };
     (problem, v, s)
 }
 
@@ -369,46 +459,56 @@ mod tests {
     /// `x*d(+c)=v`, `x+y(+c)=v`, `x-y=v`, `cur//b=q` line is true arithmetic, so a
     /// model trained on these solutions learns only correct steps.
     fn check_steps(solution: &str) {
+        let mut checked = 0;
         for line in solution.lines() {
-            let first = line.split([',', ':']).next().unwrap_or("");
-            let Some((lhs, rhs)) = first.rsplit_once('=') else { continue };
-            let Ok(rhs) = rhs.trim().parse::<i64>() else { continue };
-            let lhs = lhs.trim();
-            let lhs = lhs.rsplit(' ').next().unwrap();
-            let value = if let Some((a, b)) = lhs.split_once("//") {
-                a.parse::<i64>().unwrap() / b.parse::<i64>().unwrap()
-            } else {
-                // Left to right over + - *, as the lines are written (a*d+c).
-                let mut acc: Option<i64> = None;
-                let mut op = '+';
-                let mut num = String::new();
-                for ch in lhs.chars().chain(std::iter::once('$')) {
-                    if ch.is_ascii_digit() {
-                        num.push(ch);
-                        continue;
-                    }
-                    let n: i64 = num.parse().unwrap_or_else(|_| panic!("bad step {line:?}"));
-                    num.clear();
-                    acc = Some(match (acc, op) {
-                        (None, _) => n,
-                        (Some(a), '+') => a + n,
-                        (Some(a), '-') => a - n,
-                        (Some(a), _) => a * n,
-                    });
-                    op = ch;
+            // Every `lhs=rhs` segment of a line (`7*6=42, 42+4=46, write 6, carry 4`;
+            // `bring 5: 25//7=3, 3*7=21, 25-21=4`; `borrow for 2-7: 12-7=5`).
+            for seg in line.split([',', ':']) {
+                let Some((lhs, rhs)) = seg.rsplit_once('=') else { continue };
+                let Ok(rhs) = rhs.trim().parse::<i64>() else { continue };
+                let lhs = lhs.trim();
+                let lhs = lhs.rsplit(' ').next().unwrap();
+                // `gcd(147,0)=147` is split by its comma: not a step of arithmetic.
+                if !lhs.chars().all(|c| c.is_ascii_digit() || "+-*/".contains(c)) {
+                    continue;
                 }
-                acc.unwrap()
-            };
-            assert_eq!(value, rhs, "a wrong step {line:?} in\n{solution}");
+                let value = if let Some((a, b)) = lhs.split_once("//") {
+                    a.parse::<i64>().unwrap() / b.parse::<i64>().unwrap()
+                } else {
+                    // Left to right over + - *, as the lines are written (a*d+c).
+                    let mut acc: Option<i64> = None;
+                    let mut op = '+';
+                    let mut num = String::new();
+                    for ch in lhs.chars().chain(std::iter::once('$')) {
+                        if ch.is_ascii_digit() {
+                            num.push(ch);
+                            continue;
+                        }
+                        let n: i64 = num.parse().unwrap_or_else(|_| panic!("bad step {line:?}"));
+                        num.clear();
+                        acc = Some(match (acc, op) {
+                            (None, _) => n,
+                            (Some(a), '+') => a + n,
+                            (Some(a), '-') => a - n,
+                            (Some(a), _) => a * n,
+                        });
+                        op = ch;
+                    }
+                    acc.unwrap()
+                };
+                assert_eq!(value, rhs, "a wrong step {line:?} in\n{solution}");
+                checked += 1;
+            }
         }
+        assert!(checked >= 5, "only {checked} steps checked in\n{solution}");
     }
 
     #[test]
     fn every_kind_is_right_and_verifiable() {
-        for (k, kind) in LONG_KINDS.iter().enumerate() {
+        for ((k, kind), variety_percent) in LONG_KINDS.iter().enumerate().flat_map(|k| [(k, 0), (k, 50)]) {
             let mut weights = [0; 4];
             weights[k] = 1;
-            let cfg = LongTaskConfig { weights, ..Default::default() };
+            let cfg = LongTaskConfig { weights, variety_percent, ..Default::default() };
             for p in generate_long(200, 7 + k as u64, &cfg, "t", &HashSet::new(), false).unwrap() {
                 check_steps(&p.solution);
                 let v = verify(&p.answer, &p.solution, ExtractMode::Strict);
@@ -472,6 +572,36 @@ mod tests {
         assert_eq!(distinct.len(), test.len());
     }
 
+    /// The plain style is the one `data/long` was written in, byte for byte; with
+    /// variety the problems and answers stay, and the wording of most solutions changes
+    /// in each of its forms.
+    #[test]
+    fn variety_changes_the_wording_only() {
+        let root = crate::data::test_support::repo_root();
+        let shipped = crate::data::task::read_jsonl(&root.join("data/long/train.jsonl")).unwrap();
+        let plain =
+            generate_long(200, 2024, &LongTaskConfig::default(), "train", &HashSet::new(), false).unwrap();
+        assert_eq!(plain[..], shipped[..200]);
+        let varied = LongTaskConfig { variety_percent: 50, ..Default::default() };
+        let mixed = generate_long(200, 2024, &varied, "train", &HashSet::new(), false).unwrap();
+        let mut changed = 0;
+        for (p, m) in plain.iter().zip(&mixed) {
+            assert_eq!((&p.problem, &p.answer), (&m.problem, &m.answer));
+            changed += usize::from(p.solution != m.solution);
+        }
+        assert!(changed >= 190, "{changed} of 200 solutions changed");
+        let all: String = mixed.iter().map(|m| m.solution.as_str()).collect();
+        for form in [", put ", "borrow for ", ", write "] {
+            assert!(all.contains(form), "no {form:?} in the varied solutions");
+        }
+        // The two-step product (`7*6=42, 42+4=46`) and a zero carry left unsaid.
+        assert!(all.lines().any(|l| l.matches('=').count() == 2 && l.contains('*') && !l.contains("//")));
+        let unsaid = all.lines().filter(|l| l.contains('+') && !l.contains("carry") && !l.contains(':'));
+        assert!(unsaid.count() > 0);
+        // Same choices for the same problem: deterministic.
+        assert_eq!(mixed, generate_long(200, 2024, &varied, "train", &HashSet::new(), false).unwrap());
+    }
+
     #[test]
     fn bad_knobs_name_their_field() {
         let cfg = LongTaskConfig { weights: [0; 4], ..Default::default() };
@@ -480,6 +610,8 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("max_digits"));
         let cfg = LongTaskConfig { max_multiplier_digits: 1, ..Default::default() };
         assert!(cfg.validate().unwrap_err().to_string().contains("max_multiplier_digits"));
+        let cfg = LongTaskConfig { variety_percent: 101, ..Default::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("variety_percent"));
     }
     /// Worked solutions are long answers: in Qwen3's own tokenizer (digits one
     /// token each) the default mix spans about 150 to 600 tokens.
