@@ -13,7 +13,8 @@ use candle_core::{bail, CpuStorage, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::{
-    mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr,
+    map_exps, mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real,
+    SendPtr,
 };
 use crate::Result;
 
@@ -87,9 +88,9 @@ impl<'a, T: WithDType> Qkv<'a, T> {
 /// `x <- exp(x - m)` over a row; returns the row's sum after.
 #[inline]
 fn exp_sum<T: Real>(row: &mut [T], m: T) -> T {
+    map_exps(row, m, |_, e| e);
     let mut sum = zero::<T>();
-    for x in row.iter_mut() {
-        *x = (*x - m).exp();
+    for x in row.iter() {
         sum += *x;
     }
     sum
@@ -822,7 +823,7 @@ impl Kernel<2> for BlockwiseBwd {
                                 let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
                                 scores(p, h.q, h.k.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
                                 for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
-                                    row.iter_mut().for_each(|x| *x = (*x - ls).exp());
+                                    map_exps(row, ls, |_, e| e);
                                 }
                                 block_bwd(&h, j0, (rows, cols), p, dp, Some(&di[..rows]), scale);
                             }
