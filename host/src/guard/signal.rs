@@ -105,6 +105,14 @@ pub fn clear() {
     INTERRUPTED.store(false, Ordering::SeqCst);
 }
 
+/// Records `sig` as received and sets the flag, as the handler does: another rank of the
+/// job received it, and this one stops (and exits) as that one does. A signal received
+/// before stays the one reported.
+pub fn adopt(sig: i32) {
+    let _ = RECEIVED.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
 /// The first signal received since the flag was last cleared.
 pub fn received() -> Option<i32> {
     Some(RECEIVED.load(Ordering::SeqCst)).filter(|&s| s != 0)

@@ -614,7 +614,12 @@ fn run_steps(
     let cancel = host.cancel_flag();
     trainer.set_final_step(steps);
     while trainer.step_count() < steps {
-        if host.cancelled() {
+        // Agreed by every rank of the job: all stop between the same two steps.
+        if let Some(sig) = trainer.stop_requested(cancel)? {
+            if sig != 0 && crate::guard::signal::received().is_none() {
+                // Another rank received it: this one stops and exits as if it had too.
+                crate::guard::signal::adopt(sig);
+            }
             return Err(Error::invalid(format!(
                 "training stopped by {} after step {}",
                 crate::guard::signal::cause(),

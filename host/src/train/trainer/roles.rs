@@ -67,6 +67,9 @@ pub(super) struct Roles {
     pub(super) sent_ahead: Option<SentAhead>,
     /// A trainer rank: the next step's groups, received after this step's update.
     pub(super) held: Option<Held>,
+    /// A trainer rank: the rollout ranks are sending the next step's groups (drawn beside
+    /// this step's update), not received yet.
+    pub(super) ahead_pending: bool,
 }
 
 /// A rollout rank's record of the rollout it drew ahead.
@@ -166,11 +169,26 @@ pub(super) fn split(world: Arc<dyn Comm>, cfg: &RunConfig) -> Result<(Option<Rol
     let group = world.split(usize::from(role == Role::Rollout), rank)?;
     let fan = world.split(usize::from(rank != 0 && rank < trainers), rank)?;
     let fanout = (rank == 0 || rank >= trainers).then_some(fan);
-    let roles = Roles { role, world, trainers, rollouts, fanout, copy: None, sent_ahead: None, held: None };
+    let roles = Roles {
+        role,
+        world,
+        trainers,
+        rollouts,
+        fanout,
+        copy: None,
+        sent_ahead: None,
+        held: None,
+        ahead_pending: false,
+    };
     Ok((Some(roles), group))
 }
 
 impl Roles {
+    /// Every rank of the job, both roles.
+    pub(super) fn world(&self) -> &Arc<dyn Comm> {
+        &self.world
+    }
+
     /// This rank rolls out.
     pub(super) fn rolls_out(&self) -> bool {
         self.role == Role::Rollout
@@ -300,6 +318,7 @@ impl Roles {
 
     /// A trainer: receives the next step's groups, drawn ahead under `plan`.
     pub(super) fn hold(&mut self, plan: &StepPlan) -> Result<()> {
+        self.ahead_pending = false;
         let received = self.receive()?;
         self.held = Some(Held {
             sampling: plan.sampling.clone(),
@@ -324,15 +343,25 @@ impl Roles {
         });
     }
 
-    /// Trainer 0: sends the step's outcome and, after a step that completed, the new
-    /// weights of `master` to the rollout ranks. Other trainers send nothing.
-    pub(super) fn publish(&self, outcome: &Result<StepMetrics>, master: &Qwen3) -> Result<()> {
+    /// A trainer whose step failed: gives up the next step's groups, received (`held`) or
+    /// still on their way (received here and dropped, so that no message is left over).
+    pub(super) fn give_up_ahead(&mut self) {
+        self.held = None;
+        if std::mem::take(&mut self.ahead_pending) {
+            let _ = self.receive();
+        }
+    }
+
+    /// Trainer 0: sends the step's outcome (with `steps`, the steps completed after it)
+    /// and, after a step that completed, the new weights of `master` to the rollout
+    /// ranks. Other trainers send nothing.
+    pub(super) fn publish(&self, outcome: &Result<StepMetrics>, steps: u64, master: &Qwen3) -> Result<()> {
         let Some(fan) = self.fanout.as_ref().filter(|_| self.role == Role::Trainer) else {
             return Ok(());
         };
         let msg = match outcome {
-            Ok(m) => Outcome { metrics: Some(m.clone()), error: None },
-            Err(e) => Outcome { metrics: None, error: Some(e.to_string()) },
+            Ok(m) => Outcome { metrics: Some(m.clone()), error: None, steps },
+            Err(e) => Outcome { metrics: None, error: Some(e.to_string()), steps },
         };
         let mut bytes = dist::exact_json_bytes(&msg)?;
         fan.broadcast_bytes(0, &mut bytes)?;
@@ -349,9 +378,10 @@ impl Roles {
         Ok(())
     }
 
-    /// A rollout rank: the step's outcome from trainer 0 (its metrics, or the error that
-    /// ended it on the trainers) and, after a step that completed, the new weights.
-    pub(super) fn receive_outcome(&self) -> Result<StepMetrics> {
+    /// A rollout rank: the step's outcome from trainer 0 (the steps the trainers have
+    /// completed, and the step's metrics or the error that ended it there) and, after a
+    /// step that completed, the new weights.
+    pub(super) fn receive_outcome(&self) -> Result<(u64, Result<StepMetrics>)> {
         let fan = self
             .fanout
             .as_ref()
@@ -362,7 +392,9 @@ impl Roles {
             .map_err(|e| Error::invalid(format!("roles: the step outcome from rank 0: {e}")))?;
         let metrics = match (msg.metrics, msg.error) {
             (Some(m), None) => m,
-            (_, Some(e)) => return Err(Error::invalid(format!("on the trainer ranks: {e}"))),
+            (_, Some(e)) => {
+                return Ok((msg.steps, Err(Error::invalid(format!("on the trainer ranks: {e}")))))
+            }
             (None, None) => return Err(Error::invalid("roles: rank 0 sent an empty step outcome")),
         };
         let copy = self.copy.as_ref().ok_or_else(|| Error::invalid("roles: no weights on this rank"))?;
@@ -379,7 +411,7 @@ impl Roles {
                 at += n;
             }
         }
-        Ok(metrics)
+        Ok((msg.steps, Ok(metrics)))
     }
 }
 
@@ -388,6 +420,9 @@ impl Roles {
 struct Outcome {
     metrics: Option<StepMetrics>,
     error: Option<String>,
+    /// The steps the trainers have completed (a step can fail after it counted, e.g. when
+    /// its checkpoint cannot be written).
+    steps: u64,
 }
 
 /// What one rollout rank sends one trainer of one step.
