@@ -615,11 +615,7 @@ fn run_steps(
     trainer.set_final_step(steps);
     while trainer.step_count() < steps {
         // Agreed by every rank of the job: all stop between the same two steps.
-        if let Some(sig) = trainer.stop_requested(cancel)? {
-            if sig != 0 && crate::guard::signal::received().is_none() {
-                // Another rank received it: this one stops and exits as if it had too.
-                crate::guard::signal::adopt(sig);
-            }
+        if trainer.stop_requested(cancel)?.is_some() {
             return Err(Error::invalid(format!(
                 "training stopped by {} after step {}",
                 crate::guard::signal::cause(),

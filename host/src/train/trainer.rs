@@ -452,29 +452,23 @@ impl Trainer {
         r
     }
 
-    /// Whether the run stops before its next step, and the signal that asked for it:
-    /// `Some(sig)` when `flag` (the preemption flag, [`signal`]) is set on any rank of the
-    /// job, `sig` the signal this rank received, else the one another rank received (0:
-    /// the flag was set without a signal); `None`: the run goes on. Every rank of a
-    /// data-parallel job or of one split into rollout and trainer ranks calls it between
-    /// the same two steps (one small collective over all of them) and gets the same
-    /// answer, so they all stop at that step boundary: none is left waiting for a step's
-    /// messages or collectives that the others never start.
+    /// Whether the run stops before its next step: `Some(sig)` when `flag` (the preemption
+    /// flag, [`signal`]) is set on any rank of the job, `sig` the signal this rank stops
+    /// for (its own, else one another rank received, which it adopts; 0: the flags were
+    /// set without a signal); `None`: the run goes on. Every rank of a data-parallel job or
+    /// of one split into rollout and trainer ranks calls it between the same two steps
+    /// (one small collective over all of them) and gets the same answer, so they all stop
+    /// at that step boundary: none is left waiting for a step's messages or collectives
+    /// that the others never start.
     pub fn stop_requested(&self, flag: &AtomicBool) -> Result<Option<i32>> {
         let world = self.roles.as_ref().map_or(&self.comm, Roles::world);
-        let own = signal::received();
-        let seen = [signal::SIGTERM, signal::SIGUSR1, signal::SIGINT];
-        let mut local = [0f64; 4];
-        local[0] = f64::from(u8::from(flag.load(Ordering::SeqCst)));
-        for (k, s) in seen.iter().enumerate() {
-            local[k + 1] = f64::from(u8::from(own == Some(*s)));
-        }
-        let all = dist::sum_f64(&**world, local)?;
-        if all[0] == 0.0 {
+        let [a, b, c] = signal::received_counts();
+        let [up, a, b, c] =
+            dist::sum_f64(&**world, [f64::from(u8::from(flag.load(Ordering::SeqCst))), a, b, c])?;
+        if up == 0.0 {
             return Ok(None);
         }
-        let other = seen.iter().zip(&all[1..]).find(|(_, &n)| n > 0.0).map(|(&s, _)| s);
-        Ok(Some(own.or(other).unwrap_or(0)))
+        Ok(Some(signal::adopt_received(&[a, b, c]).unwrap_or(0)))
     }
 
     /// Whether this rank is a rollout rank of a job split into roles.

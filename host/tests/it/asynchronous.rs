@@ -496,7 +496,7 @@ struct RankEnd {
 }
 
 /// A run split into roles on threads (`ranks` ranks, the last `rollout_ranks` of them
-/// rolling out), in folder `run` (`resume`: continuing the run there from its latest
+/// rolling out; none: data-parallel ranks), in folder `run` (`resume`: continuing the run there from its latest
 /// checkpoint), stepped towards `steps` steps as `stapo run` steps it: each rank has a
 /// preemption flag of its own, as each process under `mpirun` does; the ranks agree
 /// whether to stop before every step ([`Trainer::stop_requested`]); a stop or a failed
@@ -514,7 +514,7 @@ fn split_run(
 ) -> Vec<RankEnd> {
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     let mut cfg = cfg.clone();
-    cfg.rollout.asynchronous.roles = Some(RolesConfig { rollout_ranks });
+    cfg.rollout.asynchronous.roles = (rollout_ranks > 0).then_some(RolesConfig { rollout_ranks });
     let comms = stapo::dist::ThreadComm::group(ranks);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -720,30 +720,36 @@ fn config_with_save(dir: &std::path::Path, staleness: u32) -> RunConfig {
 #[test]
 fn a_stop_halts_every_rank_of_a_split_run_at_one_step_and_resumes_as_uninterrupted() {
     let dir = tempdir();
-    // (staleness, the rank whose flag goes up, at which step and how, the checkpoint left)
-    let cases: [(u32, usize, u64, Flag, u64); 4] = [
+    const SPLIT: (usize, usize) = (2, 1);
+    const DATA_PARALLEL: (usize, usize) = (2, 0);
+    // (ranks, staleness, the rank whose flag goes up, at which step and how, the
+    // checkpoint left)
+    let cases: [((usize, usize), u32, usize, u64, Flag, u64); 5] = [
         // The rollout of step 2 is cancelled on the rollout rank: step 2 fails on every
         // rank, steps 0-1 are kept.
-        (0, 1, 2, Flag::InRollout, 2),
+        (SPLIT, 0, 1, 2, Flag::InRollout, 2),
         // Raised on the trainer rank only while it trains step 1: the rollout rank learns
         // it between steps 1 and 2.
-        (0, 0, 1, Flag::Up, 2),
+        (SPLIT, 0, 0, 1, Flag::Up, 2),
         // The rollout of step 2, drawn beside update 1, is cancelled: update 1 finishes,
         // step 1 completes, every rank stops before step 2.
-        (1, 1, 1, Flag::Up, 2),
+        (SPLIT, 1, 1, 1, Flag::Up, 2),
         // Raised on the trainer rank only during step 1: the rollout of step 2 is drawn
         // whole and held, never saved; step 2 draws it again after the resume.
-        (1, 0, 1, Flag::Up, 2),
+        (SPLIT, 1, 0, 1, Flag::Up, 2),
+        // Two data-parallel ranks: the rollout of step 2 cancelled on rank 1 alone fails
+        // step 2 on both.
+        (DATA_PARALLEL, 0, 1, 2, Flag::InRollout, 2),
     ];
     let mut references = std::collections::HashMap::new();
-    for (k, (staleness, who, at, how, left)) in cases.into_iter().enumerate() {
+    for (k, (shape, staleness, who, at, how, left)) in cases.into_iter().enumerate() {
         let cfg = config(dir.path(), Some(staleness));
         let (u, u_lines, given_up) = references
-            .entry(staleness)
-            .or_insert_with(|| split_references(&cfg, (2, 1), &dir.path().join(format!("ref-{staleness}"))));
-        let case = format!("staleness {staleness}: rank {who}'s flag {how:?} at step {at}");
+            .entry((shape, staleness))
+            .or_insert_with(|| split_references(&cfg, shape, &dir.path().join("references")));
+        let case = format!("{shape:?} staleness {staleness}: rank {who}'s flag {how:?} at step {at}");
         let run = dir.path().join(format!("stopped-{k}"));
-        let ends = split_run(&cfg, (2, 1), &run, false, STEPS, None, &|rank, step| {
+        let ends = split_run(&cfg, shape, &run, false, STEPS, None, &|rank, step| {
             if rank == who && step == at {
                 how
             } else {
@@ -764,7 +770,7 @@ fn a_stop_halts_every_rank_of_a_split_run_at_one_step_and_resumes_as_uninterrupt
         }
         assert_eq!(latest_checkpoint(&run), format!("step-{left:06}"), "{case}");
         assert_eq!(logged(&run).len() as u64, left, "{case}");
-        let resumed = split_run(&cfg, (2, 1), &run, true, STEPS, None, &|_, _| Flag::Down);
+        let resumed = split_run(&cfg, shape, &run, true, STEPS, None, &|_, _| Flag::Down);
         assert!(resumed.iter().all(|r| r.steps == STEPS && !r.stopped && r.error.is_none()), "{case}");
         let (want, want_lines) = match given_up {
             Some((g, g_lines)) if staleness == 1 => (&*g, &*g_lines),

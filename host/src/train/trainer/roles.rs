@@ -29,7 +29,7 @@ use super::metrics::{RolloutFigures, StepMetrics};
 use super::plan::StepPlan;
 use crate::data::{Example, SamplerState};
 use crate::dist::{self, Comm, BUCKET_ELEMS};
-use crate::guard::OnDivergence;
+use crate::guard::{signal, OnDivergence};
 use crate::model::{Qwen3, RolloutCopy};
 use crate::rollout::{Sample, SamplingParams};
 use crate::train::update::Sequence;
@@ -227,7 +227,12 @@ impl Roles {
         let (_, total) = dist::offset_and_total(group, kept)?;
         let me = group.rank();
         for t in 0..self.trainers {
-            let mut part = Part { version, sampler_after: Some(sampler_after), ..Part::default() };
+            let mut part = Part {
+                version,
+                sampler_after: Some(sampler_after),
+                signal: signal::received(),
+                ..Part::default()
+            };
             match &batch {
                 Err(e) => part.error = Some(format!("rollout rank {me}: {e}")),
                 Ok(None) => part.absent = true,
@@ -264,6 +269,10 @@ impl Roles {
         let mut parts = Vec::with_capacity(self.rollouts);
         for j in 0..self.rollouts {
             parts.push(Part::decode(&self.world.recv_bytes(self.trainers + j)?)?);
+        }
+        // A stop signal one rollout rank received is this rank's too.
+        if let Some(sig) = parts.iter().find_map(|p| p.signal) {
+            signal::adopt(sig);
         }
         if let Some(e) = parts.iter().find_map(|p| p.error.clone()) {
             return Err(Error::invalid(e));
@@ -360,8 +369,10 @@ impl Roles {
             return Ok(());
         };
         let msg = match outcome {
-            Ok(m) => Outcome { metrics: Some(m.clone()), error: None, steps },
-            Err(e) => Outcome { metrics: None, error: Some(e.to_string()), steps },
+            Ok(m) => Outcome { metrics: Some(m.clone()), error: None, steps, signal: signal::received() },
+            Err(e) => {
+                Outcome { metrics: None, error: Some(e.to_string()), steps, signal: signal::received() }
+            }
         };
         let mut bytes = dist::exact_json_bytes(&msg)?;
         fan.broadcast_bytes(0, &mut bytes)?;
@@ -390,6 +401,9 @@ impl Roles {
         fan.broadcast_bytes(0, &mut bytes)?;
         let msg: Outcome = dist::exact_json_value(&bytes)
             .map_err(|e| Error::invalid(format!("roles: the step outcome from rank 0: {e}")))?;
+        if let Some(sig) = msg.signal {
+            signal::adopt(sig);
+        }
         let metrics = match (msg.metrics, msg.error) {
             (Some(m), None) => m,
             (_, Some(e)) => {
@@ -423,6 +437,8 @@ struct Outcome {
     /// The steps the trainers have completed (a step can fail after it counted, e.g. when
     /// its checkpoint cannot be written).
     steps: u64,
+    /// A stop signal that trainer 0 received (or adopted from a rollout rank).
+    signal: Option<i32>,
 }
 
 /// What one rollout rank sends one trainer of one step.
@@ -430,6 +446,8 @@ struct Outcome {
 struct Part {
     /// The rollout failed on the rollout rank.
     error: Option<String>,
+    /// A stop signal the rollout rank received.
+    signal: Option<i32>,
     /// The rollout was given up (drawn ahead, failed or cancelled): drawn again next step.
     absent: bool,
     version: u64,

@@ -41,12 +41,15 @@ pub(super) struct Roller<'a> {
 
 /// `r`, or an error on every rank of `comm` when it is one on any: a rollout cancelled
 /// (a stop signal reaches each rank at its own moment) or failed on one rank must not
-/// leave the others waiting in the collectives that follow it (one small collective).
+/// leave the others waiting in the collectives that follow it (one small collective). A
+/// rank that received no signal adopts one another rank received.
 fn failed_on_any_rank<T>(comm: &dyn Comm, r: Result<T>) -> Result<T> {
     if comm.size() == 1 {
         return r;
     }
-    let [failed] = dist::sum_f64(comm, [f64::from(u8::from(r.is_err()))])?;
+    let [a, b, c] = signal::received_counts();
+    let [failed, a, b, c] = dist::sum_f64(comm, [f64::from(u8::from(r.is_err())), a, b, c])?;
+    signal::adopt_received(&[a, b, c]);
     match r {
         Ok(_) if failed > 0.0 => {
             Err(Error::invalid(format!("the rollout was cancelled or failed on {failed} other rank(s)")))
