@@ -443,7 +443,9 @@ for staleness in {stalenesses} {{
     // and reports the signal the rollout rank received, both exit with 143; resumed as a
     // split run, the run ends with the weights of the run never stopped.
     let stop_rhai = dir.path().join("stop.rhai");
-    std::fs::write(&stop_rhai, script("[0]", ", roles: #{ rollout_ranks: 1 }")).unwrap();
+    // Unnamed: the run folder is the one `--out` gives.
+    let unnamed = script("[0]", ", roles: #{ rollout_ranks: 1 }").replace("name: `s${staleness}`, ", "");
+    std::fs::write(&stop_rhai, unnamed).unwrap();
     let stopped = dir.path().join("stopped");
     let (stopped_s, stop_rhai_s) = (stopped.display().to_string(), stop_rhai.display().to_string());
     let text = |o: &std::process::Output| {
@@ -456,7 +458,7 @@ for staleness in {stalenesses} {{
         .expect("mpirun");
     assert_eq!(out.status.code(), Some(143), "stopped: {}", text(&out));
     assert!(text(&out).contains("stopped by SIGTERM"), "{}", text(&out));
-    let latest = std::fs::read_to_string(stopped.join("s0/checkpoints/latest")).unwrap();
+    let latest = std::fs::read_to_string(stopped.join("checkpoints/latest")).unwrap();
     assert_eq!(latest.trim(), "step-000001", "{}", text(&out));
     let out = mpirun(2, &exe, &["run", "--quiet", "--resume", &stopped_s, &stop_rhai_s])
         .envs(threads)
@@ -464,15 +466,12 @@ for staleness in {stalenesses} {{
         .output()
         .expect("mpirun");
     assert!(out.status.success(), "resumed: {}", text(&out));
-    for (run, split) in [("s0", &two), ("s1", &two), ("s0", &stopped)] {
+    for (run, split) in [("s0", two.join("s0")), ("s1", two.join("s1")), ("s0", stopped.clone())] {
         let ck = |d: &Path| {
-            candle_core::safetensors::load(
-                d.join(run).join("checkpoints/step-000003/model.safetensors"),
-                &Device::Cpu,
-            )
-            .unwrap()
+            candle_core::safetensors::load(d.join("checkpoints/step-000003/model.safetensors"), &Device::Cpu)
+                .unwrap()
         };
-        let (a, b) = (ck(&one), ck(split));
+        let (a, b) = (ck(&one.join(run)), ck(&split));
         assert_eq!(a.len(), b.len());
         for (name, t) in &a {
             let f = |t: &candle_core::Tensor| {
@@ -482,7 +481,7 @@ for staleness in {stalenesses} {{
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
             assert_eq!(bits(&x), bits(&y), "{run}: {name} differs");
         }
-        let lines = std::fs::read_to_string(split.join(run).join("metrics.jsonl")).unwrap();
+        let lines = std::fs::read_to_string(split.join("metrics.jsonl")).unwrap();
         assert_eq!(lines.lines().count(), 3, "{run}: rank 0 writes one line per step");
     }
 }
