@@ -602,6 +602,9 @@ fn latest_checkpoint(run: &std::path::Path) -> String {
 
 const STEPS: u64 = 4;
 
+/// A reference run: trainer 0's end and its folder's metrics lines ([`logged`]).
+type Reference = (RankEnd, Vec<serde_json::Value>);
+
 /// The references of a split run of [`STEPS`] steps: uninterrupted, and (staleness 1)
 /// with the rollout of step 2, drawn beside update 1, given up (cancelled on the last
 /// rollout rank), so that step 2 rolls out under the weights of step 2 itself, as a run
@@ -610,7 +613,7 @@ fn split_references(
     cfg: &RunConfig,
     shape: (usize, usize),
     dir: &std::path::Path,
-) -> (RankEnd, Vec<serde_json::Value>, Option<(RankEnd, Vec<serde_json::Value>)>) {
+) -> (RankEnd, Vec<serde_json::Value>, Option<Reference>) {
     let s = cfg.rollout.asynchronous.staleness;
     let tag = format!("{}x{}-s{s}", shape.0, shape.1);
     std::fs::create_dir_all(dir).unwrap();
@@ -720,11 +723,12 @@ fn config_with_save(dir: &std::path::Path, staleness: u32) -> RunConfig {
 #[test]
 fn a_stop_halts_every_rank_of_a_split_run_at_one_step_and_resumes_as_uninterrupted() {
     let dir = tempdir();
-    const SPLIT: (usize, usize) = (2, 1);
-    const DATA_PARALLEL: (usize, usize) = (2, 0);
+    type Shape = (usize, usize);
+    const SPLIT: Shape = (2, 1);
+    const DATA_PARALLEL: Shape = (2, 0);
     // (ranks, staleness, the rank whose flag goes up, at which step and how, the
     // checkpoint left)
-    let cases: [((usize, usize), u32, usize, u64, Flag, u64); 5] = [
+    let cases: [(Shape, u32, usize, u64, Flag, u64); 5] = [
         // The rollout of step 2 is cancelled on the rollout rank: step 2 fails on every
         // rank, steps 0-1 are kept.
         (SPLIT, 0, 1, 2, Flag::InRollout, 2),
