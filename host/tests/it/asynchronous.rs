@@ -307,19 +307,24 @@ fn role_run(
 ) -> Vec<RankRun> {
     let mut cfg = cfg.clone();
     cfg.rollout.asynchronous.roles = Some(RolesConfig { rollout_ranks });
+    on_thread_ranks(ranks, |c| {
+        let mut t = Trainer::new_on(std::sync::Arc::new(c), cfg.clone(), run).unwrap();
+        t.set_final_step(steps);
+        let metrics = (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+        RankRun { metrics, weights: weight_bits(&t), versions: t.last_rollout_version() }
+    })
+}
+
+/// `f` on each rank of an in-process group of `ranks` ranks, one thread each; the
+/// results in rank order.
+fn on_thread_ranks<T: Send>(ranks: usize, f: impl Fn(stapo::dist::ThreadComm) -> T + Sync) -> Vec<T> {
     let comms = stapo::dist::ThreadComm::group(ranks);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .map(|c| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    let mut t = Trainer::new_on(std::sync::Arc::new(c), cfg, run).unwrap();
-                    t.set_final_step(steps);
-                    let metrics =
-                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
-                    RankRun { metrics, weights: weight_bits(&t), versions: t.last_rollout_version() }
-                })
+                let f = &f;
+                s.spawn(move || f(c))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -515,62 +520,52 @@ fn split_run(
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     let mut cfg = cfg.clone();
     cfg.rollout.asynchronous.roles = (rollout_ranks > 0).then_some(RolesConfig { rollout_ranks });
-    let comms = stapo::dist::ThreadComm::group(ranks);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    let rank = stapo::dist::Comm::rank(&c);
-                    let c = std::sync::Arc::new(c);
-                    let mut t = if resume {
-                        Trainer::resume_on(c, run).unwrap()
-                    } else {
-                        Trainer::new_on(c, cfg, run).unwrap()
-                    };
-                    t.set_final_step(steps);
-                    let up = AtomicBool::new(false);
-                    let raise = |_: usize| up.store(true, SeqCst);
-                    let mut end = RankEnd {
-                        steps: 0,
-                        metrics: Vec::new(),
-                        weights: Vec::new(),
-                        stopped: false,
-                        error: None,
-                        checkpoint: None,
-                    };
-                    while t.step_count() < crash_at.unwrap_or(steps) {
-                        if t.stop_requested(&up).unwrap().is_some() {
-                            end.stopped = true;
-                            break;
-                        }
-                        let how = flag(rank, t.step_count());
-                        if matches!(how, Flag::Up | Flag::Cancel) {
-                            up.store(true, SeqCst);
-                        }
-                        let progress: Option<&dyn Fn(usize)> = (how == Flag::InRollout).then_some(&raise);
-                        match t.step(&t.default_plan(), progress, Some(&up)) {
-                            Ok(m) => end.metrics.push(m),
-                            Err(e) => {
-                                end.error = Some(e.to_string());
-                                break;
-                            }
-                        }
-                        if how == Flag::Cancel {
-                            up.store(false, SeqCst);
-                        }
-                    }
-                    end.steps = t.step_count();
-                    if crash_at.is_none() && (end.stopped || end.error.is_some()) {
-                        end.checkpoint = t.save_on_exit().unwrap();
-                    }
-                    end.weights = weight_bits(&t);
-                    end
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_thread_ranks(ranks, |c| {
+        let rank = stapo::dist::Comm::rank(&c);
+        let c = std::sync::Arc::new(c);
+        let mut t = if resume {
+            Trainer::resume_on(c, run).unwrap()
+        } else {
+            Trainer::new_on(c, cfg.clone(), run).unwrap()
+        };
+        t.set_final_step(steps);
+        let up = AtomicBool::new(false);
+        let raise = |_: usize| up.store(true, SeqCst);
+        let mut end = RankEnd {
+            steps: 0,
+            metrics: Vec::new(),
+            weights: Vec::new(),
+            stopped: false,
+            error: None,
+            checkpoint: None,
+        };
+        while t.step_count() < crash_at.unwrap_or(steps) {
+            if t.stop_requested(&up).unwrap().is_some() {
+                end.stopped = true;
+                break;
+            }
+            let how = flag(rank, t.step_count());
+            if matches!(how, Flag::Up | Flag::Cancel) {
+                up.store(true, SeqCst);
+            }
+            let progress: Option<&dyn Fn(usize)> = (how == Flag::InRollout).then_some(&raise);
+            match t.step(&t.default_plan(), progress, Some(&up)) {
+                Ok(m) => end.metrics.push(m),
+                Err(e) => {
+                    end.error = Some(e.to_string());
+                    break;
+                }
+            }
+            if how == Flag::Cancel {
+                up.store(false, SeqCst);
+            }
+        }
+        end.steps = t.step_count();
+        if crash_at.is_none() && (end.stopped || end.error.is_some()) {
+            end.checkpoint = t.save_on_exit().unwrap();
+        }
+        end.weights = weight_bits(&t);
+        end
     })
 }
 
