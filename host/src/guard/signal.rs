@@ -9,6 +9,12 @@
 //! renamed into place, then `latest` renamed over), so this leaves the last complete
 //! checkpoint as it was.
 //!
+//! Under several ranks (`mpirun`) each process has its flag, set when the signal reaches
+//! it: the ranks agree between steps whether to stop (the flag set on any of them), so
+//! that they all stop at the same step boundary, and a rank that received no signal
+//! adopts the one another rank received ([`adopt`]), so that every rank exits alike. A
+//! rollout cancelled on one rank fails the step on all of them.
+//!
 //! TorchTitan, verl and TRL save on SIGTERM the same way (a flag checked between steps),
 //! as does PyTorch Lightning's `SLURMEnvironment` with `auto_requeue` on SIGUSR1.
 //!
@@ -103,6 +109,36 @@ pub fn install_preemption() -> &'static AtomicBool {
 pub fn clear() {
     RECEIVED.store(0, Ordering::SeqCst);
     INTERRUPTED.store(false, Ordering::SeqCst);
+}
+
+/// Records `sig` as received and sets the flag, as the handler does: another rank of the
+/// job received it, and this one stops (and exits) as that one does. A signal received
+/// before stays the one reported.
+pub fn adopt(sig: i32) {
+    let _ = RECEIVED.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// The signals a stop comes from, in the order [`adopt_received`] prefers them.
+const STOPS: [i32; 3] = [SIGTERM, SIGUSR1, SIGINT];
+
+/// The signal this process received as counts over SIGTERM, SIGUSR1 and SIGINT (a single
+/// 1, or none), to be summed over the ranks of a job.
+pub fn received_counts() -> [f64; 3] {
+    let own = received();
+    STOPS.map(|s| f64::from(u8::from(own == Some(s))))
+}
+
+/// With `counts`, [`received_counts`] summed over the ranks of a job: the signal this
+/// process stops for, its own, else the first that another rank received (which it
+/// [adopts](adopt)); `None` when no rank received one.
+pub fn adopt_received(counts: &[f64; 3]) -> Option<i32> {
+    if let Some(own) = received() {
+        return Some(own);
+    }
+    let other = STOPS.iter().zip(counts).find(|(_, &n)| n > 0.0).map(|(&s, _)| s)?;
+    adopt(other);
+    Some(other)
 }
 
 /// The first signal received since the flag was last cleared.

@@ -614,7 +614,8 @@ fn run_steps(
     let cancel = host.cancel_flag();
     trainer.set_final_step(steps);
     while trainer.step_count() < steps {
-        if host.cancelled() {
+        // Agreed by every rank of the job: all stop between the same two steps.
+        if trainer.stop_requested(cancel)?.is_some() {
             return Err(Error::invalid(format!(
                 "training stopped by {} after step {}",
                 crate::guard::signal::cause(),

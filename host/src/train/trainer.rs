@@ -434,9 +434,12 @@ impl Trainer {
         let step = self.step;
         let in_flight = self.partial.clone();
         let r = self.step_inner(plan, progress, cancel);
+        if let Some(roles) = self.roles.as_mut().filter(|_| r.is_err() && self.step == step) {
+            roles.give_up_ahead();
+        }
         if let Some(roles) = &self.roles {
             // The outcome and the new weights to the rollout ranks.
-            let sent = roles.publish(&r, self.policy.model());
+            let sent = roles.publish(&r, self.step, self.policy.model());
             if r.is_ok() {
                 sent?;
             }
@@ -447,6 +450,25 @@ impl Trainer {
             self.partial = in_flight;
         }
         r
+    }
+
+    /// Whether the run stops before its next step: `Some(sig)` when `flag` (the preemption
+    /// flag, [`signal`]) is set on any rank of the job, `sig` the signal this rank stops
+    /// for (its own, else one another rank received, which it adopts; 0: the flags were
+    /// set without a signal); `None`: the run goes on. Every rank of a data-parallel job or
+    /// of one split into rollout and trainer ranks calls it between the same two steps
+    /// (one small collective over all of them) and gets the same answer, so they all stop
+    /// at that step boundary: none is left waiting for a step's messages or collectives
+    /// that the others never start.
+    pub fn stop_requested(&self, flag: &AtomicBool) -> Result<Option<i32>> {
+        let world = self.roles.as_ref().map_or(&self.comm, Roles::world);
+        let [a, b, c] = signal::received_counts();
+        let [up, a, b, c] =
+            dist::sum_f64(&**world, [f64::from(u8::from(flag.load(Ordering::SeqCst))), a, b, c])?;
+        if up == 0.0 {
+            return Ok(None);
+        }
+        Ok(Some(signal::adopt_received(&[a, b, c]).unwrap_or(0)))
     }
 
     /// Whether this rank is a rollout rank of a job split into roles.
@@ -460,6 +482,29 @@ impl Trainer {
     /// generated and sent too, then the step's outcome and the new weights received from
     /// trainer 0. Returns the step's metrics as the trainers logged them.
     fn rollout_rank_step(
+        &mut self,
+        plan: &StepPlan,
+        progress: Option<&dyn Fn(usize)>,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<StepMetrics> {
+        // The epoch order before the step's prompts (drawn ahead or not): a step that fails
+        // leaves it there, as on the trainers, so that the next step draws them again.
+        let start = match self.roles.as_ref().and_then(|r| r.sent_ahead.as_ref()) {
+            Some(a) => a.sampler_before,
+            None => self.prompts.sampler_state(),
+        };
+        let step = self.step;
+        let r = self.rollout_rank_step_inner(plan, progress, cancel);
+        if r.is_err() && self.step == step {
+            if let Some(roles) = self.roles.as_mut() {
+                roles.sent_ahead = None;
+            }
+            self.prompts.restore_sampler(start)?;
+        }
+        r
+    }
+
+    fn rollout_rank_step_inner(
         &mut self,
         plan: &StepPlan,
         progress: Option<&dyn Fn(usize)>,
@@ -490,11 +535,14 @@ impl Trainer {
             let mut r =
                 Roller { cfg, prompts, comm: &**comm, model: roles.model()?, step: step + 1, partial: None };
             let got = r.gather(plan, None, cancel, &mut warnings);
-            // Given up on every rollout rank when it failed on one.
-            let [failures] = dist::sum_f64(&**comm, [f64::from(u8::from(got.is_err()))])?;
+            // Given up on every rollout rank when it failed on one; a cancellation on any
+            // (a stop on its way) is no failure to report.
+            let cancelled = cancel.is_some_and(|c| c.load(Ordering::SeqCst));
+            let [failures, cancels] =
+                dist::sum_f64(&**comm, [f64::from(u8::from(got.is_err())), f64::from(u8::from(cancelled))])?;
             let given_up = failures > 0.0;
             if let Err(e) = &got {
-                if !cancel.is_some_and(|c| c.load(Ordering::SeqCst)) {
+                if cancels == 0.0 {
                     notes.pending.push(format!(
                         "rollout.async: the rollout of step {} drawn ahead failed ({e}); that step rolls \
                          out again when it runs",
@@ -506,9 +554,9 @@ impl Trainer {
             roles.send(&**comm, batch, step, prompts.sampler_state(), warnings)?;
             roles.sent_ahead(plan, before, given_up);
         }
-        let m = roles.receive_outcome()?;
-        self.step += 1;
-        Ok(m)
+        let (steps, m) = roles.receive_outcome()?;
+        self.step = steps;
+        m
     }
 
     fn step_inner(
@@ -797,6 +845,7 @@ impl Trainer {
         cancel: Option<&AtomicBool>,
         warnings: &mut Vec<String>,
     ) -> Result<(StepBatch, u64)> {
+        let draws_ahead = self.draws_ahead();
         if let Some(roles) = self.roles.as_mut() {
             // A trainer rank: the groups the rollout ranks drew ahead under this plan, else
             // those they draw now.
@@ -815,6 +864,8 @@ impl Trainer {
                     Error::invalid("roles: the rollout ranks gave up the step's own rollout")
                 })?,
             };
+            // Having sent this step's groups, the rollout ranks draw the next step's.
+            roles.ahead_pending = draws_ahead;
             self.prompts.restore_sampler(got.sampler_after)?;
             warnings.extend(got.warnings);
             return Ok((got.batch, got.version));

@@ -307,19 +307,24 @@ fn role_run(
 ) -> Vec<RankRun> {
     let mut cfg = cfg.clone();
     cfg.rollout.asynchronous.roles = Some(RolesConfig { rollout_ranks });
+    on_thread_ranks(ranks, |c| {
+        let mut t = Trainer::new_on(std::sync::Arc::new(c), cfg.clone(), run).unwrap();
+        t.set_final_step(steps);
+        let metrics = (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
+        RankRun { metrics, weights: weight_bits(&t), versions: t.last_rollout_version() }
+    })
+}
+
+/// `f` on each rank of an in-process group of `ranks` ranks, one thread each; the
+/// results in rank order.
+fn on_thread_ranks<T: Send>(ranks: usize, f: impl Fn(stapo::dist::ThreadComm) -> T + Sync) -> Vec<T> {
     let comms = stapo::dist::ThreadComm::group(ranks);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .map(|c| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    let mut t = Trainer::new_on(std::sync::Arc::new(c), cfg, run).unwrap();
-                    t.set_final_step(steps);
-                    let metrics =
-                        (0..steps).map(|_| t.step(&t.default_plan(), None, None).unwrap()).collect();
-                    RankRun { metrics, weights: weight_bits(&t), versions: t.last_rollout_version() }
-                })
+                let f = &f;
+                s.spawn(move || f(c))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -464,5 +469,313 @@ fn bad_role_settings_name_the_field() {
     rollback.guard.on_divergence = stapo::guard::OnDivergence::Rollback;
     for e in start(&rollback, 2) {
         assert!(e.contains("guard.on_divergence"), "{e}");
+    }
+}
+
+/// When a rank's preemption flag goes up at a step of [`split_run`].
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Flag {
+    Down,
+    /// Up as the step starts (after the ranks agreed to run it), and it stays up: a stop
+    /// signal received during the step.
+    Up,
+    /// Up at the first token of the step's own rollout, and it stays up.
+    InRollout,
+    /// Up during this step only: its rollouts are cancelled, the run goes on (Ctrl-C in a
+    /// session).
+    Cancel,
+}
+
+/// How one rank's part of a [`split_run`] ended.
+struct RankEnd {
+    /// Steps completed.
+    steps: u64,
+    metrics: Vec<StepMetrics>,
+    weights: Vec<u32>,
+    /// The ranks agreed to stop before the next step (`stapo run` after a signal).
+    stopped: bool,
+    /// The step that failed and ended the run, if any.
+    error: Option<String>,
+    /// What `save_on_exit` returned after a stop or an error.
+    checkpoint: Option<std::path::PathBuf>,
+}
+
+/// A run split into roles on threads (`ranks` ranks, the last `rollout_ranks` of them
+/// rolling out; none: data-parallel ranks), in folder `run` (`resume`: continuing the run there from its latest
+/// checkpoint), stepped towards `steps` steps as `stapo run` steps it: each rank has a
+/// preemption flag of its own, as each process under `mpirun` does; the ranks agree
+/// whether to stop before every step ([`Trainer::stop_requested`]); a stop or a failed
+/// step ends the loop and `save_on_exit` leaves a checkpoint. `crash_at`: every rank
+/// gives up before that step without saving anything (the job killed). `flag(rank,
+/// step)` says when a rank's flag goes up.
+fn split_run(
+    cfg: &RunConfig,
+    (ranks, rollout_ranks): (usize, usize),
+    run: &std::path::Path,
+    resume: bool,
+    steps: u64,
+    crash_at: Option<u64>,
+    flag: &(dyn Fn(usize, u64) -> Flag + Sync),
+) -> Vec<RankEnd> {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let mut cfg = cfg.clone();
+    cfg.rollout.asynchronous.roles = (rollout_ranks > 0).then_some(RolesConfig { rollout_ranks });
+    on_thread_ranks(ranks, |c| {
+        let rank = stapo::dist::Comm::rank(&c);
+        let c = std::sync::Arc::new(c);
+        let mut t = if resume {
+            Trainer::resume_on(c, run).unwrap()
+        } else {
+            Trainer::new_on(c, cfg.clone(), run).unwrap()
+        };
+        t.set_final_step(steps);
+        let up = AtomicBool::new(false);
+        let raise = |_: usize| up.store(true, SeqCst);
+        let mut end = RankEnd {
+            steps: 0,
+            metrics: Vec::new(),
+            weights: Vec::new(),
+            stopped: false,
+            error: None,
+            checkpoint: None,
+        };
+        while t.step_count() < crash_at.unwrap_or(steps) {
+            if t.stop_requested(&up).unwrap().is_some() {
+                end.stopped = true;
+                break;
+            }
+            let how = flag(rank, t.step_count());
+            if matches!(how, Flag::Up | Flag::Cancel) {
+                up.store(true, SeqCst);
+            }
+            let progress: Option<&dyn Fn(usize)> = (how == Flag::InRollout).then_some(&raise);
+            match t.step(&t.default_plan(), progress, Some(&up)) {
+                Ok(m) => end.metrics.push(m),
+                Err(e) => {
+                    end.error = Some(e.to_string());
+                    break;
+                }
+            }
+            if how == Flag::Cancel {
+                up.store(false, SeqCst);
+            }
+        }
+        end.steps = t.step_count();
+        if crash_at.is_none() && (end.stopped || end.error.is_some()) {
+            end.checkpoint = t.save_on_exit().unwrap();
+        }
+        end.weights = weight_bits(&t);
+        end
+    })
+}
+
+/// The run folder's metrics lines without the timings (and the async figures but their
+/// staleness), one per step logged.
+fn logged(run: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            let staleness = o.get("async").map(|a| a["staleness_max"].clone());
+            for k in ["rollout_secs", "update_secs", "rollout_tokens_per_sec", "phase_secs", "async", "time"]
+            {
+                o.remove(k);
+            }
+            if let Some(s) = staleness {
+                o.insert("staleness_max".into(), s);
+            }
+            v
+        })
+        .collect()
+}
+
+fn latest_checkpoint(run: &std::path::Path) -> String {
+    std::fs::read_to_string(run.join("checkpoints/latest")).unwrap().trim().to_string()
+}
+
+const STEPS: u64 = 4;
+
+/// A reference run: trainer 0's end and its folder's metrics lines ([`logged`]).
+type Reference = (RankEnd, Vec<serde_json::Value>);
+
+/// The references of a split run of [`STEPS`] steps: uninterrupted, and (staleness 1)
+/// with the rollout of step 2, drawn beside update 1, given up (cancelled on the last
+/// rollout rank), so that step 2 rolls out under the weights of step 2 itself, as a run
+/// resumed from checkpoint step-000002 does. Trainer 0's end and its folder's lines.
+fn split_references(
+    cfg: &RunConfig,
+    shape: (usize, usize),
+    dir: &std::path::Path,
+) -> (RankEnd, Vec<serde_json::Value>, Option<Reference>) {
+    let s = cfg.rollout.asynchronous.staleness;
+    let tag = format!("{}x{}-s{s}", shape.0, shape.1);
+    std::fs::create_dir_all(dir).unwrap();
+    let run = dir.join(format!("uninterrupted-{tag}"));
+    let mut u = split_run(cfg, shape, &run, false, STEPS, None, &|_, _| Flag::Down);
+    let u = (u.swap_remove(0), logged(&run));
+    assert_eq!(u.0.steps, STEPS);
+    if s == 0 {
+        return (u.0, u.1, None);
+    }
+    let run = dir.join(format!("given-up-{tag}"));
+    let last = shape.0 - 1;
+    let mut g = split_run(cfg, shape, &run, false, STEPS, None, &|rank, step| {
+        if rank == last && step == 1 {
+            Flag::Cancel
+        } else {
+            Flag::Down
+        }
+    });
+    let g = (g.swap_remove(0), logged(&run));
+    assert_eq!(g.0.steps, STEPS);
+    let staleness: Vec<u64> = g.1.iter().map(|l| l["staleness_max"].as_u64().unwrap()).collect();
+    assert_eq!(staleness, [0, 1, 0, 1], "step 2 rolls out itself, step 3 one step off again");
+    assert_eq!(u.1[..2], g.1[..2], "the steps before the rollout given up");
+    assert_ne!(u.0.weights, g.0.weights);
+    (u.0, u.1, Some(g))
+}
+
+/// The one process under `rollout.async` with the rollout of step 2 given up as in
+/// [`split_references`]: its weights after [`STEPS`] steps.
+fn one_process_given_up(cfg: RunConfig, run: &std::path::Path) -> Vec<u32> {
+    let mut t = Trainer::new(cfg, run).unwrap();
+    t.set_final_step(STEPS);
+    for k in 0..STEPS {
+        let cancel = std::sync::atomic::AtomicBool::new(k == 1);
+        t.step(&t.default_plan(), None, Some(&cancel)).unwrap();
+    }
+    weight_bits(&t)
+}
+
+/// A split run saves checkpoint step-000002 (`checkpoint.save_every`), logs step 2 and is
+/// killed; resumed from the checkpoint as a split run, it ends with the weights and the
+/// metrics lines of the uninterrupted split run, bit for bit: at staleness 0 the
+/// uninterrupted run itself; at staleness 1 the uninterrupted run in which the rollout of
+/// step 2 drawn ahead was given up, since a checkpoint never holds a rollout drawn ahead
+/// (the resumed step 2 draws the same prompts again under the checkpoint's weights), which
+/// is also what one process under `rollout.async` trains. One rollout rank and one trainer
+/// rank, and two of each.
+#[test]
+fn a_split_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one() {
+    let dir = tempdir();
+    for (shape, staleness) in [((2, 1), 0), ((2, 1), 1), ((4, 2), 1)] {
+        let mut cfg = config(dir.path(), Some(staleness));
+        cfg.checkpoint.save_every = 2;
+        if shape.0 == 4 {
+            cfg.data.prompts_per_step = 4;
+        }
+        let case = format!("{} ranks, {} rolling out, staleness {staleness}", shape.0, shape.1);
+        let (u, u_lines, given_up) = split_references(&cfg, shape, dir.path());
+        let run = dir.path().join(format!("resumed-{}x{}-s{staleness}", shape.0, shape.1));
+        let killed = split_run(&cfg, shape, &run, false, STEPS, Some(3), &|_, _| Flag::Down);
+        assert!(killed.iter().all(|r| r.steps == 3), "{case}");
+        assert_eq!(latest_checkpoint(&run), "step-000002", "{case}");
+        assert_eq!(logged(&run).len(), 3, "{case}: step 2 logged after the checkpoint");
+        let resumed = split_run(&cfg, shape, &run, true, STEPS, None, &|_, _| Flag::Down);
+        for (rank, r) in resumed.iter().enumerate() {
+            assert_eq!((r.steps, r.metrics.len()), (STEPS, 2), "{case}: rank {rank} ran steps 2 and 3");
+            if rank >= shape.0 - shape.1 {
+                assert_eq!(r.metrics, resumed[0].metrics, "{case}: rollout rank {rank} reports trainer 0's");
+            }
+        }
+        let (want, want_lines) = match &given_up {
+            None => (&u, &u_lines),
+            Some((g, g_lines)) => (g, g_lines),
+        };
+        assert_eq!(resumed[0].weights, want.weights, "{case}: the trainer's weights");
+        if shape.0 == 4 {
+            assert_eq!(resumed[1].weights, want.weights, "{case}: the second trainer's weights");
+        }
+        assert_eq!(&logged(&run), want_lines, "{case}: metrics.jsonl");
+        for (k, (a, b)) in want.metrics[2..].iter().zip(&resumed[0].metrics).enumerate() {
+            assert_eq!(metrics_without_timing(a), metrics_without_timing(b), "{case}: step {}", k + 2);
+        }
+        if shape == (2, 1) && staleness == 1 {
+            let one = one_process_given_up(
+                config_with_save(dir.path(), staleness),
+                &dir.path().join("one-given-up"),
+            );
+            assert_eq!(resumed[0].weights, one, "{case}: the one process giving up the same rollout");
+        }
+    }
+}
+
+fn config_with_save(dir: &std::path::Path, staleness: u32) -> RunConfig {
+    let mut cfg = config(dir, Some(staleness));
+    cfg.checkpoint.save_every = 2;
+    cfg
+}
+
+/// A stop (the preemption flag that SIGTERM, SIGINT and SIGUSR1 set) in a split run: each
+/// rank has its own flag, as each process under `mpirun` does, and it may go up on one
+/// rank only. Every rank stops at the same step boundary (none left waiting in a receive
+/// or a collective), rank 0 writes the checkpoint, and the split run resumed from it ends
+/// with the weights and the metrics lines of the uninterrupted one (at staleness 1, of the
+/// uninterrupted one with the rollout drawn ahead given up, as in one process: a
+/// checkpoint never holds a rollout drawn ahead).
+#[test]
+fn a_stop_halts_every_rank_of_a_split_run_at_one_step_and_resumes_as_uninterrupted() {
+    let dir = tempdir();
+    type Shape = (usize, usize);
+    const SPLIT: Shape = (2, 1);
+    const DATA_PARALLEL: Shape = (2, 0);
+    // (ranks, staleness, the rank whose flag goes up, at which step and how, the
+    // checkpoint left)
+    let cases: [(Shape, u32, usize, u64, Flag, u64); 5] = [
+        // The rollout of step 2 is cancelled on the rollout rank: step 2 fails on every
+        // rank, steps 0-1 are kept.
+        (SPLIT, 0, 1, 2, Flag::InRollout, 2),
+        // Raised on the trainer rank only while it trains step 1: the rollout rank learns
+        // it between steps 1 and 2.
+        (SPLIT, 0, 0, 1, Flag::Up, 2),
+        // The rollout of step 2, drawn beside update 1, is cancelled: update 1 finishes,
+        // step 1 completes, every rank stops before step 2.
+        (SPLIT, 1, 1, 1, Flag::Up, 2),
+        // Raised on the trainer rank only during step 1: the rollout of step 2 is drawn
+        // whole and held, never saved; step 2 draws it again after the resume.
+        (SPLIT, 1, 0, 1, Flag::Up, 2),
+        // Two data-parallel ranks: the rollout of step 2 cancelled on rank 1 alone fails
+        // step 2 on both.
+        (DATA_PARALLEL, 0, 1, 2, Flag::InRollout, 2),
+    ];
+    let mut references = std::collections::HashMap::new();
+    for (k, (shape, staleness, who, at, how, left)) in cases.into_iter().enumerate() {
+        let cfg = config(dir.path(), Some(staleness));
+        let (u, u_lines, given_up) = references
+            .entry((shape, staleness))
+            .or_insert_with(|| split_references(&cfg, shape, &dir.path().join("references")));
+        let case = format!("{shape:?} staleness {staleness}: rank {who}'s flag {how:?} at step {at}");
+        let run = dir.path().join(format!("stopped-{k}"));
+        let ends = split_run(&cfg, shape, &run, false, STEPS, None, &|rank, step| {
+            if rank == who && step == at {
+                how
+            } else {
+                Flag::Down
+            }
+        });
+        for (rank, e) in ends.iter().enumerate() {
+            assert_eq!(e.steps, left, "{case}: rank {rank} stopped after {} steps", e.steps);
+            assert_eq!(e.stopped, how != Flag::InRollout, "{case}: rank {rank} ({:?})", e.error);
+            if how == Flag::InRollout {
+                let err = e.error.as_deref().unwrap_or_default();
+                assert!(err.contains("cancelled"), "{case}: rank {rank}: {err}");
+            } else {
+                assert!(e.error.is_none(), "{case}: rank {rank}: {:?}", e.error);
+            }
+            let want = run.join("checkpoints").join(format!("step-{left:06}"));
+            assert_eq!(e.checkpoint.as_deref(), Some(want.as_path()), "{case}: rank {rank}");
+        }
+        assert_eq!(latest_checkpoint(&run), format!("step-{left:06}"), "{case}");
+        assert_eq!(logged(&run).len() as u64, left, "{case}");
+        let resumed = split_run(&cfg, shape, &run, true, STEPS, None, &|_, _| Flag::Down);
+        assert!(resumed.iter().all(|r| r.steps == STEPS && !r.stopped && r.error.is_none()), "{case}");
+        let (want, want_lines) = match given_up {
+            Some((g, g_lines)) if staleness == 1 => (&*g, &*g_lines),
+            _ => (&*u, &*u_lines),
+        };
+        assert_eq!(resumed[0].weights, want.weights, "{case}: the trainer's weights");
+        assert_eq!(&logged(&run), want_lines, "{case}: metrics.jsonl");
     }
 }

@@ -383,7 +383,9 @@ for run in ["stapo", "dapo", "grpo", "grpo-zero2"] {{
 /// `rollout.async.roles` between real processes: `mpirun -np 2 stapo run` with one
 /// rollout rank and one trainer rank trains, for staleness 0 and 1, the weights `stapo
 /// run` trains in one process under `rollout.async` with the same staleness; rank 0
-/// (the trainer) writes the run folder with one metrics line per step.
+/// (the trainer) writes the run folder with one metrics line per step. A split run that
+/// SIGTERM stops, on the rollout rank alone, stops on both ranks and resumes to the same
+/// weights.
 #[cfg(feature = "mpi")]
 #[test]
 fn mpirun_rollout_and_trainer_ranks_train_as_one_process() {
@@ -392,10 +394,10 @@ fn mpirun_rollout_and_trainer_ranks_train_as_one_process() {
     let dir = tempdir();
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let s = |p: &str| root.join(p).display().to_string().replace('\\', "/");
-    let script = |roles: &str| {
+    let script = |stalenesses: &str, roles: &str| {
         format!(
             r#"
-for staleness in [0, 1] {{
+for staleness in {stalenesses} {{
     train(#{{
         name: `s${{staleness}}`, model: #{{ path: "{m}" }},
         data: #{{ train: "{d}", template: #{{ kind: "raw", suffix: "" }}, prompts_per_step: 3 }},
@@ -411,8 +413,8 @@ for staleness in [0, 1] {{
         )
     };
     let (one_rhai, two_rhai) = (dir.path().join("one.rhai"), dir.path().join("two.rhai"));
-    std::fs::write(&one_rhai, script("")).unwrap();
-    std::fs::write(&two_rhai, script(", roles: #{ rollout_ranks: 1 }")).unwrap();
+    std::fs::write(&one_rhai, script("[0, 1]", "")).unwrap();
+    std::fs::write(&two_rhai, script("[0, 1]", ", roles: #{ rollout_ranks: 1 }")).unwrap();
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_stapo"));
     let (one, two) = (dir.path().join("one"), dir.path().join("two"));
     // One thread per process on both sides: the same kernels, the same sums.
@@ -436,15 +438,40 @@ for staleness in [0, 1] {{
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    for run in ["s0", "s1"] {
+    // Stopped by SIGTERM, which reaches the rollout rank alone, at its rollout of step 1
+    // (staleness 0): both ranks stop after step 0, rank 0 writes checkpoint step-000001
+    // and reports the signal the rollout rank received, both exit with 143; resumed as a
+    // split run, the run ends with the weights of the run never stopped.
+    let stop_rhai = dir.path().join("stop.rhai");
+    // Unnamed: the run folder is the one `--out` gives.
+    let unnamed = script("[0]", ", roles: #{ rollout_ranks: 1 }").replace("name: `s${staleness}`, ", "");
+    std::fs::write(&stop_rhai, unnamed).unwrap();
+    let stopped = dir.path().join("stopped");
+    let (stopped_s, stop_rhai_s) = (stopped.display().to_string(), stop_rhai.display().to_string());
+    let text = |o: &std::process::Output| {
+        format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    };
+    let out = mpirun(2, &exe, &["run", "--quiet", "--out", &stopped_s, &stop_rhai_s])
+        .envs(threads)
+        .env("STAPO_TEST_SIGNAL", "TERM@rollout:1")
+        .output()
+        .expect("mpirun");
+    assert_eq!(out.status.code(), Some(143), "stopped: {}", text(&out));
+    assert!(text(&out).contains("stopped by SIGTERM"), "{}", text(&out));
+    let latest = std::fs::read_to_string(stopped.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step-000001", "{}", text(&out));
+    let out = mpirun(2, &exe, &["run", "--quiet", "--resume", &stopped_s, &stop_rhai_s])
+        .envs(threads)
+        .env_remove("STAPO_TEST_SIGNAL")
+        .output()
+        .expect("mpirun");
+    assert!(out.status.success(), "resumed: {}", text(&out));
+    for (run, split) in [("s0", two.join("s0")), ("s1", two.join("s1")), ("s0", stopped.clone())] {
         let ck = |d: &Path| {
-            candle_core::safetensors::load(
-                d.join(run).join("checkpoints/step-000003/model.safetensors"),
-                &Device::Cpu,
-            )
-            .unwrap()
+            candle_core::safetensors::load(d.join("checkpoints/step-000003/model.safetensors"), &Device::Cpu)
+                .unwrap()
         };
-        let (a, b) = (ck(&one), ck(&two));
+        let (a, b) = (ck(&one.join(run)), ck(&split));
         assert_eq!(a.len(), b.len());
         for (name, t) in &a {
             let f = |t: &candle_core::Tensor| {
@@ -454,7 +481,7 @@ for staleness in [0, 1] {{
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
             assert_eq!(bits(&x), bits(&y), "{run}: {name} differs");
         }
-        let lines = std::fs::read_to_string(two.join(run).join("metrics.jsonl")).unwrap();
+        let lines = std::fs::read_to_string(split.join("metrics.jsonl")).unwrap();
         assert_eq!(lines.lines().count(), 3, "{run}: rank 0 writes one line per step");
     }
 }

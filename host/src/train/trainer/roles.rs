@@ -29,7 +29,7 @@ use super::metrics::{RolloutFigures, StepMetrics};
 use super::plan::StepPlan;
 use crate::data::{Example, SamplerState};
 use crate::dist::{self, Comm, BUCKET_ELEMS};
-use crate::guard::OnDivergence;
+use crate::guard::{signal, OnDivergence};
 use crate::model::{Qwen3, RolloutCopy};
 use crate::rollout::{Sample, SamplingParams};
 use crate::train::update::Sequence;
@@ -67,6 +67,9 @@ pub(super) struct Roles {
     pub(super) sent_ahead: Option<SentAhead>,
     /// A trainer rank: the next step's groups, received after this step's update.
     pub(super) held: Option<Held>,
+    /// A trainer rank: the rollout ranks are sending the next step's groups (drawn beside
+    /// this step's update), not received yet.
+    pub(super) ahead_pending: bool,
 }
 
 /// A rollout rank's record of the rollout it drew ahead.
@@ -166,11 +169,26 @@ pub(super) fn split(world: Arc<dyn Comm>, cfg: &RunConfig) -> Result<(Option<Rol
     let group = world.split(usize::from(role == Role::Rollout), rank)?;
     let fan = world.split(usize::from(rank != 0 && rank < trainers), rank)?;
     let fanout = (rank == 0 || rank >= trainers).then_some(fan);
-    let roles = Roles { role, world, trainers, rollouts, fanout, copy: None, sent_ahead: None, held: None };
+    let roles = Roles {
+        role,
+        world,
+        trainers,
+        rollouts,
+        fanout,
+        copy: None,
+        sent_ahead: None,
+        held: None,
+        ahead_pending: false,
+    };
     Ok((Some(roles), group))
 }
 
 impl Roles {
+    /// Every rank of the job, both roles.
+    pub(super) fn world(&self) -> &Arc<dyn Comm> {
+        &self.world
+    }
+
     /// This rank rolls out.
     pub(super) fn rolls_out(&self) -> bool {
         self.role == Role::Rollout
@@ -209,7 +227,12 @@ impl Roles {
         let (_, total) = dist::offset_and_total(group, kept)?;
         let me = group.rank();
         for t in 0..self.trainers {
-            let mut part = Part { version, sampler_after: Some(sampler_after), ..Part::default() };
+            let mut part = Part {
+                version,
+                sampler_after: Some(sampler_after),
+                signal: signal::received(),
+                ..Part::default()
+            };
             match &batch {
                 Err(e) => part.error = Some(format!("rollout rank {me}: {e}")),
                 Ok(None) => part.absent = true,
@@ -246,6 +269,10 @@ impl Roles {
         let mut parts = Vec::with_capacity(self.rollouts);
         for j in 0..self.rollouts {
             parts.push(Part::decode(&self.world.recv_bytes(self.trainers + j)?)?);
+        }
+        // A stop signal one rollout rank received is this rank's too.
+        if let Some(sig) = parts.iter().find_map(|p| p.signal) {
+            signal::adopt(sig);
         }
         if let Some(e) = parts.iter().find_map(|p| p.error.clone()) {
             return Err(Error::invalid(e));
@@ -300,6 +327,7 @@ impl Roles {
 
     /// A trainer: receives the next step's groups, drawn ahead under `plan`.
     pub(super) fn hold(&mut self, plan: &StepPlan) -> Result<()> {
+        self.ahead_pending = false;
         let received = self.receive()?;
         self.held = Some(Held {
             sampling: plan.sampling.clone(),
@@ -324,15 +352,27 @@ impl Roles {
         });
     }
 
-    /// Trainer 0: sends the step's outcome and, after a step that completed, the new
-    /// weights of `master` to the rollout ranks. Other trainers send nothing.
-    pub(super) fn publish(&self, outcome: &Result<StepMetrics>, master: &Qwen3) -> Result<()> {
+    /// A trainer whose step failed: gives up the next step's groups, received (`held`) or
+    /// still on their way (received here and dropped, so that no message is left over).
+    pub(super) fn give_up_ahead(&mut self) {
+        self.held = None;
+        if std::mem::take(&mut self.ahead_pending) {
+            let _ = self.receive();
+        }
+    }
+
+    /// Trainer 0: sends the step's outcome (with `steps`, the steps completed after it)
+    /// and, after a step that completed, the new weights of `master` to the rollout
+    /// ranks. Other trainers send nothing.
+    pub(super) fn publish(&self, outcome: &Result<StepMetrics>, steps: u64, master: &Qwen3) -> Result<()> {
         let Some(fan) = self.fanout.as_ref().filter(|_| self.role == Role::Trainer) else {
             return Ok(());
         };
         let msg = match outcome {
-            Ok(m) => Outcome { metrics: Some(m.clone()), error: None },
-            Err(e) => Outcome { metrics: None, error: Some(e.to_string()) },
+            Ok(m) => Outcome { metrics: Some(m.clone()), error: None, steps, signal: signal::received() },
+            Err(e) => {
+                Outcome { metrics: None, error: Some(e.to_string()), steps, signal: signal::received() }
+            }
         };
         let mut bytes = dist::exact_json_bytes(&msg)?;
         fan.broadcast_bytes(0, &mut bytes)?;
@@ -349,9 +389,10 @@ impl Roles {
         Ok(())
     }
 
-    /// A rollout rank: the step's outcome from trainer 0 (its metrics, or the error that
-    /// ended it on the trainers) and, after a step that completed, the new weights.
-    pub(super) fn receive_outcome(&self) -> Result<StepMetrics> {
+    /// A rollout rank: the step's outcome from trainer 0 (the steps the trainers have
+    /// completed, and the step's metrics or the error that ended it there) and, after a
+    /// step that completed, the new weights.
+    pub(super) fn receive_outcome(&self) -> Result<(u64, Result<StepMetrics>)> {
         let fan = self
             .fanout
             .as_ref()
@@ -360,9 +401,14 @@ impl Roles {
         fan.broadcast_bytes(0, &mut bytes)?;
         let msg: Outcome = dist::exact_json_value(&bytes)
             .map_err(|e| Error::invalid(format!("roles: the step outcome from rank 0: {e}")))?;
+        if let Some(sig) = msg.signal {
+            signal::adopt(sig);
+        }
         let metrics = match (msg.metrics, msg.error) {
             (Some(m), None) => m,
-            (_, Some(e)) => return Err(Error::invalid(format!("on the trainer ranks: {e}"))),
+            (_, Some(e)) => {
+                return Ok((msg.steps, Err(Error::invalid(format!("on the trainer ranks: {e}")))))
+            }
             (None, None) => return Err(Error::invalid("roles: rank 0 sent an empty step outcome")),
         };
         let copy = self.copy.as_ref().ok_or_else(|| Error::invalid("roles: no weights on this rank"))?;
@@ -379,7 +425,7 @@ impl Roles {
                 at += n;
             }
         }
-        Ok(metrics)
+        Ok((msg.steps, Ok(metrics)))
     }
 }
 
@@ -388,6 +434,11 @@ impl Roles {
 struct Outcome {
     metrics: Option<StepMetrics>,
     error: Option<String>,
+    /// The steps the trainers have completed (a step can fail after it counted, e.g. when
+    /// its checkpoint cannot be written).
+    steps: u64,
+    /// A stop signal that trainer 0 received (or adopted from a rollout rank).
+    signal: Option<i32>,
 }
 
 /// What one rollout rank sends one trainer of one step.
@@ -395,6 +446,8 @@ struct Outcome {
 struct Part {
     /// The rollout failed on the rollout rank.
     error: Option<String>,
+    /// A stop signal the rollout rank received.
+    signal: Option<i32>,
     /// The rollout was given up (drawn ahead, failed or cancelled): drawn again next step.
     absent: bool,
     version: u64,

@@ -15,14 +15,14 @@ use super::partial::PartialSource;
 use super::plan::{mix, StepPlan};
 use super::prompts::PromptSource;
 use crate::data::Prompt;
-use crate::dist::Comm;
+use crate::dist::{self, Comm};
 use crate::guard::signal;
 use crate::model::Qwen3;
 use crate::reward;
 use crate::rollout::{GenerateOptions, PartialFigures};
 use crate::train::update::Sequence;
 use crate::train::RunConfig;
-use crate::Result;
+use crate::{Error, Result};
 
 /// What a step's rollouts need: the run's settings, its prompts, its ranks and the
 /// weights to sample.
@@ -37,6 +37,25 @@ pub(super) struct Roller<'a> {
     /// Under partial rollouts (`rollout.partial`): the groups in flight between steps,
     /// which the step's groups come from.
     pub(super) partial: Option<&'a mut PartialSource>,
+}
+
+/// `r`, or an error on every rank of `comm` when it is one on any: a rollout cancelled
+/// (a stop signal reaches each rank at its own moment) or failed on one rank must not
+/// leave the others waiting in the collectives that follow it (one small collective). A
+/// rank that received no signal adopts one another rank received.
+fn failed_on_any_rank<T>(comm: &dyn Comm, r: Result<T>) -> Result<T> {
+    if comm.size() == 1 {
+        return r;
+    }
+    let [a, b, c] = signal::received_counts();
+    let [failed, a, b, c] = dist::sum_f64(comm, [f64::from(u8::from(r.is_err())), a, b, c])?;
+    signal::adopt_received(&[a, b, c]);
+    match r {
+        Ok(_) if failed > 0.0 => {
+            Err(Error::invalid(format!("the rollout was cancelled or failed on {failed} other rank(s)")))
+        }
+        r => r,
+    }
 }
 
 impl Roller<'_> {
@@ -58,7 +77,8 @@ impl Roller<'_> {
         let mut last_round;
         loop {
             let t0 = Instant::now();
-            let (round, partial) = self.roll_out(plan, b.gen_batches as u64, progress, cancel)?;
+            let round = self.roll_out(plan, b.gen_batches as u64, progress, cancel);
+            let (round, partial) = failed_on_any_rank(self.comm, round)?;
             if let Some(f) = partial {
                 b.partial.get_or_insert_with(Default::default).add(&f);
             }
