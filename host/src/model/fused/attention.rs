@@ -13,8 +13,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::{
-    map_exps, mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real,
-    SendPtr,
+    mm, one, par_zeros, split_like, with_host, zero, Grads, Host, Input, Kernel, Op, Out, Real, SendPtr,
 };
 use crate::Result;
 
@@ -88,9 +87,9 @@ impl<'a, T: WithDType> Qkv<'a, T> {
 /// `x <- exp(x - m)` over a row; returns the row's sum after.
 #[inline]
 fn exp_sum<T: Real>(row: &mut [T], m: T) -> T {
-    map_exps(row, m, |_, e| e);
     let mut sum = zero::<T>();
-    for x in row.iter() {
+    for x in row.iter_mut() {
+        *x = (*x - m).exp();
         sum += *x;
     }
     sum
@@ -823,7 +822,7 @@ impl Kernel<2> for BlockwiseBwd {
                                 let (dims, pos) = ((rows, cols, d), (i0, j0, dm.offset));
                                 scores(p, h.q, h.k.add(j0 * kv.ss), kv.ss, bias, dims, pos, scale);
                                 for (row, &ls) in p.chunks_exact_mut(cols).zip(lse) {
-                                    map_exps(row, ls, |_, e| e);
+                                    row.iter_mut().for_each(|x| *x = (*x - ls).exp());
                                 }
                                 block_bwd(&h, j0, (rows, cols), p, dp, Some(&di[..rows]), scale);
                             }

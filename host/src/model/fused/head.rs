@@ -4,7 +4,7 @@
 use candle_core::{bail, DType, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, exps, par_zeros, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, with_host, zero, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// Per row of logits `x (N, V)` and target `t`: `[x_t - lse, H, lse]` with
@@ -17,14 +17,15 @@ struct LogpEntropy;
 fn lse_and_mean<T: Real>(x: &[T]) -> (f64, f64) {
     let mx = x.iter().fold(T::from_f64(f64::NEG_INFINITY), |a, &v| a.fmax(v));
     let (mut s, mut t) = (0f64, 0f64);
-    exps(x, mx, |_, v, e| {
-        let e = e.to_f64();
+    for &v in x {
+        let z = v - mx;
+        let e = z.exp().to_f64();
         s += e;
         // A -inf logit has p = 0 and adds nothing (not 0 * -inf = NaN).
         if e > 0.0 {
-            t += e * (v - mx).to_f64();
+            t += e * z.to_f64();
         }
-    });
+    }
     let lse = mx.to_f64() + s.ln();
     (lse, t / s + mx.to_f64())
 }
@@ -35,14 +36,15 @@ fn lse_and_mean<T: Real>(x: &[T]) -> (f64, f64) {
 pub(super) fn row_stats<T: Real>(x: &[T]) -> (f64, f64, f64) {
     let mx = x.iter().fold(T::from_f64(f64::NEG_INFINITY), |a, &v| a.fmax(v));
     let (mut s, mut t, mut s2) = (0f64, 0f64, 0f64);
-    exps(x, mx, |_, v, e| {
-        let e = e.to_f64();
+    for &v in x {
+        let z = v - mx;
+        let e = z.exp().to_f64();
         s += e;
         s2 += e * e;
         if e > 0.0 {
-            t += e * (v - mx).to_f64();
+            t += e * z.to_f64();
         }
-    });
+    }
     let lse = mx.to_f64() + s.ln();
     (lse, t / s + mx.to_f64(), s2 / (s * s))
 }
@@ -95,9 +97,10 @@ impl Kernel<3> for LogpEntropyBwd {
                 let (h, lse) = (res[3 * i + 1], res[3 * i + 2]);
                 let (gl, ge) = (dres[3 * i], dres[3 * i + 1]);
                 let shift = h - lse;
-                exps(xr, lse, |j, v, p| {
-                    dr[j] = if p > zero() { -p * (gl + ge * (v + shift)) } else { zero() };
-                });
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    let p = (v - lse).exp();
+                    *d = if p > zero() { -p * (gl + ge * (v + shift)) } else { zero() };
+                }
                 dr[targets[i] as usize] += gl;
             });
             Ok(())

@@ -43,23 +43,17 @@ pub fn supported_on(device: &Device, dtype: DType) -> bool {
 /// The float types the kernels are written for.
 pub(crate) trait Real: WithDType + Neg<Output = Self> {
     fn exp(self) -> Self;
-    /// `x = exp(x)` over a slice: [`exp::exp_in_place`]'s vector path for f32.
-    fn exp_in_place(xs: &mut [Self]);
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     fn fmax(self, o: Self) -> Self;
 }
 
 macro_rules! real {
-    ($t:ty, $exp_in_place:expr) => {
+    ($t:ty) => {
         impl Real for $t {
             #[inline]
             fn exp(self) -> Self {
                 <$t>::exp(self)
-            }
-            #[inline]
-            fn exp_in_place(xs: &mut [Self]) {
-                $exp_in_place(xs)
             }
             #[inline]
             fn ln(self) -> Self {
@@ -76,37 +70,8 @@ macro_rules! real {
         }
     };
 }
-real!(f32, exp::exp_in_place);
-real!(f64, |xs: &mut [f64]| xs.iter_mut().for_each(|x| *x = x.exp()));
-
-/// Elements per block of [`exps`] and [`map_exps`].
-const EXP_BLOCK: usize = 64;
-
-/// `f(j, x_j, exp(x_j - shift))` for every element in order, the exponentials taken
-/// a block at a time by [`Real::exp_in_place`].
-#[inline]
-pub(crate) fn exps<T: Real>(xs: &[T], shift: T, mut f: impl FnMut(usize, T, T)) {
-    let mut buf = [zero::<T>(); EXP_BLOCK];
-    for (b, chunk) in xs.chunks(EXP_BLOCK).enumerate() {
-        let e = &mut buf[..chunk.len()];
-        e.iter_mut().zip(chunk).for_each(|(e, &x)| *e = x - shift);
-        T::exp_in_place(e);
-        chunk.iter().zip(e.iter()).enumerate().for_each(|(j, (&x, &e))| f(b * EXP_BLOCK + j, x, e));
-    }
-}
-
-/// `x_j = f(x_j, exp(x_j - shift))` for every element, the exponentials taken a
-/// block at a time by [`Real::exp_in_place`].
-#[inline]
-pub(crate) fn map_exps<T: Real>(xs: &mut [T], shift: T, mut f: impl FnMut(T, T) -> T) {
-    let mut buf = [zero::<T>(); EXP_BLOCK];
-    for chunk in xs.chunks_mut(EXP_BLOCK) {
-        let e = &mut buf[..chunk.len()];
-        e.iter_mut().zip(chunk.iter()).for_each(|(e, &x)| *e = x - shift);
-        T::exp_in_place(e);
-        chunk.iter_mut().zip(e.iter()).for_each(|(x, &e)| *x = f(*x, e));
-    }
-}
+real!(f32);
+real!(f64);
 
 fn zero<T: Real>() -> T {
     T::from_f64(0.0)
@@ -300,7 +265,6 @@ pub mod attention;
 #[cfg(feature = "blas")]
 mod blas;
 pub mod cpu;
-mod exp;
 pub mod gemv;
 pub mod head;
 mod kernels;

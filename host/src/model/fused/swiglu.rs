@@ -3,11 +3,16 @@
 use candle_core::{Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{data, one, par_zeros, split_like, Grads, Input, Kernel, Op, Out, Real};
+use super::{data, par_zeros, split_like, Grads, Input, Kernel, Op, Out, Real};
 use crate::Result;
 
 /// `silu(gate) * up`, elementwise.
 struct SwiGlu;
+
+#[inline]
+fn sigmoid<T: Real>(x: T) -> T {
+    T::from_f64(1.0) / (T::from_f64(1.0) + (-x).exp())
+}
 
 impl Kernel<2> for SwiGlu {
     const NAME: &'static str = "fused-swiglu";
@@ -17,11 +22,8 @@ impl Kernel<2> for SwiGlu {
         let mut y = par_zeros::<T>(g.len());
         y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
             |(y, (g, u))| {
-                // y = g u / (1 + exp(-g)), the exponentials a block at a time.
-                y.iter_mut().zip(g).for_each(|(y, &g)| *y = -g);
-                T::exp_in_place(y);
                 for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * (one::<T>() / (one::<T>() + *y)) * u;
+                    *y = g * sigmoid(g) * u;
                 }
             },
         );
@@ -48,12 +50,9 @@ impl Kernel<3> for SwiGluBwd {
         let c = 32 * 1024;
         dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).enumerate().for_each(|(i, (dg, du))| {
             let base = i * c;
-            // exp(-g) a chunk at a time, then s = sigmoid(g) = 1 / (1 + exp(-g)).
-            dg.iter_mut().zip(&g[base..]).for_each(|(e, &g)| *e = -g);
-            T::exp_in_place(dg);
             for j in 0..dg.len() {
                 let (gv, uv, d) = (g[base + j], u[base + j], dy[base + j]);
-                let s = one::<T>() / (one::<T>() + dg[j]);
+                let s = sigmoid(gv);
                 dg[j] = d * uv * s * (T::from_f64(1.0) + gv * (T::from_f64(1.0) - s));
                 du[j] = d * gv * s;
             }

@@ -16,8 +16,7 @@ use rayon::prelude::*;
 
 use super::head::row_stats;
 use super::{
-    all_threads, data, map_exps, mm_par, par_zeros, split_like, with_host, zero, Grads, Input, Kernel, Op,
-    Out, Real,
+    all_threads, data, mm_par, par_zeros, split_like, with_host, zero, Grads, Input, Kernel, Op, Out, Real,
 };
 use crate::Result;
 
@@ -182,13 +181,14 @@ impl Kernel<3> for VocabStatsBwd {
                             let (ent, coll, lse) = (s[1], s[2], s[3]);
                             let (gl, ge, gc) = (g[0], g[1], g[2] + g[2]);
                             let shift = ent - lse;
-                            map_exps(row, lse, |x, p| {
-                                if p > zero() {
-                                    gc * p * (p - coll) - p * (gl + ge * (x + shift))
+                            for x in row.iter_mut() {
+                                let p = (*x - lse).exp();
+                                *x = if p > zero() {
+                                    gc * p * (p - coll) - p * (gl + ge * (*x + shift))
                                 } else {
                                     zero()
-                                }
-                            });
+                                };
+                            }
                             let t = targets[r] as usize;
                             if (c0..c0 + k).contains(&t) {
                                 row[t - c0] += gl;
