@@ -192,6 +192,8 @@ pub enum SftStop {
     StopAtStep,
     /// `max_seconds` ran out.
     OutOfTime,
+    /// A signal asked the process to stop (SIGTERM, SIGINT, SIGUSR1: its number).
+    Signal(i32),
 }
 
 /// What [`pretrain_tiny`] did.
@@ -277,8 +279,21 @@ pub fn tiny_template() -> PromptTemplate {
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
-/// files and the model folder, and reports. `log` receives progress lines.
+/// files and the model folder, and reports. `log` receives progress lines. A stop
+/// signal (SIGTERM, SIGINT, SIGUSR1, once `stapo run` has installed its handler) ends
+/// SFT after the step under way and saves the model as it is then, without the final
+/// measurement.
 pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<TinyReport> {
+    pretrain_tiny_until(cfg, log, &crate::guard::signal::received)
+}
+
+/// [`pretrain_tiny`] with the stop request read from `stop` after every step: the
+/// number of the signal that asks to stop, or `None`.
+pub fn pretrain_tiny_until(
+    cfg: &TinyConfig,
+    log: &mut dyn FnMut(&str),
+    stop: &dyn Fn() -> Option<i32>,
+) -> Result<TinyReport> {
     for (name, v) in [
         ("batch_size", cfg.batch_size),
         ("eval_every", cfg.eval_every),
@@ -419,8 +434,12 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         report.steps = step + 1;
         report.final_loss = loss_ema;
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
-        let last = report.steps == cfg.max_steps || report.steps == cfg.stop_at_step || out_of_time;
-        if report.steps.is_multiple_of(cfg.eval_every) || last {
+        let signalled = stop();
+        let last = report.steps == cfg.max_steps
+            || report.steps == cfg.stop_at_step
+            || out_of_time
+            || signalled.is_some();
+        if (report.steps.is_multiple_of(cfg.eval_every) || last) && signalled.is_none() {
             let e = evaluate(
                 &model,
                 &tok,
@@ -449,7 +468,14 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
             }
         }
         if last {
-            report.stop = if out_of_time {
+            report.stop = if let Some(sig) = signalled {
+                log(&format!(
+                    "stopped by {} after step {}: saving the model as it is",
+                    crate::guard::signal::name(sig),
+                    report.steps
+                ));
+                SftStop::Signal(sig)
+            } else if out_of_time {
                 SftStop::OutOfTime
             } else if report.steps == cfg.stop_at_step {
                 SftStop::StopAtStep
@@ -462,7 +488,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     report.train_seconds = start.elapsed().as_secs_f64();
 
     // 5. Final measurement on the held-out test set, model card, atomic save.
-    if cfg.final_eval {
+    if cfg.final_eval && !matches!(report.stop, SftStop::Signal(_)) {
         let t0 = Instant::now();
         let test = match cfg.final_eval_problems {
             0 => &test[..],
@@ -629,7 +655,8 @@ fn stop_description(cfg: &TinyConfig, r: &TinyReport) -> String {
         cfg.eval_samples,
         cfg.eval_problems
     );
-    let last = r.evals.last().map_or_else(String::new, |(_, _, a)| format!(" (the last check: {:.1}%)", 100.0 * a));
+    let last =
+        r.evals.last().map_or_else(String::new, |(_, _, a)| format!(" (the last check: {:.1}%)", 100.0 * a));
     match r.stop {
         SftStop::Target => format!(
             "It is deliberately imperfect: SFT stopped once sampling reached {target}, so that \
@@ -642,6 +669,13 @@ fn stop_description(cfg: &TinyConfig, r: &TinyReport) -> String {
             "SFT stopped at step {} of a {}-step schedule (`stop_at_step`), before the target \
              of {target}{last}.",
             r.steps, cfg.max_steps
+        ),
+        SftStop::Signal(sig) => format!(
+            "SFT was stopped by {} after {} of {} steps, before the target of {target}{last}; \
+             no final measurement was made.",
+            crate::guard::signal::name(sig),
+            r.steps,
+            cfg.max_steps
         ),
         SftStop::OutOfTime => format!(
             "SFT stopped at its time limit ({:.0} s, `max_seconds`) after {} of {} steps, before \
@@ -746,7 +780,8 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         task = task_description(cfg),
         stop = stop_description(cfg, r),
         example = example_text(example),
-        driver = if cfg.long_task.is_some() { "scripts/pretrain_long.rhai" } else { "scripts/pretrain_tiny.rhai" },
+        driver =
+            if cfg.long_task.is_some() { "scripts/pretrain_long.rhai" } else { "scripts/pretrain_tiny.rhai" },
         eos = mcfg.eos_token_id.unwrap_or(0),
         test_file = cfg
             .data_dir
@@ -868,6 +903,26 @@ mod tests {
             ..cfg.clone()
         };
         let r2 = pretrain_tiny(&stage2, &mut |_| {}).expect("stage 2");
+        // A stop request after the second step: the model as it was then, saved, no final measurement.
+        let stopped = TinyConfig {
+            model_dir: dir.path().join("m3"),
+            final_eval: true,
+            stop_at_step: 0,
+            ..stage2.clone()
+        };
+        let polls = std::cell::Cell::new(0);
+        let mut lines3 = Vec::new();
+        let r3 = pretrain_tiny_until(&stopped, &mut |l| lines3.push(l.to_string()), &|| {
+            polls.set(polls.get() + 1);
+            (polls.get() >= 2).then_some(15)
+        })
+        .expect("stopped stage");
+        assert_eq!((r3.steps, r3.stop, r3.test_sampled.is_none()), (2, SftStop::Signal(15), true));
+        assert!(lines3.iter().any(|l| l.starts_with("stopped by SIGTERM after step 2")), "{lines3:?}");
+        let card3 = std::fs::read_to_string(stopped.model_dir.join("README.md")).expect("card");
+        assert!(card3.contains("stopped by SIGTERM after 2 of 4 steps"), "{card3}");
+        let m3 = model::load(&stopped.model_dir, DType::F32, &Device::Cpu).expect("load the stopped model");
+        assert_eq!(m3.config().vocab_size, r.vocab_size);
         assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
         assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
@@ -886,7 +941,8 @@ mod tests {
         assert!(!task_description(&plain).contains("wordings"));
         assert!(task_description(&TinyConfig::default()).contains("arithmetic (`data/arith`)"));
 
-        let cfg = TinyConfig { max_steps: 900, max_seconds: 600.0, eval_samples: 8, eval_problems: 64, ..long };
+        let cfg =
+            TinyConfig { max_steps: 900, max_seconds: 600.0, eval_samples: 8, eval_problems: 64, ..long };
         let target = "40% avg@8 at temperature 1.0 on the first 64 `train.jsonl` problems";
         let mut r = TinyReport { steps: 368, evals: vec![(368, 0.08, 0.0094)], ..TinyReport::default() };
         for (stop, want) in [
@@ -894,6 +950,7 @@ mod tests {
             (SftStop::MaxSteps, format!("SFT ran its 900 steps without reaching the target of {target}")),
             (SftStop::StopAtStep, "SFT stopped at step 368 of a 900-step schedule".to_string()),
             (SftStop::OutOfTime, "time limit (600 s, `max_seconds`) after 368 of 900 steps".to_string()),
+            (SftStop::Signal(15), "SFT was stopped by SIGTERM after 368 of 900 steps".to_string()),
         ] {
             r.stop = stop;
             let text = stop_description(&cfg, &r);
