@@ -50,6 +50,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::task::Problem;
+use crate::seed::splitmix64;
 use crate::{Error, Result};
 
 /// The `source` field written for generated long-answer problems.
@@ -153,11 +154,8 @@ impl Style {
         if cfg.variety_percent == 0 {
             return Self { rng: None, chance: 0.0 };
         }
-        // FNV-1a over the key's bytes: a seed that depends on the problem alone.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in key.iter().flat_map(|k| k.to_le_bytes()) {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
+        // A seed that depends on the problem alone: the key's words mixed in turn.
+        let h = key.iter().fold(0u64, |h, &k| splitmix64(h ^ k));
         Self { rng: Some(StdRng::seed_from_u64(h)), chance: f64::from(cfg.variety_percent) / 100.0 }
     }
 

@@ -23,7 +23,10 @@ use crate::model::{Grad, Qwen3, TokenBatch};
 use crate::train::optim::AdamW;
 use crate::{Error, Result};
 
-pub use tiny::{evaluate, is_correct, pretrain_tiny, tiny_template, EvalReport, TinyConfig, TinyReport};
+pub use tiny::{
+    evaluate, is_correct, pretrain_tiny, pretrain_tiny_until, tiny_template, EvalReport, SftStop, TinyConfig,
+    TinyReport,
+};
 
 /// What one SFT step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

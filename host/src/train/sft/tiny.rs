@@ -179,9 +179,28 @@ pub struct EvalReport {
     pub truncation_rate: f32,
 }
 
+/// Why [`pretrain_tiny`]'s SFT stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SftStop {
+    /// The periodic accuracy reached `target_accuracy`.
+    Target,
+    /// The schedule's `max_steps` were taken.
+    #[default]
+    MaxSteps,
+    /// `stop_at_step` was reached.
+    StopAtStep,
+    /// `max_seconds` ran out.
+    OutOfTime,
+    /// A signal asked the process to stop (SIGTERM, SIGINT, SIGUSR1: its number).
+    Signal(i32),
+}
+
 /// What [`pretrain_tiny`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TinyReport {
+    /// Why the SFT loop ended.
+    pub stop: SftStop,
     /// Parameters of the model.
     pub params: usize,
     /// Size of the trained tokenizer's vocabulary.
@@ -260,8 +279,21 @@ pub fn tiny_template() -> PromptTemplate {
 }
 
 /// Builds the tiny model as described in the module docs, writes the data
-/// files and the model folder, and reports. `log` receives progress lines.
+/// files and the model folder, and reports. `log` receives progress lines. A stop
+/// signal (SIGTERM, SIGINT, SIGUSR1, once `stapo run` has installed its handler) ends
+/// SFT after the step under way and saves the model as it is then, without the final
+/// measurement.
 pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<TinyReport> {
+    pretrain_tiny_until(cfg, log, &crate::guard::signal::received)
+}
+
+/// [`pretrain_tiny`] with the stop request read from `stop` after every step: the
+/// number of the signal that asks to stop, or `None`.
+pub fn pretrain_tiny_until(
+    cfg: &TinyConfig,
+    log: &mut dyn FnMut(&str),
+    stop: &dyn Fn() -> Option<i32>,
+) -> Result<TinyReport> {
     for (name, v) in [
         ("batch_size", cfg.batch_size),
         ("eval_every", cfg.eval_every),
@@ -402,8 +434,12 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         report.steps = step + 1;
         report.final_loss = loss_ema;
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
-        let last = report.steps == cfg.max_steps || report.steps == cfg.stop_at_step || out_of_time;
-        if report.steps.is_multiple_of(cfg.eval_every) || last {
+        let signalled = stop();
+        let last = report.steps == cfg.max_steps
+            || report.steps == cfg.stop_at_step
+            || out_of_time
+            || signalled.is_some();
+        if (report.steps.is_multiple_of(cfg.eval_every) || last) && signalled.is_none() {
             let e = evaluate(
                 &model,
                 &tok,
@@ -427,17 +463,32 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
             ));
             if e.avg_at_k >= cfg.target_accuracy {
                 log(&format!("target accuracy {} reached", cfg.target_accuracy));
+                report.stop = SftStop::Target;
                 break;
             }
         }
         if last {
+            report.stop = if let Some(sig) = signalled {
+                log(&format!(
+                    "stopped by {} after step {}: saving the model as it is",
+                    crate::guard::signal::name(sig),
+                    report.steps
+                ));
+                SftStop::Signal(sig)
+            } else if out_of_time {
+                SftStop::OutOfTime
+            } else if report.steps == cfg.stop_at_step {
+                SftStop::StopAtStep
+            } else {
+                SftStop::MaxSteps
+            };
             break;
         }
     }
     report.train_seconds = start.elapsed().as_secs_f64();
 
     // 5. Final measurement on the held-out test set, model card, atomic save.
-    if cfg.final_eval {
+    if cfg.final_eval && !matches!(report.stop, SftStop::Signal(_)) {
         let t0 = Instant::now();
         let test = match cfg.final_eval_problems {
             0 => &test[..],
@@ -470,7 +521,7 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
         ),
         None => None,
     };
-    let card = model_card(cfg, &mcfg, &report, previous.as_deref())?;
+    let card = model_card(cfg, &mcfg, &report, test.first(), previous.as_deref())?;
     // Weights, config, tokenizer and card appear together or not at all.
     model::checkpoint::write_atomically(&cfg.model_dir, |tmp| {
         model::checkpoint::write_model_files(&model, tmp, DType::F32, None)?;
@@ -575,7 +626,89 @@ fn fmt_eval(e: &Option<EvalReport>) -> String {
     }
 }
 
-fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport, previous: Option<&str>) -> Result<String> {
+/// What the model was trained on, for its card's first paragraph.
+fn task_description(cfg: &TinyConfig) -> String {
+    let data = cfg.data_dir.as_ref().map_or_else(String::new, |d| format!(" (`{}`)", d.display()));
+    match &cfg.long_task {
+        Some(long) => {
+            let wording = match long.variety_percent {
+                0 => String::new(),
+                v => format!(
+                    ", each step written in one of several equivalent wordings ({v}% chance of \
+                     the alternative at every choice)"
+                ),
+            };
+            format!(
+                "worked long-answer problems{data}: long multiplication and division, Euclid's \
+                 algorithm and word problems, every digit step written out{wording}"
+            )
+        }
+        None => format!("worked multi-step arithmetic{data}"),
+    }
+}
+
+/// Why SFT ended, in the card's words.
+fn stop_description(cfg: &TinyConfig, r: &TinyReport) -> String {
+    let target = format!(
+        "{:.0}% avg@{} at temperature 1.0 on the first {} `train.jsonl` problems (never seen in SFT)",
+        100.0 * cfg.target_accuracy,
+        cfg.eval_samples,
+        cfg.eval_problems
+    );
+    let last =
+        r.evals.last().map_or_else(String::new, |(_, _, a)| format!(" (the last check: {:.1}%)", 100.0 * a));
+    match r.stop {
+        SftStop::Target => format!(
+            "It is deliberately imperfect: SFT stopped once sampling reached {target}, so that \
+             STAPO/GRPO groups have mixed rewards and RL can visibly improve it on a laptop CPU."
+        ),
+        SftStop::MaxSteps => {
+            format!("SFT ran its {} steps without reaching the target of {target}{last}.", cfg.max_steps)
+        }
+        SftStop::StopAtStep => format!(
+            "SFT stopped at step {} of a {}-step schedule (`stop_at_step`), before the target \
+             of {target}{last}.",
+            r.steps, cfg.max_steps
+        ),
+        SftStop::Signal(sig) => format!(
+            "SFT was stopped by {} after {} of {} steps, before the target of {target}{last}; \
+             no final measurement was made.",
+            crate::guard::signal::name(sig),
+            r.steps,
+            cfg.max_steps
+        ),
+        SftStop::OutOfTime => format!(
+            "SFT stopped at its time limit ({:.0} s, `max_seconds`) after {} of {} steps, before \
+             the target of {target}{last}.",
+            cfg.max_seconds, r.steps, cfg.max_steps
+        ),
+    }
+}
+
+/// A test problem and its reference solution as the card's example: long solutions
+/// keep their first 8 and last 3 lines.
+fn example_text(example: Option<&Problem>) -> String {
+    let Some(p) = example else { return String::new() };
+    let lines: Vec<&str> = p.solution.lines().collect();
+    let shown: Vec<&str> = if lines.len() > 12 {
+        lines[..8].iter().copied().chain(["…"]).chain(lines[lines.len() - 3..].iter().copied()).collect()
+    } else {
+        lines
+    };
+    let pad = " ".repeat("response: ".len());
+    let mut out = format!("\n```text\nprompt:   {}\nresponse: ", p.problem);
+    out.push_str(&shown.join(&format!("\n{pad}")));
+    out.push_str("<|endoftext|>\n```\n");
+    out
+}
+
+fn model_card(
+    cfg: &TinyConfig,
+    mcfg: &Config,
+    r: &TinyReport,
+    example: Option<&Problem>,
+    previous: Option<&str>,
+) -> Result<String> {
     // A second stage keeps the first stage's account, headings demoted.
     let earlier = match previous.and_then(|p| p.find("## How it was made").map(|i| &p[i..])) {
         Some(text) => format!(
@@ -587,16 +720,11 @@ fn model_card(cfg: &TinyConfig, mcfg: &Config, r: &TinyReport, previous: Option<
     let evals: String =
         r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
     Ok(format!(
-        r#"# tiny-qwen3
+        r#"# {name}
 
 A {params}-parameter Qwen3 (`Qwen3ForCausalLM`: {layers} layers, hidden {hidden},
 {heads} heads / {kv} KV heads of {hd}, MLP {inter}, tied embeddings, vocabulary
-{vocab}) trained from scratch by supervised fine-tuning on worked multi-step
-arithmetic (`data/arith`). It is deliberately imperfect: SFT stopped once
-sampling at temperature 1.0 solved about {target:.0}% of the first
-`train.jsonl` problems (never seen in SFT), so
-that STAPO/GRPO groups have mixed rewards and RL can visibly improve it on a
-laptop CPU.
+{vocab}) trained by supervised fine-tuning on {task}. {stop}
 
 ## Prompt format (use the same for RL and evaluation)
 
@@ -604,13 +732,9 @@ The bare problem text, no instruction suffix and no chat markup: template
 `"none"` (`stapo::train::sft::tiny::tiny_template()`), declared in
 `tokenizer_config.json` as `"stapo_template": "none"`, so `rollout`, `evaluate`,
 `stapo eval`, `stapo generate` and `train()` use it by default. The response
-follows the prompt immediately and ends with `<|endoftext|>` (id {eos}).
-
-```text
-prompt:   Compute 17+25-9.
-response: 17+25=42\n42-9=33\n\boxed{{33}}<|endoftext|>
-```
-
+follows the prompt immediately and ends with `<|endoftext|>` (id {eos}). The
+first held-out problem with its reference solution:
+{example}
 ## Accuracy on `{test_file}` ({n_eval} held-out problems, max {max_new} new tokens)
 
 - avg@{k} at temperature 1.0, top-p 1.0: {sampled}
@@ -621,7 +745,7 @@ A response is correct when its last `\boxed{{...}}` equals the reference integer
 ## How it was made
 
 `stapo::train::sft::pretrain_tiny(&cfg, ..)` with the configuration below, driver
-`cargo run --release --example pretrain_tiny` (CPU, f32). {steps} SFT steps of
+`stapo run {driver}` (CPU, f32). {steps} SFT steps of
 {bs} examples ({secs:.0} s), AdamW (lr {lr}, {warm} warm-up steps, cosine to 10%
 over {max_steps}, weight decay {wd} except norms, grad clip {clip}), loss on
 response tokens only. SFT problems are drawn fresh (seed {sft_seed}) and are
@@ -652,7 +776,12 @@ Full configuration (`stapo::train::sft::TinyConfig`):
         hd = mcfg.head_dim,
         inter = mcfg.intermediate_size,
         vocab = mcfg.vocab_size,
-        target = 100.0 * cfg.target_accuracy,
+        name = cfg.model_dir.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy()),
+        task = task_description(cfg),
+        stop = stop_description(cfg, r),
+        example = example_text(example),
+        driver =
+            if cfg.long_task.is_some() { "scripts/pretrain_long.rhai" } else { "scripts/pretrain_tiny.rhai" },
         eos = mcfg.eos_token_id.unwrap_or(0),
         test_file = cfg
             .data_dir
@@ -744,6 +873,11 @@ mod tests {
         assert_eq!((train.len(), test.len()), (200, 8));
         let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
         assert!(card.contains(r#""stapo_template": "none""#) && card.contains("avg@2"), "{card}");
+        // The card is named after its folder, says why SFT stopped and shows a real test problem.
+        assert_eq!(r.stop, SftStop::MaxSteps);
+        assert!(card.starts_with("# m\n") && card.contains("SFT ran its 4 steps without reaching"), "{card}");
+        assert!(card.contains(&format!("prompt:   {}\n", test[0].problem)), "{card}");
+        assert!(card.contains("`stapo run scripts/pretrain_tiny.rhai`"), "{card}");
         // The folder declares the bare problem, so "model" means exactly the tiny template.
         let tok_cfg = std::fs::read_to_string(cfg.model_dir.join("tokenizer_config.json")).expect("config");
         assert!(tok_cfg.contains(r#""stapo_template": "none""#), "{tok_cfg}");
@@ -769,9 +903,77 @@ mod tests {
             ..cfg.clone()
         };
         let r2 = pretrain_tiny(&stage2, &mut |_| {}).expect("stage 2");
+        // A stop request after the second step: the model as it was then, saved, no final measurement.
+        let stopped = TinyConfig {
+            model_dir: dir.path().join("m3"),
+            final_eval: true,
+            stop_at_step: 0,
+            ..stage2.clone()
+        };
+        let polls = std::cell::Cell::new(0);
+        let mut lines3 = Vec::new();
+        let r3 = pretrain_tiny_until(&stopped, &mut |l| lines3.push(l.to_string()), &|| {
+            polls.set(polls.get() + 1);
+            (polls.get() >= 2).then_some(15)
+        })
+        .expect("stopped stage");
+        assert_eq!((r3.steps, r3.stop, r3.test_sampled.is_none()), (2, SftStop::Signal(15), true));
+        assert!(lines3.iter().any(|l| l.starts_with("stopped by SIGTERM after step 2")), "{lines3:?}");
+        let card3 = std::fs::read_to_string(stopped.model_dir.join("README.md")).expect("card");
+        assert!(card3.contains("stopped by SIGTERM after 2 of 4 steps"), "{card3}");
+        let m3 = model::load(&stopped.model_dir, DType::F32, &Device::Cpu).expect("load the stopped model");
+        assert_eq!(m3.config().vocab_size, r.vocab_size);
         assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
         assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
+    }
+
+    #[test]
+    fn the_card_says_what_the_model_learned_and_why_sft_stopped() {
+        let long = TinyConfig {
+            long_task: Some(LongTaskConfig { variety_percent: 50, ..LongTaskConfig::default() }),
+            data_dir: Some(PathBuf::from("data/long")),
+            ..TinyConfig::default()
+        };
+        let d = task_description(&long);
+        assert!(d.contains("(`data/long`)") && d.contains("Euclid") && d.contains("50% chance"), "{d}");
+        let plain = TinyConfig { long_task: Some(LongTaskConfig::default()), ..long.clone() };
+        assert!(!task_description(&plain).contains("wordings"));
+        assert!(task_description(&TinyConfig::default()).contains("arithmetic (`data/arith`)"));
+
+        let cfg =
+            TinyConfig { max_steps: 900, max_seconds: 600.0, eval_samples: 8, eval_problems: 64, ..long };
+        let target = "40% avg@8 at temperature 1.0 on the first 64 `train.jsonl` problems";
+        let mut r = TinyReport { steps: 368, evals: vec![(368, 0.08, 0.0094)], ..TinyReport::default() };
+        for (stop, want) in [
+            (SftStop::Target, format!("SFT stopped once sampling reached {target}")),
+            (SftStop::MaxSteps, format!("SFT ran its 900 steps without reaching the target of {target}")),
+            (SftStop::StopAtStep, "SFT stopped at step 368 of a 900-step schedule".to_string()),
+            (SftStop::OutOfTime, "time limit (600 s, `max_seconds`) after 368 of 900 steps".to_string()),
+            (SftStop::Signal(15), "SFT was stopped by SIGTERM after 368 of 900 steps".to_string()),
+        ] {
+            r.stop = stop;
+            let text = stop_description(&cfg, &r);
+            assert!(text.contains(&want), "{stop:?}: {text}");
+            assert_eq!(text.contains("(the last check: 0.9%)"), stop != SftStop::Target, "{text}");
+        }
+
+        // A long solution keeps its first 8 and last 3 lines around an ellipsis.
+        let solution: Vec<String> = (1..=20).map(|i| format!("line {i}")).collect();
+        let p = Problem {
+            id: "test-0".into(),
+            problem: "Compute 47*36.".into(),
+            answer: "1692".into(),
+            source: String::new(),
+            solution: solution.join("\n"),
+        };
+        let text = example_text(Some(&p));
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        let mut want = vec!["", "```text", "prompt:   Compute 47*36.", "response: line 1"];
+        want.extend(["line 2", "line 3", "line 4", "line 5", "line 6", "line 7", "line 8", "…"]);
+        want.extend(["line 18", "line 19", "line 20<|endoftext|>", "```"]);
+        assert_eq!(lines, want, "{text}");
+        assert_eq!(example_text(None), "");
     }
 
     /// The committed `models/tiny-qwen3` loads with its tokenizer and solves
