@@ -46,7 +46,10 @@ pub struct ActorConfig {
     /// micro-batches of at most this many tokens, prompt + response with padding counted
     /// (and at most `micro_batch` sequences when that is set), each padded to its own longest
     /// prompt and response. The loss normalisers stay the mini-batch's: the gradients are
-    /// those of the padded path up to float summation order.
+    /// those of the padded path up to float summation order. With a token mask (S2T,
+    /// 20-Entropy) the micro-batches' gradient forwards all run before the mask is decided
+    /// over the mini-batch, while their kept activations stay under 4 GiB (else one no-grad
+    /// pass over them decides it first).
     pub max_tokens_per_micro: usize,
     /// Old-policy log-probs.
     pub old_logp: OldLogp,

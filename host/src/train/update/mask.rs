@@ -113,24 +113,35 @@ pub fn token_mask_on(
     }
 }
 
+/// Whether the token mask of `mb` reads the current policy's p and H (a mask other than
+/// none, over a mini-batch this rank holds part of).
+pub(super) fn needs_stats(x: &Ctx, mb: &MiniBatch) -> bool {
+    !matches!(x.cfg.actor.objective.mask, MaskConfig::None) && mb.here()
+}
+
 /// Step 4 for one rank's part of a global mini-batch: the current policy's log-probs and
-/// entropies where the token mask needs them (from `single`, the gradient forward of a
-/// mini-batch that is one micro-batch, else one no-grad pass over its micro-batches),
-/// then [`token_mask_on`]. `None` when this rank holds none of the mini-batch.
+/// entropies where the token mask needs them (from `ahead`, the gradient forwards of its
+/// micro-batches in order, else one no-grad pass over its micro-batches), then
+/// [`token_mask_on`]. `None` when this rank holds none of the mini-batch.
 pub(super) fn mini_batch_mask(
     x: &Ctx,
     mb: &MiniBatch,
-    single: Option<&Forward>,
+    ahead: Option<&[Forward]>,
 ) -> Result<Option<(Tensor, Option<S2tStats>)>> {
-    let needs_stats = !matches!(x.cfg.actor.objective.mask, MaskConfig::None) && mb.here();
-    let stats = match (single, needs_stats) {
+    let stats = match (ahead, needs_stats(x, mb)) {
         (_, false) => None,
-        (Some(f), true) => Some((f.logp.detach(), f.entropy.detach())),
-        (None, true) => {
+        (Some([f]), true) => Some((f.logp.detach(), f.entropy.detach())),
+        (ahead, true) => {
             let (mut lps, mut hs) = (Vec::new(), Vec::new());
-            for sp in &mb.micros {
-                let micro = layout(&mb.ss[sp.start..sp.start + sp.len], sp.p, sp.t, x.pad_id, &x.device)?;
-                let (lp, h) = response_logp(x.model, &micro, Grad::Off, x.cfg.temperature)?;
+            for (k, sp) in mb.micros.iter().enumerate() {
+                let (lp, h) = match ahead.and_then(|a| a.get(k)) {
+                    Some(f) => (f.logp.detach(), f.entropy.detach()),
+                    None => {
+                        let micro =
+                            layout(&mb.ss[sp.start..sp.start + sp.len], sp.p, sp.t, x.pad_id, &x.device)?;
+                        response_logp(x.model, &micro, Grad::Off, x.cfg.temperature)?
+                    }
+                };
                 // A micro-batch of a token budget is padded to its own longest response.
                 lps.push(lp.pad_with_zeros(1, 0, mb.t - sp.t)?);
                 hs.push(h.pad_with_zeros(1, 0, mb.t - sp.t)?);

@@ -62,7 +62,8 @@ pub use sequence::Sequence;
 
 use crate::algo::{MaskConfig, S2tStats, S2tThresholds};
 use crate::dist::{self, Comm, Local};
-use crate::model::Qwen3;
+use crate::model::recompute::activation_bytes;
+use crate::model::{Qwen3, Recompute};
 use crate::train::optim::{AdamW, Optimizer};
 use crate::{Error, Result};
 pub use layout::micro_batch_shapes;
@@ -241,14 +242,16 @@ fn mini_batch_step(
     out: &mut Progress,
 ) -> Result<()> {
     // 4. The token mask needs the current policy's p and H over the whole mini-batch:
-    // from the gradient forward when the mini-batch is one micro-batch, else from one
-    // no-grad pass over its micro-batches.
+    // from the gradient forwards of its micro-batches, run ahead of their losses while
+    // their kept activations fit (always for one micro-batch), else from one no-grad pass
+    // over them.
     let collision = x.cfg.token_grad_norms && mb.epoch == 0;
-    let single = match mb.micros.as_slice() {
-        [only] => Some(Forward::run(x, mb, *only, collision)?),
-        _ => None,
+    let ahead: Vec<Forward> = if mb.micros.len() == 1 || (mask::needs_stats(x, mb) && forwards_fit(x, mb)) {
+        mb.micros.iter().map(|&span| Forward::run(x, mb, span, collision)).collect::<Result<_>>()?
+    } else {
+        Vec::new()
     };
-    let mut masked = mask::mini_batch_mask(x, mb, single.as_ref())?;
+    let mut masked = mask::mini_batch_mask(x, mb, (!ahead.is_empty()).then_some(&ahead[..]))?;
     if let (Some((m, _)), Some(c), OldLogps::Given(old)) = (&mut masked, &x.corr, given.old) {
         if c.mode == RolloutCorrMode::SeqMis {
             *m = rollout_corr::reject_sequences(c, m, (&mb.ss, &mb.idx), old)?;
@@ -272,7 +275,7 @@ fn mini_batch_step(
             old: given.old,
             reference: given.reference,
         };
-        loss = accumulate(x, mb, &targets, single, collision, out, &mut acc)?;
+        loss = accumulate(x, mb, &targets, ahead, collision, out, &mut acc)?;
     }
     if let Some(resp) = &mb.response {
         out.metrics.response_tokens += resp.sum_all()?.to_scalar::<f32>()? as usize;
@@ -286,21 +289,49 @@ fn mini_batch_step(
     optimizer_step(x.comm, opt, &mut acc, lr, loss, &mut out.metrics, &mut out.totals)
 }
 
-/// Step 5: the micro-batches of `mb` (the first may come with its forward already run),
-/// their gradients summed into `acc`; the first epoch's p, H and collision probabilities
-/// go to the record. Returns the summed loss, or `None` as soon as one is not finite.
+/// Whether the gradient forwards of every micro-batch of `mb` may be held at once, until
+/// the token mask is decided: while their kept activations ([`activation_bytes`], padding
+/// counted) stay under the size from which one forward recomputes its layers
+/// ([`Recompute::AUTO_BYTES`]). The bundled model's quickstart batch keeps about 1.5 GB.
+fn forwards_fit(x: &Ctx, mb: &MiniBatch) -> bool {
+    let tokens: usize = mb.micros.iter().map(|s| s.tokens()).sum();
+    activation_bytes(x.model.config(), x.model.dtype().size_in_bytes()).saturating_mul(tokens)
+        < forward_budget()
+}
+
+#[cfg(not(test))]
+fn forward_budget() -> usize {
+    Recompute::AUTO_BYTES
+}
+
+#[cfg(test)]
+thread_local! {
+    /// [`forwards_fit`]'s budget on this thread: tests set 0 to take the no-grad pass.
+    static FORWARD_BUDGET: std::cell::Cell<usize> = const { std::cell::Cell::new(Recompute::AUTO_BYTES) };
+}
+
+#[cfg(test)]
+fn forward_budget() -> usize {
+    FORWARD_BUDGET.with(|b| b.get())
+}
+
+/// Step 5: the micro-batches of `mb` (with their forwards already run when `ahead` holds
+/// them, in order), their gradients summed into `acc`; the first epoch's p, H and
+/// collision probabilities go to the record. Returns the summed loss, or `None` as soon as
+/// one is not finite.
 fn accumulate(
     x: &Ctx,
     mb: &MiniBatch,
     targets: &LossTargets,
-    mut single: Option<Forward>,
+    ahead: Vec<Forward>,
     collision: bool,
     out: &mut Progress,
     acc: &mut GradStore,
 ) -> Result<Option<f64>> {
     let mut loss = 0f64;
+    let mut ahead = ahead.into_iter();
     for &span in &mb.micros {
-        let fwd = match single.take() {
+        let fwd = match ahead.next() {
             Some(f) => f,
             None => Forward::run(x, mb, span, collision)?,
         };

@@ -378,6 +378,58 @@ fn tiny() -> Qwen3 {
     crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap()
 }
 
+/// The token mask of a mini-batch of several micro-batches, decided from their gradient
+/// forwards run ahead (while their activations fit) or from a no-grad pass over them first:
+/// the same mask, the same thresholds and the same update.
+#[test]
+fn forwards_run_ahead_decide_the_mask_as_the_no_grad_pass() {
+    let mut seqs = Vec::new();
+    for g in 0..4u32 {
+        for i in 0..4u32 {
+            let prompt: Vec<u32> = (0..3 + g).map(|t| (t * 13 + g * 7 + 2) % 97).collect();
+            let response: Vec<u32> = (0..4 + i + g).map(|t| (t * 29 + i * 5 + g + 3) % 97).collect();
+            seqs.push(seq(g as usize, (i % 2) as f32, &prompt, &response));
+        }
+    }
+    let flat = |m: &Qwen3| -> Vec<f32> {
+        m.params().iter().flat_map(|p| p.1.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    };
+    let tau_p = serde_json::json!({"mask": {"tau_p": 0.03}});
+    for (preset, budget) in [("stapo", 0), ("entropy20", 0), ("stapo", 24)] {
+        let mut obj = ObjectiveConfig::preset(preset).unwrap();
+        if preset == "stapo" {
+            obj = obj.overlay("o", &tau_p).unwrap();
+        }
+        let mut cfg = UpdateConfig::for_objective(obj);
+        match budget {
+            0 => cfg.actor.micro_batch = 5,
+            b => cfg.actor.max_tokens_per_micro = b,
+        }
+        let run = |fit: bool| {
+            FORWARD_BUDGET.with(|b| b.set(if fit { Recompute::AUTO_BYTES } else { 0 }));
+            let m = tiny();
+            let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
+            let out = update(&m, &mut opt, None, &seqs, &cfg, 1e-2, 0).unwrap();
+            FORWARD_BUDGET.with(|b| b.set(Recompute::AUTO_BYTES));
+            (out.record, flat(&m))
+        };
+        let ((ahead, w_ahead), (pass, w_pass)) = (run(true), run(false));
+        let what = format!("{preset} budget {budget}");
+        assert_eq!(ahead.kept, pass.kept, "{what}: kept tokens");
+        assert_eq!(ahead.silenced, pass.silenced, "{what}: silenced tokens");
+        assert!(
+            ahead.silenced.iter().flatten().any(|&s| s) || preset == "entropy20",
+            "{what}: nothing silenced"
+        );
+        assert_eq!(ahead.thresholds.len(), pass.thresholds.len(), "{what}");
+        close(&w_ahead, &w_pass, 1e-6, &what);
+        assert!(
+            w_ahead.iter().zip(&flat(&tiny())).any(|(a, b)| a != b),
+            "{what}: the update moved the weights"
+        );
+    }
+}
+
 #[test]
 fn the_record_is_what_the_update_used() {
     // Groups 0-2 mixed (rewards [0, 1, 0, 1] → A = ±0.5 / (sqrt(1/3) + 1e-6) = ±0.8660239);
