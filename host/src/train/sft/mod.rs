@@ -16,6 +16,7 @@
 
 pub mod tiny;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -122,10 +123,15 @@ pub fn sft_loss(
     Ok((loss, l.n_tokens))
 }
 
+/// Padded tokens (rows x (longest prompt + longest response)) of one SFT forward by
+/// default: [`sft_step`] cuts a batch into micro-batches of similar lengths up to this size.
+pub const SFT_MICRO_TOKENS: usize = 4096;
+
 /// One SFT step: cross-entropy on the response tokens of `batch` (prompt
 /// masked, token-mean over the batch), backward, and an AdamW step at `lr`
 /// (gradient clipping as configured in `opt`; the caller applies the LR
-/// schedule). A non-finite loss or gradient skips the update.
+/// schedule). A non-finite loss or gradient skips the update. The batch runs in
+/// micro-batches of at most [`SFT_MICRO_TOKENS`] padded tokens ([`sft_step_in`]).
 pub fn sft_step(
     model: &Qwen3,
     opt: &mut AdamW,
@@ -133,15 +139,102 @@ pub fn sft_step(
     lr: f64,
     pad_id: u32,
 ) -> Result<SftMetrics> {
-    let (loss, tokens) = sft_loss(model, batch, pad_id, Grad::Track)?;
-    let value = loss.to_scalar::<f32>()?;
-    if !value.is_finite() {
-        // The caller sees `skipped` (pretrain_tiny reports it in its log).
-        return Ok(SftMetrics { loss: value, tokens, grad_norm: f32::NAN, skipped: true });
-    }
-    let grads = loss.backward()?;
+    sft_step_in(model, opt, batch, lr, pad_id, SFT_MICRO_TOKENS)
+}
+
+/// [`sft_step`] with the micro-batch size given: the examples, ordered by length, are
+/// grouped into micro-batches of at most `max_tokens` padded tokens (one example alone
+/// when it is longer), each padded to its own longest prompt and response rather than to
+/// the batch's, and their gradients summed. Each micro-batch's loss is weighted by its
+/// share of the batch's response tokens, so the loss and the gradient are those of the
+/// whole batch at once (up to rounding); only the padding, which carries neither loss nor
+/// attention, is not computed.
+pub fn sft_step_in(
+    model: &Qwen3,
+    opt: &mut AdamW,
+    batch: &[(Vec<u32>, Vec<u32>)],
+    lr: f64,
+    pad_id: u32,
+    max_tokens: usize,
+) -> Result<SftMetrics> {
+    let (value, tokens, grads) = match sft_grads(model, batch, pad_id, max_tokens)? {
+        (value, tokens, None) => {
+            // The caller sees `skipped` (pretrain_tiny reports it in its log).
+            return Ok(SftMetrics { loss: value, tokens, grad_norm: f32::NAN, skipped: true });
+        }
+        (value, tokens, Some(grads)) => (value, tokens, grads),
+    };
     let report = opt.step(&grads, lr)?;
     Ok(SftMetrics { loss: value, tokens, grad_norm: report.grad_norm as f32, skipped: report.skipped })
+}
+
+/// The batch's token-mean loss, its response tokens and the summed gradients of its
+/// micro-batches (`None` as soon as a micro-batch's loss is not finite).
+fn sft_grads(
+    model: &Qwen3,
+    batch: &[(Vec<u32>, Vec<u32>)],
+    pad_id: u32,
+    max_tokens: usize,
+) -> Result<(f32, usize, Option<GradStore>)> {
+    if batch.is_empty() {
+        return Err(Error::invalid("sft: empty batch"));
+    }
+    let total: usize = batch.iter().map(|(_, r)| r.len()).sum();
+    if total == 0 {
+        return Err(Error::invalid("sft: every response in the batch is empty"));
+    }
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by_key(|&i| (batch[i].0.len() + batch[i].1.len(), i));
+    let params = model.params();
+    let mut acc = GradStore::default();
+    let mut value = 0f64;
+    for group in micro_batches(batch, &order, max_tokens) {
+        let micro: Vec<(Vec<u32>, Vec<u32>)> = group.iter().map(|&i| batch[i].clone()).collect();
+        let n: usize = micro.iter().map(|(_, r)| r.len()).sum();
+        if n == 0 {
+            continue;
+        }
+        let (loss, _) = sft_loss(model, &micro, pad_id, Grad::Track)?;
+        let loss = (loss * (n as f64 / total as f64))?;
+        let part = loss.to_scalar::<f32>()?;
+        value += part as f64;
+        if !part.is_finite() {
+            return Ok((part, total, None));
+        }
+        let mut grads = loss.backward()?;
+        for (_, var) in &params {
+            if let Some(g) = grads.remove(var.as_tensor()) {
+                let g = match acc.remove(var.as_tensor()) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                acc.insert(var.as_tensor(), g);
+            }
+        }
+    }
+    Ok((value as f32, total, Some(acc)))
+}
+
+/// Consecutive runs of `order` (examples sorted by length) whose padded size, rows x
+/// (longest prompt + longest response), stays within `max_tokens`; an example longer
+/// than that goes alone.
+fn micro_batches(batch: &[(Vec<u32>, Vec<u32>)], order: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let (mut cur, mut p, mut t) = (Vec::new(), 0usize, 0usize);
+    for &i in order {
+        let (np, nt) = (p.max(batch[i].0.len()), t.max(batch[i].1.len()));
+        if !cur.is_empty() && (cur.len() + 1) * (np + nt) > max_tokens {
+            out.push(std::mem::take(&mut cur));
+            (p, t) = (batch[i].0.len(), batch[i].1.len());
+        } else {
+            (p, t) = (np, nt);
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -200,6 +293,39 @@ mod tests {
         // Same loss whatever the padding id (pad positions carry no loss or attention).
         let (loss2, _) = sft_loss(&m, &b, 42, Grad::Off).expect("loss");
         assert!((loss2.to_scalar::<f32>().expect("scalar") as f64 - got).abs() < 1e-5);
+    }
+
+    /// Micro-batches of any size give the whole batch's loss and gradient: each example
+    /// alone, pairs of similar length, and the batch at once.
+    #[test]
+    fn micro_batches_sum_to_the_whole_batch() {
+        let m = tiny(3);
+        let mut b = batch();
+        b.push((vec![30, 31, 32, 33, 34, 35], vec![36, 37, 38, 39, 40, 41, 42, 1]));
+        let (whole, n, g) = sft_grads(&m, &b, 0, usize::MAX).expect("whole");
+        let g = g.expect("finite");
+        assert_eq!(n, 20);
+        let want = reference_loss(&m, &b);
+        assert!((whole as f64 - want).abs() < 1e-4, "{whole} vs {want}");
+        let order: Vec<usize> = (0..b.len()).collect();
+        assert_eq!(micro_batches(&b, &order, 1), vec![vec![0], vec![1], vec![2], vec![3]]);
+        // Rows of (prompt, response) lengths (4, 4), (2, 6), (3, 2), (6, 8): the first two
+        // pad to 2 x (4 + 6) = 20 tokens, the first three to 3 x 10 = 30, all four to 4 x 14.
+        assert_eq!(micro_batches(&b, &order, 24), vec![vec![0, 1], vec![2], vec![3]]);
+        assert_eq!(micro_batches(&b, &order, 40), vec![vec![0, 1, 2], vec![3]]);
+        for max_tokens in [1, 24, 40] {
+            let (loss, n2, g2) = sft_grads(&m, &b, 0, max_tokens).expect("micro");
+            let g2 = g2.expect("finite");
+            assert_eq!(n2, n);
+            assert!((loss - whole).abs() < 1e-5, "{max_tokens}: {loss} vs {whole}");
+            for (name, var) in m.params() {
+                let (a, c) = (g.get(var.as_tensor()).expect("grad"), g2.get(var.as_tensor()).expect("grad"));
+                let diff = (a - c).expect("sub").abs().expect("abs").max_all().expect("max");
+                let scale = a.abs().expect("abs").max_all().expect("max").to_scalar::<f32>().expect("s");
+                let diff = diff.to_scalar::<f32>().expect("s");
+                assert!(diff <= 1e-5 * scale.max(1.0), "{max_tokens} {name}: {diff} (scale {scale})");
+            }
+        }
     }
 
     #[test]

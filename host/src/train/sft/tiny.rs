@@ -287,6 +287,9 @@ pub fn pretrain_tiny(cfg: &TinyConfig, log: &mut dyn FnMut(&str)) -> Result<Tiny
     pretrain_tiny_until(cfg, log, &crate::guard::signal::received)
 }
 
+/// Steps between two progress lines (loss, learning rate, time) besides the evaluations.
+const PROGRESS_EVERY: usize = 25;
+
 /// [`pretrain_tiny`] with the stop request read from `stop` after every step: the
 /// number of the signal that asks to stop, or `None`.
 pub fn pretrain_tiny_until(
@@ -322,8 +325,23 @@ pub fn pretrain_tiny_until(
     let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
     let test = draw(cfg.n_test, cfg.data_seed.wrapping_add(1), "test", &seen, true)?;
     if let Some(dir) = &cfg.data_dir {
-        task::write_jsonl(&dir.join("train.jsonl"), &train)?;
-        task::write_jsonl(&dir.join("test.jsonl"), &test)?;
+        // The task files hold the plain wording whatever `variety_percent`: the problems and
+        // answers are the same either way (the wording is seeded by each problem's numbers),
+        // so the files regenerate byte for byte and a stage with variety never rewrites them.
+        let plain = match &cfg.long_task {
+            Some(long) if long.variety_percent > 0 => {
+                let long = files_task(long);
+                let train =
+                    generate_long(cfg.n_train, cfg.data_seed, &long, "train", &HashSet::new(), false)?;
+                let test =
+                    generate_long(cfg.n_test, cfg.data_seed.wrapping_add(1), &long, "test", &seen, true)?;
+                Some((train, test))
+            }
+            _ => None,
+        };
+        let (files_train, files_test) = plain.as_ref().map_or((&train, &test), |(a, b)| (a, b));
+        task::write_jsonl(&dir.join("train.jsonl"), files_train)?;
+        task::write_jsonl(&dir.join("test.jsonl"), files_test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
         log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
     }
@@ -433,6 +451,17 @@ pub fn pretrain_tiny_until(
         loss_ema = if loss_ema.is_nan() { m.loss } else { 0.95 * loss_ema + 0.05 * m.loss };
         report.steps = step + 1;
         report.final_loss = loss_ema;
+        if report.steps.is_multiple_of(PROGRESS_EVERY) && !report.steps.is_multiple_of(cfg.eval_every) {
+            let secs = start.elapsed().as_secs_f64();
+            log(&format!(
+                "step {:5}  loss {:.4}  lr {:.2e}  {:.0}s ({:.2} s a step)",
+                report.steps,
+                loss_ema,
+                schedule.lr_at(cfg.lr, step as u64),
+                secs,
+                secs / report.steps as f64
+            ));
+        }
         let out_of_time = start.elapsed().as_secs_f64() >= cfg.max_seconds;
         let signalled = stop();
         let last = report.steps == cfg.max_steps
@@ -607,8 +636,14 @@ mul, div, gcd, word):
         n_train = cfg.n_train,
         n_test = cfg.n_test,
         seed = cfg.data_seed,
-        task = json(long)?,
+        task = json(&files_task(long))?,
     ))
+}
+
+/// The task config the task files are written with: the plain wording (the problems and
+/// answers do not depend on `variety_percent`).
+fn files_task(long: &LongTaskConfig) -> LongTaskConfig {
+    LongTaskConfig { variety_percent: 0, ..long.clone() }
 }
 
 fn fmt_eval(e: &Option<EvalReport>) -> String {
@@ -926,6 +961,39 @@ mod tests {
         assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
         assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
+    }
+
+    /// The wording variety is for SFT: the task files (the RL prompts and the held-out set) are
+    /// written in the plain wording, so a stage with variety leaves data/long as it was.
+    #[test]
+    fn task_files_are_written_in_the_plain_wording_whatever_the_variety() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = |variety_percent: u32| {
+            let sub = dir.path().join(format!("v{variety_percent}"));
+            let cfg = TinyConfig {
+                long_task: Some(LongTaskConfig { variety_percent, ..LongTaskConfig::default() }),
+                data_dir: Some(sub.clone()),
+                data_only: true,
+                n_train: 60,
+                n_test: 12,
+                ..TinyConfig::default()
+            };
+            pretrain_tiny(&cfg, &mut |_| {}).expect("data");
+            ["train.jsonl", "test.jsonl", "README.md"]
+                .map(|f| std::fs::read_to_string(sub.join(f)).expect("task file"))
+        };
+        let (plain, mixed) = (files(0), files(50));
+        assert_eq!(plain, mixed);
+        assert!(plain[2].contains("\"variety_percent\": 0"), "{}", plain[2]);
+        // The same draw with the variety does change the wording, so the equality above is
+        // not that of two identical generators.
+        let long = LongTaskConfig { variety_percent: 50, ..LongTaskConfig::default() };
+        let drawn =
+            generate_long(60, TinyConfig::default().data_seed, &long, "train", &HashSet::new(), false)
+                .expect("draw");
+        let written = task::read_jsonl(&dir.path().join("v50/train.jsonl")).expect("read");
+        assert!(drawn.iter().zip(&written).all(|(d, w)| d.problem == w.problem && d.answer == w.answer));
+        assert!(drawn.iter().zip(&written).filter(|(d, w)| d.solution != w.solution).count() >= 50);
     }
 
     #[test]
