@@ -42,6 +42,9 @@ pub struct SftMetrics {
     pub skipped: bool,
 }
 
+/// A `(prompt, response)` pair of token ids, borrowed.
+type Pair<'a> = (&'a [u32], &'a [u32]);
+
 /// The layout of a batch of `(prompt, response)` pairs: tokens, `(B, T)` targets
 /// and `(B, T)` response mask, and the longest prompt `P` and response `T`.
 struct Layout {
@@ -53,7 +56,7 @@ struct Layout {
     n_tokens: usize,
 }
 
-fn layout(batch: &[(Vec<u32>, Vec<u32>)], pad_id: u32, model: &Qwen3) -> Result<Layout> {
+fn layout(batch: &[Pair], pad_id: u32, model: &Qwen3) -> Result<Layout> {
     if batch.is_empty() {
         return Err(Error::invalid("sft: empty batch"));
     }
@@ -74,21 +77,21 @@ fn layout(batch: &[(Vec<u32>, Vec<u32>)], pad_id: u32, model: &Qwen3) -> Result<
                 "sft: example {i} has an empty prompt (the first response token needs a context)"
             )));
         }
-        if let Some(bad) = prompt.iter().chain(response).find(|&&id| id as usize >= vocab) {
+        if let Some(bad) = prompt.iter().chain(*response).find(|&&id| id as usize >= vocab) {
             return Err(Error::invalid(format!(
                 "sft: example {i} has token id {bad}, outside the model's vocabulary of {vocab}"
             )));
         }
         let (pl, rl) = (prompt.len(), response.len());
         ids.extend(std::iter::repeat_n(pad_id, p - pl));
-        ids.extend(prompt);
-        ids.extend(response);
+        ids.extend_from_slice(prompt);
+        ids.extend_from_slice(response);
         ids.extend(std::iter::repeat_n(pad_id, t - rl));
         let mut row = vec![0u8; p - pl];
         row.extend(std::iter::repeat_n(1u8, pl + rl));
         row.extend(std::iter::repeat_n(0u8, t - rl));
         mask.push(row);
-        targets.extend(response);
+        targets.extend_from_slice(response);
         targets.extend(std::iter::repeat_n(0u32, t - rl));
         resp.extend(std::iter::repeat_n(1f32, rl));
         resp.extend(std::iter::repeat_n(0f32, t - rl));
@@ -112,6 +115,12 @@ pub fn sft_loss(
     pad_id: u32,
     grad: Grad,
 ) -> Result<(Tensor, usize)> {
+    let pairs: Vec<Pair> = batch.iter().map(|(p, r)| (p.as_slice(), r.as_slice())).collect();
+    loss_of(model, &pairs, pad_id, grad)
+}
+
+/// [`sft_loss`] over borrowed pairs.
+fn loss_of(model: &Qwen3, batch: &[Pair], pad_id: u32, grad: Grad) -> Result<(Tensor, usize)> {
     let l = layout(batch, pad_id, model)?;
     // (B, P+T, hidden) -> the T positions that predict response tokens.
     let hidden = model.forward_hidden(&l.tokens, grad)?;
@@ -189,12 +198,13 @@ fn sft_grads(
     let mut acc = GradStore::default();
     let mut value = 0f64;
     for group in micro_batches(batch, &order, max_tokens) {
-        let micro: Vec<(Vec<u32>, Vec<u32>)> = group.iter().map(|&i| batch[i].clone()).collect();
+        let micro: Vec<Pair> =
+            group.iter().map(|&i| (batch[i].0.as_slice(), batch[i].1.as_slice())).collect();
         let n: usize = micro.iter().map(|(_, r)| r.len()).sum();
         if n == 0 {
             continue;
         }
-        let (loss, _) = sft_loss(model, &micro, pad_id, Grad::Track)?;
+        let (loss, _) = loss_of(model, &micro, pad_id, Grad::Track)?;
         let loss = (loss * (n as f64 / total as f64))?;
         let part = loss.to_scalar::<f32>()?;
         value += part as f64;

@@ -316,30 +316,33 @@ pub fn pretrain_tiny_until(
     let device = Device::Cpu;
 
     // 1. Data: RL train / held-out test files, and a fresh stream of SFT problems.
-    let draw =
-        |n: usize, seed: u64, prefix: &str, exclude: &HashSet<String>, unique: bool| match &cfg.long_task {
-            Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
-            None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
-        };
-    let train = draw(cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
+    let draw = |long: Option<&LongTaskConfig>,
+                n: usize,
+                seed: u64,
+                prefix: &str,
+                exclude: &HashSet<String>,
+                unique: bool| match long {
+        Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
+        None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
+    };
+    let train = draw(cfg.long_task.as_ref(), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
     let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
-    let test = draw(cfg.n_test, cfg.data_seed.wrapping_add(1), "test", &seen, true)?;
+    let test_seed = cfg.data_seed.wrapping_add(1);
+    let test = draw(cfg.long_task.as_ref(), cfg.n_test, test_seed, "test", &seen, true)?;
+    // The task files hold the plain wording whatever `variety_percent`: the problems and
+    // answers are the same either way (the wording is seeded by each problem's numbers), so
+    // the files regenerate byte for byte and a stage with variety never rewrites them.
+    let plain = match &cfg.long_task {
+        Some(long) if long.variety_percent > 0 => {
+            let long = files_task(long);
+            let train = draw(Some(&long), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
+            let test = draw(Some(&long), cfg.n_test, test_seed, "test", &seen, true)?;
+            Some((train, test))
+        }
+        _ => None,
+    };
+    let (files_train, files_test) = plain.as_ref().map_or((&train, &test), |(a, b)| (a, b));
     if let Some(dir) = &cfg.data_dir {
-        // The task files hold the plain wording whatever `variety_percent`: the problems and
-        // answers are the same either way (the wording is seeded by each problem's numbers),
-        // so the files regenerate byte for byte and a stage with variety never rewrites them.
-        let plain = match &cfg.long_task {
-            Some(long) if long.variety_percent > 0 => {
-                let long = files_task(long);
-                let train =
-                    generate_long(cfg.n_train, cfg.data_seed, &long, "train", &HashSet::new(), false)?;
-                let test =
-                    generate_long(cfg.n_test, cfg.data_seed.wrapping_add(1), &long, "test", &seen, true)?;
-                Some((train, test))
-            }
-            _ => None,
-        };
-        let (files_train, files_test) = plain.as_ref().map_or((&train, &test), |(a, b)| (a, b));
         task::write_jsonl(&dir.join("train.jsonl"), files_train)?;
         task::write_jsonl(&dir.join("test.jsonl"), files_test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
@@ -357,7 +360,7 @@ pub fn pretrain_tiny_until(
     }
     let seen: HashSet<String> = train.iter().chain(&test).map(|p| p.problem.clone()).collect();
     let n_sft = cfg.max_steps * cfg.batch_size;
-    let sft = draw(n_sft, cfg.sft_seed, "sft", &seen, false)?;
+    let sft = draw(cfg.long_task.as_ref(), n_sft, cfg.sft_seed, "sft", &seen, false)?;
 
     // 2. Tokenizer, trained on the RL training prompts and solutions.
     let tok = match &cfg.init_from {
@@ -550,7 +553,8 @@ pub fn pretrain_tiny_until(
         ),
         None => None,
     };
-    let card = model_card(cfg, &mcfg, &report, test.first(), previous.as_deref())?;
+    // The example is the held-out file's first problem as written there.
+    let card = model_card(cfg, &mcfg, &report, files_test.first(), previous.as_deref())?;
     // Weights, config, tokenizer and card appear together or not at all.
     model::checkpoint::write_atomically(&cfg.model_dir, |tmp| {
         model::checkpoint::write_model_files(&model, tmp, DType::F32, None)?;
@@ -737,6 +741,21 @@ fn example_text(example: Option<&Problem>) -> String {
     out
 }
 
+/// A second stage's account of the stage it started from: the first paragraph of that
+/// stage's card (what it learned, why its SFT stopped) and its "How it was made" section,
+/// headings demoted.
+fn earlier_stage(previous: &str) -> String {
+    let Some(made) = previous.find("## How it was made") else { return String::new() };
+    // The paragraph between the title and the first section.
+    let first = previous.find("\n\n").map_or("", |i| previous[i..].trim_start());
+    let first = first.find("\n## ").map_or(first, |j| &first[..j]).trim();
+    let made = previous[made..].trim_start_matches("## How it was made").trim_start();
+    format!(
+        "\n## Earlier stage (the model this run started from, `init_from`)\n\n{first}\n\n{}",
+        made.replace("\n## ", "\n### ")
+    )
+}
+
 fn model_card(
     cfg: &TinyConfig,
     mcfg: &Config,
@@ -744,14 +763,7 @@ fn model_card(
     example: Option<&Problem>,
     previous: Option<&str>,
 ) -> Result<String> {
-    // A second stage keeps the first stage's account, headings demoted.
-    let earlier = match previous.and_then(|p| p.find("## How it was made").map(|i| &p[i..])) {
-        Some(text) => format!(
-            "\n## Earlier stage (the model this run started from, `init_from`)\n\n{}",
-            text.replacen("## How it was made", "", 1).replace("\n## ", "\n### ")
-        ),
-        None => String::new(),
-    };
+    let earlier = previous.map_or_else(String::new, earlier_stage);
     let evals: String =
         r.evals.iter().map(|(s, l, a)| format!("| {s} | {l:.4} | {:.1}% |\n", 100.0 * a)).collect();
     Ok(format!(
@@ -961,6 +973,52 @@ mod tests {
         assert_eq!((r2.steps, r2.vocab_size, r2.params), (2, r.vocab_size, r.params));
         let card2 = std::fs::read_to_string(stage2.model_dir.join("README.md")).expect("card");
         assert!(card2.contains("Earlier stage") && card2.contains("Started from"), "{card2}");
+        // The earlier stage keeps its first paragraph: what it learned and why it stopped.
+        let earlier = &card2[card2.find("## Earlier stage").expect("earlier stage")..];
+        assert!(earlier.contains("SFT ran its 4 steps without reaching the target"), "{earlier}");
+        assert!(
+            earlier.contains("`stapo::train::sft::pretrain_tiny(&cfg, ..)`") && !card2.contains("\n\n\n"),
+            "{card2}"
+        );
+    }
+
+    /// With the wording variety on, the card's example is the held-out file's first problem
+    /// and reference solution as `test.jsonl` holds it (the plain wording).
+    #[test]
+    fn the_card_example_is_the_test_file_as_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = TinyConfig {
+            model_dir: dir.path().join("m"),
+            data_dir: Some(dir.path().join("d")),
+            long_task: Some(LongTaskConfig { variety_percent: 100, ..LongTaskConfig::default() }),
+            n_train: 40,
+            n_test: 4,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 16,
+            batch_size: 2,
+            max_steps: 1,
+            warmup_steps: 1,
+            eval_every: 1,
+            eval_problems: 1,
+            eval_samples: 1,
+            max_new_tokens: 4,
+            final_eval: false,
+            ..TinyConfig::default()
+        };
+        pretrain_tiny(&cfg, &mut |_| {}).expect("pretrain");
+        let test = task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test file");
+        let card = std::fs::read_to_string(cfg.model_dir.join("README.md")).expect("card");
+        let lines: Vec<&str> = test[0].solution.lines().collect();
+        let shown = format!("prompt:   {}\nresponse: {}\n", test[0].problem, lines[0]);
+        assert!(card.contains(&shown), "{shown}\n---\n{card}");
+        for line in lines[1..8].iter().chain(&lines[lines.len() - 3..]) {
+            assert!(card.contains(&format!("\n          {line}")), "{line}\n---\n{card}");
+        }
+        assert!(!lines.iter().any(|l| l.contains("put ")), "{lines:?}");
     }
 
     /// The wording variety is for SFT: the task files (the RL prompts and the held-out set) are

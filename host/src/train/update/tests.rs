@@ -378,19 +378,26 @@ fn tiny() -> Qwen3 {
     crate::model::init(&cfg, 5, 0.2, DType::F32, &Device::Cpu).unwrap()
 }
 
-/// The token mask of a mini-batch of several micro-batches, decided from their gradient
-/// forwards run ahead (while their activations fit) or from a no-grad pass over them first:
-/// the same mask, the same thresholds and the same update.
-#[test]
-fn forwards_run_ahead_decide_the_mask_as_the_no_grad_pass() {
+/// Four groups of four sequences for [`tiny`]: group `g` has prompts of `3 + g` tokens,
+/// its `i`-th response `4 + i + g` tokens, and the reward `reward(g, i)`.
+fn four_groups_of_four(reward: impl Fn(u32, u32) -> f32) -> Vec<Sequence> {
     let mut seqs = Vec::new();
     for g in 0..4u32 {
         for i in 0..4u32 {
             let prompt: Vec<u32> = (0..3 + g).map(|t| (t * 13 + g * 7 + 2) % 97).collect();
             let response: Vec<u32> = (0..4 + i + g).map(|t| (t * 29 + i * 5 + g + 3) % 97).collect();
-            seqs.push(seq(g as usize, (i % 2) as f32, &prompt, &response));
+            seqs.push(seq(g as usize, reward(g, i), &prompt, &response));
         }
     }
+    seqs
+}
+
+/// The token mask of a mini-batch of several micro-batches, decided from their gradient
+/// forwards run ahead (while their activations fit) or from a no-grad pass over them first:
+/// the same mask, the same thresholds and the same update.
+#[test]
+fn forwards_run_ahead_decide_the_mask_as_the_no_grad_pass() {
+    let seqs = four_groups_of_four(|_, i| (i % 2) as f32);
     let flat = |m: &Qwen3| -> Vec<f32> {
         m.params().iter().flat_map(|p| p.1.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
     };
@@ -434,15 +441,7 @@ fn forwards_run_ahead_decide_the_mask_as_the_no_grad_pass() {
 fn the_record_is_what_the_update_used() {
     // Groups 0-2 mixed (rewards [0, 1, 0, 1] → A = ±0.5 / (sqrt(1/3) + 1e-6) = ±0.8660239);
     // group 3 all correct, dropped by dynamic sampling.
-    let mut seqs = Vec::new();
-    for g in 0..4u32 {
-        for i in 0..4u32 {
-            let prompt: Vec<u32> = (0..3 + g).map(|t| (t * 13 + g * 7 + 2) % 97).collect();
-            let response: Vec<u32> = (0..4 + i + g).map(|t| (t * 29 + i * 5 + g + 3) % 97).collect();
-            let reward = if g == 3 { 1.0 } else { (i % 2) as f32 };
-            seqs.push(seq(g as usize, reward, &prompt, &response));
-        }
-    }
+    let seqs = four_groups_of_four(|g, i| if g == 3 { 1.0 } else { (i % 2) as f32 });
     let m = tiny();
     let mut opt = AdamW::new(m.params(), Default::default()).unwrap();
     // dapo_s2t: dynamic sampling, tau_h over the candidates.
