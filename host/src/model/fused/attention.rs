@@ -84,12 +84,18 @@ impl<'a, T: WithDType> Qkv<'a, T> {
     }
 }
 
+/// Below this, `exp` is 0 in f32 (and under 1e-45 in f64): the masked scores (`MASKED`,
+/// -1e9) land here, where libm's `expf` takes its slow underflow path.
+const EXP_ZERO_BELOW: f64 = -104.0;
+
 /// `x <- exp(x - m)` over a row; returns the row's sum after.
 #[inline]
 fn exp_sum<T: Real>(row: &mut [T], m: T) -> T {
     let mut sum = zero::<T>();
+    let floor = T::from_f64(EXP_ZERO_BELOW);
     for x in row.iter_mut() {
-        *x = (*x - m).exp();
+        let z = *x - m;
+        *x = if z < floor { zero() } else { z.exp() };
         sum += *x;
     }
     sum
