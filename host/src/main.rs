@@ -15,6 +15,7 @@ fn main() -> ExitCode {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    keep_freed_memory();
     let cli = Cli::parse();
     // Tests of preemption raise a signal at a chosen point of a step (see guard::signal).
     if let Some(spec) = std::env::var_os("STAPO_TEST_SIGNAL") {
@@ -88,6 +89,35 @@ fn main() -> ExitCode {
             stapo::dist::abort(1);
             stapo::dist::finalize();
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// glibc's malloc hands blocks of more than 128 KiB (up to 32 MiB as it adapts) to `mmap`
+/// and back to the kernel on free, and trims the heap's free top: every update step then
+/// faults in and zeroes its activations' pages again (~15% of the process's CPU time in
+/// the kernel at the bundled model's shape). Blocks up to 32 MiB from the heap, and freed
+/// memory kept for the next step, halve that and shorten the update there at the same peak
+/// RSS (docs/performance.md). A `GLIBC_TUNABLES` or `MALLOC_*` setting in the environment
+/// wins.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        let set_outside = std::env::vars_os().any(|(k, v)| {
+            let (k, v) = (k.to_string_lossy(), v.to_string_lossy());
+            k.starts_with("MALLOC_") || (k == "GLIBC_TUNABLES" && v.contains("malloc"))
+        });
+        if !set_outside {
+            // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
+            unsafe {
+                mallopt(M_MMAP_THRESHOLD, 32 << 20);
+                mallopt(M_TRIM_THRESHOLD, i32::MAX);
+            }
         }
     }
 }
