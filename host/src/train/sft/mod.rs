@@ -45,6 +45,11 @@ pub struct SftMetrics {
 /// A `(prompt, response)` pair of token ids, borrowed.
 type Pair<'a> = (&'a [u32], &'a [u32]);
 
+/// An owned example, borrowed as a [`Pair`].
+fn pair((prompt, response): &(Vec<u32>, Vec<u32>)) -> Pair<'_> {
+    (prompt, response)
+}
+
 /// The layout of a batch of `(prompt, response)` pairs: tokens, `(B, T)` targets
 /// and `(B, T)` response mask, and the longest prompt `P` and response `T`.
 struct Layout {
@@ -115,7 +120,7 @@ pub fn sft_loss(
     pad_id: u32,
     grad: Grad,
 ) -> Result<(Tensor, usize)> {
-    let pairs: Vec<Pair> = batch.iter().map(|(p, r)| (p.as_slice(), r.as_slice())).collect();
+    let pairs: Vec<Pair> = batch.iter().map(pair).collect();
     loss_of(model, &pairs, pad_id, grad)
 }
 
@@ -198,8 +203,7 @@ fn sft_grads(
     let mut acc = GradStore::default();
     let mut value = 0f64;
     for group in micro_batches(batch, &order, max_tokens) {
-        let micro: Vec<Pair> =
-            group.iter().map(|&i| (batch[i].0.as_slice(), batch[i].1.as_slice())).collect();
+        let micro: Vec<Pair> = group.iter().map(|&i| pair(&batch[i])).collect();
         let n: usize = micro.iter().map(|(_, r)| r.len()).sum();
         if n == 0 {
             continue;

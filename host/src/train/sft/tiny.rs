@@ -325,26 +325,24 @@ pub fn pretrain_tiny_until(
         Some(long) => generate_long(n, seed, long, prefix, exclude, unique),
         None => task::generate_excluding(n, seed, &cfg.task, prefix, exclude, unique),
     };
-    let train = draw(cfg.long_task.as_ref(), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
-    let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
-    let test_seed = cfg.data_seed.wrapping_add(1);
-    let test = draw(cfg.long_task.as_ref(), cfg.n_test, test_seed, "test", &seen, true)?;
     // The task files hold the plain wording whatever `variety_percent`: the problems and
     // answers are the same either way (the wording is seeded by each problem's numbers), so
-    // the files regenerate byte for byte and a stage with variety never rewrites them.
-    let plain = match &cfg.long_task {
-        Some(long) if long.variety_percent > 0 => {
-            let long = files_task(long);
-            let train = draw(Some(&long), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
-            let test = draw(Some(&long), cfg.n_test, test_seed, "test", &seen, true)?;
-            Some((train, test))
-        }
-        _ => None,
-    };
-    let (files_train, files_test) = plain.as_ref().map_or((&train, &test), |(a, b)| (a, b));
+    // the files regenerate byte for byte and a stage with variety never rewrites them. The
+    // held-out set is only read in that wording; the training set's varied wording also
+    // feeds the tokenizer.
+    let files_long = cfg.long_task.as_ref().map(files_task);
+    let train = draw(cfg.long_task.as_ref(), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?;
+    let seen: HashSet<String> = train.iter().map(|p| p.problem.clone()).collect();
+    let test = draw(files_long.as_ref(), cfg.n_test, cfg.data_seed.wrapping_add(1), "test", &seen, true)?;
     if let Some(dir) = &cfg.data_dir {
-        task::write_jsonl(&dir.join("train.jsonl"), files_train)?;
-        task::write_jsonl(&dir.join("test.jsonl"), files_test)?;
+        let plain_train = match &cfg.long_task {
+            Some(long) if long.variety_percent > 0 => {
+                Some(draw(files_long.as_ref(), cfg.n_train, cfg.data_seed, "train", &HashSet::new(), false)?)
+            }
+            _ => None,
+        };
+        task::write_jsonl(&dir.join("train.jsonl"), plain_train.as_ref().unwrap_or(&train))?;
+        task::write_jsonl(&dir.join("test.jsonl"), &test)?;
         write_text(&dir.join("README.md"), &data_readme(cfg)?)?;
         log(&format!("wrote {} train / {} test problems to {}", train.len(), test.len(), dir.display()));
     }
@@ -554,7 +552,7 @@ pub fn pretrain_tiny_until(
         None => None,
     };
     // The example is the held-out file's first problem as written there.
-    let card = model_card(cfg, &mcfg, &report, files_test.first(), previous.as_deref())?;
+    let card = model_card(cfg, &mcfg, &report, test.first(), previous.as_deref())?;
     // Weights, config, tokenizer and card appear together or not at all.
     model::checkpoint::write_atomically(&cfg.model_dir, |tmp| {
         model::checkpoint::write_model_files(&model, tmp, DType::F32, None)?;
@@ -876,22 +874,29 @@ mod tests {
         assert!(!is_correct("\\boxed{330}", "33"));
     }
 
-    /// A small end-to-end run: data, tokenizer, a few SFT steps, evaluation, and
-    /// a saved folder that loads back with the same logits.
-    #[test]
-    fn pretrain_tiny_smoke() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = TinyConfig {
-            model_dir: dir.path().join("m"),
-            data_dir: Some(dir.path().join("d")),
-            n_train: 200,
-            n_test: 8,
+    /// A one-layer, 32-wide model written to `dir/m`, its task files to `dir/d`.
+    fn small(dir: &Path) -> TinyConfig {
+        TinyConfig {
+            model_dir: dir.join("m"),
+            data_dir: Some(dir.join("d")),
             hidden_size: 32,
             intermediate_size: 64,
             num_hidden_layers: 1,
             num_attention_heads: 2,
             num_key_value_heads: 1,
             head_dim: 16,
+            ..TinyConfig::default()
+        }
+    }
+
+    /// A small end-to-end run: data, tokenizer, a few SFT steps, evaluation, and
+    /// a saved folder that loads back with the same logits.
+    #[test]
+    fn pretrain_tiny_smoke() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = TinyConfig {
+            n_train: 200,
+            n_test: 8,
             batch_size: 8,
             max_steps: 4,
             warmup_steps: 2,
@@ -899,7 +904,7 @@ mod tests {
             eval_problems: 4,
             eval_samples: 2,
             max_new_tokens: 12,
-            ..TinyConfig::default()
+            ..small(dir.path())
         };
         let mut lines = Vec::new();
         let r = pretrain_tiny(&cfg, &mut |l| lines.push(l.to_string())).expect("pretrain");
@@ -988,17 +993,9 @@ mod tests {
     fn the_card_example_is_the_test_file_as_written() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = TinyConfig {
-            model_dir: dir.path().join("m"),
-            data_dir: Some(dir.path().join("d")),
             long_task: Some(LongTaskConfig { variety_percent: 100, ..LongTaskConfig::default() }),
             n_train: 40,
             n_test: 4,
-            hidden_size: 32,
-            intermediate_size: 64,
-            num_hidden_layers: 1,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            head_dim: 16,
             batch_size: 2,
             max_steps: 1,
             warmup_steps: 1,
@@ -1007,7 +1004,7 @@ mod tests {
             eval_samples: 1,
             max_new_tokens: 4,
             final_eval: false,
-            ..TinyConfig::default()
+            ..small(dir.path())
         };
         pretrain_tiny(&cfg, &mut |_| {}).expect("pretrain");
         let test = task::read_jsonl(&dir.path().join("d/test.jsonl")).expect("test file");
