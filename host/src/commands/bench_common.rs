@@ -270,11 +270,19 @@ pub fn forward_flops(cfg: &Config, batch: usize, seq: usize) -> f64 {
     cfg.num_hidden_layers as f64 * (proj + attn) + head
 }
 
-/// Matmul FLOPs of the forward pass that an update runs: the decoder over all
-/// `seq` positions, the LM head over the `resp` response positions only.
+/// Matmul FLOPs of the forward pass that an update runs
+/// (`Qwen3::forward_hidden_from` the last prompt position): the decoder over
+/// all `seq` positions but the last layer's queries, attention, output
+/// projection and MLP, which run from the last prompt position on, and the LM
+/// head over the `resp` response positions only.
 pub fn update_forward_flops(cfg: &Config, batch: usize, seq: usize, resp: usize) -> f64 {
     let head = |n: usize| 2.0 * (batch * n) as f64 * cfg.hidden_size as f64 * cfg.vocab_size as f64;
-    forward_flops(cfg, batch, seq) - head(seq) + head(resp)
+    let (h, i, d) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.head_dim as f64);
+    let nq = cfg.num_attention_heads as f64;
+    // The last layer's positions before the last prompt position: no q, o, MLP, attention.
+    let skipped = if cfg.num_hidden_layers > 0 { (batch * (seq - resp).saturating_sub(1)) as f64 } else { 0.0 };
+    let per_row = 2.0 * (2.0 * h * nq * d + 3.0 * h * i) + 2.0 * 2.0 * nq * seq as f64 * d;
+    forward_flops(cfg, batch, seq) - head(seq) + head(resp) - skipped * per_row
 }
 
 /// User + system CPU seconds used by this process so far (Linux `/proc/self/stat`,

@@ -149,6 +149,39 @@ pub(super) fn layer_forward(
     mlp_block(layer, &ctx.cfg, &x, grad)
 }
 
+/// A decoder layer whose output is read only at positions `from..L`: the
+/// last layer of a forward whose head reads the response positions alone.
+/// Keys and values come from every position; the queries, attention's
+/// output, the output projection and the MLP only from `from` on. `tail` is
+/// the [`LayerCtx`] of those queries (their rotary tables, and the mask of
+/// `L - from` queries after `from` keys); `ctx` that of every position.
+/// The value of `layer_forward(..).narrow(1, from, L - from)`.
+pub(super) fn tail_forward(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    tail: &LayerCtx,
+    x: &Tensor,
+    from: usize,
+    grad: Grad,
+) -> Result<Tensor> {
+    let c = &ctx.cfg;
+    let (b, l, _) = x.dims3()?;
+    let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let w = |v: &Var| weight(v, layer.base_grad(grad));
+    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
+    let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
+    let hq = h.narrow(1, from, l - from)?.contiguous()?;
+    let q = linear(&hq, layer, Target::QProj, bias(0).as_ref(), grad)?;
+    let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?;
+    let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?;
+    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), &tail.cos, &tail.sin, c.rms_norm_eps)?;
+    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), &ctx.cos, &ctx.sin, c.rms_norm_eps)?;
+    let v = v.reshape((b, l, nkv, d))?.transpose(1, 2)?;
+    let xq = x.narrow(1, from, l - from)?;
+    let x2 = (xq + attention_out(layer, tail, &q, &k, &v, grad)?)?;
+    mlp_block(layer, c, &x2, grad)
+}
+
 /// The attention half of a decoder layer with its residual:
 /// `x + o_proj(attention(norm(x)))`.
 pub(super) fn attention_block(

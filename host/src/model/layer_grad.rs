@@ -51,10 +51,13 @@ pub(super) fn serves(layer: &Layer, x: &Tensor) -> bool {
 
 /// What the backward of one layer reads, from its forward.
 struct Kept {
+    /// The first position the output holds (see [`tail`]; 0 for a whole layer).
+    from: usize,
     x: Tensor,
     /// The normed input, the q, k and v projections' input.
     h1: Tensor,
-    /// The q and k projections `(B, L, H · D)`, before their norm and rotary embedding.
+    /// The q projection `(B, L - from, Hq · D)` and the k projection `(B, L,
+    /// Hkv · D)`, before their norm and rotary embedding.
     ql: Tensor,
     kl: Tensor,
     /// Attention over q, k and v (kept by the kernel), with its output `(B, L, Hq · D)`.
@@ -73,11 +76,29 @@ struct Kept {
 /// One decoder layer with its activations kept and a hand-written backward;
 /// the same value as [`super::layer::layer_forward`] with a recorded graph.
 pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
+    kept_layer(layer, ctx, ctx, 0, x)
+}
+
+/// [`layer`] with its output at positions `from..L` only; the same value as
+/// [`super::layer::tail_forward`] (see there) with a recorded graph. `tail`
+/// is the context of those positions' queries.
+pub(super) fn tail(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    tail: &LayerCtx,
+    from: usize,
+    x: &Tensor,
+) -> Result<Tensor> {
+    kept_layer(layer, ctx, tail, from, x)
+}
+
+fn kept_layer(layer: &Layer, ctx: &LayerCtx, q_ctx: &LayerCtx, from: usize, x: &Tensor) -> Result<Tensor> {
     let (token, stash) = weight_token(layer)?;
-    let (y, kept) = forward(layer, ctx, &x.detach())?;
+    let (y, kept) = forward(layer, ctx, q_ctx, from, &x.detach())?;
     let op = KeptLayer {
         layer: layer.clone(),
         ctx: ctx.clone(),
+        q_ctx: q_ctx.clone(),
         y: Held::new(y, "decoder layer"),
         kept: Mutex::new(Some(kept)),
         stash,
@@ -88,38 +109,50 @@ pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor>
 /// The layer's forward without a graph, keeping what the backward reads. The
 /// residual adds happen inside the output and down projections' products
 /// ([`fused::linear::linear_add`]); v reaches attention as the projection
-/// leaves it (a strided view, no copy).
-fn forward(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<(Tensor, Kept)> {
+/// leaves it (a strided view, no copy). Queries, and everything after
+/// attention, only at positions `from..L` (`q_ctx` their context).
+fn forward(
+    layer: &Layer,
+    ctx: &LayerCtx,
+    q_ctx: &LayerCtx,
+    from: usize,
+    x: &Tensor,
+) -> Result<(Tensor, Kept)> {
     let c = &ctx.cfg;
     let w = |v: &Var| v.as_tensor().detach();
     let (b, l, _) = x.dims3()?;
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let rows = |t: &Tensor| -> Result<Tensor> {
+        Ok(if from == 0 { t.clone() } else { t.narrow(1, from, l - from)?.contiguous()? })
+    };
     let h1 = fused::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let ql = fused::linear(&h1, &w(&layer.q_proj))?;
+    let ql = fused::linear(&rows(&h1)?, &w(&layer.q_proj))?;
     let kl = fused::linear(&h1, &w(&layer.k_proj))?;
     let vl = fused::linear(&h1, &w(&layer.v_proj))?;
-    let q = fused::norm_rope(&ql, nq, &w(&layer.q_norm), (&ctx.cos, &ctx.sin), c.rms_norm_eps)?;
+    let q = fused::norm_rope(&ql, nq, &w(&layer.q_norm), (&q_ctx.cos, &q_ctx.sin), c.rms_norm_eps)?;
     let k = fused::norm_rope(&kl, nkv, &w(&layer.k_norm), (&ctx.cos, &ctx.sin), c.rms_norm_eps)?;
     let v = vl.reshape((b, l, nkv, d))?.transpose(1, 2)?;
-    let (o, attn) = fused::attention::attention_kept(&q, &k, &v, ctx.mask.kept())?;
-    let x2 = fused::linear::linear_add(x, &o, &w(&layer.o_proj))?;
+    let (o, attn) = fused::attention::attention_kept(&q, &k, &v, q_ctx.mask.kept())?;
+    let x2 = fused::linear::linear_add(&rows(x)?, &o, &w(&layer.o_proj))?;
     let h2 = fused::rms_norm(&x2, &w(&layer.post_attention_layernorm), c.rms_norm_eps)?;
     let gate = fused::linear(&h2, &w(&layer.gate_proj))?;
     let up = fused::linear(&h2, &w(&layer.up_proj))?;
     let act = fused::swiglu(&gate, &up)?;
     let y = fused::linear::linear_add(&x2, &act, &w(&layer.down_proj))?;
-    let kept = Kept { x: x.clone(), h1, ql, kl, attn, o, x2, h2, gate, up, act };
+    let kept = Kept { from, x: x.clone(), h1, ql, kl, attn, o, x2, h2, gate, up, act };
     Ok((y, kept))
 }
 
 /// The gradients of one layer from its kept activations and the gradient of
 /// its output `dy`: `dx` and the gradients of [`Layer::vars`], in that order.
 /// Each residual's gradient is added inside the backward of the norm that
-/// reads the stream ([`fused::norm::rms_norm_bwd_add`]).
+/// reads the stream ([`fused::norm::rms_norm_bwd_add`]). With an output from
+/// position `from` on, the gradients of q and of the residual are zero
+/// before it.
 fn backward(
     layer: &Layer,
     c: &Config,
-    ctx: &LayerCtx,
+    (ctx, q_ctx): (&LayerCtx, &LayerCtx),
     kept: Kept,
     dy: &Tensor,
 ) -> Result<(Tensor, Vec<Tensor>)> {
@@ -141,11 +174,16 @@ fn backward(
     let (d_o, dw_o) = one(fused::linear::linears_bwd(&kept.o, &[(&w(&layer.o_proj), &dx2)])?)?;
     let (dq, dk, dv) = kept.attn.backward(&d_o)?;
     drop(d_o);
-    let cs = (&ctx.cos, &ctx.sin);
-    let (dql, dw_qn) = fused::rope::norm_rope_bwd(&kept.ql, nq, &w(&layer.q_norm), cs, eps, &dq)?;
+    let (qcs, cs) = ((&q_ctx.cos, &q_ctx.sin), (&ctx.cos, &ctx.sin));
+    let (dql, dw_qn) = fused::rope::norm_rope_bwd(&kept.ql, nq, &w(&layer.q_norm), qcs, eps, &dq)?;
     let (dkl, dw_kn) = fused::rope::norm_rope_bwd(&kept.kl, nkv, &w(&layer.k_norm), cs, eps, &dk)?;
     let dvl = fused::attention::heads_to_rows(&dv)?;
     drop((dq, dk, dv));
+    // Rows before `from` had no query and no output: zero gradients there.
+    let all_rows = |t: Tensor| -> Result<Tensor> {
+        Ok(if kept.from == 0 { t } else { t.pad_with_zeros(1, kept.from, 0)? })
+    };
+    let (dql, dx2) = (all_rows(dql)?, all_rows(dx2)?);
     let (dh1, dw_qkv) = fused::linear::linears_bwd(
         &kept.h1,
         &[(&w(&layer.q_proj), &dql), (&w(&layer.k_proj), &dkl), (&w(&layer.v_proj), &dvl)],
@@ -169,6 +207,8 @@ fn one((dx, mut dws): (Tensor, Vec<Tensor>)) -> Result<(Tensor, Tensor)> {
 struct KeptLayer {
     layer: Layer,
     ctx: LayerCtx,
+    /// The context of the positions the output holds (`ctx` for a whole layer).
+    q_ctx: LayerCtx,
     /// The output, copied into the op's storage by the forward.
     y: Held,
     /// The activations, taken by the backward (once).
@@ -203,7 +243,8 @@ impl CustomOp2 for KeptLayer {
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let kept = self.kept.lock().map_err(op_err)?.take().ok_or_else(|| op_err("backward ran twice"))?;
-        let (dx, grads) = backward(&self.layer, &self.ctx.cfg, &self.ctx, kept, dy).map_err(op_err)?;
+        let (dx, grads) =
+            backward(&self.layer, &self.ctx.cfg, (&self.ctx, &self.q_ctx), kept, dy).map_err(op_err)?;
         let mut stash = self.stash.lock().map_err(op_err)?;
         for (slot, g) in stash.iter_mut().zip(grads) {
             *slot = Some(g);

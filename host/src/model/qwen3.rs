@@ -313,14 +313,27 @@ impl Qwen3 {
     /// (training and scoring). Padding positions produce finite garbage that
     /// callers mask out.
     pub fn forward_hidden(&self, batch: &TokenBatch, grad: Grad) -> Result<Tensor> {
-        let (b, _) = batch.dims();
+        self.forward_hidden_from(batch, 0, grad)
+    }
+
+    /// [`Qwen3::forward_hidden`] at positions `from..L` only, `(B, L - from,
+    /// hidden)`: what an update's head reads (from the last prompt position
+    /// on). The last decoder layer computes its queries, attention output
+    /// and MLP at those positions alone (keys and values at every one), so
+    /// the prompt's share of that layer is skipped; the values equal the
+    /// whole forward's, narrowed.
+    pub fn forward_hidden_from(&self, batch: &TokenBatch, from: usize, grad: Grad) -> Result<Tensor> {
+        let (b, l) = batch.dims();
+        if from >= l {
+            return Err(Error::invalid(format!("forward: output from position {from} of {l}")));
+        }
         let pad_bias: Vec<f32> = batch
             .mask
             .iter()
             .flat_map(|m| m.iter().map(|&x| if x == 1 { 0.0 } else { ops::MASKED }))
             .collect();
         let pad_bias = Tensor::from_vec(pad_bias, (b, 1, 1, batch.dims().1), &self.device)?;
-        self.run(&batch.ids, &batch.positions, &pad_bias, 0, None, grad)
+        self.run(&batch.ids, &batch.positions, &pad_bias, (0, None), from, grad)
     }
 
     /// Logits for every position, `(B, L, vocab)`, with the graph recorded.
@@ -376,7 +389,7 @@ impl Qwen3 {
             .collect();
         let bias = Tensor::from_vec(bias, (b, 1, 1, s), &self.device)?;
         let offset = cache.len;
-        let h = self.run(ids, &positions, &bias, offset, Some(cache), Grad::Off)?;
+        let h = self.run(ids, &positions, &bias, (offset, Some(cache)), 0, Grad::Off)?;
         cache.len = s;
         let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
         self.lm_head(&last, Grad::Off)
@@ -431,14 +444,16 @@ impl Qwen3 {
     }
 
     /// The decoder stack. `pad_bias` is `(B, 1, 1, S)` over all keys (cached and
-    /// new); `offset` is the number of cached keys before this chunk.
+    /// new); `offset` is the number of cached keys before this chunk. The
+    /// output holds positions `from..L` of the chunk (`from > 0` only without
+    /// a cache).
     fn run(
         &self,
         ids: &Tensor,
         positions: &Tensor,
         pad_bias: &Tensor,
-        offset: usize,
-        mut cache: Option<&mut KvCache>,
+        (offset, mut cache): (usize, Option<&mut KvCache>),
+        from: usize,
         grad: Grad,
     ) -> Result<Tensor> {
         let (b, l) = ids.dims2()?;
@@ -454,7 +469,21 @@ impl Qwen3 {
         let recompute = grad == Grad::Track
             && cache.is_none()
             && self.recompute().active(b * l, &self.cfg, x.dtype().size_in_bytes());
+        let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
+            if i == last && from > 0 && cache.is_none() {
+                // The head reads positions `from..L` alone (see `layer::tail_forward`);
+                // a recomputed layer runs whole and is narrowed.
+                let tail = self.layer_ctx(&positions.narrow(1, from, l - from)?, pad_bias, from, l - from)?;
+                x = if recompute {
+                    super::recompute::layer(layer, &ctx, &x)?.narrow(1, from, l - from)?
+                } else if grad == Grad::Track && super::layer_grad::serves(layer, &x) {
+                    super::layer_grad::tail(layer, &ctx, &tail, from, &x)?
+                } else {
+                    super::layer::tail_forward(layer, &ctx, &tail, &x, from, grad)?
+                };
+                continue;
+            }
             x = if recompute {
                 super::recompute::layer(layer, &ctx, &x)?
             } else if grad == Grad::Track && cache.is_none() && super::layer_grad::serves(layer, &x) {
@@ -463,6 +492,9 @@ impl Qwen3 {
                 let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
                 layer_forward(layer, &ctx, &x, offset, kv, grad)?
             };
+        }
+        if from > 0 && x.dim(1)? == l {
+            x = x.narrow(1, from, l - from)?; // a model without layers
         }
         ops::rms_norm(&x, &self.w(&self.norm, self.base_grad(grad)), self.cfg.rms_norm_eps)
     }
@@ -689,6 +721,57 @@ mod tests {
         for (name, v) in vars.iter().filter(|(n, _)| n.starts_with("model.layers") || n == "input") {
             let (a, b) = (ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
             assert!(rel_err(a, b) < 1e-4, "{name}: gradient error {:e}", rel_err(a, b));
+        }
+    }
+
+    /// The forward from a position on (the last layer's queries, attention
+    /// and MLP at those positions only) against the whole forward narrowed,
+    /// on left-padded rows of real ids, in f64 and f32: the hidden states
+    /// and every parameter's gradient, with the kept layers' hand-written
+    /// backward, the plain graph (candle's own ops), recomputed layers, and
+    /// without a graph; with the dense kernel and (past 512 queries) the
+    /// blockwise one.
+    #[test]
+    fn the_forward_from_a_position_is_the_whole_forward_narrowed() {
+        let cfg = tiny_model(2, 0).cfg.clone();
+        for (b, l, pad, from) in [(3, 20, 6, 9), (1, 530, 0, 12)] {
+            let mask: Vec<Vec<u8>> =
+                (0..b).map(|r| (0..l).map(|j| u8::from(r != 1 || j >= pad)).collect()).collect();
+            let ids: Vec<u32> = (0..b * l).map(|i| (i * 37 % 97) as u32).collect();
+            let batch = TokenBatch::from_parts(ids, mask, &Device::Cpu).unwrap();
+            for dtype in [DType::F64, DType::F32] {
+                let m = crate::model::init(&cfg, 23, 0.2, dtype, &Device::Cpu).unwrap();
+                let probe = randn(&[b, l - from, 64], dtype, 41);
+                let whole_then_narrow =
+                    |grad: Grad| m.forward_hidden(&batch, grad).unwrap().narrow(1, from, l - from).unwrap();
+                let grads = |h: &Tensor| {
+                    let g = (h * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+                    let of = |(n, v): &(String, Var)| (n.clone(), g.get(v.as_tensor()).unwrap().clone());
+                    m.params().iter().map(of).collect::<Vec<_>>()
+                };
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                let check = |what: &str, grad: Grad| {
+                    let (h0, h1) =
+                        (whole_then_narrow(grad), m.forward_hidden_from(&batch, from, grad).unwrap());
+                    assert_eq!(h1.dims(), &[b, l - from, 64]);
+                    assert!(
+                        rel_err(&h1, &h0) < tol,
+                        "{what} {dtype:?} L {l}: hidden {:e}",
+                        rel_err(&h1, &h0)
+                    );
+                    if grad == Grad::Track {
+                        for ((name, g0), (_, g1)) in grads(&h0).iter().zip(grads(&h1)) {
+                            let e = rel_err(&g1, g0);
+                            assert!(e < tol, "{what} {dtype:?} L {l}: {name} gradient {e:e}");
+                        }
+                    }
+                };
+                check("kept layers", Grad::Track);
+                check("no graph", Grad::Off);
+                Kernels::Composed.scope(|| check("candle's ops", Grad::Track));
+                m.set_recompute(Recompute::On);
+                check("recomputed layers", Grad::Track);
+            }
         }
     }
 

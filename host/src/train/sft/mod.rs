@@ -127,9 +127,10 @@ pub fn sft_loss(
 /// [`sft_loss`] over borrowed pairs.
 fn loss_of(model: &Qwen3, batch: &[Pair], pad_id: u32, grad: Grad) -> Result<(Tensor, usize)> {
     let l = layout(batch, pad_id, model)?;
-    // (B, P+T, hidden) -> the T positions that predict response tokens.
-    let hidden = model.forward_hidden(&l.tokens, grad)?;
-    let h = hidden.narrow(1, l.p - 1, l.t)?;
+    // (B, P+T, hidden) from the last prompt position on: the T positions that
+    // predict response tokens (and the last, which predicts none).
+    let hidden = model.forward_hidden_from(&l.tokens, l.p - 1, grad)?;
+    let h = hidden.narrow(1, 0, l.t)?;
     // Through the head in tiles: no (B, T, V) logits (model::head).
     let logp = model.token_stats(&h, &l.targets, grad)?.logp.to_dtype(DType::F32)?;
     let nll = (logp * &l.mask)?.sum_all()?.neg()?;

@@ -191,8 +191,11 @@ pub(super) fn response_stats(
     // Timed as the forward and the loss's statistics with a gradient; the
     // forward without one is timed by its caller (the old policy's).
     let phase = |p: Phase| if grad == Grad::Track { Some(p) } else { None };
-    let hidden = Phase::time_if(phase(Phase::Forward), || model.forward_hidden(&mb.tokens, grad))?;
-    let h = hidden.narrow(1, mb.p - 1, mb.t)?;
+    // From the last prompt position on: the T positions that predict the
+    // response's tokens (and the last, which predicts none).
+    let hidden =
+        Phase::time_if(phase(Phase::Forward), || model.forward_hidden_from(&mb.tokens, mb.p - 1, grad))?;
+    let h = hidden.narrow(1, 0, mb.t)?;
     // Through the head in tiles: no (B, T, V) logits (model::head). logits / T
     // = (h / T) w^T, so the temperature scales the hidden states.
     let h = if temperature != 1.0 { h.affine(1.0 / temperature, 0.0)? } else { h };
