@@ -280,7 +280,8 @@ pub fn update_forward_flops(cfg: &Config, batch: usize, seq: usize, resp: usize)
     let (h, i, d) = (cfg.hidden_size as f64, cfg.intermediate_size as f64, cfg.head_dim as f64);
     let nq = cfg.num_attention_heads as f64;
     // The last layer's positions before the last prompt position: no q, o, MLP, attention.
-    let skipped = if cfg.num_hidden_layers > 0 { (batch * (seq - resp).saturating_sub(1)) as f64 } else { 0.0 };
+    let skipped =
+        if cfg.num_hidden_layers > 0 { (batch * (seq - resp).saturating_sub(1)) as f64 } else { 0.0 };
     let per_row = 2.0 * (2.0 * h * nq * d + 3.0 * h * i) + 2.0 * 2.0 * nq * seq as f64 * d;
     forward_flops(cfg, batch, seq) - head(seq) + head(resp) - skipped * per_row
 }

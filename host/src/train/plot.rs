@@ -204,6 +204,9 @@ fn step_chart<'a, DB: DrawingBackend>(
     chart
         .configure_mesh()
         .x_desc("step")
+        // Steps are whole numbers: at most one tick per step (a single point's
+        // axis 0..1 reads 0, 1, not 0, 0, ..., 1).
+        .x_labels(((x1 - x0).round() as usize + 1).clamp(2, 10))
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_label_formatter(&|y| if log_y { tick(10f64.powf(*y)) } else { tick(*y) })
         .label_style(("sans-serif", 11))

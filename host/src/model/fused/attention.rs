@@ -91,14 +91,14 @@ const EXP_ZERO_BELOW: f64 = -104.0;
 /// `x <- exp(x - m)` over a row; returns the row's sum after.
 #[inline]
 fn exp_sum<T: Real>(row: &mut [T], m: T) -> T {
-    let mut sum = zero::<T>();
     let floor = T::from_f64(EXP_ZERO_BELOW);
+    let none = T::from_f64(f64::NEG_INFINITY);
     for x in row.iter_mut() {
         let z = *x - m;
-        *x = if z < floor { zero() } else { z.exp() };
-        sum += *x;
+        *x = if z < floor { none } else { z };
     }
-    sum
+    T::exp_in_place(row);
+    row.iter().fold(zero::<T>(), |s, &x| s + x)
 }
 
 /// `sum_i a_i b_i`, in order.

@@ -9,9 +9,13 @@ use crate::Result;
 /// `silu(gate) * up`, elementwise.
 struct SwiGlu;
 
+/// `e^-g` for every element of `g`, into `out`.
 #[inline]
-fn sigmoid<T: Real>(x: T) -> T {
-    T::from_f64(1.0) / (T::from_f64(1.0) + (-x).exp())
+fn exp_neg<T: Real>(g: &[T], out: &mut [T]) {
+    for (o, &g) in out.iter_mut().zip(g) {
+        *o = -g;
+    }
+    T::exp_in_place(out);
 }
 
 impl Kernel<2> for SwiGlu {
@@ -22,8 +26,9 @@ impl Kernel<2> for SwiGlu {
         let mut y = par_zeros::<T>(g.len());
         y.par_chunks_mut(32 * 1024).zip(g.par_chunks(32 * 1024).zip(u.par_chunks(32 * 1024))).for_each(
             |(y, (g, u))| {
+                exp_neg(g, y);
                 for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * sigmoid(g) * u;
+                    *y = g * (T::from_f64(1.0) / (T::from_f64(1.0) + *y)) * u;
                 }
             },
         );
@@ -50,9 +55,10 @@ impl Kernel<3> for SwiGluBwd {
         let c = 32 * 1024;
         dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).enumerate().for_each(|(i, (dg, du))| {
             let base = i * c;
+            exp_neg(&g[base..base + dg.len()], dg);
             for j in 0..dg.len() {
                 let (gv, uv, d) = (g[base + j], u[base + j], dy[base + j]);
-                let s = sigmoid(gv);
+                let s = T::from_f64(1.0) / (T::from_f64(1.0) + dg[j]);
                 dg[j] = d * uv * s * (T::from_f64(1.0) + gv * (T::from_f64(1.0) - s));
                 du[j] = d * gv * s;
             }
