@@ -72,8 +72,9 @@ fn parse_set(pairs: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut scripts = a.scripts.clone();
     if let Some(dir) = &a.resume {
-        // A run, or the folder of a script's named runs (the script given again).
-        let named_runs = !scripts.is_empty() && stapo::guard::folder::is_run_folder(dir);
+        // A run, or the folder of a script's named runs (the script given again): a folder
+        // the script claimed (`run_dir()`), or one that holds runs.
+        let named_runs = !scripts.is_empty() && (stapo::guard::folder::is_run_folder(dir) || holds_runs(dir));
         anyhow::ensure!(
             dir.join("run_config.json").is_file() || named_runs,
             "--resume {}: not a run folder (no run_config.json){}",
@@ -173,14 +174,28 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
 
 /// What a run stopped by signal `sig` left behind and how to continue it. `folder`: the
 /// last script's run folder and the script, for a script that steps its runs itself
-/// (`trainer(cfg)` with a `name`), whose checkpoints are in named sub-folders.
+/// (`trainer(cfg)`): those runs were checkpointed as the script let go of them
+/// (`RunOutcome::kept`), each at its last completed step, in named sub-folders.
 fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path, &Path)>) -> String {
     let name = stapo::guard::signal::name(sig);
     let Some(t) = last.and_then(|o| o.trains.last()) else {
-        if let Some((dir, script)) = folder.filter(|(d, _)| holds_named_checkpoints(d)) {
+        let kept = last.map(|o| o.kept.as_slice()).unwrap_or_default();
+        let resumable = kept.iter().any(|k| matches!(k.checkpoint, Ok(Some(_))));
+        if let Some((dir, script)) = folder.filter(|(d, _)| resumable || holds_named_checkpoints(d)) {
+            let mut msg = format!("stopped by {name}:");
+            for k in kept {
+                let at = match &k.checkpoint {
+                    Ok(Some(c)) => format!("checkpoint {c}"),
+                    Ok(None) => "no step completed, so there is no checkpoint".to_string(),
+                    Err(e) => format!("not saved ({e})"),
+                };
+                msg += &format!("\n  {} after step {}: {at}", k.run_dir.display(), k.steps);
+            }
+            if kept.is_empty() {
+                msg += &format!(" the runs in {} keep their last checkpoints.", dir.display());
+            }
             return format!(
-                "stopped by {name}: the runs in {0} keep their last checkpoints. Continue with: stapo run \
-                 --resume {0} {1}",
+                "{msg}\nContinue with: stapo run --resume {} {}",
                 dir.display(),
                 script.display()
             );
@@ -193,6 +208,13 @@ fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path,
         format!("checkpoint {}", t.checkpoint)
     };
     format!("stopped by {name} after step {}: {at}. Continue with: stapo run --resume {}", t.steps, t.run_dir)
+}
+
+/// Whether a sub-folder of `dir` is a run (has its `run_config.json`).
+fn holds_runs(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|es| es.flatten().any(|e| e.path().join("run_config.json").is_file()))
+        .unwrap_or(false)
 }
 
 /// Whether a sub-folder of `dir` holds a run with a checkpoint.

@@ -6,12 +6,14 @@
 //! It imports neither the bindings nor the training loop, so both can use it
 //! without importing each other.
 
+use std::ops::Deref;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use candle_core::{Device, Tensor};
 
 use super::error::{host, RhaiResult};
+use super::shared_state::{Host, KeptRun};
 use crate::algo::{self, AdvEstimator, S2tStats, S2tThresholds, StdKind};
 use crate::data::{Dataset, Tokenizer};
 use crate::model::Qwen3;
@@ -67,7 +69,58 @@ pub struct RolloutState {
 
 /// A training run (a [`Trainer`]) driven step by step.
 #[derive(Clone)]
-pub struct RunHandle(pub Arc<Mutex<Trainer>>);
+pub struct RunHandle(pub Arc<HeldRun>);
+
+/// The run behind a [`RunHandle`]. A script that holds its runs itself (`trainer(cfg)`)
+/// is ended by a signal wherever it stands, often in the middle of one run's rollout,
+/// before its own closing `checkpoint()` calls. So when the script lets go of a run
+/// after a stop was requested (a signal, or a time limit that passed), the run is
+/// checkpointed at its last completed step, as `train` checkpoints its own, and the host
+/// records where ([`Host::kept_runs`]). A step that failed part-way left the run where it
+/// stood before that step, so the checkpoint is of a consistent state; a diverged run is
+/// not saved.
+pub struct HeldRun {
+    trainer: Mutex<Trainer>,
+    host: Weak<Host>,
+}
+
+impl HeldRun {
+    /// `trainer`, held by a script running under `host`.
+    pub fn new(trainer: Trainer, host: &Arc<Host>) -> Self {
+        HeldRun { trainer: Mutex::new(trainer), host: Arc::downgrade(host) }
+    }
+}
+
+impl Deref for HeldRun {
+    type Target = Mutex<Trainer>;
+    fn deref(&self) -> &Mutex<Trainer> {
+        &self.trainer
+    }
+}
+
+impl Drop for HeldRun {
+    fn drop(&mut self) {
+        let Some(host) = self.host.upgrade() else { return };
+        if !host.cancelled() && host.deadline_passed().is_none() {
+            return;
+        }
+        let kept = match self.trainer.get_mut() {
+            Ok(t) => {
+                let run_dir = t.run_dir().to_path_buf();
+                let steps = t.step_count();
+                let checkpoint = t.save_on_exit().map(|p| p.map(|p| p.display().to_string()));
+                KeptRun { run_dir, steps, checkpoint: checkpoint.map_err(|e| e.to_string()) }
+            }
+            // A panic in the middle of a call on it: nothing consistent to save.
+            Err(p) => KeptRun {
+                run_dir: p.get_ref().run_dir().to_path_buf(),
+                steps: p.get_ref().step_count(),
+                checkpoint: Err("a call on the run panicked; its last checkpoint stays the latest".into()),
+            },
+        };
+        host.record_kept(kept);
+    }
+}
 
 /// Locks a handle's mutex; a poisoned lock (a panic in an earlier call) is a host error.
 pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> RhaiResult<MutexGuard<'a, T>> {

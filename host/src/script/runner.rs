@@ -12,7 +12,7 @@ use rhai::Map;
 use super::convert::num;
 use super::error::{from_eval, from_parse};
 use super::hooks::HookSet;
-use super::shared_state::Host;
+use super::shared_state::{Host, KeptRun};
 use super::{build_engine, new_scope, resolver, watch};
 use crate::{Error, Result};
 
@@ -46,6 +46,9 @@ pub struct RunOutcome {
     pub trains: Vec<TrainSummary>,
     /// Wall-clock seconds of the run.
     pub seconds: f64,
+    /// Runs the script held itself (`trainer(cfg)`), checkpointed as a signal or a time
+    /// limit ended it.
+    pub kept: Vec<KeptRun>,
 }
 
 impl RunOutcome {
@@ -79,6 +82,7 @@ pub fn run_file(host: &Arc<Host>, path: &Path) -> RunOutcome {
         error,
         trains: host.results().iter().map(summary).collect(),
         seconds: started.elapsed().as_secs_f64(),
+        kept: host.kept_runs(),
     }
 }
 

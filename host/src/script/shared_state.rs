@@ -166,7 +166,21 @@ pub struct Host {
     trains: AtomicUsize,
     /// Summaries of finished `train` calls (for the batch table).
     results: Mutex<Vec<Map>>,
+    /// Script-held runs checkpointed as the script let go of them after a stop.
+    kept: Mutex<Vec<KeptRun>>,
     progress: Mutex<Option<ProgressBar>>,
+}
+
+/// A run a script held, saved when the script let go of it after a stop was requested
+/// ([`super::handles::HeldRun`]).
+#[derive(Debug, Clone)]
+pub struct KeptRun {
+    /// The run folder.
+    pub run_dir: PathBuf,
+    /// Steps completed.
+    pub steps: u64,
+    /// The checkpoint it resumes from (`None`: no step completed), or why none was written.
+    pub checkpoint: std::result::Result<Option<String>, String>,
 }
 
 impl Host {
@@ -190,6 +204,7 @@ impl Host {
             imported: Mutex::new(Vec::new()),
             trains: AtomicUsize::new(0),
             results: Mutex::new(Vec::new()),
+            kept: Mutex::new(Vec::new()),
             progress: Mutex::new(None),
         })
     }
@@ -394,6 +409,18 @@ impl Host {
     /// Summaries of the finished `train` calls.
     pub fn results(&self) -> Vec<Map> {
         self.results.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Records a script-held run saved after a stop.
+    pub fn record_kept(&self, k: KeptRun) {
+        if let Ok(mut v) = self.kept.lock() {
+            v.push(k);
+        }
+    }
+
+    /// The script-held runs saved after a stop, in the order the script let go of them.
+    pub fn kept_runs(&self) -> Vec<KeptRun> {
+        self.kept.lock().map(|r| r.clone()).unwrap_or_default()
     }
 
     /// Installs (or removes) the progress bar that `println` prints above.

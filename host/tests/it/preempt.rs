@@ -194,6 +194,71 @@ fn signals_sigterm_from_outside_at_any_moment_resumes_to_the_uninterrupted_weigh
     }
 }
 
+/// Two runs a script holds itself (`trainer(cfg)`), stepped in turn, the way a paired
+/// experiment drives its arms; the script checkpoints them at its end.
+fn write_two_run_script(dir: &Path) -> PathBuf {
+    let (model, train, _) = arith_fixture(dir);
+    let script = dir.join("pair.rhai");
+    std::fs::write(
+        &script,
+        format!(
+            r#"let runs = [];
+for name in ["a", "b"] {{
+    runs.push(trainer(#{{ name: name, model: #{{ path: "{}" }},
+        data: #{{ train: "{}", prompts_per_step: 2 }},
+        actor: #{{ preset: "grpo", optim: #{{ lr: 1e-3 }} }}, rollout: #{{ sampling: #{{ n: 3, max_tokens: 8 }} }},
+        checkpoint: #{{ save_every: 0, keep: 3 }} }}));
+}}
+loop {{
+    let moved = false;
+    for t in runs {{
+        if t.steps < {STEPS} {{ t.step(); moved = true; }}
+    }}
+    if !moved {{ break; }}
+}}
+for t in runs {{ t.checkpoint(); }}"#,
+            model.display(),
+            train.display()
+        ),
+    )
+    .unwrap();
+    script
+}
+
+/// A signal in the middle of one held run's rollout ends the script before its closing
+/// `checkpoint()` calls: each run it held is still checkpointed at its own last completed
+/// step (run `a` had finished 2 steps and was rolling out its third; run `b` had finished
+/// 2), the message names both, and the resumed script ends with the weights of the
+/// uninterrupted one.
+#[test]
+fn a_signal_during_one_held_runs_rollout_checkpoints_every_run_the_script_holds() {
+    let dir = tempdir();
+    let script = write_two_run_script(dir.path());
+    let script = script.to_str().unwrap();
+    let reference = dir.path().join("reference");
+    let o = stapo(&["run", "--quiet", "--out", reference.to_str().unwrap(), script], None);
+    assert!(o.status.success(), "{}", text(&o));
+    let run = dir.path().join("stopped");
+    let o = stapo(&["run", "--quiet", "--out", run.to_str().unwrap(), script], Some("TERM@rollout:2"));
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(143), "{out}");
+    for name in ["a", "b"] {
+        assert_eq!(latest(&run.join(name)).as_deref(), Some("step-000002"), "{name}: {out}");
+        let line = format!("{} after step 2: checkpoint", run.join(name).display());
+        assert!(out.contains(&line), "{name}: {out}");
+    }
+    assert!(out.contains(&format!("Continue with: stapo run --resume {} {script}", run.display())), "{out}");
+    let o = stapo(&["run", "--quiet", "--resume", run.to_str().unwrap(), script], None);
+    assert!(o.status.success(), "resume: {}", text(&o));
+    for name in ["a", "b"] {
+        assert_eq!(
+            outcome(&run.join(name), STEPS),
+            outcome(&reference.join(name), STEPS),
+            "{name}: the resumed run differs from the uninterrupted one"
+        );
+    }
+}
+
 /// The script of [`write_script`] with `hook` added (a hook that fails at some step).
 fn script_with(dir: &Path, name: &str, hook: &str) -> PathBuf {
     let text = std::fs::read_to_string(dir.join("run.rhai")).unwrap();

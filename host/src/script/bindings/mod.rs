@@ -28,7 +28,8 @@ use rhai::{Dynamic, Engine, NativeCallContext};
 
 use super::error::{HostError, RhaiResult};
 pub use super::handles::{
-    lock, DatasetHandle, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle, TokenizerHandle,
+    lock, DatasetHandle, HeldRun, ModelHandle, ModelSlot, RolloutHandle, RolloutState, RunHandle,
+    TokenizerHandle,
 };
 use super::shared_state::Host;
 

@@ -107,12 +107,12 @@ pub(super) fn register(engine: &mut Engine) {
 /// The script-visible training functions.
 #[export_module]
 mod fns {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use rhai::{Array, Dynamic, Map, NativeCallContext};
 
     use super::{lock, ModelHandle, RolloutHandle, RunHandle};
-    use crate::script::bindings::host_of;
+    use crate::script::bindings::{host_of, HeldRun};
     use crate::script::convert::{to_dynamic, usize_arg};
     use crate::script::error::{host, RhaiResult};
     use crate::script::train_loop;
@@ -164,7 +164,8 @@ mod fns {
     /// ```
     #[rhai_fn(volatile, return_raw)]
     pub fn trainer(ctx: NativeCallContext, cfg: Map) -> RhaiResult<RunHandle> {
-        Ok(RunHandle(Arc::new(Mutex::new(train_loop::make_trainer(&*host_of(&ctx)?, &cfg)?))))
+        let host = host_of(&ctx)?;
+        Ok(RunHandle(Arc::new(HeldRun::new(train_loop::make_trainer(&host, &cfg)?, &host))))
     }
 
     /// run.step() -> map
