@@ -256,7 +256,17 @@ fn bf16_rollout_copy_log_probs_and_their_mismatch() {
         }
     }
     let (to_copy, to_master, k1) = (to_copy / n as f64, to_master / n as f64, k1 / n as f64);
-    assert!(to_copy < 0.5 * to_master, "rollout log-probs: |r - copy| {to_copy} vs |r - master| {to_master}");
+    // With f32 activations (AVX2, portable) the copy's forward gives its decoding's values
+    // up to f32 rounding. The bf16 dot-product paths (AMX, AVX-512 BF16) round the
+    // activations of this forward's products to bf16, which decoding (f32 activations,
+    // few rows) does not: the copy's forward then differs from the rollout by as much as
+    // that rounding (0.6x the distance to the master, measured on AMX), still less than
+    // the master does.
+    let bound = if stapo::model::fused::simd::cpu_path().bf16_dot() { 0.8 } else { 0.5 };
+    assert!(
+        to_copy < bound * to_master,
+        "rollout log-probs: |r - copy| {to_copy} vs |r - master| {to_master}"
+    );
     let rc = m.update.rollout_corr.clone().expect("rollout_corr metrics");
     assert_eq!(rc.mode, RolloutCorrMode::TokenTis);
     assert!(rc.log_ratio_abs_max > 0.0 && rc.log_ratio_abs_mean > 0.0, "{rc:?}");

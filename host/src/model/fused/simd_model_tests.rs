@@ -25,6 +25,20 @@ fn diff_scale(a: &[Vec<f64>], b: &[Vec<f64>]) -> (f64, f64) {
     (d, b.iter().flatten().map(|v| v.abs()).fold(0.0, f64::max))
 }
 
+/// The logits' tolerance relative to their scale on this CPU's path. With f32
+/// activations (AVX2, portable) only f32 rounding of the activations differs from the
+/// f64 model: 1e-4. The bf16 dot-product paths (AMX, AVX-512 BF16) round the
+/// activations to bf16 at every large product, as PyTorch's autocast does (2^-8
+/// relative to the product's `Σ|x w|` each, `mm_bf16::tolerance`): over two layers and
+/// the head that stays within 2e-2 of the scale (0.7% measured on AMX).
+fn logit_tol() -> f64 {
+    if super::simd::cpu_path().bf16_dot() {
+        2e-2
+    } else {
+        1e-4
+    }
+}
+
 fn argmax(r: &[f64]) -> (usize, f64) {
     let mut s: Vec<(usize, f64)> = r.iter().copied().enumerate().collect();
     s.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -32,10 +46,11 @@ fn argmax(r: &[f64]) -> (usize, f64) {
 }
 
 /// Prefill then 12 greedy decode steps of 3 sequences in both models; the
-/// f32-accumulated logits stay within 1e-4 of the logit scale of the f64
-/// ones (the weights are the same bf16 values, so only f32 rounding of the
+/// f32-accumulated logits stay within [`logit_tol`] of the logit scale of the f64
+/// ones (the weights are the same bf16 values, so only the rounding of the
 /// activations differs), and the greedy tokens agree except where the f64
-/// top-2 margin is under 1e-3 of the scale (counted; none expected here).
+/// top-2 margin is under 10x that tolerance (counted; none expected with f32
+/// activations).
 #[test]
 fn bf16_simd_model_decode_matches_f64() {
     let master = tiny();
@@ -49,7 +64,8 @@ fn bf16_simd_model_decode_matches_f64() {
         &rows(&m16.forward(&batch).expect("fwd").flatten_to(1).expect("2d")),
         &rows(&m64.forward(&batch).expect("fwd").flatten_to(1).expect("2d")),
     );
-    assert!(d <= 1e-4 * s, "prefill logits: {d} vs scale {s}");
+    let tol = logit_tol();
+    assert!(d <= tol * s, "prefill logits: {d} vs scale {s}");
 
     let (mut c16, mut c64) =
         (KvCache::new(m16, 3, 32).expect("cache"), KvCache::new(m64, 3, 32).expect("cache"));
@@ -62,12 +78,12 @@ fn bf16_simd_model_decode_matches_f64() {
     for _ in 0..12 {
         let (r16, r64) = (rows(&l16), rows(&l64));
         let (d, s) = diff_scale(&r16, &r64);
-        assert!(d <= 1e-4 * s, "decode logits step {steps}: {d} vs scale {s}");
+        assert!(d <= tol * s, "decode logits step {steps}: {d} vs scale {s}");
         let mut next = Vec::new();
         for (a, b) in r16.iter().zip(&r64) {
             let ((ta, _), (tb, margin)) = (argmax(a), argmax(b));
             if ta != tb {
-                assert!(margin < 1e-3 * s, "greedy token differs at a clear margin {margin}");
+                assert!(margin < 10.0 * tol * s, "greedy token differs at a clear margin {margin}");
                 flips += 1;
             }
             // Both models continue with the reference's token.
@@ -79,12 +95,17 @@ fn bf16_simd_model_decode_matches_f64() {
         steps += 1;
     }
     println!("bf16 greedy tokens vs f64: {flips} near-tie flips in {} tokens", steps * 3);
-    assert_eq!(flips, 0, "no near ties expected in this tiny model");
+    if !super::simd::cpu_path().bf16_dot() {
+        assert_eq!(flips, 0, "no near ties expected in this tiny model");
+    }
 }
 
 /// The backward through bf16 weights under f32 activations: the weight
 /// gradient has the weight's dtype and matches the f64 model's (same bf16
-/// weights) within bf16 rounding of the gradient (2^-8 relative) plus f32 noise.
+/// weights) within bf16 rounding of the gradient (2^-8 relative) plus f32 noise:
+/// 1e-2 of the largest; on the bf16 dot-product paths, which also round the
+/// activations and output gradients to bf16 in every product, 5e-2 (1.3% measured on
+/// AMX).
 #[test]
 fn bf16_simd_weight_grads_match_f64() {
     let copy = RolloutCopy::new(&tiny(), DType::BF16).expect("bf16 copy");
@@ -112,10 +133,11 @@ fn bf16_simd_weight_grads_match_f64() {
             })
             .collect::<Vec<_>>()
     };
+    let tol = if super::simd::cpu_path().bf16_dot() { 5e-2 } else { 1e-2 };
     for ((n, dt, a), (_, _, b)) in grads(copy.model()).into_iter().zip(grads(m64.model())) {
         assert_eq!(dt, DType::BF16, "{n}: gradient dtype");
         let scale = b.iter().map(|v| v.abs()).fold(0.0, f64::max);
         let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        assert!(d <= 1e-2 * scale + 1e-6, "{n}: gradient differs by {d} (scale {scale})");
+        assert!(d <= tol * scale + 1e-6, "{n}: gradient differs by {d} (scale {scale})");
     }
 }
