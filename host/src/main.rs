@@ -96,9 +96,11 @@ fn main() -> ExitCode {
 /// glibc's malloc hands blocks of more than 128 KiB (up to 32 MiB as it adapts) to `mmap`
 /// and back to the kernel on free, and trims the heap's free top: every update step then
 /// faults in and zeroes its activations' pages again (~15% of the process's CPU time in
-/// the kernel at the bundled model's shape). Blocks up to 32 MiB from the heap, and freed
-/// memory kept for the next step, halve that and shorten the update there at the same peak
-/// RSS (docs/performance.md). A `GLIBC_TUNABLES` or `MALLOC_*` setting in the environment
+/// the kernel at the bundled model's shape). Every block from the heap (no `mmap` at any
+/// size: an MLP activation of the bundled model's update is 50 MB, over the largest
+/// threshold glibc accepts), and freed memory kept for the next step, leave only the
+/// first step's faults and shorten the update there at the same or a lower peak RSS
+/// (docs/performance.md). A `GLIBC_TUNABLES` or `MALLOC_*` setting in the environment
 /// wins.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -108,6 +110,7 @@ fn keep_freed_memory() {
         }
         const M_TRIM_THRESHOLD: i32 = -1;
         const M_MMAP_THRESHOLD: i32 = -3;
+        const M_MMAP_MAX: i32 = -4;
         let set_outside = std::env::vars_os().any(|(k, v)| {
             let (k, v) = (k.to_string_lossy(), v.to_string_lossy());
             k.starts_with("MALLOC_") || (k == "GLIBC_TUNABLES" && v.contains("malloc"))
@@ -116,6 +119,7 @@ fn keep_freed_memory() {
             // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
             unsafe {
                 mallopt(M_MMAP_THRESHOLD, 32 << 20);
+                mallopt(M_MMAP_MAX, 0);
                 mallopt(M_TRIM_THRESHOLD, i32::MAX);
             }
         }
