@@ -14,7 +14,7 @@ use half::bf16;
 pub enum Path {
     /// AMX tiles (`amx_bf16`, `tdpbf16ps`): the bf16 products of [`super::mm_bf16`].
     Amx,
-    /// AVX-512 BF16 (`vdpbf16ps`): the same products where AMX is absent.
+    /// AVX-512 BF16 (`vdpbf16ps`): the same products, when `STAPO_CPU_PATH` names it.
     Avx512Bf16,
     /// AVX-512F: the f32 gemv's register tiles ([`super::gemv`]).
     Avx512,

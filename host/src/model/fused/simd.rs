@@ -11,10 +11,12 @@
 //! nothing on a memory-bound product; they serve the large, compute-bound
 //! products of training and prefill ([`super::mm_bf16`]).
 //!
-//! Paths, chosen once at run time ([`selection`]): AMX, then AVX-512 BF16,
-//! AVX2, portable (best first), capped by [`ENV`]; AMX only with the kernel's permission
-//! ([`request_amx`]). AMX and AVX-512 BF16 ([`UNVERIFIED`]: the project has not
-//! yet run them on a CPU that has them) are chosen only after their self-check
+//! Paths, chosen once at run time ([`selection`]): AMX, then AVX2, portable
+//! (best first), capped by [`ENV`]; AVX-512 BF16 only when [`ENV`] names it (on
+//! the one CPU it ran on, its products were slower than AVX2's f32 gemm: see
+//! [`select`]); AMX only with the kernel's permission
+//! ([`request_amx`]). AMX and AVX-512 BF16 ([`UNVERIFIED`]: run on one CPU model
+//! so far) are chosen only after their self-check
 //! ([`super::mm_bf16::verify`]) passes on this CPU. The decode kernels here run AVX2 + FMA (8 f32 lanes, 4
 //! rows of `x` × 2 or 3 weight rows per register tile) where the CPU has both
 //! ([`path`]), else a portable loop of the same arithmetic shape. The f32
@@ -34,15 +36,15 @@ pub const ENV: &str = "STAPO_CPU_PATH";
 /// The paths [`ENV`] may name, best first.
 const CHOICES: [Path; 4] = [Path::Amx, Path::Avx512Bf16, Path::Avx2, Path::Portable];
 
-/// Paths whose kernels compile and pass their tests' logic but that the project
-/// has not yet run on a CPU that has them (no machine with AMX or AVX-512 BF16
-/// was at hand when they were written, 2026-12-04; the AVX-512 BF16 machine
-/// code has run in the Bochs emulator, `docs/bench/emu_bf16_kernels.sh`). By
-/// default such a path is chosen only once its self-check
-/// ([`super::mm_bf16::verify`]: its products against f64, the checks of
-/// `stapo bench kernels`) has passed on this CPU, in this process; a failed
-/// check falls back to the next path with a note. Once `stapo bench kernels`
-/// passes on such a CPU, remove it from this list.
+/// Paths whose kernels have run on one CPU model only: written without a machine
+/// that has them (2026-12-04; the AVX-512 BF16 machine code first ran in the Bochs
+/// emulator, `docs/bench/emu_bf16_kernels.sh`), then run on a 2-core Intel Xeon
+/// virtual machine with AMX and AVX-512 BF16 (`amx-2c` in docs/performance.md,
+/// 2026-12-08), where `stapo bench kernels` and the test suite pass on both; never
+/// on an AMD CPU (Zen 4 has AVX-512 BF16). By default such a path is chosen only
+/// once its self-check ([`super::mm_bf16::verify`]: its products against f64, the
+/// checks of `stapo bench kernels`, a few milliseconds) has passed on this CPU, in
+/// this process; a failed check falls back to the next path with a note.
 pub const UNVERIFIED: [Path; 2] = [Path::Amx, Path::Avx512Bf16];
 
 /// The paths this CPU's instructions support (AMX without asking the kernel
@@ -61,12 +63,16 @@ pub struct Selection {
     pub notes: Vec<String>,
 }
 
-/// Chooses the CPU path: the best of AMX > AVX-512 BF16 > AVX2 > portable
-/// that the CPU supports, at or below `forced` (the value of [`ENV`]), with
-/// AMX only if `amx_permission` (asked only when AMX would be chosen)
-/// succeeds. Unforced, a path in [`UNVERIFIED`] is chosen only if `verify`
-/// (its self-check on this CPU, asked only when it would be chosen) passes;
-/// a forced path is not checked.
+/// Chooses the CPU path: the best of AMX > AVX2 > portable that the CPU
+/// supports, at or below `forced` (the value of [`ENV`]), with AMX only if
+/// `amx_permission` (asked only when AMX would be chosen) succeeds. AVX-512 BF16
+/// only when `forced` names it: on the one CPU it has run on (`amx-2c`,
+/// 2026-12-08) a bf16-weight update at the 16.8M shape took 1.45x AVX2's time
+/// (its `vdpbf16ps` tiles ran at ~65 GFLOP/s, the `gemm` crate's f32 AVX-512
+/// kernel on the widened weight at ~100-130), and it rounds the activations to
+/// bf16 where AVX2 keeps f32. Unforced, a path in [`UNVERIFIED`] is chosen only
+/// if `verify` (its self-check on this CPU, asked only when it would be chosen)
+/// passes; a forced path is not checked.
 ///
 /// # Errors
 /// `forced` names no path.
@@ -92,6 +98,9 @@ pub fn select(
             }
             continue;
         }
+        if p == Path::Avx512Bf16 && forced != Some(p.name()) {
+            continue;
+        }
         if p == Path::Amx {
             if let Err(e) = amx_permission() {
                 notes.push(format!("amx: the kernel did not permit AMX tiles ({e}); falling back"));
@@ -101,8 +110,7 @@ pub fn select(
         if forced.is_none() && UNVERIFIED.contains(&p) {
             match verify(p) {
                 Ok(passed) => notes.push(format!(
-                    "{}: chosen after its self-check passed on this CPU ({passed}); stapo's authors have not \
-                     yet run this path on such a CPU themselves, {ENV}=avx2 opts out",
+                    "{}: chosen after its self-check passed on this CPU ({passed}); {ENV}=avx2 opts out",
                     p.name()
                 )),
                 Err(e) => {
@@ -168,7 +176,7 @@ pub fn describe() -> String {
     let f = features();
     let yes = |b: bool| if b { "yes" } else { "no" };
     format!(
-        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a path; amx and avx512bf16 only after their self-check)",
+        "cpu path: {} for bf16 products, {} for bf16-weight decoding (cpu: amx_bf16 {}, avx512_bf16 {}, avx512f {}, avx2+fma {}; {ENV} forces a path; amx only after its self-check, avx512bf16 only when named)",
         cpu_path().name(),
         path().name(),
         yes(f.amx_bf16),
@@ -543,8 +551,9 @@ mod tests {
                     .unwrap();
             assert_eq!(s, Selection { path: want, notes: vec![] }, "{name}");
         }
+        // AVX-512 BF16 only by name: a refused AMX falls to AVX2.
         let refused = select(ALL, Some("amx"), &mut || Err("errno 22".into()), &mut no_check).unwrap();
-        assert_eq!(refused.path, Path::Avx512Bf16);
+        assert_eq!(refused.path, Path::Avx2);
         assert_eq!(refused.notes.len(), 1);
         assert!(
             refused.notes[0].contains("did not permit") && refused.notes[0].contains("errno 22"),
@@ -591,27 +600,26 @@ mod tests {
             "{s:?}"
         );
 
-        // AMX refused: its check is not run; AVX-512 BF16's is.
+        // AMX refused: its check is not run, and AVX-512 BF16 (only by name) is passed over.
         checked.clear();
         let mut pass = |p: Path| -> Result<String, String> {
             checked.push(p);
             Ok("ok".into())
         };
         let s = select(ALL, None, &mut || Err("errno 1".into()), &mut pass).unwrap();
-        assert_eq!(s.path, Path::Avx512Bf16);
-        assert_eq!(checked, [Path::Avx512Bf16]);
-        assert_eq!(s.notes.len(), 2, "{s:?}");
+        assert_eq!(s.path, Path::Avx2);
+        assert!(checked.is_empty(), "{checked:?}");
+        assert_eq!(s.notes.len(), 1, "{s:?}");
 
-        // Both fail their checks: avx2, with a note per failure.
+        // AMX fails its check: avx2, with a note naming the failure.
         let mut fail = |p: Path| -> Result<String, String> { Err(format!("{} off by 0.5", p.name())) };
         let s = select(ALL, None, &mut || Ok(()), &mut fail).unwrap();
         assert_eq!(s.path, Path::Avx2);
-        assert_eq!(s.notes.len(), 2, "{s:?}");
+        assert_eq!(s.notes.len(), 1, "{s:?}");
         assert!(
             s.notes[0].contains("amx: its self-check FAILED") && s.notes[0].contains("amx off by 0.5"),
             "{s:?}"
         );
-        assert!(s.notes[1].contains("avx512bf16: its self-check FAILED"), "{s:?}");
 
         // A CPU without them asks nothing.
         assert_eq!(select(AVX2, None, &mut || panic!("no AMX"), &mut no_check).unwrap().path, Path::Avx2);
