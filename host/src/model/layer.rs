@@ -145,64 +145,41 @@ pub(super) fn layer_forward(
     cache: Option<(&Tensor, &Tensor)>,
     grad: Grad,
 ) -> Result<Tensor> {
-    let x = attention_block(layer, ctx, x, offset, cache, grad)?;
-    mlp_block(layer, &ctx.cfg, &x, grad)
+    layer_from(layer, (ctx, ctx), x, 0, offset, cache, grad)
 }
 
-/// A decoder layer whose output is read only at positions `from..L`: the
-/// last layer of a forward whose head reads the response positions alone.
-/// Keys and values come from every position; the queries, attention's
-/// output, the output projection and the MLP only from `from` on. `tail` is
-/// the [`LayerCtx`] of those queries (their rotary tables, and the mask of
-/// `L - from` queries after `from` keys); `ctx` that of every position.
-/// The value of `layer_forward(..).narrow(1, from, L - from)`.
-pub(super) fn tail_forward(
+/// [`layer_forward`] with its output from position `from` on, `(B, L - from, hidden)`.
+/// With `from > 0` (no cache) the output is read only at positions `from..L`:
+/// the last layer of a forward whose head reads the response positions alone.
+/// Keys and values come from every position; the queries, attention's output,
+/// the output projection and the MLP only from `from` on, so the output is the
+/// whole layer's narrowed to those positions. `q_ctx` is the [`LayerCtx`] of
+/// the queries (their rotary tables, and the mask of `L - from` queries after
+/// `from` keys); `ctx` that of every position (`q_ctx` is `ctx` when `from` is 0).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_from<'a>(
     layer: &Layer,
-    ctx: &LayerCtx,
-    tail: &LayerCtx,
+    (ctx, q_ctx): (&'a LayerCtx, &'a LayerCtx),
     x: &Tensor,
     from: usize,
-    grad: Grad,
-) -> Result<Tensor> {
-    let c = &ctx.cfg;
-    let (b, l, _) = x.dims3()?;
-    let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let w = |v: &Var| weight(v, layer.base_grad(grad));
-    let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
-    let h = ops::rms_norm(x, &w(&layer.input_layernorm), c.rms_norm_eps)?;
-    let hq = h.narrow(1, from, l - from)?.contiguous()?;
-    let q = linear(&hq, layer, Target::QProj, bias(0).as_ref(), grad)?;
-    let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?;
-    let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?;
-    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), &tail.cos, &tail.sin, c.rms_norm_eps)?;
-    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), &ctx.cos, &ctx.sin, c.rms_norm_eps)?;
-    let v = v.reshape((b, l, nkv, d))?.transpose(1, 2)?;
-    let xq = x.narrow(1, from, l - from)?;
-    let x2 = (xq + attention_out(layer, tail, &q, &k, &v, grad)?)?;
-    mlp_block(layer, c, &x2, grad)
-}
-
-/// The attention half of a decoder layer with its residual:
-/// `x + o_proj(attention(norm(x)))`.
-pub(super) fn attention_block(
-    layer: &Layer,
-    ctx: &LayerCtx,
-    x: &Tensor,
     offset: usize,
     cache: Option<(&Tensor, &Tensor)>,
     grad: Grad,
 ) -> Result<Tensor> {
-    let (q, k, v) = qkv(layer, &ctx.cfg, x, &ctx.cos, &ctx.sin, grad)?;
+    let l = x.dim(1)?;
+    let rot = |c: &'a LayerCtx| (&c.cos, &c.sin);
+    let (q, k, v) = qkv_from(layer, &ctx.cfg, x, from, (rot(q_ctx), rot(ctx)), grad)?;
     let (k, v) = match cache {
         Some((ck, cv)) => {
-            let l = x.dim(1)?;
             ck.slice_set(&k.contiguous()?, 2, offset)?;
             cv.slice_set(&v.contiguous()?, 2, offset)?;
             (ck.narrow(2, 0, offset + l)?, cv.narrow(2, 0, offset + l)?)
         }
         None => (k, v),
     };
-    Ok((x + attention_out(layer, ctx, &q, &k, &v, grad)?)?)
+    let xq = if from == 0 { x.clone() } else { x.narrow(1, from, l - from)? };
+    let x = (xq + attention_out(layer, q_ctx, &q, &k, &v, grad)?)?;
+    mlp_block(layer, &ctx.cfg, &x, grad)
 }
 
 /// The attention inputs of a decoder layer from its input `x` `(B, L,
@@ -218,25 +195,50 @@ pub(super) fn qkv(
     sin: &Tensor,
     grad: Grad,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    qkv_from(layer, c, x, 0, ((cos, sin), (cos, sin)), grad)
+}
+
+/// Rotary tables `(cos, sin)`, each `(B, 1, L, D/2)`.
+type Rotary<'a> = (&'a Tensor, &'a Tensor);
+
+/// [`qkv`] with the queries at positions `from..L` only: q `(B, Hq, L - from,
+/// D)` rotated by `q_rot`, k and v over every position, k rotated by `kv_rot`
+/// (each a `(cos, sin)` pair).
+fn qkv_from(
+    layer: &Layer,
+    c: &Config,
+    x: &Tensor,
+    from: usize,
+    (q_rot, kv_rot): (Rotary<'_>, Rotary<'_>),
+    grad: Grad,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, l, _) = x.dims3()?;
     let (nq, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let (q, k, v) = qkv_proj(layer, x, c.rms_norm_eps, grad)?;
+    let (q, k, v) = qkv_proj(layer, x, c.rms_norm_eps, from, grad)?;
     let v = v.reshape((b, l, nkv, d))?;
     let w = |v: &Var| weight(v, layer.base_grad(grad));
     // Per-head RMSNorm over D, then (B, H, L, D) and rotary embedding.
-    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), cos, sin, c.rms_norm_eps)?;
-    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), cos, sin, c.rms_norm_eps)?;
+    let q = ops::norm_rope(&q, nq, &w(&layer.q_norm), q_rot.0, q_rot.1, c.rms_norm_eps)?;
+    let k = ops::norm_rope(&k, nkv, &w(&layer.k_norm), kv_rot.0, kv_rot.1, c.rms_norm_eps)?;
     // (B, H, L, D) view; attention reads it strided.
     Ok((q, k, v.transpose(1, 2)?))
 }
 
 /// The input norm and the q, k, v projections of `x` `(B, L, hidden)`, as
-/// the projections leave them: `(B, L, Hq * D)`, `(B, L, Hkv * D)` twice.
-pub(super) fn qkv_proj(layer: &Layer, x: &Tensor, eps: f64, grad: Grad) -> Result<(Tensor, Tensor, Tensor)> {
+/// the projections leave them: `(B, L - from, Hq * D)` (the queries from
+/// position `from` on), `(B, L, Hkv * D)` twice.
+pub(super) fn qkv_proj(
+    layer: &Layer,
+    x: &Tensor,
+    eps: f64,
+    from: usize,
+    grad: Grad,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let w = |v: &Var| weight(v, layer.base_grad(grad));
     let bias = |i: usize| layer.biases.as_ref().map(|bs| weight(&bs[i], layer.base_grad(grad)));
     let h = ops::rms_norm(x, &w(&layer.input_layernorm), eps)?;
-    let q = linear(&h, layer, Target::QProj, bias(0).as_ref(), grad)?;
+    let hq = if from == 0 { h.clone() } else { h.narrow(1, from, h.dim(1)? - from)?.contiguous()? };
+    let q = linear(&hq, layer, Target::QProj, bias(0).as_ref(), grad)?;
     let k = linear(&h, layer, Target::KProj, bias(1).as_ref(), grad)?;
     let v = linear(&h, layer, Target::VProj, bias(2).as_ref(), grad)?;
     Ok((q, k, v))

@@ -39,7 +39,7 @@ use super::precomputed::Held;
 use super::recompute::{weight_token, Stash};
 use crate::{Error, Result};
 
-/// True when [`layer`] serves `layer` on `x`: the fused kernels serve `x`,
+/// True when [`layer_from`] serves `layer` on `x`: the fused kernels serve `x`,
 /// and the layer has no adapters, no biases and weights in `x`'s dtype.
 pub(super) fn serves(layer: &Layer, x: &Tensor) -> bool {
     fused::supported(x)
@@ -51,7 +51,7 @@ pub(super) fn serves(layer: &Layer, x: &Tensor) -> bool {
 
 /// What the backward of one layer reads, from its forward.
 struct Kept {
-    /// The first position the output holds (see [`tail`]; 0 for a whole layer).
+    /// The first position the output holds (see [`layer_from`]; 0 for a whole layer).
     from: usize,
     x: Tensor,
     /// The normed input, the q, k and v projections' input.
@@ -73,26 +73,16 @@ struct Kept {
     act: Tensor,
 }
 
-/// One decoder layer with its activations kept and a hand-written backward;
-/// the same value as [`super::layer::layer_forward`] with a recorded graph.
-pub(super) fn layer(layer: &Layer, ctx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
-    kept_layer(layer, ctx, ctx, 0, x)
-}
-
-/// [`layer`] with its output at positions `from..L` only; the same value as
-/// [`super::layer::tail_forward`] (see there) with a recorded graph. `tail`
-/// is the context of those positions' queries.
-pub(super) fn tail(
+/// One decoder layer with its activations kept and a hand-written backward,
+/// its output at positions `from..L` (all of them when `from` is 0); the same
+/// value as [`super::layer::layer_from`] (see there) with a recorded graph.
+/// `q_ctx` is the context of those positions' queries (`ctx` when `from` is 0).
+pub(super) fn layer_from(
     layer: &Layer,
-    ctx: &LayerCtx,
-    tail: &LayerCtx,
+    (ctx, q_ctx): (&LayerCtx, &LayerCtx),
     from: usize,
     x: &Tensor,
 ) -> Result<Tensor> {
-    kept_layer(layer, ctx, tail, from, x)
-}
-
-fn kept_layer(layer: &Layer, ctx: &LayerCtx, q_ctx: &LayerCtx, from: usize, x: &Tensor) -> Result<Tensor> {
     let (token, stash) = weight_token(layer)?;
     let (y, kept) = forward(layer, ctx, q_ctx, from, &x.detach())?;
     let op = KeptLayer {

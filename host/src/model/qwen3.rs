@@ -20,7 +20,7 @@ use rand::SeedableRng;
 
 use super::config::Config;
 use super::head::TokenStats;
-use super::layer::{layer_forward, Layer, LayerCtx};
+use super::layer::{Layer, LayerCtx};
 use super::lora::{Adapter, LayerLora, LoraConfig, Target};
 pub use super::ops::Grad;
 use super::ops::{self, weight};
@@ -470,27 +470,31 @@ impl Qwen3 {
             && cache.is_none()
             && self.recompute().active(b * l, &self.cfg, x.dtype().size_in_bytes());
         let last = self.layers.len().saturating_sub(1);
+        // The head reads positions `from..L` alone: the last layer computes its
+        // queries and what follows them only there (`layer::layer_from`).
+        let tail = if from > 0 && cache.is_none() {
+            Some(self.layer_ctx(&positions.narrow(1, from, l - from)?, pad_bias, from, l - from)?)
+        } else {
+            None
+        };
         for (i, layer) in self.layers.iter().enumerate() {
-            if i == last && from > 0 && cache.is_none() {
-                // The head reads positions `from..L` alone (see `layer::tail_forward`);
-                // a recomputed layer runs whole and is narrowed.
-                let tail = self.layer_ctx(&positions.narrow(1, from, l - from)?, pad_bias, from, l - from)?;
-                x = if recompute {
-                    super::recompute::layer(layer, &ctx, &x)?.narrow(1, from, l - from)?
-                } else if grad == Grad::Track && super::layer_grad::serves(layer, &x) {
-                    super::layer_grad::tail(layer, &ctx, &tail, from, &x)?
-                } else {
-                    super::layer::tail_forward(layer, &ctx, &tail, &x, from, grad)?
-                };
-                continue;
-            }
+            let (q_ctx, from) = match &tail {
+                Some(t) if i == last => (t, from),
+                _ => (&ctx, 0),
+            };
             x = if recompute {
-                super::recompute::layer(layer, &ctx, &x)?
+                // A recomputed layer runs whole and is narrowed.
+                let y = super::recompute::layer(layer, &ctx, &x)?;
+                if from > 0 {
+                    y.narrow(1, from, l - from)?
+                } else {
+                    y
+                }
             } else if grad == Grad::Track && cache.is_none() && super::layer_grad::serves(layer, &x) {
-                super::layer_grad::layer(layer, &ctx, &x)?
+                super::layer_grad::layer_from(layer, (&ctx, q_ctx), from, &x)?
             } else {
                 let kv = cache.as_deref_mut().map(|c| (&c.k[i], &c.v[i]));
-                layer_forward(layer, &ctx, &x, offset, kv, grad)?
+                super::layer::layer_from(layer, (&ctx, q_ctx), &x, from, offset, kv, grad)?
             };
         }
         if from > 0 && x.dim(1)? == l {
@@ -670,6 +674,7 @@ mod tests {
     use super::*;
     use crate::model::fused::test_util::{randn, rel_err};
     use crate::model::fused::Kernels;
+    use crate::model::layer::layer_forward;
     use crate::model::recompute::CHUNK_TOKENS;
 
     /// A tiny f32 model with `layers` decoder layers (hidden 64, 4/2 heads).
@@ -802,7 +807,7 @@ mod tests {
                 ctx.mask = ops::AttnMask::with_kernel(l, 0, &bias, dtype, blockwise).unwrap();
                 let run = |kept: bool| {
                     let y = if kept {
-                        super::super::layer_grad::layer(layer, &ctx, x.as_tensor()).unwrap()
+                        super::super::layer_grad::layer_from(layer, (&ctx, &ctx), 0, x.as_tensor()).unwrap()
                     } else {
                         layer_forward(layer, &ctx, x.as_tensor(), 0, None, Grad::Track).unwrap()
                     };
