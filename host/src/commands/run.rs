@@ -162,7 +162,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if let Some(sig) = stapo::guard::signal::received() {
         if root {
             let folder = last_folder.as_ref().map(|(d, p)| (d.as_path(), p.as_path()));
-            eprintln!("{}", stopped_by_signal(sig, outcomes.last(), folder));
+            eprintln!("{}", stopped_by_signal(sig, outcomes.last(), folder, &set_flags(&a.set)));
         }
         stapo::dist::finalize();
         std::process::exit(128 + sig);
@@ -176,7 +176,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
 /// last script's run folder and the script, for a script that steps its runs itself
 /// (`trainer(cfg)`): those runs were checkpointed as the script let go of them
 /// (`RunOutcome::kept`), each at its last completed step, in named sub-folders.
-fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path, &Path)>) -> String {
+/// `sets`: the command's `--set` values ([`set_flags`]), repeated after the command.
+fn stopped_by_signal(
+    sig: i32,
+    last: Option<&RunOutcome>,
+    folder: Option<(&Path, &Path)>,
+    sets: &str,
+) -> String {
     let name = stapo::guard::signal::name(sig);
     let Some(t) = last.and_then(|o| o.trains.last()) else {
         let kept = last.map(|o| o.kept.as_slice()).unwrap_or_default();
@@ -195,7 +201,7 @@ fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path,
                 msg += &format!(" the runs in {} keep their last checkpoints.", dir.display());
             }
             return format!(
-                "{msg}\nContinue with: stapo run --resume {} {}",
+                "{msg}\nContinue with: stapo run --resume {} {}{sets}",
                 dir.display(),
                 script.display()
             );
@@ -207,7 +213,16 @@ fn stopped_by_signal(sig: i32, last: Option<&RunOutcome>, folder: Option<(&Path,
     } else {
         format!("checkpoint {}", t.checkpoint)
     };
-    format!("stopped by {name} after step {}: {at}. Continue with: stapo run --resume {}", t.steps, t.run_dir)
+    format!(
+        "stopped by {name} after step {}: {at}. Continue with: stapo run --resume {}{sets}",
+        t.steps, t.run_dir
+    )
+}
+
+/// The `--set` values of this command, to repeat after a "Continue with" command (a
+/// script reads them again when it resumes): ` --set k=v` each, in the order given.
+fn set_flags(set: &[String]) -> String {
+    set.iter().map(|kv| format!(" --set {kv}")).collect()
 }
 
 /// Whether a sub-folder of `dir` is a run (has its `run_config.json`).
@@ -272,12 +287,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let script = Path::new("scripts/long_stress.rhai");
         let folder = Some((dir.path(), script));
-        let msg = stopped_by_signal(15, None, folder);
+        let msg = stopped_by_signal(15, None, folder, "");
         assert!(msg.contains("nothing to resume"), "{msg}");
         std::fs::create_dir_all(dir.path().join("stapo-s0/checkpoints")).unwrap();
         std::fs::write(dir.path().join("stapo-s0/checkpoints/latest"), "step-000010").unwrap();
-        let msg = stopped_by_signal(15, None, folder);
-        let want = format!("stapo run --resume {} scripts/long_stress.rhai", dir.path().display());
+        let msg = stopped_by_signal(15, None, folder, " --set seeds=1");
+        let want =
+            format!("stapo run --resume {} scripts/long_stress.rhai --set seeds=1", dir.path().display());
         assert!(msg.contains("stopped by SIGTERM") && msg.contains(&want), "{msg}");
+        let sets = ["seed0=1".to_string(), "methods=justrl,stapo".to_string()];
+        assert_eq!(set_flags(&sets), " --set seed0=1 --set methods=justrl,stapo");
+        assert_eq!(set_flags(&[]), "");
     }
 }
